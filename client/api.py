@@ -1,0 +1,237 @@
+"""The client library: lookups through the coordinator, blocks straight from the nodes.
+
+:class:`PegaClient` is the asyncio API; :class:`SyncPegaClient` runs one on a private
+event-loop thread for synchronous callers (the vLLM connector, scripts).  Calls have
+deadlines and never hang; per-block failures of a get are misses (``False``), not
+exceptions, because the caller's answer to a miss is always the same: recompute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pegaflow.config import ClientConfig
+from pegaflow.errors import Unavailable
+from pegaflow.keys import NodeRecord
+from pegaflow.rpc import RpcClient
+
+from .data import DataClient, PutOutcome
+
+T = TypeVar("T")
+
+PutResult = PutOutcome
+
+GetItem = tuple[str, bytes, int, Any]
+"""(node id, block hash, shard, writable buffer of exactly the block's size)"""
+PutItem = tuple[bytes, int, Any]
+"""(block hash, shard, readable buffer)"""
+
+
+@dataclass
+class LookupResult:
+    """Answer of a lookup: the first ``hits`` blocks are stored with every shard asked for."""
+
+    hits: int
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    blocks: list[list[str]] = field(default_factory=list)
+    """node id per shard, for each of the first ``hits`` blocks"""
+
+
+class PegaClient:
+    """Async client of a PegaFlow cluster (one per event loop)."""
+
+    def __init__(self, cfg: ClientConfig, token: str | None = None) -> None:
+        self.cfg = cfg
+        self._rpc = RpcClient(cfg.coordinators, token=token or None, timeout=cfg.rpc_timeout_s)
+        self._data = DataClient(token=token or None)
+        self._nodes: dict[str, NodeRecord] = {}
+        self._nodes_at = 0.0
+
+    async def close(self) -> None:
+        """Close the coordinator connection and every node endpoint."""
+        await self._rpc.close()
+        await self._data.close()
+
+    # ---- control plane -------------------------------------------------------------
+
+    async def lookup(
+        self, ns: str, hashes: Sequence[bytes], shards: Sequence[int] = (0,), timeout: float | None = None
+    ) -> LookupResult:
+        """The longest prefix of ``hashes`` stored with all ``shards``, and where.
+
+        Raises a :class:`~pegaflow.errors.PegaError` on failure or after ``timeout``
+        (default ``lookup_timeout_s``).
+        """
+        if not hashes:
+            return LookupResult(0)
+        res = await self._rpc.call(
+            "lookup",
+            {"ns": ns, "hashes": list(hashes), "shards": list(shards)},
+            timeout=self.cfg.lookup_timeout_s if timeout is None else timeout,
+        )
+        nodes = {nid: NodeRecord.from_wire(rec) for nid, rec in res.get("nodes", {}).items()}
+        self._nodes.update(nodes)
+        return LookupResult(int(res["hits"]), nodes, [list(b) for b in res.get("blocks", [])])
+
+    async def place(self, ns: str, count: int, block_bytes: int, timeout: float | None = None) -> NodeRecord:
+        """The node the coordinator picks for ``count`` new blocks of ``block_bytes``."""
+        res = await self._rpc.call(
+            "place",
+            {"ns": ns, "count": count, "block_bytes": block_bytes, "client_host": self.cfg.host},
+            timeout=timeout,
+        )
+        rec = NodeRecord.from_wire(res["node"])
+        self._nodes[rec.node_id] = rec
+        return rec
+
+    async def status(self, timeout: float | None = None) -> dict[str, Any]:
+        """The cluster status document (nodes, usage, index size)."""
+        return await self._rpc.call("status", {}, timeout=timeout)
+
+    async def nodes(self, timeout: float | None = None) -> dict[str, NodeRecord]:
+        """Every node of the cluster, by id."""
+        res = await self._rpc.call("nodes", {}, timeout=timeout)
+        recs = [NodeRecord.from_wire(r) for r in res.get("nodes", [])]
+        self._nodes = {r.node_id: r for r in recs}
+        self._nodes_at = time.monotonic()
+        return dict(self._nodes)
+
+    async def _node(self, node_id: str, timeout: float) -> NodeRecord:
+        rec = self._nodes.get(node_id)
+        if rec is None and time.monotonic() - self._nodes_at > 1.0:
+            await self.nodes(timeout=timeout)
+            rec = self._nodes.get(node_id)
+        if rec is None:
+            raise Unavailable(f"node {node_id!r} is not a member of the cluster")
+        return rec
+
+    # ---- data plane ----------------------------------------------------------------
+
+    async def get_blocks(self, ns: str, items: Sequence[GetItem], timeout: float | None = None) -> list[bool]:
+        """Fetch blocks into caller-owned buffers, batched per node, nodes in parallel.
+
+        Returns per item True when the block arrived and its checksum matched.
+        """
+        budget = self.cfg.transfer_timeout_s if timeout is None else timeout
+        by_node: dict[str, list[int]] = defaultdict(list)
+        for i, (node_id, _h, _s, _b) in enumerate(items):
+            by_node[node_id].append(i)
+        ok = [False] * len(items)
+
+        async def one(node_id: str, idx: list[int]) -> None:
+            try:
+                rec = await self._node(node_id, budget)
+            except Exception:
+                return
+            got = await self._data.get(
+                rec.ucx_address, ns, [(items[i][1], items[i][2], items[i][3]) for i in idx], budget
+            )
+            for i, g in zip(idx, got, strict=True):
+                ok[i] = g
+
+        await asyncio.gather(*(one(n, idx) for n, idx in by_node.items()))
+        return ok
+
+    async def put_blocks(
+        self, ns: str, items: Sequence[PutItem], node_id: str | None = None, timeout: float | None = None
+    ) -> PutResult:
+        """Store blocks (two-phase) on ``node_id``, else the local node, else placement.
+
+        Blocks the node already has are skipped.  Raises a typed error when the batch
+        could not be stored at all.
+        """
+        if not items:
+            return PutResult()
+        budget = self.cfg.transfer_timeout_s if timeout is None else timeout
+        target = node_id or self.cfg.local_node
+        if target:
+            rec = await self._node(target, budget)
+        else:
+            rec = await self.place(ns, len(items), len(memoryview(items[0][2]).cast("B")), timeout=budget)
+        return await self._data.put(rec.ucx_address, ns, items, budget)
+
+
+class SyncPegaClient:
+    """A thread-safe, blocking facade over a :class:`PegaClient` on its own loop thread."""
+
+    def __init__(self, cfg: ClientConfig, token: str | None = None) -> None:
+        self.cfg = cfg
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="pegaflow-client", daemon=True)
+        self._thread.start()
+        self._client: PegaClient = self._run(self._make(cfg, token), None)
+
+    @staticmethod
+    async def _make(cfg: ClientConfig, token: str | None) -> PegaClient:
+        return PegaClient(cfg, token)
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        fut = self._submit(coro)
+        try:
+            # the coroutine enforces its own deadline; this only guards a wedged loop
+            return fut.result(None if timeout is None else timeout + 5.0)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise Unavailable("client event loop did not answer in time") from None
+
+    def lookup(
+        self, ns: str, hashes: Sequence[bytes], shards: Sequence[int] = (0,), timeout: float | None = None
+    ) -> LookupResult:
+        """See :meth:`PegaClient.lookup`."""
+        t = self.cfg.lookup_timeout_s if timeout is None else timeout
+        return self._run(self._client.lookup(ns, hashes, shards, t), t)
+
+    def get_blocks(self, ns: str, items: Sequence[GetItem], timeout: float | None = None) -> list[bool]:
+        """See :meth:`PegaClient.get_blocks`."""
+        t = self.cfg.transfer_timeout_s if timeout is None else timeout
+        return self._run(self._client.get_blocks(ns, items, t), t)
+
+    def put_blocks(
+        self, ns: str, items: Sequence[PutItem], node_id: str | None = None, timeout: float | None = None
+    ) -> PutResult:
+        """See :meth:`PegaClient.put_blocks`."""
+        t = self.cfg.transfer_timeout_s if timeout is None else timeout
+        return self._run(self._client.put_blocks(ns, items, node_id, t), t)
+
+    def submit_get_blocks(
+        self, ns: str, items: Sequence[GetItem], timeout: float | None = None
+    ) -> concurrent.futures.Future[list[bool]]:
+        """:meth:`get_blocks` without waiting."""
+        return self._submit(self._client.get_blocks(ns, items, timeout))
+
+    def submit_put_blocks(
+        self, ns: str, items: Sequence[PutItem], node_id: str | None = None, timeout: float | None = None
+    ) -> concurrent.futures.Future[PutResult]:
+        """:meth:`put_blocks` without waiting."""
+        return self._submit(self._client.put_blocks(ns, items, node_id, timeout))
+
+    def status(self, timeout: float | None = None) -> dict[str, Any]:
+        """See :meth:`PegaClient.status`."""
+        t = self.cfg.rpc_timeout_s if timeout is None else timeout
+        return self._run(self._client.status(t), t)
+
+    def nodes(self, timeout: float | None = None) -> dict[str, NodeRecord]:
+        """See :meth:`PegaClient.nodes`."""
+        t = self.cfg.rpc_timeout_s if timeout is None else timeout
+        return self._run(self._client.nodes(t), t)
+
+    def close(self) -> None:
+        """Close the client and stop its thread."""
+        if not self._loop.is_running():
+            return
+        try:
+            self._run(self._client.close(), 5.0)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+            self._loop.close()

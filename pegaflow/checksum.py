@@ -1,0 +1,12 @@
+"""The block checksum: xxh3-64 over the block's bytes, computed by writer and reader."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import xxhash
+
+
+def checksum(buf: Any) -> int:
+    """xxh3-64 of any C-contiguous buffer (bytes, memoryview, numpy array)."""
+    return xxhash.xxh3_64_intdigest(memoryview(buf).cast("B"))

@@ -1,0 +1,106 @@
+"""Typed errors shared by every component and carried on the wire.
+
+Every error that crosses a process boundary is a :class:`PegaError` subclass with a
+stable ``code``.  Replies carry ``{"code": ..., "message": ...}``; the receiving side
+rebuilds the same class with :func:`error_from_wire`, so callers can ``except`` on
+the type whatever process raised it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PegaError(Exception):
+    """Base class of all PegaFlow errors; ``code`` is its stable wire name."""
+
+    code = "internal"
+
+    def to_wire(self) -> dict[str, Any]:
+        """The error as a msgpack-ready map."""
+        return {"code": self.code, "message": str(self)}
+
+
+class BadRequest(PegaError):
+    """The request is malformed: a missing or mistyped field, an unknown op."""
+
+    code = "bad_request"
+
+
+class TooLarge(PegaError):
+    """A frame, field or batch exceeds a configured limit."""
+
+    code = "too_large"
+
+
+class ProtocolError(PegaError):
+    """The peer does not speak our protocol (bad framing, version, handshake)."""
+
+    code = "protocol"
+
+
+class Unauthorized(PegaError):
+    """The shared-secret token is missing or wrong."""
+
+    code = "unauthorized"
+
+
+class DeadlineExceeded(PegaError):
+    """The call did not finish within its deadline."""
+
+    code = "deadline"
+
+
+class Unavailable(PegaError):
+    """No peer could be reached (connection refused, reset, all endpoints down)."""
+
+    code = "unavailable"
+
+
+class NoSpace(PegaError):
+    """The storage pool cannot hold the block even after eviction."""
+
+    code = "no_space"
+
+
+class NotFound(PegaError):
+    """The named object (block, reservation, node) does not exist."""
+
+    code = "not_found"
+
+
+class ChecksumMismatch(PegaError):
+    """Bytes read or written do not match their xxh3 checksum."""
+
+    code = "checksum"
+
+
+class Internal(PegaError):
+    """An unexpected failure inside the serving process (a bug: please report)."""
+
+    code = "internal"
+
+
+ERRORS_BY_CODE: dict[str, type[PegaError]] = {
+    cls.code: cls
+    for cls in (
+        BadRequest,
+        TooLarge,
+        ProtocolError,
+        Unauthorized,
+        DeadlineExceeded,
+        Unavailable,
+        NoSpace,
+        NotFound,
+        ChecksumMismatch,
+        Internal,
+    )
+}
+
+
+def error_from_wire(obj: Any) -> PegaError:
+    """Rebuild a typed error from its wire map; anything unexpected is :class:`Internal`."""
+    if isinstance(obj, dict):
+        cls = ERRORS_BY_CODE.get(str(obj.get("code")), Internal)
+        return cls(str(obj.get("message", "")))
+    return Internal(f"malformed error reply: {obj!r:.200}")

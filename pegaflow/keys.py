@@ -1,0 +1,111 @@
+"""The etcd keyspace and the records stored in it.
+
+Under the cluster prefix (``[etcd] prefix``, e.g. ``/pegaflow/default``):
+
+* ``nodes/<node_id>`` -> :class:`NodeRecord` (msgpack), attached to the node's lease.
+* ``blocks/<namespace>/<hash hex>/<shard>`` -> :class:`BlockLocation` (msgpack),
+  attached to the owning node's lease, so a dead node's entries vanish by themselves.
+* ``election/<duty>``: election keys of singleton duties.
+
+A block of a namespace is a hit only when every shard asked for is present.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from pegaflow.errors import BadRequest
+from pegaflow.wire import pack, unpack
+
+_MAX_RECORD = 64 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLocation:
+    """Where one shard of one block lives: node, slot, generation, size, xxh3 checksum."""
+
+    node: str
+    slot: int
+    gen: int
+    size: int
+    xxh3: int
+
+    def encode(self) -> bytes:
+        return pack([self.node, self.slot, self.gen, self.size, self.xxh3])
+
+    @classmethod
+    def decode(cls, data: bytes) -> BlockLocation:
+        v = unpack(data, _MAX_RECORD)
+        if not isinstance(v, list) or len(v) != 5:
+            raise BadRequest("malformed block location record")
+        return cls(str(v[0]), int(v[1]), int(v[2]), int(v[3]), int(v[4]))
+
+
+@dataclass(slots=True)
+class NodeRecord:
+    """A storage node as published in etcd and shown by ``pegaflow status``."""
+
+    node_id: str
+    host: str
+    ucx_port: int
+    http: str = ""
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    blocks: int = 0
+    started_at: float = 0.0
+    version: str = ""
+
+    @property
+    def ucx_address(self) -> str:
+        return f"{self.host}:{self.ucx_port}"
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: Any) -> NodeRecord:
+        if not isinstance(d, dict):
+            raise BadRequest("malformed node record")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def encode(self) -> bytes:
+        return pack(self.to_wire())
+
+    @classmethod
+    def decode(cls, data: bytes) -> NodeRecord:
+        return cls.from_wire(unpack(data, _MAX_RECORD))
+
+
+class Keyspace:
+    """Builds and parses the keys of one cluster prefix."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix.rstrip("/")
+        self.nodes = f"{self.prefix}/nodes/"
+        self.blocks = f"{self.prefix}/blocks/"
+        self.election = f"{self.prefix}/election/"
+
+    def node_key(self, node_id: str) -> bytes:
+        return f"{self.nodes}{node_id}".encode()
+
+    def block_key(self, ns: str, block_hash: bytes, shard: int) -> bytes:
+        return f"{self.blocks}{ns}/{block_hash.hex()}/{shard}".encode()
+
+    def parse_block_key(self, key: bytes) -> tuple[str, bytes, int]:
+        """``(namespace, hash, shard)`` of a block key; BadRequest when it is not one."""
+        s = key.decode()
+        if not s.startswith(self.blocks):
+            raise BadRequest(f"not a block key: {s!r}")
+        try:
+            ns, hhex, shard = s[len(self.blocks) :].rsplit("/", 2)
+            return ns, bytes.fromhex(hhex), int(shard)
+        except ValueError:
+            raise BadRequest(f"malformed block key: {s!r}") from None
+
+    def parse_node_key(self, key: bytes) -> str:
+        s = key.decode()
+        if not s.startswith(self.nodes):
+            raise BadRequest(f"not a node key: {s!r}")
+        return s[len(self.nodes) :]

@@ -1,0 +1,116 @@
+"""msgpack encoding with limits, and field validation for incoming requests.
+
+Network data is only ever decoded by :func:`unpack` (msgpack, no extension types, no
+pickle) and then checked field by field with the ``req_*`` helpers, which raise
+:class:`~pegaflow.errors.BadRequest` or :class:`~pegaflow.errors.TooLarge`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgpack
+
+from pegaflow.errors import BadRequest, TooLarge
+
+PROTOCOL_VERSION = 1
+
+#: Longest list accepted in any request field (hashes of a lookup, blocks of a batch).
+MAX_LIST = 65536
+#: Longest block hash accepted (vLLM uses 32-byte sha256 digests).
+MAX_HASH_BYTES = 64
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._:=+,@-]{1,256}$")
+
+
+def pack(obj: Any) -> bytes:
+    """Encode ``obj`` as msgpack (bytes stay bytes, str stays str)."""
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes | bytearray | memoryview, max_bytes: int) -> Any:
+    """Decode one msgpack object, refusing anything larger than ``max_bytes``."""
+    if len(data) > max_bytes:
+        raise TooLarge(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_array_len=MAX_LIST,
+            max_map_len=MAX_LIST,
+            max_str_len=max_bytes,
+            max_bin_len=max_bytes,
+            max_ext_len=0,
+        )
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise BadRequest(f"undecodable msgpack: {e}") from None
+
+
+def req_map(msg: Any) -> dict[str, Any]:
+    """The message itself, which must be a map."""
+    if not isinstance(msg, dict):
+        raise BadRequest(f"expected a map, got {type(msg).__name__}")
+    return msg
+
+
+def req_int(msg: dict[str, Any], key: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
+    """An integer field within ``[lo, hi]``."""
+    v = msg.get(key)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise BadRequest(f"field {key!r} must be an integer")
+    if not lo <= v <= hi:
+        raise BadRequest(f"field {key!r}={v} out of range [{lo}, {hi}]")
+    return v
+
+
+def req_str(msg: dict[str, Any], key: str, max_len: int = 256) -> str:
+    """A string field of at most ``max_len`` characters."""
+    v = msg.get(key)
+    if not isinstance(v, str):
+        raise BadRequest(f"field {key!r} must be a string")
+    if len(v) > max_len:
+        raise TooLarge(f"field {key!r} longer than {max_len}")
+    return v
+
+
+def req_list(msg: dict[str, Any], key: str, max_len: int = MAX_LIST) -> list[Any]:
+    """A list field of at most ``max_len`` items."""
+    v = msg.get(key)
+    if not isinstance(v, list):
+        raise BadRequest(f"field {key!r} must be a list")
+    if len(v) > max_len:
+        raise TooLarge(f"field {key!r} has {len(v)} items, limit {max_len}")
+    return v
+
+
+def check_namespace(ns: Any) -> str:
+    """A namespace: 1-256 characters of ``[A-Za-z0-9._:=+,@-]``."""
+    if not isinstance(ns, str) or not _NAMESPACE_RE.match(ns):
+        raise BadRequest("namespace must be 1-256 characters of [A-Za-z0-9._:=+,@-]")
+    return ns
+
+
+def check_hash(h: Any) -> bytes:
+    """A block hash: 1-64 bytes."""
+    if not isinstance(h, bytes) or not 0 < len(h) <= MAX_HASH_BYTES:
+        raise BadRequest(f"block hash must be 1-{MAX_HASH_BYTES} bytes")
+    return h
+
+
+def check_hashes(msg: dict[str, Any], key: str, max_len: int = MAX_LIST) -> list[bytes]:
+    """A list field of block hashes."""
+    return [check_hash(h) for h in req_list(msg, key, max_len)]
+
+
+def check_shards(msg: dict[str, Any], key: str = "shards") -> list[int]:
+    """A non-empty list of distinct shard numbers (rank of the worker that owns them)."""
+    shards = req_list(msg, key, 4096)
+    if not shards:
+        raise BadRequest(f"field {key!r} must not be empty")
+    for s in shards:
+        if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < 65536:
+            raise BadRequest(f"shard {s!r} must be an integer in [0, 65536)")
+    if len(set(shards)) != len(shards):
+        raise BadRequest("shards must be distinct")
+    return shards

@@ -1,0 +1,1 @@
+"""The storage node: block pool, UCX server and inventory publisher."""

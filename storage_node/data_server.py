@@ -1,0 +1,369 @@
+"""The node's data plane: batched get and two-phase put over UCX.
+
+Protocol (control messages are msgpack maps in UCX active messages, one reply per
+request, matched by ``id``; payloads are tagged messages, see :mod:`pegaflow.ucx`):
+
+* ``hello {version, token}`` -> ``{node_id, version}``; required first when a token is
+  configured.
+* ``get {id, ns, seq, blocks: [[hash, shard], ...]}`` -> ``{blocks: [[size, gen, xxh3] |
+  None, ...]}``, then every present block is sent with tag ``(seq, index)`` straight
+  from the pool.  Blocks are pinned (not evictable) until their send completes.
+* ``reserve {id, ns, blocks: [[hash, shard, size], ...]}`` -> ``{seq, accept: [bool]}``:
+  slots are reserved for the accepted blocks (not already stored) and receives are
+  posted straight into them with tag ``(seq, index)``.
+* ``commit {id, seq, xxh3: [int | None]}`` -> ``{stored, failed: [index]}``: once the
+  payloads arrived, each block's xxh3 is verified against the writer's and only then
+  committed and published.  An unverified block is discarded.
+* ``abort {id, seq}`` drops a reservation; reservations also expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pegaflow.checksum import checksum
+
+from pegaflow.config import NodeConfig
+from pegaflow.errors import BadRequest, DeadlineExceeded, PegaError, ProtocolError, Unauthorized
+from pegaflow.inventory import InventorySink
+from pegaflow.ucx import UcxWorker, close_endpoint, make_tag
+from pegaflow.wire import (
+    PROTOCOL_VERSION,
+    check_hash,
+    check_namespace,
+    pack,
+    req_int,
+    req_list,
+    req_map,
+    req_str,
+    unpack,
+)
+from pegaflow.storage_node.metrics import NodeMetrics
+
+log = logging.getLogger(__name__)
+
+IDLE_TIMEOUT_S = 600.0
+_EMPTY = np.empty(0, dtype=np.uint8)
+
+
+@dataclass
+class _Reservation:
+    ns: str
+    entries: list[Any]  # Entry | None per requested block
+    recv_done: asyncio.Future[None]
+    conn: _Conn
+    deadline: float
+
+
+@dataclass(eq=False)
+class _Conn:
+    ep: Any
+    authed: bool
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    closed: bool = False
+
+
+class DataServer:
+    """Serves a :class:`~pegaflow.storage_node.pool.BlockPool` over UCX."""
+
+    def __init__(
+        self,
+        pool: Any,
+        cfg: NodeConfig,
+        sink: InventorySink,
+        metrics: NodeMetrics,
+        *,
+        token: str | None = None,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.cfg = cfg
+        self.sink = sink
+        self.metrics = metrics
+        self._token = token or None
+        self._on_change = on_change
+        self._worker: UcxWorker | None = None
+        self._listener: Any = None
+        self._conns: set[_Conn] = set()
+        self._reservations: dict[int, _Reservation] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._listener.port)
+
+    async def start(self) -> None:
+        """Create the UCX worker and listen on the configured port."""
+        self._worker = UcxWorker()
+        self._listener = self._worker.listen(self.cfg.ucx_port, self._accept)
+        self._sweeper = asyncio.create_task(self._sweep())
+
+    async def close(self) -> None:
+        """Close every connection and the worker."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for conn in list(self._conns):
+            self._close_conn(conn)
+        self._listener = None
+        if self._worker is not None:
+            self._worker.close()
+
+    # ---- connections ---------------------------------------------------------------
+
+    def _accept(self, ep: Any) -> None:
+        conn = _Conn(ep=ep, authed=self._token is None)
+        self._conns.add(conn)
+        self.metrics.connections.inc()
+        t = asyncio.get_running_loop().create_task(self._serve(conn))
+        conn.tasks.add(t)
+        t.add_done_callback(conn.tasks.discard)
+
+    def _close_conn(self, conn: _Conn) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        self._conns.discard(conn)
+        self.metrics.connections.dec()
+        for seq, r in list(self._reservations.items()):
+            if r.conn is conn:
+                self._abort(seq)
+        close_endpoint(conn.ep)
+        for t in list(conn.tasks):
+            if t is not asyncio.current_task():
+                t.cancel()
+
+    async def _serve(self, conn: _Conn) -> None:
+        w = self._worker
+        assert w is not None
+        try:
+            while not conn.closed:
+                req = w.am_recv(conn.ep)
+                try:
+                    await w.wait(req, IDLE_TIMEOUT_S)
+                except DeadlineExceeded:
+                    log.info("closing an idle data connection")
+                    break
+                data = req.recv_buffer
+                t = asyncio.create_task(self._handle(conn, data))
+                conn.tasks.add(t)
+                t.add_done_callback(conn.tasks.discard)
+        except PegaError as e:
+            log.debug("data connection ended: %s", e)
+        finally:
+            self._close_conn(conn)
+
+    async def _reply(self, conn: _Conn, msg: dict[str, Any]) -> None:
+        w = self._worker
+        assert w is not None
+        if conn.closed:
+            return
+        try:
+            await w.wait(w.am_send(conn.ep, pack(msg)), self.cfg.reserve_timeout_s)
+        except PegaError:
+            self._close_conn(conn)
+
+    async def _handle(self, conn: _Conn, data: Any) -> None:
+        rid: Any = None
+        op = "?"
+        t0 = time.perf_counter()
+        try:
+            msg = req_map(unpack(memoryview(data).cast("B"), self.cfg.max_request_bytes))
+            rid = msg.get("id")
+            op = req_str(msg, "op", 32)
+            if op == "hello":
+                result = self._hello(conn, msg)
+            elif not conn.authed:
+                raise Unauthorized("send hello with the cluster token first")
+            elif op == "get":
+                await self._get(conn, msg, rid)
+                return
+            elif op == "reserve":
+                result = self._reserve(conn, msg)
+            elif op == "commit":
+                result = await self._commit(conn, msg)
+            elif op == "abort":
+                self._abort(req_int(msg, "seq"))
+                result = {}
+            elif op == "stats":
+                result = vars(self.pool.stats())
+            else:
+                raise BadRequest(f"unknown op {op!r}")
+            await self._reply(conn, {"id": rid, "ok": True, **result})
+        except PegaError as e:
+            self.metrics.request_errors.labels(op=op, code=e.code).inc()
+            await self._reply(conn, {"id": rid, "ok": False, "error": e.to_wire()})
+        except Exception as e:  # a bug: report it, keep serving
+            log.exception("data-plane %s failed", op)
+            self.metrics.request_errors.labels(op=op, code="internal").inc()
+            err = {"code": "internal", "message": f"{type(e).__name__}: {e}"}
+            await self._reply(conn, {"id": rid, "ok": False, "error": err})
+        finally:
+            self.metrics.request_seconds.labels(op=op).observe(time.perf_counter() - t0)
+
+    def _hello(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        version = req_int(msg, "version", 0, 1 << 16)
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {version} not supported (want {PROTOCOL_VERSION})")
+        if self._token is not None:
+            tok = msg.get("token")
+            if not isinstance(tok, str) or not hmac.compare_digest(tok, self._token):
+                raise Unauthorized("missing or wrong token")
+        conn.authed = True
+        return {"node_id": self.pool.node_id, "version": PROTOCOL_VERSION}
+
+    # ---- get -----------------------------------------------------------------------
+
+    async def _get(self, conn: _Conn, msg: dict[str, Any], rid: Any) -> None:
+        w = self._worker
+        assert w is not None
+        ns = check_namespace(msg.get("ns"))
+        seq = req_int(msg, "seq", 0, 2**44 - 1)
+        items = req_list(msg, "blocks", self.cfg.max_batch)
+        keys = [_block_ref(ns, b) for b in items]
+        pinned = []
+        header: list[Any] = []
+        for key in keys:
+            e = self.pool.get(key)
+            if e is None:
+                header.append(None)
+                self.metrics.get_blocks.labels(result="miss").inc()
+                continue
+            self.pool.pin(e)
+            pinned.append((len(header), e))
+            header.append([e.size, e.gen, e.xxh3])
+            self.metrics.get_blocks.labels(result="hit").inc()
+        try:
+            # Every index gets a message so that the reader's pre-posted receives all
+            # complete: the block, or an empty message for a miss.
+            present = dict(pinned)
+            reqs = [
+                w.tag_send(conn.ep, self.pool.view(present[i]) if i in present else _EMPTY, make_tag(seq, i))
+                for i in range(len(keys))
+            ]
+            w.kick()
+            await self._reply(conn, {"id": rid, "ok": True, "blocks": header})
+            await w.wait_all(reqs, self.cfg.reserve_timeout_s)
+            self.metrics.get_bytes.inc(sum(e.size for _, e in pinned))
+        except PegaError as e:
+            self.metrics.transfer_errors.labels(kind=e.code).inc()
+            self._close_conn(conn)
+        finally:
+            for _, e in pinned:
+                self.pool.unpin(e)
+
+    # ---- put -----------------------------------------------------------------------
+
+    def _reserve(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        w = self._worker
+        assert w is not None
+        ns = check_namespace(msg.get("ns"))
+        items = req_list(msg, "blocks", self.cfg.max_batch)
+        parsed = []
+        for b in items:
+            if not isinstance(b, list) or len(b) != 3:
+                raise BadRequest("each block must be [hash, shard, size]")
+            key = _block_ref(ns, b[:2])
+            size = b[2]
+            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+                raise BadRequest("block size must be a positive integer")
+            parsed.append((key, size))
+        seq = w.next_seq()
+        entries: list[Any] = []
+        reqs = []
+        try:
+            for i, (key, size) in enumerate(parsed):
+                e = self.pool.reserve(key, size, self.cfg.reserve_timeout_s)
+                entries.append(e)
+                if e is not None:
+                    reqs.append(w.tag_recv(conn.ep, self.pool.view(e), make_tag(seq, i)))
+        except PegaError:
+            for e in entries:
+                if e is not None:
+                    self.pool.abort(e)
+            raise
+        w.kick()
+        done = asyncio.ensure_future(w.wait_all(reqs, self.cfg.reserve_timeout_s))
+        res = _Reservation(ns, entries, done, conn, time.monotonic() + self.cfg.reserve_timeout_s)
+        self._reservations[seq] = res
+
+        def _failed(f: asyncio.Future[None]) -> None:
+            if not f.cancelled() and f.exception() is not None and seq in self._reservations:
+                # payloads never came: the connection's receives must die with it
+                self._close_conn(conn)
+
+        done.add_done_callback(_failed)
+        return {"seq": seq, "accept": [e is not None for e in entries]}
+
+    async def _commit(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        seq = req_int(msg, "seq")
+        sums = req_list(msg, "xxh3", self.cfg.max_batch)
+        res = self._reservations.get(seq)
+        if res is None or res.conn is not conn:
+            raise BadRequest(f"no reservation {seq} on this connection (expired or aborted?)")
+        if len(sums) != len(res.entries):
+            self._abort(seq)
+            raise BadRequest("commit must carry one checksum per reserved block")
+        try:
+            await asyncio.shield(res.recv_done)
+        except PegaError as e:
+            self._abort(seq)
+            self.metrics.transfer_errors.labels(kind=e.code).inc()
+            raise
+        del self._reservations[seq]
+        stored, failed, nbytes = 0, [], 0
+        for i, (e, want) in enumerate(zip(res.entries, sums, strict=True)):
+            if e is None:
+                continue
+            got = checksum(self.pool.view(e))
+            if not isinstance(want, int) or got != want:
+                self.metrics.checksum_failures.inc()
+                self.pool.abort(e)
+                failed.append(i)
+                continue
+            loc = self.pool.commit(e, got)
+            self.sink.publish(e.key[0], e.key[1], e.key[2], loc)
+            stored += 1
+            nbytes += e.size
+        self.metrics.put_bytes.inc(nbytes)
+        self.metrics.put_blocks.inc(stored)
+        if self._on_change is not None:
+            self._on_change()
+        return {"stored": stored, "failed": failed}
+
+    def _abort(self, seq: int) -> None:
+        res = self._reservations.pop(seq, None)
+        if res is None:
+            return
+        if not res.recv_done.done():
+            # receives may still land in these slots: the connection must close first
+            self._close_conn(res.conn)
+        for e in res.entries:
+            if e is not None:
+                self.pool.abort(e)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for seq, r in list(self._reservations.items()):
+                if r.deadline < now:
+                    log.info("reservation %d expired; reclaiming its slots", seq)
+                    self._abort(seq)
+            self.pool.reclaim_expired(now)
+
+
+def _block_ref(ns: str, b: Any) -> tuple[str, bytes, int]:
+    if not isinstance(b, list) or len(b) < 2:
+        raise BadRequest("each block must be [hash, shard, ...]")
+    shard = b[1]
+    if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard < 65536:
+        raise BadRequest("shard must be an integer in [0, 65536)")
+    return (ns, check_hash(b[0]), shard)

@@ -1,0 +1,44 @@
+"""Prometheus metrics of a storage node (names are part of the public interface)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
+
+
+class NodeMetrics:
+    """The node's metrics, registered in ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        r = registry
+        self.capacity_bytes = Gauge("pegaflow_node_capacity_bytes", "Pool capacity", registry=r)
+        self.used_bytes = Gauge("pegaflow_node_used_bytes", "Pool bytes in use", registry=r)
+        self.blocks = Gauge("pegaflow_node_blocks", "Committed blocks in the pool", registry=r)
+        self.evictions = Gauge(
+            "pegaflow_node_evictions", "Blocks evicted since start (monotonic)", registry=r
+        )
+        self.connections = Gauge("pegaflow_node_connections", "Open data connections", registry=r)
+        self.get_blocks = Counter(
+            "pegaflow_node_get_blocks", "Blocks asked for by get", ["result"], registry=r
+        )
+        self.get_bytes = Counter("pegaflow_node_get_bytes", "Bytes sent by get", registry=r)
+        self.put_blocks = Counter("pegaflow_node_put_blocks", "Blocks committed by put", registry=r)
+        self.put_bytes = Counter("pegaflow_node_put_bytes", "Bytes committed by put", registry=r)
+        self.request_seconds = Histogram(
+            "pegaflow_node_request_seconds",
+            "Data-plane request latency (get includes the transfer)",
+            ["op"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_errors = Counter(
+            "pegaflow_node_request_errors", "Data-plane requests that failed", ["op", "code"], registry=r
+        )
+        self.transfer_errors = Counter(
+            "pegaflow_node_transfer_errors", "UCX transfers that failed", ["kind"], registry=r
+        )
+        self.checksum_failures = Counter(
+            "pegaflow_node_checksum_failures", "Blocks refused because their checksum mismatched", registry=r
+        )

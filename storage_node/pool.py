@@ -1,0 +1,290 @@
+"""The node's block pool: a shared-memory file carved into slabs of fixed-size slots.
+
+Memory layout: the pool file (``<shm_dir>/pegaflow-<node_id>.pool``) is split into
+``slab_bytes`` slabs.  A slab serves one slot size (a block size rounded up to 4 KiB),
+memcached-style, so blocks of different models share one pool without fragmentation.
+A slot is named by its byte offset in the pool.
+
+Block states: *reserved* (a put is writing it; invisible, never evicted; reclaimed when
+its reservation expires) and *committed* (immutable, has a generation and an xxh3
+checksum, visible in the index).  Committed blocks sit in an LRU; eviction takes the
+least recently used block of the size class that is not pinned by an in-flight read.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pegaflow.errors import NoSpace, TooLarge
+from pegaflow.keys import BlockLocation
+
+SLOT_ALIGN = 4096
+_MADV_POPULATE_WRITE = 23
+
+BlockKey = tuple[str, bytes, int]
+"""(namespace, block hash, shard)"""
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """One block in the pool."""
+
+    key: BlockKey
+    offset: int
+    size: int
+    stride: int
+    gen: int = 0
+    xxh3: int = 0
+    committed: bool = False
+    pins: int = 0
+    reserve_deadline: float = 0.0
+
+    def location(self, node_id: str) -> BlockLocation:
+        return BlockLocation(node_id, self.offset, self.gen, self.size, self.xxh3)
+
+
+@dataclass(slots=True)
+class _SizeClass:
+    stride: int
+    free: list[int] = field(default_factory=list)
+    lru: OrderedDict[BlockKey, Entry] = field(default_factory=OrderedDict)
+    slabs: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PoolStats:
+    """Usage figures of the pool."""
+
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    reserved: int
+    pinned: int
+    evictions: int
+    free_slabs: int
+
+
+class BlockPool:
+    """Slot allocator, LRU and block table over a shared-memory pool file."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        pool_bytes: int,
+        slab_bytes: int,
+        *,
+        node_id: str,
+        on_evict: Callable[[Entry], None] | None = None,
+    ) -> None:
+        if slab_bytes % SLOT_ALIGN or slab_bytes <= 0:
+            raise ValueError(f"slab_bytes must be a positive multiple of {SLOT_ALIGN}")
+        n_slabs = pool_bytes // slab_bytes
+        if n_slabs < 1:
+            raise ValueError(f"pool_bytes ({pool_bytes}) is smaller than one slab ({slab_bytes})")
+        self.path = Path(path)
+        self.node_id = node_id
+        self.slab_bytes = slab_bytes
+        self.capacity = n_slabs * slab_bytes
+        self._on_evict = on_evict
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(self._fd, self.capacity)
+        self._mmap = mmap.mmap(self._fd, self.capacity, mmap.MAP_SHARED)
+        self._prefault()
+        self.buf = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._free_slabs = list(range(n_slabs - 1, -1, -1))
+        self._classes: dict[int, _SizeClass] = {}
+        self._slab_class: dict[int, int] = {}
+        self._blocks: dict[BlockKey, Entry] = {}
+        self._by_offset: dict[int, Entry] = {}
+        self._gen = int(time.time() * 1000) << 16
+        self.used_bytes = 0
+        self.evictions = 0
+
+    def _prefault(self) -> None:
+        """Back the whole pool with memory now, so puts never pay first-touch faults.
+
+        MADV_POPULATE_WRITE (Linux 5.14+) keeps existing contents, which matters when
+        the pool file is re-attached after a restart.
+        """
+        try:
+            self._mmap.madvise(_MADV_POPULATE_WRITE)
+        except (OSError, ValueError):
+            pass
+
+    # ---- queries -------------------------------------------------------------------
+
+    def get(self, key: BlockKey) -> Entry | None:
+        """The committed entry of ``key``, or None."""
+        e = self._blocks.get(key)
+        return e if e is not None and e.committed else None
+
+    def contains(self, key: BlockKey) -> bool:
+        """Whether ``key`` is committed or being written."""
+        return key in self._blocks
+
+    def view(self, e: Entry) -> np.ndarray:
+        """The bytes of a block (a view into the pool, no copy)."""
+        return self.buf[e.offset : e.offset + e.size]
+
+    def committed(self) -> Iterator[Entry]:
+        """Every committed entry."""
+        return (e for e in self._blocks.values() if e.committed)
+
+    def stats(self) -> PoolStats:
+        reserved = sum(1 for e in self._blocks.values() if not e.committed)
+        pinned = sum(1 for e in self._blocks.values() if e.pins)
+        return PoolStats(
+            capacity_bytes=self.capacity,
+            used_bytes=self.used_bytes,
+            blocks=len(self._blocks) - reserved,
+            reserved=reserved,
+            pinned=pinned,
+            evictions=self.evictions,
+            free_slabs=len(self._free_slabs),
+        )
+
+    # ---- reads ---------------------------------------------------------------------
+
+    def pin(self, e: Entry) -> None:
+        """Keep ``e`` from eviction while it is being read; marks it recently used."""
+        e.pins += 1
+        cls = self._classes[e.stride]
+        cls.lru.pop(e.key, None)
+
+    def unpin(self, e: Entry) -> None:
+        e.pins -= 1
+        if e.pins == 0 and e.committed and self._blocks.get(e.key) is e:
+            self._classes[e.stride].lru[e.key] = e
+
+    # ---- writes --------------------------------------------------------------------
+
+    def reserve(self, key: BlockKey, size: int, ttl_s: float) -> Entry | None:
+        """Reserve a slot for a new block; None when the key is already stored or in flight.
+
+        Raises TooLarge for a block bigger than a slab, NoSpace when nothing can be
+        evicted to make room.
+        """
+        if key in self._blocks:
+            return None
+        stride = -(-size // SLOT_ALIGN) * SLOT_ALIGN
+        if size <= 0 or stride > self.slab_bytes:
+            raise TooLarge(f"block of {size} bytes does not fit a slab of {self.slab_bytes}")
+        offset = self._alloc(stride)
+        e = Entry(key, offset, size, stride, reserve_deadline=time.monotonic() + ttl_s)
+        self._blocks[key] = e
+        self._by_offset[offset] = e
+        self.used_bytes += stride
+        return e
+
+    def commit(self, e: Entry, xxh3: int) -> BlockLocation:
+        """Make a reserved block visible and immutable; returns its location."""
+        self._gen += 1
+        e.gen = self._gen
+        e.xxh3 = xxh3
+        e.committed = True
+        e.reserve_deadline = 0.0
+        if e.pins == 0:
+            self._classes[e.stride].lru[e.key] = e
+        return e.location(self.node_id)
+
+    def abort(self, e: Entry) -> None:
+        """Drop a reservation (the put failed or expired)."""
+        if self._blocks.get(e.key) is e and not e.committed:
+            self._release(e)
+
+    def drop(self, e: Entry) -> None:
+        """Remove a committed block (invalid or evicted); reports it to ``on_evict``."""
+        if self._blocks.get(e.key) is not e:
+            return
+        self._classes[e.stride].lru.pop(e.key, None)
+        self._release(e)
+        if e.committed and self._on_evict is not None:
+            self._on_evict(e)
+
+    def reclaim_expired(self, now: float | None = None) -> int:
+        """Abort reservations past their deadline; returns how many."""
+        now = time.monotonic() if now is None else now
+        stale = [e for e in self._blocks.values() if not e.committed and e.reserve_deadline < now]
+        for e in stale:
+            if e.pins == 0:
+                self.abort(e)
+        return len(stale)
+
+    # ---- allocation ----------------------------------------------------------------
+
+    def _release(self, e: Entry) -> None:
+        del self._blocks[e.key]
+        self._by_offset.pop(e.offset, None)
+        self.used_bytes -= e.stride
+        self._classes[e.stride].free.append(e.offset)
+
+    def _carve(self, cls: _SizeClass, slab: int) -> None:
+        base = slab * self.slab_bytes
+        n = self.slab_bytes // cls.stride
+        cls.free.extend(base + i * cls.stride for i in range(n - 1, -1, -1))
+        cls.slabs.append(slab)
+        self._slab_class[slab] = cls.stride
+
+    def _alloc(self, stride: int) -> int:
+        cls = self._classes.get(stride)
+        if cls is None:
+            cls = self._classes[stride] = _SizeClass(stride)
+        if cls.free:
+            return cls.free.pop()
+        if self._free_slabs:
+            self._carve(cls, self._free_slabs.pop())
+            return cls.free.pop()
+        if cls.lru:
+            self._evict(next(iter(cls.lru.values())))
+            return cls.free.pop()
+        slab = self._steal_slab(stride)
+        if slab is None:
+            raise NoSpace(
+                f"pool full: no free or evictable slot of {stride} bytes "
+                f"({self.used_bytes}/{self.capacity} bytes used)"
+            )
+        self._carve(cls, slab)
+        return cls.free.pop()
+
+    def _evict(self, e: Entry) -> None:
+        self.evictions += 1
+        self.drop(e)
+
+    def _steal_slab(self, stride: int) -> int | None:
+        """Empty a slab of another size class whose blocks are all evictable."""
+        for other in self._classes.values():
+            if other.stride == stride:
+                continue
+            for slab in list(other.slabs):
+                base = slab * self.slab_bytes
+                offsets = range(base, base + (self.slab_bytes // other.stride) * other.stride, other.stride)
+                entries = [self._by_offset[o] for o in offsets if o in self._by_offset]
+                if any(not e.committed or e.pins for e in entries):
+                    continue
+                for e in entries:
+                    self._evict(e)
+                gone = set(offsets)
+                other.free = [o for o in other.free if o not in gone]
+                other.slabs.remove(slab)
+                del self._slab_class[slab]
+                return slab
+        return None
+
+    def close(self, unlink: bool = False) -> None:
+        """Unmap the pool (``unlink=True`` also deletes the shared-memory file)."""
+        self.buf = np.empty(0, dtype=np.uint8)
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # views still alive (e.g. in-flight sends); the OS frees it at exit
+        os.close(self._fd)
+        if unlink:
+            self.path.unlink(missing_ok=True)
