@@ -62,7 +62,11 @@ class PegaClient:
     # ---- control plane -------------------------------------------------------------
 
     async def lookup(
-        self, ns: str, hashes: Sequence[bytes], shards: Sequence[int] = (0,), timeout: float | None = None
+        self,
+        ns: str,
+        hashes: Sequence[bytes],
+        shards: Sequence[int] = (0,),
+        timeout: float | None = None,
     ) -> LookupResult:
         """The longest prefix of ``hashes`` stored with all ``shards``, and where.
 
@@ -80,7 +84,9 @@ class PegaClient:
         self._nodes.update(nodes)
         return LookupResult(int(res["hits"]), nodes, [list(b) for b in res.get("blocks", [])])
 
-    async def place(self, ns: str, count: int, block_bytes: int, timeout: float | None = None) -> NodeRecord:
+    async def place(
+        self, ns: str, count: int, block_bytes: int, timeout: float | None = None
+    ) -> NodeRecord:
         """The node the coordinator picks for ``count`` new blocks of ``block_bytes``."""
         res = await self._rpc.call(
             "place",
@@ -114,7 +120,9 @@ class PegaClient:
 
     # ---- data plane ----------------------------------------------------------------
 
-    async def get_blocks(self, ns: str, items: Sequence[GetItem], timeout: float | None = None) -> list[bool]:
+    async def get_blocks(
+        self, ns: str, items: Sequence[GetItem], timeout: float | None = None
+    ) -> list[bool]:
         """Fetch blocks into caller-owned buffers, batched per node, nodes in parallel.
 
         Returns per item True when the block arrived and its checksum matched.
@@ -140,7 +148,11 @@ class PegaClient:
         return ok
 
     async def put_blocks(
-        self, ns: str, items: Sequence[PutItem], node_id: str | None = None, timeout: float | None = None
+        self,
+        ns: str,
+        items: Sequence[PutItem],
+        node_id: str | None = None,
+        timeout: float | None = None,
     ) -> PutResult:
         """Store blocks (two-phase) on ``node_id``, else the local node, else placement.
 
@@ -154,7 +166,9 @@ class PegaClient:
         if target:
             rec = await self._node(target, budget)
         else:
-            rec = await self.place(ns, len(items), len(memoryview(items[0][2]).cast("B")), timeout=budget)
+            rec = await self.place(
+                ns, len(items), len(memoryview(items[0][2]).cast("B")), timeout=budget
+            )
         return await self._data.put(rec.ucx_address, ns, items, budget)
 
 
@@ -164,7 +178,9 @@ class SyncPegaClient:
     def __init__(self, cfg: ClientConfig, token: str | None = None) -> None:
         self.cfg = cfg
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="pegaflow-client", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="pegaflow-client", daemon=True
+        )
         self._thread.start()
         self._client: PegaClient = self._run(self._make(cfg, token), None)
 
@@ -185,19 +201,29 @@ class SyncPegaClient:
             raise Unavailable("client event loop did not answer in time") from None
 
     def lookup(
-        self, ns: str, hashes: Sequence[bytes], shards: Sequence[int] = (0,), timeout: float | None = None
+        self,
+        ns: str,
+        hashes: Sequence[bytes],
+        shards: Sequence[int] = (0,),
+        timeout: float | None = None,
     ) -> LookupResult:
         """See :meth:`PegaClient.lookup`."""
         t = self.cfg.lookup_timeout_s if timeout is None else timeout
         return self._run(self._client.lookup(ns, hashes, shards, t), t)
 
-    def get_blocks(self, ns: str, items: Sequence[GetItem], timeout: float | None = None) -> list[bool]:
+    def get_blocks(
+        self, ns: str, items: Sequence[GetItem], timeout: float | None = None
+    ) -> list[bool]:
         """See :meth:`PegaClient.get_blocks`."""
         t = self.cfg.transfer_timeout_s if timeout is None else timeout
         return self._run(self._client.get_blocks(ns, items, t), t)
 
     def put_blocks(
-        self, ns: str, items: Sequence[PutItem], node_id: str | None = None, timeout: float | None = None
+        self,
+        ns: str,
+        items: Sequence[PutItem],
+        node_id: str | None = None,
+        timeout: float | None = None,
     ) -> PutResult:
         """See :meth:`PegaClient.put_blocks`."""
         t = self.cfg.transfer_timeout_s if timeout is None else timeout
@@ -210,7 +236,11 @@ class SyncPegaClient:
         return self._submit(self._client.get_blocks(ns, items, timeout))
 
     def submit_put_blocks(
-        self, ns: str, items: Sequence[PutItem], node_id: str | None = None, timeout: float | None = None
+        self,
+        ns: str,
+        items: Sequence[PutItem],
+        node_id: str | None = None,
+        timeout: float | None = None,
     ) -> concurrent.futures.Future[PutResult]:
         """:meth:`put_blocks` without waiting."""
         return self._submit(self._client.put_blocks(ns, items, node_id, timeout))

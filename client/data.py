@@ -10,14 +10,13 @@ buffer the caller got back) and turns the whole batch into misses.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from pegaflow.checksum import checksum
 from pegaflow.errors import BadRequest, PegaError, Unavailable, error_from_wire
@@ -67,6 +66,7 @@ class DataClient:
         self._conns: dict[str, _NodeConn] = {}
         self._connecting: dict[str, asyncio.Future[_NodeConn]] = {}
         self._ids = itertools.count(1)
+        self._hasher = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pegaflow-xxh3")
 
     @property
     def worker(self) -> UcxWorker:
@@ -81,6 +81,7 @@ class DataClient:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+        self._hasher.shutdown(wait=False)
 
     # ---- connections ---------------------------------------------------------------
 
@@ -145,7 +146,9 @@ class DataClient:
         self._conns[addr] = conn
         return conn
 
-    async def _request(self, conn: _NodeConn, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    async def _request(
+        self, conn: _NodeConn, msg: dict[str, Any], timeout: float
+    ) -> dict[str, Any]:
         rid = next(self._ids)
         msg["id"] = rid
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -157,13 +160,19 @@ class DataClient:
         except TimeoutError:
             conn.pending.pop(rid, None)
             self._drop(conn, Unavailable(f"{msg['op']} to {conn.addr} timed out"))
-            raise Unavailable(f"{msg['op']} to {conn.addr} timed out after {timeout:.3f} s") from None
+            raise Unavailable(
+                f"{msg['op']} to {conn.addr} timed out after {timeout:.3f} s"
+            ) from None
         reply = fut.result()
         if not reply.get("ok"):
             raise error_from_wire(reply.get("error"))
         return reply
 
     # ---- operations ----------------------------------------------------------------
+
+    async def _hash_after(self, fut: asyncio.Future[None], view: memoryview) -> int:
+        await fut
+        return await asyncio.get_running_loop().run_in_executor(self._hasher, checksum, view)
 
     async def get(
         self, addr: str, ns: str, items: Sequence[tuple[bytes, int, Any]], timeout: float
@@ -183,17 +192,29 @@ class DataClient:
             seq = w.next_seq()
             # Receives go up before the request, so payloads land as expected messages
             # straight in the caller's buffers; the node answers every index (a miss
-            # is an empty message), so none of them is left posted.
-            reqs = [w.tag_recv(conn.ep, v, make_tag(seq, i)) for i, v in enumerate(views)]
+            # is an empty message), so none of them is left posted.  Each block is
+            # hashed (off the loop thread) as soon as it lands, while others still move.
+            futs = [w.track(w.tag_recv(conn.ep, v, make_tag(seq, i))) for i, v in enumerate(views)]
+            hashed = [
+                asyncio.ensure_future(self._hash_after(f, v))
+                for f, v in zip(futs, views, strict=True)
+            ]
             try:
                 reply = await self._request(
                     conn,
                     {"op": "get", "ns": ns, "seq": seq, "blocks": [[h, s] for h, s, _ in items]},
                     max(0.001, deadline - time.monotonic()),
                 )
-                await w.wait_all(reqs, max(0.001, deadline - time.monotonic()))
-            except BaseException:
+                sums = await asyncio.wait_for(
+                    asyncio.gather(*hashed), max(0.001, deadline - time.monotonic())
+                )
+            except BaseException as e:
+                for t in hashed:
+                    t.cancel()
+                w.forget(futs)
                 self._drop(conn, Unavailable(f"get from {addr} failed mid-transfer"))
+                if isinstance(e, TimeoutError):
+                    raise Unavailable(f"get from {addr} timed out") from None
                 raise
             header = reply.get("blocks")
             if not isinstance(header, list) or len(header) != len(items):
@@ -202,7 +223,7 @@ class DataClient:
             for i, h in enumerate(header):
                 if not isinstance(h, list) or len(h) != 3 or h[0] != len(views[i]):
                     continue
-                ok[i] = checksum(views[i]) == h[2]
+                ok[i] = sums[i] == h[2]
                 if not ok[i]:
                     log.warning("checksum mismatch on a block from %s: treated as a miss", addr)
             return ok
@@ -221,30 +242,60 @@ class DataClient:
             return PutOutcome()
         deadline = time.monotonic() + timeout
         views = [_byte_view(b) for _, _, b in items]
-        conn = await self._connection(addr, deadline)
-        w = self.worker
-        reply = await self._request(
-            conn,
-            {"op": "reserve", "ns": ns, "blocks": [[h, s, len(v)] for (h, s, _), v in zip(items, views, strict=True)]},
-            max(0.001, deadline - time.monotonic()),
-        )
-        seq = int(reply["seq"])
-        accept = reply.get("accept")
-        if not isinstance(accept, list) or len(accept) != len(items):
-            self._drop(conn, Unavailable("malformed reserve reply"))
-            raise Unavailable("malformed reserve reply")
-        sums: list[int | None] = [checksum(v) if a else None for v, a in zip(views, accept, strict=True)]
-        reqs = [w.tag_send(conn.ep, v, make_tag(seq, i)) for i, (v, a) in enumerate(zip(views, accept, strict=True)) if a]
-        w.kick()
+        loop = asyncio.get_running_loop()
+        # checksums are computed off the loop thread while the reservation round-trips
+        hashing = asyncio.gather(*(loop.run_in_executor(self._hasher, checksum, v) for v in views))
         try:
-            await w.wait_all(reqs, max(0.001, deadline - time.monotonic()))
-        except PegaError:
-            self._drop(conn, Unavailable(f"put to {addr} failed mid-transfer"))
+            conn = await self._connection(addr, deadline)
+            w = self.worker
+            reply = await self._request(
+                conn,
+                {
+                    "op": "reserve",
+                    "ns": ns,
+                    "blocks": [[h, s, len(v)] for (h, s, _), v in zip(items, views, strict=True)],
+                },
+                max(0.001, deadline - time.monotonic()),
+            )
+            seq = int(reply["seq"])
+            accept = reply.get("accept")
+            if not isinstance(accept, list) or len(accept) != len(items):
+                self._drop(conn, Unavailable("malformed reserve reply"))
+                raise Unavailable("malformed reserve reply")
+            futs = [
+                w.track(w.tag_send(conn.ep, v, make_tag(seq, i)))
+                for i, v in enumerate(views)
+                if accept[i]
+            ]
+            sums = await hashing
+            try:
+                # the node waits for the payloads before it verifies and commits
+                done, _ = await asyncio.gather(
+                    self._request(
+                        conn,
+                        {
+                            "op": "commit",
+                            "seq": seq,
+                            "xxh3": [x if a else None for x, a in zip(sums, accept, strict=True)],
+                        },
+                        max(0.001, deadline - time.monotonic()),
+                    ),
+                    asyncio.wait_for(
+                        asyncio.gather(*futs), max(0.001, deadline - time.monotonic())
+                    ),
+                )
+            except BaseException:
+                w.forget(futs)
+                self._drop(conn, Unavailable(f"put to {addr} failed mid-transfer"))
+                raise
+        except BaseException:
+            hashing.cancel()
             raise
-        done = await self._request(conn, {"op": "commit", "seq": seq, "xxh3": sums}, max(0.001, deadline - time.monotonic()))
         stored = int(done.get("stored", 0))
         n_accepted = sum(1 for a in accept if a)
-        return PutOutcome(stored=stored, skipped=len(items) - n_accepted, failed=n_accepted - stored)
+        return PutOutcome(
+            stored=stored, skipped=len(items) - n_accepted, failed=n_accepted - stored
+        )
 
     async def node_id(self, addr: str, timeout: float) -> str:
         """The id the node at ``addr`` announced in its handshake."""

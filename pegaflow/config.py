@@ -94,7 +94,9 @@ class NodeConfig:
     http_host: str = opt("127.0.0.1", "interface of the HTTP endpoint")
     http_port: int = opt(7880, "HTTP port (0: any free port, -1: off)")
     pool_bytes: int = opt(1 << 30, "size of the block pool in host memory", size=True)
-    slab_bytes: int = opt(64 << 20, "allocation unit of the pool; one block size per slab", size=True)
+    slab_bytes: int = opt(
+        64 << 20, "allocation unit of the pool; one block size per slab", size=True
+    )
     shm_dir: str = opt("/dev/shm", "directory of the pool's shared-memory file")
     reserve_timeout_s: float = opt(30.0, "an uncommitted put's slots are reclaimed after this")
     max_request_bytes: int = opt(4 << 20, "largest data-plane control message", size=True)
@@ -202,7 +204,9 @@ def add_arguments(parser: argparse.ArgumentParser, sections: list[str]) -> None:
         group = parser.add_argument_group(f"[{name}]")
         for f in dataclasses.fields(getattr(ClusterConfig(), name)):
             flag = f"--{name}-{f.name}".replace("_", "-")
-            group.add_argument(flag, dest=f"{name}__{f.name}", default=None, help=f.metadata["help"])
+            group.add_argument(
+                flag, dest=f"{name}__{f.name}", default=None, help=f.metadata["help"]
+            )
 
 
 def config_from_args(args: argparse.Namespace) -> ClusterConfig:
@@ -232,7 +236,9 @@ def reference_markdown() -> str:
         out += [f"## `[{name}]`", "", (cls.__doc__ or "").strip(), ""]
         out += ["| option | default | env | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            default = (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            )
             env = f"PEGAFLOW_{name.upper()}_{f.name.upper()}"
             out.append(f"| `{f.name}` | `{default!r}` | `{env}` | {f.metadata['help']} |")
         out.append("")

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -156,17 +155,16 @@ class UcxWorker:
         except TimeoutError:
             raise DeadlineExceeded(f"UCX transfer not done within {timeout:.3f} s") from None
         finally:
-            self._forget(futs)
+            self.forget(futs)
 
-    def _forget(self, futs: list[asyncio.Future[None]]) -> None:
+    def forget(self, futs: list[asyncio.Future[None]]) -> None:
+        """Stop tracking the unfinished ones of ``futs`` (their endpoint must be closed)."""
         drop = {id(f) for f in futs if not f.done()}
         if drop:
             for f in futs:
                 if not f.done():
                     f.cancel()
             self._pending = [(r, f) for r, f in self._pending if id(f) not in drop]
-            # buffers of abandoned sends stay referenced until their endpoint closes
-
 
     def listen(self, port: int, on_endpoint: Callable[[Any], None]) -> Any:
         """Listen for connections on ``port``; ``on_endpoint(ep)`` is called for each."""

@@ -20,6 +20,7 @@ request, matched by ``id``; payloads are tagged messages, see :mod:`pegaflow.ucx
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import logging
 import time
@@ -28,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from pegaflow.storage_node.metrics import NodeMetrics
 
 from pegaflow.checksum import checksum
-
 from pegaflow.config import NodeConfig
 from pegaflow.errors import BadRequest, DeadlineExceeded, PegaError, ProtocolError, Unauthorized
 from pegaflow.inventory import InventorySink
@@ -46,7 +47,6 @@ from pegaflow.wire import (
     req_str,
     unpack,
 )
-from pegaflow.storage_node.metrics import NodeMetrics
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,8 @@ class DataServer:
         self._conns: set[_Conn] = set()
         self._reservations: dict[int, _Reservation] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        # xxh3 releases the GIL: verify puts off the loop thread
+        self._hasher = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pegaflow-xxh3")
 
     @property
     def port(self) -> int:
@@ -115,6 +117,7 @@ class DataServer:
         self._listener = None
         if self._worker is not None:
             self._worker.close()
+        self._hasher.shutdown(wait=False)
 
     # ---- connections ---------------------------------------------------------------
 
@@ -211,7 +214,9 @@ class DataServer:
     def _hello(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
         version = req_int(msg, "version", 0, 1 << 16)
         if version != PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {version} not supported (want {PROTOCOL_VERSION})")
+            raise ProtocolError(
+                f"protocol version {version} not supported (want {PROTOCOL_VERSION})"
+            )
         if self._token is not None:
             tok = msg.get("token")
             if not isinstance(tok, str) or not hmac.compare_digest(tok, self._token):
@@ -245,7 +250,11 @@ class DataServer:
             # complete: the block, or an empty message for a miss.
             present = dict(pinned)
             reqs = [
-                w.tag_send(conn.ep, self.pool.view(present[i]) if i in present else _EMPTY, make_tag(seq, i))
+                w.tag_send(
+                    conn.ep,
+                    self.pool.view(present[i]) if i in present else _EMPTY,
+                    make_tag(seq, i),
+                )
                 for i in range(len(keys))
             ]
             w.kick()
@@ -318,11 +327,20 @@ class DataServer:
             self.metrics.transfer_errors.labels(kind=e.code).inc()
             raise
         del self._reservations[seq]
+        loop = asyncio.get_running_loop()
+        got_sums = await asyncio.gather(
+            *(
+                loop.run_in_executor(self._hasher, checksum, self.pool.view(e))
+                for e in res.entries
+                if e is not None
+            )
+        )
+        got_iter = iter(got_sums)
         stored, failed, nbytes = 0, [], 0
         for i, (e, want) in enumerate(zip(res.entries, sums, strict=True)):
             if e is None:
                 continue
-            got = checksum(self.pool.view(e))
+            got = next(got_iter)
             if not isinstance(want, int) or got != want:
                 self.metrics.checksum_failures.inc()
                 self.pool.abort(e)

@@ -4,7 +4,21 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
+_LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1,
+    5,
+)
 
 
 class NodeMetrics:
@@ -34,11 +48,16 @@ class NodeMetrics:
             registry=r,
         )
         self.request_errors = Counter(
-            "pegaflow_node_request_errors", "Data-plane requests that failed", ["op", "code"], registry=r
+            "pegaflow_node_request_errors",
+            "Data-plane requests that failed",
+            ["op", "code"],
+            registry=r,
         )
         self.transfer_errors = Counter(
             "pegaflow_node_transfer_errors", "UCX transfers that failed", ["kind"], registry=r
         )
         self.checksum_failures = Counter(
-            "pegaflow_node_checksum_failures", "Blocks refused because their checksum mismatched", registry=r
+            "pegaflow_node_checksum_failures",
+            "Blocks refused because their checksum mismatched",
+            registry=r,
         )

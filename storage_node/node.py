@@ -9,15 +9,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pegaflow.storage_node.data_server import DataServer
+from pegaflow.storage_node.metrics import NodeMetrics
+from pegaflow.storage_node.pool import BlockPool, Entry
 from prometheus_client import CollectorRegistry
 
 from pegaflow import __version__
 from pegaflow.config import NodeConfig
 from pegaflow.inventory import InventorySink
 from pegaflow.keys import BlockLocation, NodeRecord
-from pegaflow.storage_node.data_server import DataServer
-from pegaflow.storage_node.metrics import NodeMetrics
-from pegaflow.storage_node.pool import BlockPool, Entry
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class StorageNode:
         self.started_at = time.time()
         self._refresh: asyncio.Task[None] | None = None
         self._dirty = asyncio.Event()
+        self.http_address = ""
 
     def record(self) -> NodeRecord:
         """This node as published in the index."""
@@ -88,8 +89,6 @@ class StorageNode:
             version=__version__,
         )
 
-    http_address = ""
-
     def _on_evict(self, e: Entry) -> None:
         self.sink.unpublish(e.key[0], e.key[1], e.key[2], e.location(self.node_id))
         self._dirty.set()
@@ -97,7 +96,9 @@ class StorageNode:
     def inventory(self) -> list[tuple[str, bytes, int, BlockLocation]]:
         """Every committed block, for a full republish."""
         assert self.pool is not None
-        return [(e.key[0], e.key[1], e.key[2], e.location(self.node_id)) for e in self.pool.committed()]
+        return [
+            (e.key[0], e.key[1], e.key[2], e.location(self.node_id)) for e in self.pool.committed()
+        ]
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -105,15 +106,23 @@ class StorageNode:
         if not self.node_id:
             self.node_id = f"{socket.gethostname()}-{cfg.ucx_port}"
         path = Path(cfg.shm_dir) / f"pegaflow-{self.node_id}.pool"
-        self.pool = BlockPool(path, cfg.pool_bytes, cfg.slab_bytes, node_id=self.node_id, on_evict=self._on_evict)
-        self.data = DataServer(self.pool, cfg, self.sink, self.metrics, token=self._token, on_change=self._dirty.set)
+        self.pool = BlockPool(
+            path, cfg.pool_bytes, cfg.slab_bytes, node_id=self.node_id, on_evict=self._on_evict
+        )
+        self.data = DataServer(
+            self.pool, cfg, self.sink, self.metrics, token=self._token, on_change=self._dirty.set
+        )
         await self.data.start()
         if not cfg.node_id and cfg.ucx_port == 0:
             log.info("node id %s (set [node] node_id to keep it stable)", self.node_id)
         await self.sink.start(self.record())
         self._refresh = asyncio.create_task(self._refresh_loop())
         log.info(
-            "node %s serving %d MiB on UCX %s:%d", self.node_id, self.pool.capacity >> 20, cfg.host, self.data.port
+            "node %s serving %d MiB on UCX %s:%d",
+            self.node_id,
+            self.pool.capacity >> 20,
+            cfg.host,
+            self.data.port,
         )
 
     async def _refresh_loop(self) -> None:
@@ -140,6 +149,11 @@ class StorageNode:
         """The /v1/status document of this node."""
         assert self.pool is not None
         return {"node": self.record().to_wire(), "pool": vars(self.pool.stats())}
+
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        """Healthy when the pool is mapped and the data server listens."""
+        ok = self.pool is not None and self.data is not None
+        return ok, {"node_id": self.node_id, "serving": ok}
 
     async def close(self, unlink: bool = True) -> None:
         if self._refresh is not None:

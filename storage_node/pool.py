@@ -265,7 +265,9 @@ class BlockPool:
                 continue
             for slab in list(other.slabs):
                 base = slab * self.slab_bytes
-                offsets = range(base, base + (self.slab_bytes // other.stride) * other.stride, other.stride)
+                offsets = range(
+                    base, base + (self.slab_bytes // other.stride) * other.stride, other.stride
+                )
                 entries = [self._by_offset[o] for o in offsets if o in self._by_offset]
                 if any(not e.committed or e.pins for e in entries):
                     continue

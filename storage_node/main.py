@@ -1,0 +1,88 @@
+"""``pegaflow-node``: run one storage node.
+
+With ``[etcd] endpoints`` set, the node joins the cluster (membership and inventory in
+etcd under its lease); without, it serves standalone (useful for benchmarks) and says so.
+Prints ``READY node=<id> ucx=<host:port> http=<port>`` once serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import uvloop
+from pegaflow.storage_node.node import NullSink, StorageNode
+
+from pegaflow.config import ClusterConfig, add_arguments, config_from_args
+from pegaflow.inventory import InventorySink
+
+log = logging.getLogger("pegaflow.node")
+
+
+def make_sink(cfg: ClusterConfig, node: StorageNode) -> InventorySink:
+    """etcd publishing when etcd is configured, else nothing (standalone)."""
+    if not cfg.etcd.endpoints:
+        log.warning(
+            "no [etcd] endpoints: serving standalone, no coordinator will find these blocks"
+        )
+        return NullSink()
+    from pegaflow.storage_node.publisher import EtcdPublisher
+
+    return EtcdPublisher(cfg.etcd, node.inventory)
+
+
+async def run(cfg: ClusterConfig) -> None:
+    """Serve until SIGINT/SIGTERM."""
+    node = StorageNode(cfg.node, token=cfg.security.token or None)
+    node.sink = make_sink(cfg, node)
+    await node.start()
+    http = None
+    if cfg.node.http_port >= 0:
+        from pegaflow.http import start_http
+
+        http = await start_http(
+            cfg.node.http_host,
+            cfg.node.http_port,
+            status=node.status,
+            health=node.health,
+            registry=node.registry,
+        )
+        node.http_address = f"{cfg.node.http_host}:{http.port}"
+        await node.sink.update_node(node.record())
+    assert node.data is not None
+    http_port = http.port if http else -1
+    print(
+        f"READY node={node.node_id} ucx={cfg.node.host}:{node.data.port} http={http_port}",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping node %s", node.node_id)
+    if http is not None:
+        await http.close()
+    await node.close(unlink=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pegaflow-node", description=__doc__)
+    add_arguments(parser, ["etcd", "security", "node"])
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        cfg = config_from_args(args)
+    except (OSError, ValueError) as e:
+        sys.exit(f"pegaflow-node: bad configuration: {e}")
+    uvloop.run(run(cfg))
+
+
+if __name__ == "__main__":
+    main()

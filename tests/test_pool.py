@@ -1,0 +1,104 @@
+"""Unit tests of the block pool's allocator, LRU and pins (pure logic, a real shm file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pegaflow.storage_node.pool import BlockPool, Entry
+
+from pegaflow.errors import NoSpace, TooLarge
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def evicted() -> list[Entry]:
+    return []
+
+
+def make_pool(
+    tmp_path: Path, evicted: list[Entry], pool: int = 4 * MiB, slab: int = MiB
+) -> BlockPool:
+    return BlockPool(tmp_path / "pool", pool, slab, node_id="n", on_evict=evicted.append)
+
+
+def put(pool: BlockPool, name: bytes, size: int, fill: int = 1) -> Entry:
+    e = pool.reserve(("ns", name, 0), size, 30)
+    assert e is not None
+    pool.view(e)[:] = fill
+    pool.commit(e, fill)
+    return e
+
+
+def test_reserve_commit_and_duplicate(tmp_path: Path, evicted: list[Entry]) -> None:
+    pool = make_pool(tmp_path, evicted)
+    e = pool.reserve(("ns", b"a", 0), 1000, 30)
+    assert e is not None and pool.get(e.key) is None  # reserved blocks are invisible
+    assert pool.reserve(("ns", b"a", 0), 1000, 30) is None  # in flight: refused
+    loc = pool.commit(e, 42)
+    assert pool.get(e.key) is e and loc.size == 1000 and loc.xxh3 == 42
+    assert pool.reserve(("ns", b"a", 0), 1000, 30) is None  # stored: refused
+    assert e.stride == 4096
+
+
+def test_lru_evicts_oldest_and_reports(tmp_path: Path, evicted: list[Entry]) -> None:
+    pool = make_pool(tmp_path, evicted)
+    blocks = [put(pool, bytes([i]), 512 << 10, fill=i) for i in range(8)]  # fills 4 MiB
+    assert pool.stats().free_slabs == 0
+    pool.pin(blocks[1])
+    pool.unpin(blocks[1])  # a read refreshes recency: block 1 is now the newest
+    put(pool, b"new", 512 << 10)
+    assert evicted == [blocks[0]]
+    put(pool, b"new2", 512 << 10)
+    assert evicted[-1] is blocks[2]
+    assert pool.get(blocks[1].key) is blocks[1]
+
+
+def test_pinned_blocks_survive_a_full_pool(tmp_path: Path, evicted: list[Entry]) -> None:
+    pool = make_pool(tmp_path, evicted, pool=MiB, slab=MiB)
+    a = put(pool, b"a", 512 << 10, fill=7)
+    b = put(pool, b"b", 512 << 10, fill=8)
+    pool.pin(a)
+    pool.pin(b)
+    with pytest.raises(NoSpace):
+        pool.reserve(("ns", b"c", 0), 512 << 10, 30)
+    pool.unpin(b)
+    put(pool, b"c", 512 << 10)
+    assert evicted == [b]
+    assert pool.get(a.key) is a and np.all(pool.view(a) == 7)
+
+
+def test_reserved_slots_are_never_evicted_and_expire(tmp_path: Path, evicted: list[Entry]) -> None:
+    pool = make_pool(tmp_path, evicted, pool=MiB, slab=MiB)
+    r = pool.reserve(("ns", b"r", 0), MiB, ttl_s=0.0)
+    assert r is not None
+    with pytest.raises(NoSpace):
+        pool.reserve(("ns", b"x", 0), MiB, 30)
+    assert pool.reclaim_expired() == 1
+    assert pool.reserve(("ns", b"x", 0), MiB, 30) is not None
+    assert evicted == []  # a reservation is not a block: nothing to unpublish
+
+
+def test_slab_moves_between_size_classes(tmp_path: Path, evicted: list[Entry]) -> None:
+    pool = make_pool(tmp_path, evicted, pool=2 * MiB, slab=MiB)
+    small = [put(pool, bytes([i]), 256 << 10) for i in range(8)]
+    big = put(pool, b"big", MiB)  # needs a whole slab: one small-block slab is emptied
+    assert len(evicted) == 4 and all(e in small for e in evicted)
+    assert pool.get(big.key) is big
+
+
+def test_too_large_block(tmp_path: Path, evicted: list[Entry]) -> None:
+    pool = make_pool(tmp_path, evicted)
+    with pytest.raises(TooLarge):
+        pool.reserve(("ns", b"a", 0), 2 * MiB, 30)
+
+
+def test_abort_frees_the_slot(tmp_path: Path, evicted: list[Entry]) -> None:
+    pool = make_pool(tmp_path, evicted, pool=MiB, slab=MiB)
+    r = pool.reserve(("ns", b"a", 0), MiB, 30)
+    assert r is not None
+    pool.abort(r)
+    assert pool.stats().used_bytes == 0
+    assert pool.reserve(("ns", b"a", 0), MiB, 30) is not None
