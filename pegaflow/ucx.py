@@ -222,7 +222,7 @@ class UcxWorker:
         self._loop.remove_reader(self._fd)
         for _req, fut in self._pending:
             if not fut.done():
-                fut.set_exception(Unavailable("UCX worker closed"))
+                fut.cancel()
         self._pending.clear()
         try:
             self.worker.cancel_inflight_requests(period=0, max_attempts=1)
