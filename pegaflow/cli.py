@@ -59,9 +59,8 @@ def render_status(st: dict[str, Any]) -> str:
     )
     hits, misses = coord.get("hit_blocks"), coord.get("miss_blocks")
     if isinstance(hits, int | float) and isinstance(misses, int | float) and hits + misses:
-        lines.append(
-            f"lookup hit rate {100 * hits / (hits + misses):.1f}% ({hits} of {hits + misses} blocks)"
-        )
+        total = hits + misses
+        lines.append(f"lookup hit rate {100 * hits / total:.1f}% ({hits} of {total} blocks)")
     lines.append(
         f"coordinator {coord.get('id', '?')}: etcd "
         f"{'connected' if coord.get('etcd_connected') else 'not connected / not used'}, "

@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import inspect
 import itertools
 import logging
 import struct
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,8 @@ DEFAULT_MAX_FRAME = 16 << 20
 MAX_DEADLINE_MS = 600_000
 
 Handler = Callable[[dict[str, Any]], Awaitable[Any]]
+SyncHandler = Callable[[dict[str, Any]], Any]
+_WRITE_HIGH_WATER = 4 << 20
 
 
 def encode_frame(obj: Any) -> bytes:
@@ -74,16 +77,19 @@ def parse_address(addr: str, default_port: int | None = None) -> tuple[str, int]
 
 
 class RpcServer:
-    """Serves named async handlers over the control protocol.
+    """Serves named handlers over the control protocol.
 
     Handlers take the request's ``args`` map and return a msgpack-ready result, or raise
-    a :class:`PegaError`; anything else becomes ``internal`` and is logged.
+    a :class:`PegaError`; anything else becomes ``internal`` and is logged.  ``async``
+    handlers run as tasks, under the request's deadline, several at once per
+    connection.  Plain (non-async) handlers run inline in the connection's read loop,
+    with no task: use them for fast, non-blocking ops such as index lookups.
     """
 
     def __init__(
         self,
         name: str,
-        handlers: dict[str, Handler],
+        handlers: dict[str, Handler | SyncHandler],
         *,
         token: str | None = None,
         max_frame: int = DEFAULT_MAX_FRAME,
@@ -92,6 +98,9 @@ class RpcServer:
     ) -> None:
         self.name = name
         self._handlers = handlers
+        self._sync_ops = frozenset(
+            op for op, h in handlers.items() if not inspect.iscoroutinefunction(h)
+        )
         self._token = token
         self._max_frame = max_frame
         self._max_inflight = max_inflight_per_conn
@@ -121,7 +130,9 @@ class RpcServer:
             raise ProtocolError("first frame must be hello")
         version = req_int(hello, "version", 0, 1 << 16)
         if version != PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {version} not supported (want {PROTOCOL_VERSION})")
+            raise ProtocolError(
+                f"protocol version {version} not supported (want {PROTOCOL_VERSION})"
+            )
         if self._token is not None:
             got = hello.get("token")
             if not isinstance(got, str) or not hmac.compare_digest(got, self._token):
@@ -133,6 +144,8 @@ class RpcServer:
         self._conns.add(task)
         inflight: set[asyncio.Task[None]] = set()
         sem = asyncio.Semaphore(self._max_inflight)
+        sync_ops = self._sync_ops
+        transport = writer.transport
         try:
             try:
                 await self._handshake(reader)
@@ -140,18 +153,28 @@ class RpcServer:
                 err = e if isinstance(e, PegaError) else ProtocolError("handshake timed out")
                 writer.write(encode_frame({"ok": False, "error": err.to_wire()}))
                 return
-            writer.write(encode_frame({"ok": True, "version": PROTOCOL_VERSION, "server": self.name}))
+            hello = {"ok": True, "version": PROTOCOL_VERSION, "server": self.name}
+            writer.write(encode_frame(hello))
             while True:
                 try:
                     msg = await read_frame(reader, self._max_frame)
                 except PegaError as e:  # unframeable: reply and close
                     writer.write(encode_frame({"id": None, "ok": False, "error": e.to_wire()}))
                     return
-                await sem.acquire()
-                t = asyncio.create_task(self._run(msg, writer))
-                inflight.add(t)
-                t.add_done_callback(inflight.discard)
-                t.add_done_callback(lambda _t: sem.release())
+                op = msg.get("op") if type(msg) is dict else None
+                coro: Coroutine[Any, Any, None] | None
+                if type(op) is str and op in sync_ops:
+                    coro = self._run_sync(msg, writer)
+                else:
+                    coro = self._run(msg, writer)
+                if coro is not None:
+                    await sem.acquire()
+                    t = asyncio.create_task(coro)
+                    inflight.add(t)
+                    t.add_done_callback(inflight.discard)
+                    t.add_done_callback(lambda _t: sem.release())
+                if transport.get_write_buffer_size() > _WRITE_HIGH_WATER:
+                    await writer.drain()  # a client that does not read its replies
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         except asyncio.CancelledError:
@@ -162,40 +185,90 @@ class RpcServer:
             self._conns.discard(task)
             writer.close()
 
+    def _parse(self, msg: Any) -> tuple[int, str, Handler | SyncHandler, dict[str, Any], int]:
+        msg = req_map(msg)
+        rid = req_int(msg, "id", 0, 2**63 - 1)
+        op = req_str(msg, "op", 64)
+        handler = self._handlers.get(op)
+        if handler is None:
+            raise BadRequest(f"unknown op {op!r}")
+        args = msg.get("args", {})
+        if not isinstance(args, dict):
+            raise BadRequest("args must be a map")
+        deadline_ms = msg.get("deadline_ms", 30_000)
+        if (
+            not isinstance(deadline_ms, int)
+            or isinstance(deadline_ms, bool)
+            or not 0 < deadline_ms <= MAX_DEADLINE_MS
+        ):
+            raise BadRequest(f"deadline_ms must be in (0, {MAX_DEADLINE_MS}]")
+        return rid, op, handler, args, deadline_ms
+
+    def _run_sync(
+        self, msg: dict[str, Any], writer: asyncio.StreamWriter
+    ) -> Coroutine[Any, Any, None] | None:
+        rid = msg.get("id")
+        op = "?"
+        t0 = time.perf_counter()
+        try:
+            rid, op, handler, args, _deadline = self._parse(msg)
+            result = handler(args)
+            if inspect.isawaitable(result):  # a plain function that returned a coroutine
+                return self._finish_async(rid, op, result, t0, writer)
+            reply: dict[str, Any] = {"id": rid, "ok": True, "result": result}
+        except Exception as e:
+            reply = self._error_reply(rid, op, e)
+        self._send(writer, reply, op, t0)
+        return None
+
+    async def _finish_async(
+        self, rid: int, op: str, aw: Awaitable[Any], t0: float, writer: asyncio.StreamWriter
+    ) -> None:
+        try:
+            reply: dict[str, Any] = {"id": rid, "ok": True, "result": await aw}
+        except Exception as e:
+            reply = self._error_reply(rid, op, e)
+        self._send(writer, reply, op, t0)
+
     async def _run(self, msg: Any, writer: asyncio.StreamWriter) -> None:
         rid = msg.get("id") if isinstance(msg, dict) else None
         op = "?"
         t0 = time.perf_counter()
-        code: str | None = None
         try:
-            msg = req_map(msg)
-            rid = req_int(msg, "id", 0, 2**63 - 1)
-            op = req_str(msg, "op", 64)
-            handler = self._handlers.get(op)
-            if handler is None:
-                raise BadRequest(f"unknown op {op!r}")
-            args = msg.get("args", {})
-            if not isinstance(args, dict):
-                raise BadRequest("args must be a map")
-            deadline_ms = msg.get("deadline_ms", 30_000)
-            if not isinstance(deadline_ms, int) or not 0 < deadline_ms <= MAX_DEADLINE_MS:
-                raise BadRequest(f"deadline_ms must be in (0, {MAX_DEADLINE_MS}]")
+            rid, op, handler, args, deadline_ms = self._parse(msg)
             try:
-                result = await asyncio.wait_for(handler(args), deadline_ms / 1000)
+                async with asyncio.timeout(deadline_ms / 1000) as cm:
+                    result = await handler(args)
             except TimeoutError:
+                if not cm.expired():
+                    raise
                 raise DeadlineExceeded(f"{op} exceeded its {deadline_ms} ms deadline") from None
-            reply = {"id": rid, "ok": True, "result": result}
-        except PegaError as e:
-            code = e.code
-            reply = {"id": rid, "ok": False, "error": e.to_wire()}
+            reply: dict[str, Any] = {"id": rid, "ok": True, "result": result}
         except Exception as e:
-            log.exception("handler %s failed", op)
-            code = Internal.code
-            reply = {"id": rid, "ok": False, "error": Internal(f"{type(e).__name__}: {e}").to_wire()}
+            reply = self._error_reply(rid, op, e)
+        self._send(writer, reply, op, t0)
+
+    @staticmethod
+    def _error_reply(rid: Any, op: str, e: Exception) -> dict[str, Any]:
+        if not isinstance(e, PegaError):
+            log.exception("handler %s failed", op, exc_info=e)
+            e = Internal(f"{type(e).__name__}: {e}")
+        return {"id": rid, "ok": False, "error": e.to_wire()}
+
+    def _send(
+        self, writer: asyncio.StreamWriter, reply: dict[str, Any], op: str, t0: float
+    ) -> None:
         if self._on_request is not None:
-            self._on_request(op, time.perf_counter() - t0, code)
-        if not writer.is_closing():
-            writer.write(encode_frame(reply))
+            err = reply.get("error")
+            self._on_request(op, time.perf_counter() - t0, err["code"] if err else None)
+        if writer.is_closing():
+            return
+        try:
+            frame = encode_frame(reply)
+        except (TypeError, ValueError, OverflowError) as e:  # result not msgpack-able: a bug
+            log.error("reply of %s cannot be encoded: %s", op, e)
+            frame = encode_frame(self._error_reply(reply.get("id"), op, e))
+        writer.write(frame)
 
 
 @dataclass
@@ -261,7 +334,9 @@ class RpcClient:
         host, port = parse_address(addr)
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
         try:
-            writer.write(encode_frame({"op": "hello", "version": PROTOCOL_VERSION, "token": self._token}))
+            writer.write(
+                encode_frame({"op": "hello", "version": PROTOCOL_VERSION, "token": self._token})
+            )
             reply = req_map(await asyncio.wait_for(read_frame(reader, 65536), timeout))
         except BaseException:
             writer.close()
@@ -308,7 +383,9 @@ class RpcClient:
                 if remaining <= 0:
                     break
                 try:
-                    conn = await self._open(self.addresses[idx], min(remaining, self._connect_timeout))
+                    conn = await self._open(
+                        self.addresses[idx], min(remaining, self._connect_timeout)
+                    )
                 except (Unauthorized, ProtocolError):
                     raise
                 except (OSError, TimeoutError, PegaError, asyncio.IncompleteReadError) as e:
@@ -317,9 +394,13 @@ class RpcClient:
                 self._current = idx
                 self._conn = conn
                 return conn
-            raise Unavailable("no service address reachable: " + "; ".join(errors or ["deadline passed"]))
+            raise Unavailable(
+                "no service address reachable: " + "; ".join(errors or ["deadline passed"])
+            )
 
-    async def call(self, op: str, args: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+    async def call(
+        self, op: str, args: dict[str, Any] | None = None, timeout: float | None = None
+    ) -> Any:
         """Run ``op`` remotely; fail over to another address once if the connection breaks."""
         budget = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
@@ -335,13 +416,20 @@ class RpcClient:
             rid = next(self._ids)
             fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             conn.pending[rid] = fut
-            frame = {"id": rid, "op": op, "args": args or {}, "deadline_ms": max(1, int(remaining * 1000))}
+            frame = {
+                "id": rid,
+                "op": op,
+                "args": args or {},
+                "deadline_ms": max(1, int(remaining * 1000)),
+            }
             try:
                 conn.writer.write(encode_frame(frame))
                 return await asyncio.wait_for(fut, remaining)
             except TimeoutError:
                 conn.pending.pop(rid, None)
-                raise DeadlineExceeded(f"{op} to {self.current_address} exceeded {budget:.3f} s") from None
+                raise DeadlineExceeded(
+                    f"{op} to {self.current_address} exceeded {budget:.3f} s"
+                ) from None
             except Unavailable as e:
                 last = e
                 self._current = (self._current + 1) % len(self.addresses)
