@@ -43,6 +43,11 @@ def configure_ucx_env() -> None:
     os.environ.setdefault("UCX_RNDV_SCHEME", "put_zcopy")
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
+    # Closing an endpoint whose peer is gone is routine here (we own failure handling
+    # and log it with context); UCX would print an ERROR line for each.  Set
+    # UCX_LOG_LEVEL=warn / UCXX_LOG_LEVEL=WARN to debug the transport itself.
+    os.environ.setdefault("UCX_LOG_LEVEL", "fatal")
+    os.environ.setdefault("UCXX_LOG_LEVEL", "FATAL")
 
 
 configure_ucx_env()

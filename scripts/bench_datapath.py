@@ -125,7 +125,7 @@ def main() -> None:
     tls = TRANSPORTS[args.transport]
     os.environ["UCX_TLS"] = tls
 
-    from tests.procs import start_node
+    from pegaflow.devcluster import start_node
 
     node = start_node(
         "bench-node",

@@ -13,11 +13,11 @@ import pytest
 from pegaflow.client import PegaClient
 
 from pegaflow.config import ClientConfig, EtcdConfig
+from pegaflow.devcluster import Proc, start_node
 from pegaflow.errors import BadRequest, PegaError, TooLarge, Unauthorized
 from pegaflow.ucx import UcxWorker, close_endpoint
 from pegaflow.wire import PROTOCOL_VERSION, pack, unpack
 from tests.etcd_fixture import CoordinatorFactory, CoordinatorProcess
-from tests.procs import Proc, start_node
 
 BLOCK = 256 << 10
 NS = "test-model"

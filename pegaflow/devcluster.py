@@ -1,0 +1,281 @@
+"""A local PegaFlow cluster made of real processes: etcd, coordinators, storage nodes.
+
+Used by the demo (``scripts/demo.py``), the benchmarks and the integration tests.
+Services announce themselves with one stdout line ``READY k=v ...`` (ports chosen by
+the OS when asked for port 0); :func:`start` waits for it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+ETCD_BINARY = os.environ.get("PEGAFLOW_TEST_ETCD", "etcd")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EtcdServer:
+    """One etcd member on loopback, restartable on the same data dir and ports."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        binary: str = ETCD_BINARY,
+        max_txn_ops: int = 1024,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.binary = binary
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.max_txn_ops = max_txn_ops
+        self.extra_args = list(extra_args)
+        self.log_path = self.data_dir.parent / f"{self.data_dir.name}.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def argv(self) -> list[str]:
+        """The etcd command line."""
+        client = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        return [
+            self.binary,
+            "--name", "pegaflow-test",
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", client,
+            "--advertise-client-urls", client,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"pegaflow-test={peer}",
+            "--auto-compaction-mode", "periodic",
+            "--auto-compaction-retention", "1h",
+            "--max-txn-ops", str(self.max_txn_ops),
+            "--quota-backend-bytes", str(4 << 30),
+            "--log-level", "warn",
+            *self.extra_args,
+        ]  # fmt: skip
+
+    @property
+    def running(self) -> bool:
+        """Whether the process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start (or restart) etcd and wait until it reports healthy."""
+        if self.running:
+            return
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        try:
+            self._proc = subprocess.Popen(
+                self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        finally:
+            log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.running:
+                raise RuntimeError(f"etcd exited at start; see {self.log_path}:\n{self.tail()}")
+            if self.healthy():
+                return
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"etcd not healthy in {timeout} s; see {self.log_path}:\n{self.tail()}")
+
+    def healthy(self) -> bool:
+        """Whether etcd answers ``/health`` with ``true``."""
+        try:
+            url = f"http://{self.endpoint}/health"
+            with urllib.request.urlopen(url, timeout=0.5) as r:
+                return b"true" in r.read()
+        except OSError:
+            return False
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM and wait (SIGKILL after ``timeout``); the data dir stays."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(10)
+        self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILL and wait."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(10)
+        self._proc = None
+
+    def tail(self, lines: int = 30) -> str:
+        """The end of etcd's log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Proc:
+    """A service process whose first stdout line ``READY k=v ...`` announced its ports."""
+
+    name: str
+    popen: subprocess.Popen[str]
+    ready: dict[str, str] = field(default_factory=dict)
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def terminate(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL if it does not stop in ``timeout``."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL (a crash, as far as the rest of the cluster can tell)."""
+        if self.alive():
+            self.popen.kill()
+        self.popen.wait(10)
+
+
+def start(
+    name: str, argv: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = 60.0
+) -> Proc:
+    """Run ``python -m <argv>`` and wait for its READY line."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    popen = subprocess.Popen(
+        [sys.executable, "-m", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        cwd=REPO,
+    )
+    proc = Proc(name, popen)
+    got = threading.Event()
+
+    def pump() -> None:
+        assert popen.stdout is not None
+        for line in popen.stdout:
+            proc.log.append(line.rstrip())
+            if len(proc.log) > 2000:
+                del proc.log[:1000]
+            if line.startswith("READY") and not got.is_set():
+                proc.ready = dict(re.findall(r"(\w+)=(\S+)", line))
+                first = line.split()[1:2]
+                if first and "=" not in first[0]:
+                    proc.ready["address"] = first[0]
+                got.set()
+        got.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not got.wait(0.1):
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{name} not ready in {timeout}s:\n" + "\n".join(proc.log[-50:]))
+    if not proc.ready:
+        proc.kill()
+        raise RuntimeError(f"{name} exited before READY:\n" + "\n".join(proc.log[-50:]))
+    return proc
+
+
+def start_node(
+    node_id: str,
+    *,
+    etcd: str | None = None,
+    prefix: str = "/pegaflow/test",
+    pool: str = "256MiB",
+    slab: str = "16MiB",
+    token: str | None = None,
+    extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> Proc:
+    """A ``pegaflow-node`` on free ports; ``ready['ucx']`` is its data address."""
+    argv = [
+        "pegaflow.storage_node.main",
+        "--node-node-id", node_id,
+        "--node-ucx-port", "0",
+        "--node-http-port", "0",
+        "--node-pool-bytes", pool,
+        "--node-slab-bytes", slab,
+        "--etcd-prefix", prefix,
+        "--etcd-lease-ttl-s", "3",
+        *extra,
+    ]  # fmt: skip
+    if etcd:
+        argv += ["--etcd-endpoints", etcd]
+    if token:
+        argv += ["--security-token", token]
+    return start(f"node {node_id}", argv, env=env)
+
+
+def start_coordinator(
+    *,
+    etcd: str | None = None,
+    prefix: str = "/pegaflow/test",
+    token: str | None = None,
+    extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> Proc:
+    """A ``pegaflow-coordinator`` on free ports; ``ready['address']`` is its address."""
+    argv = [
+        "pegaflow.coordinator.main",
+        "--coordinator-port", "0",
+        "--coordinator-http-port", "0",
+        "--etcd-prefix", prefix,
+        *extra,
+    ]  # fmt: skip
+    if etcd:
+        argv += ["--etcd-endpoints", etcd]
+    if token:
+        argv += ["--security-token", token]
+    return start("coordinator", argv, env=env)
+
+
+def start_server(
+    *, token: str | None = None, extra: Sequence[str] = (), env: dict[str, str] | None = None
+) -> Proc:
+    """A single-host ``pegaflow-server``; ``ready['coordinator']`` is its address."""
+    argv = [
+        "pegaflow.server",
+        "--coordinator-port", "0",
+        "--coordinator-http-port", "0",
+        "--node-ucx-port", "0",
+        *extra,
+    ]  # fmt: skip
+    if token:
+        argv += ["--security-token", token]
+    return start("pegaflow-server", argv, env=env)
