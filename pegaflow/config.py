@@ -98,6 +98,9 @@ class NodeConfig:
         64 << 20, "allocation unit of the pool; one block size per slab", size=True
     )
     shm_dir: str = opt("/dev/shm", "directory of the pool's shared-memory file")
+    keep_pool: bool = opt(
+        True, "keep the pool file and its journal at exit, so a restart re-attaches the blocks"
+    )
     reserve_timeout_s: float = opt(30.0, "an uncommitted put's slots are reclaimed after this")
     max_request_bytes: int = opt(4 << 20, "largest data-plane control message", size=True)
     max_batch: int = opt(4096, "most blocks in one get or put")

@@ -7,12 +7,15 @@ the OS when asked for port 0); :func:`start` waits for it.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -222,8 +225,18 @@ def start_node(
     token: str | None = None,
     extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    shm_dir: str | None = None,
 ) -> Proc:
-    """A ``pegaflow-node`` on free ports; ``ready['ucx']`` is its data address."""
+    """A ``pegaflow-node`` on free ports; ``ready['ucx']`` is its data address.
+
+    The pool lives in ``shm_dir`` (default: a fresh directory in /dev/shm, removed when
+    this process exits); pass the same one to restart a node on its old pool.
+    """
+    if shm_dir is None:
+        shm_dir = tempfile.mkdtemp(
+            prefix="pegaflow-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+        )
+        atexit.register(shutil.rmtree, shm_dir, True)
     argv = [
         "pegaflow.storage_node.main",
         "--node-node-id", node_id,
@@ -233,6 +246,7 @@ def start_node(
         "--node-slab-bytes", slab,
         "--etcd-prefix", prefix,
         "--etcd-lease-ttl-s", "3",
+        "--node-shm-dir", shm_dir,
         *extra,
     ]  # fmt: skip
     if etcd:

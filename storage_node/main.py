@@ -66,7 +66,7 @@ async def run(cfg: ClusterConfig) -> None:
     log.info("stopping node %s", node.node_id)
     if http is not None:
         await http.close()
-    await node.close(unlink=True)
+    await node.close(unlink=not cfg.node.keep_pool)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -116,6 +116,11 @@ class StorageNode:
         if not cfg.node_id and cfg.ucx_port == 0:
             log.info("node id %s (set [node] node_id to keep it stable)", self.node_id)
         await self.sink.start(self.record())
+        if self.pool.recovered:
+            for e in self.pool.recovered:
+                self.sink.publish(e.key[0], e.key[1], e.key[2], e.location(self.node_id))
+            log.info("re-attached %d verified blocks from %s", len(self.pool.recovered), path)
+            self.update_gauges()
         self._refresh = asyncio.create_task(self._refresh_loop())
         log.info(
             "node %s serving %d MiB on UCX %s:%d",

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from pegaflow.storage_node.journal import Journal, SlotRecord
 
+from pegaflow.checksum import checksum
 from pegaflow.errors import NoSpace, TooLarge
 from pegaflow.keys import BlockLocation
 
@@ -73,7 +75,13 @@ class PoolStats:
 
 
 class BlockPool:
-    """Slot allocator, LRU and block table over a shared-memory pool file."""
+    """Slot allocator, LRU and block table over a shared-memory pool file.
+
+    With ``persist=True`` (the default) every commit and drop is journaled next to the
+    pool file, and a pool file left by an earlier process of the same node is
+    re-attached: each journaled block is checked against its xxh3 and kept only if it
+    matches (``recovered`` lists them, oldest first).
+    """
 
     def __init__(
         self,
@@ -83,6 +91,7 @@ class BlockPool:
         *,
         node_id: str,
         on_evict: Callable[[Entry], None] | None = None,
+        persist: bool = True,
     ) -> None:
         if slab_bytes % SLOT_ALIGN or slab_bytes <= 0:
             raise ValueError(f"slab_bytes must be a positive multiple of {SLOT_ALIGN}")
@@ -107,6 +116,12 @@ class BlockPool:
         self._gen = int(time.time() * 1000) << 16
         self.used_bytes = 0
         self.evictions = 0
+        self.recovered: list[Entry] = []
+        self.journal: Journal | None = None
+        if persist:
+            self.journal = Journal(self.path.with_suffix(".journal"), self.capacity, slab_bytes)
+            self.recovered = self._recover(self.journal.replay())
+            self.journal.rewrite(self._record(e) for e in self.recovered)
 
     def _prefault(self) -> None:
         """Back the whole pool with memory now, so puts never pay first-touch faults.
@@ -118,6 +133,55 @@ class BlockPool:
             self._mmap.madvise(_MADV_POPULATE_WRITE)
         except (OSError, ValueError):
             pass
+
+    def _recover(self, records: list[SlotRecord]) -> list[Entry]:
+        """Adopt the journaled blocks whose bytes still match their checksum."""
+        slab_stride: dict[int, int] = {}
+        kept: list[Entry] = []
+        for r in sorted(records, key=lambda r: r.gen):
+            slab, within = divmod(r.offset, self.slab_bytes)
+            key = (r.ns, r.block_hash, r.shard)
+            if (
+                r.offset < 0
+                or r.stride <= 0
+                or r.stride % SLOT_ALIGN
+                or r.stride > self.slab_bytes
+                or not 0 < r.size <= r.stride
+                or within % r.stride
+                or within + r.stride > self.slab_bytes
+                or r.offset + r.stride > self.capacity
+                or slab_stride.get(slab, r.stride) != r.stride
+                or key in self._blocks
+                or r.offset in self._by_offset
+                or checksum(self.buf[r.offset : r.offset + r.size]) != r.xxh3
+            ):
+                continue
+            slab_stride[slab] = r.stride
+            e = Entry(key, r.offset, r.size, r.stride, gen=r.gen, xxh3=r.xxh3, committed=True)
+            self._blocks[key] = e
+            self._by_offset[e.offset] = e
+            self.used_bytes += e.stride
+            self._gen = max(self._gen, e.gen)
+            kept.append(e)
+        for slab, stride in slab_stride.items():
+            cls = self._classes.setdefault(stride, _SizeClass(stride))
+            base = slab * self.slab_bytes
+            n = self.slab_bytes // stride
+            cls.free.extend(
+                base + i * stride
+                for i in range(n - 1, -1, -1)
+                if base + i * stride not in self._by_offset
+            )
+            cls.slabs.append(slab)
+            self._slab_class[slab] = stride
+        for e in kept:
+            self._classes[e.stride].lru[e.key] = e
+        self._free_slabs = [s for s in self._free_slabs if s not in slab_stride]
+        return kept
+
+    @staticmethod
+    def _record(e: Entry) -> SlotRecord:
+        return SlotRecord(e.offset, e.stride, e.size, e.gen, e.xxh3, e.key[0], e.key[1], e.key[2])
 
     # ---- queries -------------------------------------------------------------------
 
@@ -193,6 +257,10 @@ class BlockPool:
         e.reserve_deadline = 0.0
         if e.pins == 0:
             self._classes[e.stride].lru[e.key] = e
+        if self.journal is not None:
+            self.journal.committed(self._record(e))
+            if self.journal.needs_compaction():
+                self.journal.rewrite(self._record(x) for x in self.committed())
         return e.location(self.node_id)
 
     def abort(self, e: Entry) -> None:
@@ -206,6 +274,8 @@ class BlockPool:
             return
         self._classes[e.stride].lru.pop(e.key, None)
         self._release(e)
+        if e.committed and self.journal is not None:
+            self.journal.dropped(e.offset, e.gen)
         if e.committed and self._on_evict is not None:
             self._on_evict(e)
 
@@ -288,5 +358,9 @@ class BlockPool:
         except BufferError:
             pass  # views still alive (e.g. in-flight sends); the OS frees it at exit
         os.close(self._fd)
+        if self.journal is not None:
+            self.journal.close()
         if unlink:
             self.path.unlink(missing_ok=True)
+            if self.journal is not None:
+                self.journal.path.unlink(missing_ok=True)
