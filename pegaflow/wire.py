@@ -20,6 +20,7 @@ PROTOCOL_VERSION = 1
 MAX_LIST = 65536
 #: Longest block hash accepted (vLLM uses 32-byte sha256 digests).
 MAX_HASH_BYTES = 64
+_BYTES = {bytes}
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._:=+,@-]{1,256}$")
 
 
@@ -100,7 +101,16 @@ def check_hash(h: Any) -> bytes:
 
 def check_hashes(msg: dict[str, Any], key: str, max_len: int = MAX_LIST) -> list[bytes]:
     """A list field of block hashes."""
-    return [check_hash(h) for h in req_list(msg, key, max_len)]
+    v = req_list(msg, key, max_len)
+    # The common, valid case is checked in C; the per-item loop only names the culprit.
+    if (
+        v
+        and set(map(type, v)) == _BYTES
+        and min(map(len, v)) > 0
+        and max(map(len, v)) <= MAX_HASH_BYTES
+    ):
+        return v
+    return [check_hash(h) for h in v]
 
 
 def check_shards(msg: dict[str, Any], key: str = "shards") -> list[int]:

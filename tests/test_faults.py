@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from pegaflow.client import PegaClient
+
 from pegaflow.config import ClientConfig, EtcdConfig
 from pegaflow.devcluster import Proc, start_node
 from tests.etcd_fixture import CoordinatorFactory
