@@ -58,11 +58,7 @@ async def test_node_restart_serves_the_same_verified_blocks(
 
         procs[-1].kill()  # kill -9: no clean shutdown, the pool file stays in shm
         # corrupt one stored block behind the node's back: it must never be served again
-        pool_file = Path(shm_dir) / "pegaflow-r1.pool"
-        with open(pool_file, "r+b") as f:
-            first = np.fromfile(pool_file, dtype=np.uint8, count=1 << 20)
-            f.seek(int(np.flatnonzero(first)[0]) + 17)
-            f.write(b"\x00\x01\x02")
+        _corrupt_first_block(Path(shm_dir) / "pegaflow-r1.pool")
 
         node()
         await wait_for(lambda: _hits(c, hashes[1:], 11), 20, "re-attached blocks republished")
@@ -88,3 +84,10 @@ async def test_node_restart_serves_the_same_verified_blocks(
 
 async def _node_known(c: PegaClient, node_id: str) -> bool:
     return node_id in await c.nodes()
+
+
+def _corrupt_first_block(pool_file: Path) -> None:
+    first = np.fromfile(pool_file, dtype=np.uint8, count=1 << 20)
+    with open(pool_file, "r+b") as f:
+        f.seek(int(np.flatnonzero(first)[0]) + 17)
+        f.write(b"\x00\x01\x02")
