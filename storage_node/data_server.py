@@ -51,6 +51,7 @@ from pegaflow.wire import (
 log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT_S = 600.0
+MAX_INFLIGHT_PER_CONN = 32
 _EMPTY = np.empty(0, dtype=np.uint8)
 
 
@@ -69,6 +70,10 @@ class _Conn:
     authed: bool
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     closed: bool = False
+    # requests in flight on this connection; the reader stops reading at the bound
+    slots: asyncio.Semaphore = field(
+        default_factory=lambda: asyncio.Semaphore(MAX_INFLIGHT_PER_CONN)
+    )
 
 
 class DataServer:
@@ -155,9 +160,11 @@ class DataServer:
                     log.info("closing an idle data connection")
                     break
                 data = req.recv_buffer
+                await conn.slots.acquire()
                 t = asyncio.create_task(self._handle(conn, data))
                 conn.tasks.add(t)
                 t.add_done_callback(conn.tasks.discard)
+                t.add_done_callback(lambda _t, c=conn: c.slots.release())
         except PegaError as e:
             log.debug("data connection ended: %s", e)
         finally:

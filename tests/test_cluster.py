@@ -299,3 +299,40 @@ async def test_malformed_requests_get_typed_errors_and_node_keeps_serving(
             await bad._data.put(addr, NS, [(b"x" * 32, 0, np.zeros(16, np.uint8))], 5)
         finally:
             await bad.close()
+
+
+async def test_writer_dying_mid_put_leaves_nothing_visible(node_factory: list[Proc]) -> None:
+    node = start_node("w", pool="8MiB", slab="4MiB", extra=["--node-reserve-timeout-s", "1"])
+    node_factory.append(node)
+    addr = node.ready["ucx"]
+    hashes, data = blocks(16, 8)  # 4 MiB: half the pool
+    raw = await RawConn.open(addr)
+    await raw.ask(pack({"op": "hello", "id": 1, "version": PROTOCOL_VERSION}))
+    reply = await raw.ask(
+        pack({"op": "reserve", "id": 2, "ns": NS, "blocks": [[h, 0, BLOCK] for h in hashes]})
+    )
+    assert reply["ok"] and all(reply["accept"])
+    raw.close()  # the writer dies: no payload, no commit
+
+    c = PegaClient(ClientConfig(coordinators=["127.0.0.1:1"]))
+    try:
+        out = np.zeros_like(data)
+        assert (
+            await c._data.get(addr, NS, [(h, 0, out[i]) for i, h in enumerate(hashes)], 5)
+            == [False] * 16
+        )
+
+        async def stored_again() -> bool:
+            try:
+                return (
+                    await c._data.put(addr, NS, [(h, 0, data[i]) for i, h in enumerate(hashes)], 5)
+                ).stored == 16
+            except PegaError:
+                return False
+
+        # once the reservation expires its slots are reclaimed and the same blocks can be stored
+        await wait_for(stored_again, 15, "reservation reclaimed")
+        assert all(await c._data.get(addr, NS, [(h, 0, out[i]) for i, h in enumerate(hashes)], 5))
+        assert np.array_equal(out, data)
+    finally:
+        await c.close()

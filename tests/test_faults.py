@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -91,3 +92,32 @@ def _corrupt_first_block(pool_file: Path) -> None:
     with open(pool_file, "r+b") as f:
         f.seek(int(np.flatnonzero(first)[0]) + 17)
         f.write(b"\x00\x01\x02")
+
+
+async def test_node_killed_during_batched_get_gives_misses_not_garbage(shm_dir: str) -> None:
+    node = start_node("k1", pool="512MiB", slab="64MiB", shm_dir=shm_dir)
+    addr = node.ready["ucx"]
+    c = PegaClient(ClientConfig(coordinators=["127.0.0.1:1"]))
+    try:
+        rng = np.random.default_rng(5)
+        data = rng.integers(0, 255, size=(32, 8 << 20), dtype=np.uint8)
+        hashes = [bytes([i]) * 32 for i in range(32)]
+        assert (
+            await c._data.put(addr, NS, [(h, 0, data[i]) for i, h in enumerate(hashes)], 30)
+        ).stored == 32
+        out = np.zeros_like(data)
+        get = asyncio.ensure_future(
+            c._data.get(addr, NS, [(h, 0, out[i]) for i, h in enumerate(hashes)], 5)
+        )
+        await asyncio.sleep(0.01)
+        node.kill()
+        ok = await get  # returns (no hang, no exception) within its deadline
+        assert len(ok) == 32
+        for i, good in enumerate(ok):
+            if good:  # anything reported fetched is exactly right
+                assert np.array_equal(out[i], data[i])
+        # the client recovers: a dead node is a miss, promptly, every time
+        assert await c._data.get(addr, NS, [(hashes[0], 0, out[0])], 2) == [False]
+    finally:
+        await c.close()
+        node.kill()
