@@ -17,6 +17,7 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from pegaflow import telemetry
 from pegaflow.config import ClientConfig
 from pegaflow.errors import Unavailable
 from pegaflow.keys import NodeRecord
@@ -75,11 +76,18 @@ class PegaClient:
         """
         if not hashes:
             return LookupResult(0)
-        res = await self._rpc.call(
-            "lookup",
-            {"ns": ns, "hashes": list(hashes), "shards": list(shards)},
-            timeout=self.cfg.lookup_timeout_s if timeout is None else timeout,
+        attrs = (
+            {"pegaflow.namespace": ns, "pegaflow.blocks": len(hashes)}
+            if telemetry.tracing
+            else None
         )
+        with telemetry.span("pegaflow.client.lookup", attrs) as span:
+            res = await self._rpc.call(
+                "lookup",
+                {"ns": ns, "hashes": list(hashes), "shards": list(shards)},
+                timeout=self.cfg.lookup_timeout_s if timeout is None else timeout,
+            )
+            span.set_attribute("pegaflow.hits", int(res["hits"]))
         nodes = {nid: NodeRecord.from_wire(rec) for nid, rec in res.get("nodes", {}).items()}
         self._nodes.update(nodes)
         return LookupResult(int(res["hits"]), nodes, [list(b) for b in res.get("blocks", [])])
@@ -138,9 +146,19 @@ class PegaClient:
                 rec = await self._node(node_id, budget)
             except Exception:
                 return
-            got = await self._data.get(
-                rec.ucx_address, ns, [(items[i][1], items[i][2], items[i][3]) for i in idx], budget
+            attrs = (
+                {"pegaflow.node": node_id, "pegaflow.blocks": len(idx)}
+                if telemetry.tracing
+                else None
             )
+            with telemetry.span("pegaflow.client.get", attrs) as span:
+                got = await self._data.get(
+                    rec.ucx_address,
+                    ns,
+                    [(items[i][1], items[i][2], items[i][3]) for i in idx],
+                    budget,
+                )
+                span.set_attribute("pegaflow.loaded", sum(got))
             for i, g in zip(idx, got, strict=True):
                 ok[i] = g
 
@@ -169,7 +187,15 @@ class PegaClient:
             rec = await self.place(
                 ns, len(items), len(memoryview(items[0][2]).cast("B")), timeout=budget
             )
-        return await self._data.put(rec.ucx_address, ns, items, budget)
+        attrs = (
+            {"pegaflow.node": rec.node_id, "pegaflow.blocks": len(items)}
+            if telemetry.tracing
+            else None
+        )
+        with telemetry.span("pegaflow.client.put", attrs) as span:
+            out = await self._data.put(rec.ucx_address, ns, items, budget)
+            span.set_attribute("pegaflow.stored", out.stored)
+        return out
 
 
 class SyncPegaClient:
@@ -189,7 +215,8 @@ class SyncPegaClient:
         return PegaClient(cfg, token)
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        # bind_context: the caller's trace context follows the call onto the loop thread
+        return asyncio.run_coroutine_threadsafe(telemetry.bind_context(coro), self._loop)
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
         fut = self._submit(coro)

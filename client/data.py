@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pegaflow import telemetry
 from pegaflow.checksum import checksum
 from pegaflow.errors import BadRequest, PegaError, Unavailable, error_from_wire
 from pegaflow.rpc import parse_address
@@ -202,7 +203,13 @@ class DataClient:
             try:
                 reply = await self._request(
                     conn,
-                    {"op": "get", "ns": ns, "seq": seq, "blocks": [[h, s] for h, s, _ in items]},
+                    {
+                        "op": "get",
+                        "ns": ns,
+                        "seq": seq,
+                        "blocks": [[h, s] for h, s, _ in items],
+                        **telemetry.wire_context(),
+                    },
                     max(0.001, deadline - time.monotonic()),
                 )
                 sums = await asyncio.wait_for(
@@ -253,6 +260,7 @@ class DataClient:
                 {
                     "op": "reserve",
                     "ns": ns,
+                    **telemetry.wire_context(),
                     "blocks": [[h, s, len(v)] for (h, s, _), v in zip(items, views, strict=True)],
                 },
                 max(0.001, deadline - time.monotonic()),
@@ -276,6 +284,7 @@ class DataClient:
                         {
                             "op": "commit",
                             "seq": seq,
+                            **telemetry.wire_context(),
                             "xxh3": [x if a else None for x, a in zip(sums, accept, strict=True)],
                         },
                         max(0.001, deadline - time.monotonic()),

@@ -1,8 +1,16 @@
 """``pegaflow``: the operator's command line.
 
-    pegaflow status [--coordinators host:port,...] [--json]
+    pegaflow status [--coordinators host:port,...] [--json] [--no-health]
 
-prints the cluster as the coordinator sees it: nodes, capacity, usage, blocks.
+prints the cluster as the coordinator sees it: every node with its health, capacity,
+usage and blocks, then the totals, the lookup hit rate and the coordinator's state.
+
+A node's health is what its own HTTP ``/health`` answers (asked directly, at the
+address the node published): ``ok``, ``unhealthy`` (it answered 503), ``unreachable``
+(no answer: a firewall, or the node is going down; it is still in the index while its
+lease lives) or ``-`` (no HTTP endpoint published).  ``--no-health`` skips asking.
+Exit status: 0 when the coordinator answered and no node is ``unhealthy`` or
+``unreachable``, 1 when some node is, 2 when no coordinator answered.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from pegaflow.config import load_config
 from pegaflow.errors import PegaError
 from pegaflow.rpc import RpcClient
 
+HEALTH_TIMEOUT_S = 2.0
+
 
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -27,54 +37,136 @@ def _size(n: float) -> str:
     return str(n)
 
 
-def render_status(st: dict[str, Any]) -> str:
-    """The status document as a terminal table."""
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def _bar(frac: float, width: int = 10) -> str:
+    full = round(max(0.0, min(1.0, frac)) * width)
+    return "#" * full + "." * (width - full)
+
+
+def render_status(st: dict[str, Any], health: dict[str, str] | None = None) -> str:
+    """The status document as a terminal table; ``health`` maps node ids to their
+    health (a HEALTH column is shown when it is given)."""
     nodes = st.get("nodes", [])
-    rows = [("NODE", "ADDRESS", "CAPACITY", "USED", "USE%", "BLOCKS", "UPTIME")]
+    head = ["NODE", "ADDRESS", "HEALTH", "CAPACITY", "USED", "USE", "BLOCKS", "ENTRIES", "UP"]
+    if health is None:
+        head.remove("HEALTH")
+    rows = [tuple(head)]
     now = time.time()
     cap_total = used_total = 0
-    for n in sorted(nodes, key=lambda n: n.get("node_id", "")):
+    for n in sorted(nodes, key=lambda n: str(n.get("node_id", ""))):
         cap, used = int(n.get("capacity_bytes", 0)), int(n.get("used_bytes", 0))
         cap_total += cap
         used_total += used
         started = float(n.get("started_at") or 0)
-        rows.append(
-            (
-                str(n.get("node_id")),
-                f"{n.get('host')}:{n.get('ucx_port')}",
-                _size(cap),
-                _size(used),
-                f"{100 * used / cap:.0f}%" if cap else "-",
-                str(n.get("blocks", 0)),
-                f"{(now - started) / 60:.0f} min" if started else "-",
-            )
-        )
+        row = [
+            str(n.get("node_id")),
+            f"{n.get('host')}:{n.get('ucx_port')}",
+            health.get(str(n.get("node_id")), "-") if health is not None else "",
+            _size(cap),
+            _size(used),
+            f"{_bar(used / cap)} {100 * used / cap:3.0f}%" if cap else "-",
+            str(n.get("blocks", 0)),
+            str(n.get("entries", "-")),
+            _duration(now - started) if started else "-",
+        ]
+        if health is None:
+            del row[2]
+        rows.append(tuple(row))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    if not nodes:
+        lines.append("(no storage node is registered)")
     coord = st.get("coordinator", {})
     lines.append("")
+    pct = f" ({100 * used_total / cap_total:.0f}%)" if cap_total else ""
     lines.append(
-        f"{len(nodes)} node(s), {_size(used_total)} of {_size(cap_total)} used, "
-        f"{st.get('blocks', 0)} block entries in the index, {st.get('namespaces', 0)} namespace(s)"
+        f"{len(nodes)} node(s), {_size(used_total)} of {_size(cap_total)} used{pct}, "
+        f"{st.get('blocks', 0)} blocks in the index, {st.get('namespaces', 0)} namespace(s)"
     )
+    if health is not None and nodes:
+        bad = sorted(k for k, v in health.items() if v in ("unhealthy", "unreachable"))
+        lines.append("health: all nodes ok" if not bad else f"health: NOT ok: {', '.join(bad)}")
     hits, misses = coord.get("hit_blocks"), coord.get("miss_blocks")
+    lookups = coord.get("lookups")
     if isinstance(hits, int | float) and isinstance(misses, int | float) and hits + misses:
         total = hits + misses
-        lines.append(f"lookup hit rate {100 * hits / total:.1f}% ({hits} of {total} blocks)")
+        lines.append(
+            f"lookup hit rate {100 * hits / total:.1f}% ({hits} of {total} blocks"
+            f"{f' in {lookups} lookups' if lookups else ''}, this coordinator since start)"
+        )
+    elif lookups == 0:
+        lines.append("lookup hit rate: no lookups yet")
+    etcd = (
+        "not used (single host)"
+        if coord.get("mode") == "local"
+        else ("connected" if coord.get("etcd_connected") else "NOT CONNECTED")
+    )
+    extra = ""
+    if coord.get("mode") != "local" and isinstance(coord.get("etcd"), dict):
+        lag = coord["etcd"].get("lag_revisions")
+        if lag:
+            extra = f", {lag} revision(s) behind"
+    http = f", dashboard on http port {coord['http_port']}" if coord.get("http_port") else ""
     lines.append(
-        f"coordinator {coord.get('id', '?')}: etcd "
-        f"{'connected' if coord.get('etcd_connected') else 'not connected / not used'}, "
-        f"up {coord.get('uptime_s', 0):.0f} s"
+        f"coordinator {coord.get('id', '?')}: etcd {etcd}{extra}, "
+        f"up {_duration(float(coord.get('uptime_s', 0)))}{http}"
     )
     return "\n".join(lines)
 
 
-async def _status(addresses: list[str], token: str | None, timeout: float) -> dict[str, Any]:
+def _health_url(rec: dict[str, Any]) -> str | None:
+    http = str(rec.get("http") or "")
+    host, sep, port = http.rpartition(":")
+    if not sep:
+        return None
+    host = host.strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        host = str(rec.get("host") or "127.0.0.1")
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}/health"
+
+
+async def node_health(
+    nodes: list[dict[str, Any]], timeout: float = HEALTH_TIMEOUT_S
+) -> dict[str, str]:
+    """Ask every node's ``/health`` (concurrently); ``{node_id: health}``."""
+    import aiohttp
+
+    async def one(session: aiohttp.ClientSession, rec: dict[str, Any]) -> tuple[str, str]:
+        nid = str(rec.get("node_id"))
+        url = _health_url(rec)
+        if url is None:
+            return nid, "-"
+        try:
+            async with session.get(url) as r:
+                return nid, "ok" if r.status == 200 else "unhealthy"
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return nid, "unreachable"
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        return dict(await asyncio.gather(*(one(session, n) for n in nodes)))
+
+
+async def _status(
+    addresses: list[str], token: str | None, timeout: float, health: bool
+) -> tuple[dict[str, Any], dict[str, str] | None]:
     client = RpcClient(addresses, token=token, timeout=timeout)
     try:
-        return await client.call("status", {})
+        st = await client.call("status", {})
     finally:
         await client.close()
+    h = await node_health(st.get("nodes", []), min(timeout, HEALTH_TIMEOUT_S)) if health else None
+    return st, h
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,22 +176,36 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--config", help="TOML config file (also PEGAFLOW_CONFIG)")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p_status = sub.add_parser("status", help="show nodes, capacity, usage and blocks")
+    p_status = sub.add_parser(
+        "status", help="show nodes, health, capacity, usage, blocks and the hit rate"
+    )
     p_status.add_argument(
         "--coordinators", help="comma-separated host:port (default: [client] coordinators)"
     )
     p_status.add_argument("--token", help="shared secret (default: [security] token)")
     p_status.add_argument("--timeout", type=float, default=5.0)
     p_status.add_argument("--json", action="store_true", help="print the raw status document")
+    p_status.add_argument("--no-health", action="store_true", help="do not ask each node's /health")
     args = parser.parse_args(argv)
     cfg = load_config(args.config)
     addresses = args.coordinators.split(",") if args.coordinators else cfg.client.coordinators
     token = args.token or cfg.security.token or None
     try:
-        st = asyncio.run(_status(addresses, token, args.timeout))
+        st, health = asyncio.run(_status(addresses, token, args.timeout, not args.no_health))
     except PegaError as e:
-        sys.exit(f"pegaflow: cannot get status from {', '.join(addresses)}: {e.code}: {e}")
-    print(json.dumps(st, indent=2, default=str) if args.json else render_status(st))
+        print(
+            f"pegaflow: cannot get status from {', '.join(addresses)}: {e.code}: {e}",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    if args.json:
+        if health is not None:
+            st = {**st, "health": health}
+        print(json.dumps(st, indent=2, default=str))
+    else:
+        print(render_status(st, health))
+    if health and any(v in ("unhealthy", "unreachable") for v in health.values()):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

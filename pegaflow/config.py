@@ -6,8 +6,8 @@ into argparse flags and ``docs/configuration.md`` is generated from the same sch
 (``python -m pegaflow.config``), so flags, env vars and docs cannot drift apart.
 
 A TOML file has one table per component: ``[etcd]``, ``[coordinator]``, ``[node]``,
-``[client]``, ``[security]``.  Environment variables are ``PEGAFLOW_<TABLE>_<FIELD>``,
-e.g. ``PEGAFLOW_NODE_POOL_BYTES=8GiB``.
+``[client]``, ``[security]``, ``[telemetry]``.  Environment variables are
+``PEGAFLOW_<TABLE>_<FIELD>``, e.g. ``PEGAFLOW_NODE_POOL_BYTES=8GiB``.
 """
 
 from __future__ import annotations
@@ -120,6 +120,21 @@ class ClientConfig:
 
 
 @dataclass
+class TelemetryConfig:
+    """Optional OpenTelemetry export (OTLP) of metrics and traces, off by default."""
+
+    otlp_endpoint: str = opt(
+        "",
+        "OTLP collector URL, e.g. http://otel-collector:4317 (grpc) or :4318 (http/protobuf);"
+        " setting it turns export on (needs the otlp extra); empty: off",
+    )
+    otlp_protocol: str = opt("grpc", "grpc or http/protobuf")
+    service_name: str = opt("", "service.name of this process (empty: the program's name)")
+    export_interval_s: float = opt(15.0, "seconds between two metric exports")
+    trace_sample_ratio: float = opt(1.0, "fraction of new traces kept (children follow parents)")
+
+
+@dataclass
 class ClusterConfig:
     """Everything one process may need, one table per component."""
 
@@ -128,6 +143,7 @@ class ClusterConfig:
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     node: NodeConfig = field(default_factory=NodeConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
 
 SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(ClusterConfig)}  # type: ignore[misc]

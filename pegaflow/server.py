@@ -21,6 +21,7 @@ from typing import Any
 
 import uvloop
 
+from pegaflow import telemetry
 from pegaflow.config import ClusterConfig, add_arguments, config_from_args
 from pegaflow.coordinator.index import BlockIndex, LocalSink
 from pegaflow.coordinator.service import Coordinator
@@ -50,7 +51,7 @@ class AllInOne:
         if use_etcd:
             from pegaflow.storage_node.publisher import EtcdPublisher
 
-            sink = EtcdPublisher(cfg.etcd, self.node.inventory)
+            sink = EtcdPublisher(cfg.etcd, self.node.inventory, registry=self.registry)
         else:
             sink = LocalSink(self.coordinator.index)
         self.node.sink = sink
@@ -79,6 +80,7 @@ class AllInOne:
 async def run(cfg: ClusterConfig) -> None:
     """Serve until SIGINT/SIGTERM."""
     server = AllInOne(cfg)
+    telemetry.setup(cfg.telemetry, service="pegaflow-server", registry=server.registry)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -97,12 +99,13 @@ async def run(cfg: ClusterConfig) -> None:
     finally:
         log.info("stopping")
         await server.close()
+        telemetry.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``pegaflow-server``."""
     parser = argparse.ArgumentParser(prog="pegaflow-server", description=__doc__)
-    add_arguments(parser, ["etcd", "security", "coordinator", "node"])
+    add_arguments(parser, ["etcd", "security", "coordinator", "node", "telemetry"])
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     args = parser.parse_args(argv)
     logging.basicConfig(

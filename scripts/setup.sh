@@ -9,11 +9,12 @@ cd "$(dirname "$0")/.."
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
-if ! command -v etcd >/dev/null 2>&1; then
-    log "installing etcd-server (Debian)"
+# etcd for the index; chromium (headless) for the dashboard test
+if ! command -v etcd >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1; then
+    log "installing etcd-server and chromium (Debian)"
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server etcd-client >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server etcd-client chromium >/dev/null
 fi
 
 PY=${PYTHON:-python3}

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from pegaflow.storage_node.metrics import NodeMetrics
 
+from pegaflow import telemetry
 from pegaflow.checksum import checksum
 from pegaflow.config import NodeConfig
 from pegaflow.errors import BadRequest, DeadlineExceeded, PegaError, ProtocolError, Unauthorized
@@ -193,12 +194,19 @@ class DataServer:
             elif not conn.authed:
                 raise Unauthorized("send hello with the cluster token first")
             elif op == "get":
-                await self._get(conn, msg, rid)
+                with telemetry.remote_span("pegaflow.node.get", msg.get(telemetry.TRACEPARENT_KEY)):
+                    await self._get(conn, msg, rid)
                 return
             elif op == "reserve":
-                result = self._reserve(conn, msg)
+                with telemetry.remote_span(
+                    "pegaflow.node.reserve", msg.get(telemetry.TRACEPARENT_KEY)
+                ):
+                    result = self._reserve(conn, msg)
             elif op == "commit":
-                result = await self._commit(conn, msg)
+                with telemetry.remote_span(
+                    "pegaflow.node.commit", msg.get(telemetry.TRACEPARENT_KEY)
+                ):
+                    result = await self._commit(conn, msg)
             elif op == "abort":
                 self._abort(req_int(msg, "seq"))
                 result = {}
@@ -246,12 +254,15 @@ class DataServer:
             e = self.pool.get(key)
             if e is None:
                 header.append(None)
-                self.metrics.get_blocks.labels(result="miss").inc()
                 continue
             self.pool.pin(e)
             pinned.append((len(header), e))
             header.append([e.size, e.gen, e.xxh3])
-            self.metrics.get_blocks.labels(result="hit").inc()
+        # metrics once per batch, not per block
+        if pinned:
+            self.metrics.get_blocks.labels(result="hit").inc(len(pinned))
+        if len(pinned) < len(keys):
+            self.metrics.get_blocks.labels(result="miss").inc(len(keys) - len(pinned))
         try:
             # Every index gets a message so that the reader's pre-posted receives all
             # complete: the block, or an empty message for a miss.

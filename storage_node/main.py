@@ -16,6 +16,7 @@ import sys
 import uvloop
 from pegaflow.storage_node.node import NullSink, StorageNode
 
+from pegaflow import telemetry
 from pegaflow.config import ClusterConfig, add_arguments, config_from_args
 from pegaflow.inventory import InventorySink
 
@@ -31,13 +32,14 @@ def make_sink(cfg: ClusterConfig, node: StorageNode) -> InventorySink:
         return NullSink()
     from pegaflow.storage_node.publisher import EtcdPublisher
 
-    return EtcdPublisher(cfg.etcd, node.inventory)
+    return EtcdPublisher(cfg.etcd, node.inventory, registry=node.registry)
 
 
 async def run(cfg: ClusterConfig) -> None:
     """Serve until SIGINT/SIGTERM."""
     node = StorageNode(cfg.node, token=cfg.security.token or None)
     node.sink = make_sink(cfg, node)
+    telemetry.setup(cfg.telemetry, service="pegaflow-node", registry=node.registry)
     await node.start()
     http = None
     if cfg.node.http_port >= 0:
@@ -67,11 +69,12 @@ async def run(cfg: ClusterConfig) -> None:
     if http is not None:
         await http.close()
     await node.close(unlink=not cfg.node.keep_pool)
+    telemetry.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pegaflow-node", description=__doc__)
-    add_arguments(parser, ["etcd", "security", "node"])
+    add_arguments(parser, ["etcd", "security", "node", "telemetry"])
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -109,6 +109,7 @@ class StorageNode:
         self.pool = BlockPool(
             path, cfg.pool_bytes, cfg.slab_bytes, node_id=self.node_id, on_evict=self._on_evict
         )
+        self.update_gauges()  # capacity is known now, not only after the first change
         self.data = DataServer(
             self.pool, cfg, self.sink, self.metrics, token=self._token, on_change=self._dirty.set
         )

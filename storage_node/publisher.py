@@ -1,0 +1,555 @@
+"""Publishes a storage node's membership and block inventory to etcd.
+
+:class:`EtcdPublisher` is the cluster's :class:`~pegaflow.inventory.InventorySink`:
+
+* It grants a lease (``[etcd] lease_ttl_s``), keeps it alive, and writes
+  ``nodes/<id>`` and every ``blocks/<ns>/<hash>/<shard>`` key under it, so a dead
+  node's entries vanish by themselves one TTL later.
+* ``publish``/``unpublish`` only queue (a dict keyed by etcd key: a later write to the
+  same key replaces an earlier one still queued).  Writer tasks drain the queue in
+  transactions of ``[etcd] batch_size`` ops, several in flight at once; a key is never
+  in two transactions at the same time, so writes to one key stay ordered.
+* An unpublish is a delete *if the key is still on this node's lease*: a node never
+  deletes an entry another node has overwritten since.
+* When the queue is full, writes are dropped and counted.  When the lease is lost
+  (expired during a partition, etcd rebuilt) or writes were dropped, the publisher
+  *rotates*: it grants a new lease, rewrites the node record and the node's whole
+  inventory (from the ``inventory`` callback) under it, then revokes the old lease,
+  which deletes exactly the stale keys.  Lookups never see the inventory disappear.
+* An etcd outage never raises into the node: calls fail, get logged and counted, and
+  are retried with backoff; the queue keeps absorbing writes up to its bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pegaflow.config import EtcdConfig
+from pegaflow.errors import BadRequest, NotFound, PegaError, TooLarge
+from pegaflow.etcd import EtcdClient, delete_if_lease_op, put_op
+from pegaflow.keys import BlockLocation, Keyspace, NodeRecord
+
+log = logging.getLogger(__name__)
+
+Inventory = Callable[[], Iterable[tuple[str, bytes, int, BlockLocation]]]
+
+_MAX_BACKOFF_S = 5.0
+
+
+class _Delete:
+    """A queued unpublish (a put is queued as its value bytes)."""
+
+    __slots__ = ()
+
+
+_DELETE = _Delete()
+
+
+class EtcdPublisher:
+    """Publishes one node's record and inventory to etcd (see the module docstring).
+
+    ``inventory`` returns the node's complete current inventory as
+    ``(namespace, hash, shard, location)``; it is called synchronously and its result
+    is copied at once, so it may return a live view.  It must agree with what was
+    passed to :meth:`publish`/:meth:`unpublish` so far.
+    """
+
+    def __init__(
+        self,
+        etcd: EtcdConfig,
+        inventory: Inventory,
+        *,
+        client: EtcdClient | None = None,
+        max_pending: int = 1 << 20,
+        concurrency: int = 4,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.cfg = etcd
+        self.keys = Keyspace(etcd.prefix)
+        self._inventory = inventory
+        self._client = client
+        self._own_client = client is None
+        self._max_pending = max_pending
+        self._concurrency = max(1, concurrency)
+        self._batch_size = max(1, etcd.batch_size)
+        self._flush_interval = max(0.0, etcd.flush_interval_ms / 1000)
+        self._ttl = max(1, int(etcd.lease_ttl_s))
+
+        self._record: NodeRecord | None = None
+        self._node_key = b""
+        self._pending: dict[bytes, bytes | _Delete] = {}
+        self._snapshot: Iterator[tuple[str, bytes, int, BlockLocation]] | None = None
+        self._inflight_keys: set[bytes] = set()
+        self._inflight = 0
+        self._drained = asyncio.Event()  # set while no batch is in flight
+        self._drained.set()
+
+        self._lease = 0
+        self._gen = 0
+        self._old_lease = 0  # revoked once a rotation's snapshot is written
+        self._rotate = True  # (re)register at the next chance
+        self._rotate_after_drops = False  # rotate once the queue has room again
+        self._lease_ok = asyncio.Event()
+        self._work = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._registered = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+        self._down_since: float | None = None
+
+        self.published = 0
+        self.unpublished = 0
+        self.dropped = 0
+        self.batches = 0
+        self.keys_written = 0
+        self.write_errors = 0
+        self.keepalive_errors = 0
+        self.lease_losses = 0
+        self.rotations = 0
+        if registry is not None:
+            registry.register(PublisherCollector(self))
+
+    # -- InventorySink ----------------------------------------------------------------
+
+    async def start(self, record: NodeRecord) -> None:
+        """Start publishing as ``record``'s node.  Waits up to ``[etcd] timeout_s`` for
+        the registration; if etcd is unreachable it logs and keeps trying in the
+        background (never raises for an outage)."""
+        if self._tasks:
+            raise RuntimeError("EtcdPublisher already started")
+        self._record = record
+        self._node_key = self.keys.node_key(record.node_id)
+        if self._client is None:
+            self._client = EtcdClient(self.cfg)
+        self._tasks = [asyncio.create_task(self._supervise(), name="publisher-supervisor")]
+        self._tasks += [
+            asyncio.create_task(self._write_loop(), name=f"publisher-writer-{i}")
+            for i in range(self._concurrency)
+        ]
+        try:
+            await asyncio.wait_for(self._registered.wait(), self.cfg.timeout_s)
+        except TimeoutError:
+            log.warning(
+                "node %s: not registered in etcd yet (%s); blocks stay queued and "
+                "registration keeps retrying in the background",
+                record.node_id,
+                ", ".join(self.cfg.endpoints),
+            )
+
+    async def update_node(self, record: NodeRecord) -> None:
+        """Queue a new version of the node record (written with the next batch)."""
+        self._record = record
+        if self._node_key:
+            self._queue(self._node_key, record.encode(), force=True)
+
+    def publish(self, ns: str, block_hash: bytes, shard: int, loc: BlockLocation) -> None:
+        """Queue: this committed block shard is on this node."""
+        self.published += 1
+        self._queue(self.keys.block_key(ns, block_hash, shard), loc.encode())
+
+    def unpublish(self, ns: str, block_hash: bytes, shard: int, loc: BlockLocation) -> None:
+        """Queue: this block shard is gone from this node."""
+        self.unpublished += 1
+        self._queue(self.keys.block_key(ns, block_hash, shard), _DELETE)
+
+    def publish_many(self, entries: Iterable[tuple[str, bytes, int, BlockLocation]]) -> int:
+        """Queue many publishes at once (benchmarks, bulk loads); returns how many were
+        queued (the rest were dropped: the queue was full)."""
+        pending = self._pending
+        block_key = self.keys.block_key
+        room = self._max_pending - len(pending)
+        n = 0
+        for ns, h, shard, loc in entries:
+            key = block_key(ns, h, shard)
+            if room <= 0 and key not in pending:
+                self._drop()
+                continue
+            if key not in pending:
+                room -= 1
+            pending[key] = loc.encode()
+            n += 1
+        self.published += n
+        if n:
+            self._idle.clear()
+            self._work.set()
+        return n
+
+    async def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the node is registered and everything queued so far is written
+        (or dropped and counted).  Returns False if ``timeout`` passed first."""
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    await self._idle.wait()
+                    if self._is_idle():
+                        return True
+                    self._idle.clear()
+        except TimeoutError:
+            return False
+
+    async def close(self, *, revoke: bool = True, timeout: float | None = None) -> None:
+        """Stop.  With ``revoke`` (the default) the lease is revoked so the node's
+        entries vanish now; without it, queued writes are flushed (up to ``timeout``,
+        default ``[etcd] timeout_s``) and the entries live until the lease expires,
+        which is also how a crash looks to the cluster."""
+        if self._closing:
+            return
+        if not revoke and self._tasks:
+            await self.flush(self.cfg.timeout_s if timeout is None else timeout)
+        self._closing = True
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        client = self._client
+        if client is not None and revoke:
+            for lease in (self._lease, self._old_lease):
+                if lease:
+                    try:
+                        await client.revoke(lease)
+                    except NotFound:
+                        pass
+                    except PegaError as e:
+                        log.warning("could not revoke lease %x (%s); entries expire in %d s",
+                                    lease, e, self._ttl)  # fmt: skip
+        self._lease = self._old_lease = 0
+        if client is not None and self._own_client:
+            await client.close()
+
+    # -- introspection ----------------------------------------------------------------
+
+    @property
+    def lease_id(self) -> int:
+        """The current lease (0 while unregistered)."""
+        return self._lease
+
+    @property
+    def registered(self) -> bool:
+        """Whether the node record is in etcd under a live lease (as far as we know)."""
+        return self._lease_ok.is_set()
+
+    @property
+    def pending(self) -> int:
+        """Writes queued and not yet sent."""
+        return len(self._pending)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for status pages and tests."""
+        return {
+            "registered": self.registered,
+            "lease_id": self._lease,
+            "pending": len(self._pending),
+            "inflight_batches": self._inflight,
+            "published": self.published,
+            "unpublished": self.unpublished,
+            "dropped": self.dropped,
+            "batches": self.batches,
+            "keys_written": self.keys_written,
+            "write_errors": self.write_errors,
+            "keepalive_errors": self.keepalive_errors,
+            "lease_losses": self.lease_losses,
+            "rotations": self.rotations,
+        }
+
+    # -- queue ------------------------------------------------------------------------
+
+    def _queue(self, key: bytes, value: bytes | _Delete, *, force: bool = False) -> None:
+        pending = self._pending
+        if not force and len(pending) >= self._max_pending and key not in pending:
+            self._drop()
+            return
+        pending[key] = value
+        self._idle.clear()
+        self._work.set()
+
+    def _drop(self) -> None:
+        if not self.dropped or self.dropped % 10000 == 0:
+            log.warning(
+                "etcd publish queue full (%d writes): dropping (%d so far); the inventory "
+                "will be republished when etcd catches up",
+                self._max_pending,
+                self.dropped + 1,
+            )
+        self.dropped += 1
+        self._rotate_after_drops = True
+
+    def _is_idle(self) -> bool:
+        return (
+            self._lease_ok.is_set()
+            and not self._pending
+            and self._snapshot is None
+            and self._inflight == 0
+            and not self._old_lease
+        )
+
+    def _check_idle(self) -> None:
+        if self._is_idle():
+            self._idle.set()
+        if self._old_lease or self._rotate_after_drops:
+            self._wake.set()
+
+    def _take(self) -> list[tuple[bytes, bytes | _Delete]]:
+        n = self._batch_size
+        inflight = self._inflight_keys
+        if self._snapshot is not None:
+            block_key = self.keys.block_key
+            items: list[tuple[bytes, bytes | _Delete]] = [
+                (block_key(ns, h, shard), loc.encode())
+                for ns, h, shard, loc in islice(self._snapshot, n)
+            ]
+            if len(items) < n:
+                self._snapshot = None
+            inflight.update(k for k, _ in items)
+            return items
+        pending = self._pending
+        if not pending:
+            return []
+        keys: list[bytes] = []
+        for k in pending:
+            if k not in inflight:
+                keys.append(k)
+                if len(keys) >= n:
+                    break
+        inflight.update(keys)
+        return [(k, pending.pop(k)) for k in keys]
+
+    def _requeue(self, batch: list[tuple[bytes, bytes | _Delete]]) -> None:
+        setdefault = self._pending.setdefault
+        for k, v in batch:
+            setdefault(k, v)  # a newer write to the key wins
+
+    # -- tasks ------------------------------------------------------------------------
+
+    async def _write_loop(self) -> None:
+        failures = 0
+        while True:
+            await self._lease_ok.wait()
+            if (
+                self._flush_interval
+                and self._snapshot is None
+                and 0 < len(self._pending) < self._batch_size
+            ):
+                await asyncio.sleep(self._flush_interval)  # let a batch fill up
+                if not self._lease_ok.is_set():
+                    continue
+            batch = self._take()
+            if not batch:
+                self._work.clear()
+                self._check_idle()
+                await self._work.wait()
+                continue
+            lease, gen = self._lease, self._gen
+            ops = [
+                put_op(k, v, lease) if type(v) is bytes else delete_if_lease_op(k, lease)
+                for k, v in batch
+            ]
+            self._inflight += 1
+            self._drained.clear()
+            backoff = 0.0
+            try:
+                assert self._client is not None
+                await self._client.txn(ops)
+            except NotFound as e:
+                # The lease is gone: the rotation rewrites the whole inventory, this
+                # batch included, under a new one.
+                self._lease_lost(gen, e)
+            except (BadRequest, TooLarge) as e:
+                if self._batch_size > 1:
+                    self._batch_size = max(1, self._batch_size // 2)
+                    log.warning(
+                        "etcd refused a %d-op transaction (%s): using %d ops per "
+                        "transaction; raise etcd's --max-txn-ops or lower [etcd] batch_size",
+                        len(ops),
+                        e,
+                        self._batch_size,
+                    )
+                    self._requeue(batch)
+                else:
+                    self.write_errors += 1
+                    log.error("etcd refused a write (%s); dropping it", e)
+            except PegaError as e:
+                self.write_errors += 1
+                failures += 1
+                self._requeue(batch)
+                self._note_down(e)
+                backoff = min(_MAX_BACKOFF_S, 0.05 * 2**failures)
+            else:
+                failures = 0
+                self.batches += 1
+                self.keys_written += len(batch)
+                self._note_up()
+            finally:
+                self._inflight -= 1
+                if not self._inflight:
+                    self._drained.set()
+                self._inflight_keys.difference_update(k for k, _ in batch)
+                self._check_idle()
+            if backoff:
+                await asyncio.sleep(backoff)
+
+    def _lease_lost(self, gen: int, why: object) -> None:
+        if gen != self._gen or not self._lease_ok.is_set():
+            return
+        self.lease_losses += 1
+        log.warning(
+            "node %s: etcd lease %x lost (%s); re-registering and republishing the inventory",
+            self._record.node_id if self._record else "?",
+            self._lease,
+            why,
+        )
+        self._lease = 0  # nothing to revoke
+        self._rotate = True
+        self._lease_ok.clear()
+        self._wake.set()
+
+    def _note_down(self, e: Exception) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            log.warning(
+                "etcd writes failing (%s); %d writes queued, retrying with backoff", e, self.pending
+            )
+
+    def _note_up(self) -> None:
+        if self._down_since is not None:
+            log.info("etcd writes resumed after %.1f s", time.monotonic() - self._down_since)
+            self._down_since = None
+
+    async def _supervise(self) -> None:
+        """Registers, keeps the lease alive, rotates it when lost or after drops."""
+        failures = 0
+        next_keepalive = 0.0
+        interval = max(0.2, self._ttl / 3)
+        while True:
+            try:
+                if self._rotate:
+                    await self._rotate_lease()
+                    failures = 0
+                    next_keepalive = time.monotonic() + interval
+                elif self._old_lease and self._snapshot is None and self._inflight == 0:
+                    await self._revoke_old()
+                elif (
+                    self._rotate_after_drops
+                    and len(self._pending) < self._max_pending // 2
+                    and self._snapshot is None
+                ):
+                    log.info("republishing the inventory after %d dropped writes", self.dropped)
+                    self._rotate_after_drops = False
+                    self._rotate = True
+                    continue
+                now = time.monotonic()
+                if now >= next_keepalive and self._lease:
+                    await self._keepalive()
+                    next_keepalive = time.monotonic() + interval
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, next_keepalive - time.monotonic())):
+                        await self._wake.wait()
+            except PegaError as e:
+                failures += 1
+                self._note_down(e)
+                await asyncio.sleep(min(_MAX_BACKOFF_S, 0.1 * 2**failures))
+            except Exception:
+                failures += 1
+                log.exception("publisher supervisor failed; retrying")
+                await asyncio.sleep(min(_MAX_BACKOFF_S, 0.1 * 2**failures))
+
+    async def _keepalive(self) -> None:
+        assert self._client is not None
+        try:
+            ttl = await self._client.keepalive(self._lease)
+        except PegaError as e:
+            self.keepalive_errors += 1
+            self._note_down(e)
+            return
+        if ttl <= 0:
+            self._lease_lost(self._gen, "keepalive: lease not found")
+
+    async def _rotate_lease(self) -> None:
+        """Grant a new lease and rewrite the node record and whole inventory under it."""
+        assert self._client is not None and self._record is not None
+        self._lease_ok.clear()
+        # Batches in flight under the old lease must land before the snapshot is taken.
+        await self._drained.wait()
+        lease = await self._client.grant(self._ttl)
+        try:
+            await self._client.put(self._node_key, self._record.encode(), lease)
+        except PegaError:
+            with contextlib.suppress(PegaError):
+                await self._client.revoke(lease)
+            raise
+        snapshot = list(self._inventory())
+        self._pending.clear()  # the snapshot supersedes everything queued so far
+        self._snapshot = iter(snapshot)
+        if self._lease and self._lease != lease:
+            self._old_lease = self._lease
+        self._lease = lease
+        self._gen += 1
+        self._rotate = False
+        self._rotate_after_drops = False
+        self.rotations += 1
+        self._lease_ok.set()
+        self._registered.set()
+        self._work.set()
+        self._idle.clear()
+        self._note_up()
+        log.info(
+            "node %s registered in etcd (lease %x, ttl %d s), publishing %d blocks",
+            self._record.node_id,
+            lease,
+            self._ttl,
+            len(snapshot),
+        )
+
+    async def _revoke_old(self) -> None:
+        assert self._client is not None
+        old, self._old_lease = self._old_lease, 0
+        try:
+            await self._client.revoke(old)
+        except NotFound:
+            pass
+        except PegaError:
+            self._old_lease = old
+            raise
+        self._check_idle()
+
+
+class PublisherCollector(Collector):
+    """Prometheus metrics of an :class:`EtcdPublisher` (read at scrape time)."""
+
+    def __init__(self, publisher: EtcdPublisher) -> None:
+        self.p = publisher
+
+    def collect(self) -> Iterator[Any]:
+        p = self.p
+        counters = [
+            ("pegaflow_node_etcd_write_batches", "etcd transactions written", p.batches),
+            ("pegaflow_node_etcd_write_keys", "keys written to etcd", p.keys_written),
+            ("pegaflow_node_etcd_write_errors", "failed etcd transactions", p.write_errors),
+            ("pegaflow_node_etcd_dropped_writes", "writes dropped: queue full", p.dropped),
+            ("pegaflow_node_etcd_keepalive_errors", "failed lease keepalives", p.keepalive_errors),
+            ("pegaflow_node_etcd_lease_losses", "leases found expired", p.lease_losses),
+            ("pegaflow_node_etcd_registrations", "lease grants + republishes", p.rotations),
+        ]
+        for name, doc, value in counters:
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c
+        for name, doc, value in (
+            ("pegaflow_node_etcd_pending_writes", "writes queued for etcd", p.pending),
+            ("pegaflow_node_etcd_registered", "1 while registered under a live lease",
+             int(p.registered)),
+        ):  # fmt: skip
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
