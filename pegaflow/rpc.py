@@ -12,6 +12,11 @@ Framing: every frame is a 4-byte big-endian length followed by one msgpack map.
 Requests on one connection run concurrently (bounded per connection); replies may come
 out of order and are matched by id.  A frame over the size limit gets a ``too_large``
 error and the connection is closed (its length prefix cannot be trusted to resync).
+
+Both ends are :class:`asyncio.Protocol` implementations rather than streams: frames are
+cut out of one receive buffer without a coroutine per frame, and every reply (or
+request) produced in one pass goes out in one ``write``, so a busy connection costs a
+few system calls per batch of requests rather than per request.
 """
 
 from __future__ import annotations
@@ -25,8 +30,7 @@ import logging
 import struct
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from pegaflow.errors import (
     BadRequest,
@@ -46,10 +50,21 @@ log = logging.getLogger(__name__)
 _LEN = struct.Struct("!I")
 DEFAULT_MAX_FRAME = 16 << 20
 MAX_DEADLINE_MS = 600_000
+HANDSHAKE_TIMEOUT_S = 10.0
+_MAX_HELLO = 4096
 
 Handler = Callable[[dict[str, Any]], Awaitable[Any]]
 SyncHandler = Callable[[dict[str, Any]], Any]
-_WRITE_HIGH_WATER = 4 << 20
+
+
+class Packed(bytes):
+    """A handler result that is already msgpack: spliced into the reply unchanged, for
+    hot paths that encode faster than a generic ``pack`` of the same value would."""
+
+    __slots__ = ()
+
+
+_PLAIN = frozenset({Packed, dict, list, tuple, str, bytes, int, float, bool, type(None)})
 
 
 def encode_frame(obj: Any) -> bytes:
@@ -76,14 +91,45 @@ def parse_address(addr: str, default_port: int | None = None) -> tuple[str, int]
     return host.strip("[]"), int(port)
 
 
+class _FrameBuffer:
+    """Cuts length-prefixed msgpack frames out of received bytes."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def frames(self, limit: Callable[[], int]) -> Any:
+        """Yield each complete frame's decoded message; raises TooLarge for a length
+        over ``limit()`` and BadRequest for undecodable msgpack (the connection cannot
+        be trusted after either).  Consumed bytes are dropped when the caller stops."""
+        buf = self.buf
+        pos = 0
+        try:
+            while len(buf) - pos >= 4:
+                (n,) = _LEN.unpack_from(buf, pos)
+                max_bytes = limit()
+                if n > max_bytes:
+                    raise TooLarge(f"frame of {n} bytes exceeds the limit of {max_bytes}")
+                end = pos + 4 + n
+                if len(buf) < end:
+                    break
+                with memoryview(buf) as mv, mv[pos + 4 : end] as body:
+                    msg = unpack(body, max_bytes)
+                pos = end
+                yield msg
+        finally:
+            del buf[:pos]
+
+
 class RpcServer:
     """Serves named handlers over the control protocol.
 
     Handlers take the request's ``args`` map and return a msgpack-ready result, or raise
     a :class:`PegaError`; anything else becomes ``internal`` and is logged.  ``async``
     handlers run as tasks, under the request's deadline, several at once per
-    connection.  Plain (non-async) handlers run inline in the connection's read loop,
-    with no task: use them for fast, non-blocking ops such as index lookups.
+    connection.  Plain (non-async) handlers run inline as the request is read, with no
+    task: use them for fast, non-blocking ops such as index lookups.
     """
 
     def __init__(
@@ -103,29 +149,32 @@ class RpcServer:
         )
         self._token = token
         self._max_frame = max_frame
-        self._max_inflight = max_inflight_per_conn
+        self._max_inflight = max(1, max_inflight_per_conn)
         self._on_request = on_request
         self._server: asyncio.base_events.Server | None = None
-        self._conns: set[asyncio.Task[None]] = set()
+        self._conns: set[_ServerConnection] = set()
+        self._hello_ok = encode_frame({"ok": True, "version": PROTOCOL_VERSION, "server": name})
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (port 0 picks a free one); returns the bound port."""
-        self._server = await asyncio.start_server(self._serve_conn, host, port)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _ServerConnection(self), host, port)
         return self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
         """Stop listening and drop every connection."""
         if self._server is not None:
             self._server.close()
-        for t in list(self._conns):
-            t.cancel()
-        await asyncio.gather(*self._conns, return_exceptions=True)
+        tasks: list[asyncio.Task[None]] = []
+        for conn in list(self._conns):
+            tasks += conn.abort()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2)
 
-    async def _handshake(self, reader: asyncio.StreamReader) -> None:
-        hello = req_map(await asyncio.wait_for(read_frame(reader, 4096), 10))
+    def _check_hello(self, hello: Any) -> None:
+        hello = req_map(hello)
         if hello.get("op") != "hello":
             raise ProtocolError("first frame must be hello")
         version = req_int(hello, "version", 0, 1 << 16)
@@ -138,54 +187,21 @@ class RpcServer:
             if not isinstance(got, str) or not hmac.compare_digest(got, self._token):
                 raise Unauthorized("missing or wrong token")
 
-    async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._conns.add(task)
-        inflight: set[asyncio.Task[None]] = set()
-        sem = asyncio.Semaphore(self._max_inflight)
-        sync_ops = self._sync_ops
-        transport = writer.transport
-        try:
-            try:
-                await self._handshake(reader)
-            except (PegaError, TimeoutError) as e:
-                err = e if isinstance(e, PegaError) else ProtocolError("handshake timed out")
-                writer.write(encode_frame({"ok": False, "error": err.to_wire()}))
-                return
-            hello = {"ok": True, "version": PROTOCOL_VERSION, "server": self.name}
-            writer.write(encode_frame(hello))
-            while True:
-                try:
-                    msg = await read_frame(reader, self._max_frame)
-                except PegaError as e:  # unframeable: reply and close
-                    writer.write(encode_frame({"id": None, "ok": False, "error": e.to_wire()}))
-                    return
-                op = msg.get("op") if type(msg) is dict else None
-                coro: Coroutine[Any, Any, None] | None
-                if type(op) is str and op in sync_ops:
-                    coro = self._run_sync(msg, writer)
-                else:
-                    coro = self._run(msg, writer)
-                if coro is not None:
-                    await sem.acquire()
-                    t = asyncio.create_task(coro)
-                    inflight.add(t)
-                    t.add_done_callback(inflight.discard)
-                    t.add_done_callback(lambda _t: sem.release())
-                if transport.get_write_buffer_size() > _WRITE_HIGH_WATER:
-                    await writer.drain()  # a client that does not read its replies
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        except asyncio.CancelledError:
-            pass
-        finally:
-            for t in inflight:
-                t.cancel()
-            self._conns.discard(task)
-            writer.close()
-
     def _parse(self, msg: Any) -> tuple[int, str, Handler | SyncHandler, dict[str, Any], int]:
+        if type(msg) is dict:  # the well-formed case, checked without helper calls
+            rid, op, args = msg.get("id"), msg.get("op"), msg.get("args", {})
+            deadline_ms = msg.get("deadline_ms", 30_000)
+            if (
+                type(rid) is int
+                and 0 <= rid < 2**63
+                and type(op) is str
+                and type(args) is dict
+                and type(deadline_ms) is int
+                and 0 < deadline_ms <= MAX_DEADLINE_MS
+            ):
+                handler = self._handlers.get(op)
+                if handler is not None:
+                    return rid, op, handler, args, deadline_ms
         msg = req_map(msg)
         rid = req_int(msg, "id", 0, 2**63 - 1)
         op = req_str(msg, "op", 64)
@@ -204,33 +220,31 @@ class RpcServer:
             raise BadRequest(f"deadline_ms must be in (0, {MAX_DEADLINE_MS}]")
         return rid, op, handler, args, deadline_ms
 
-    def _run_sync(
-        self, msg: dict[str, Any], writer: asyncio.StreamWriter
-    ) -> Coroutine[Any, Any, None] | None:
+    def _run_sync(self, msg: dict[str, Any]) -> bytes | Coroutine[Any, Any, bytes]:
+        """The reply frame of a request for a plain handler (or, when the handler
+        returned an awaitable after all, a coroutine making it)."""
         rid = msg.get("id")
         op = "?"
         t0 = time.perf_counter()
         try:
             rid, op, handler, args, _deadline = self._parse(msg)
             result = handler(args)
-            if inspect.isawaitable(result):  # a plain function that returned a coroutine
-                return self._finish_async(rid, op, result, t0, writer)
+            if type(result) not in _PLAIN and inspect.isawaitable(result):
+                return self._finish(rid, op, result, t0)
             reply: dict[str, Any] = {"id": rid, "ok": True, "result": result}
         except Exception as e:
             reply = self._error_reply(rid, op, e)
-        self._send(writer, reply, op, t0)
-        return None
+        return self._encode(reply, op, t0)
 
-    async def _finish_async(
-        self, rid: int, op: str, aw: Awaitable[Any], t0: float, writer: asyncio.StreamWriter
-    ) -> None:
+    async def _finish(self, rid: int, op: str, aw: Awaitable[Any], t0: float) -> bytes:
         try:
             reply: dict[str, Any] = {"id": rid, "ok": True, "result": await aw}
         except Exception as e:
             reply = self._error_reply(rid, op, e)
-        self._send(writer, reply, op, t0)
+        return self._encode(reply, op, t0)
 
-    async def _run(self, msg: Any, writer: asyncio.StreamWriter) -> None:
+    async def _run(self, msg: Any) -> bytes:
+        """The reply frame of a request for an async handler, under its deadline."""
         rid = msg.get("id") if isinstance(msg, dict) else None
         op = "?"
         t0 = time.perf_counter()
@@ -246,37 +260,333 @@ class RpcServer:
             reply: dict[str, Any] = {"id": rid, "ok": True, "result": result}
         except Exception as e:
             reply = self._error_reply(rid, op, e)
-        self._send(writer, reply, op, t0)
+        return self._encode(reply, op, t0)
 
     @staticmethod
     def _error_reply(rid: Any, op: str, e: Exception) -> dict[str, Any]:
         if not isinstance(e, PegaError):
             log.exception("handler %s failed", op, exc_info=e)
             e = Internal(f"{type(e).__name__}: {e}")
+        if not isinstance(rid, int) or isinstance(rid, bool):
+            rid = None
         return {"id": rid, "ok": False, "error": e.to_wire()}
 
-    def _send(
-        self, writer: asyncio.StreamWriter, reply: dict[str, Any], op: str, t0: float
-    ) -> None:
+    def _encode(self, reply: dict[str, Any], op: str, t0: float) -> bytes:
         if self._on_request is not None:
             err = reply.get("error")
             self._on_request(op, time.perf_counter() - t0, err["code"] if err else None)
-        if writer.is_closing():
-            return
         try:
-            frame = encode_frame(reply)
-        except (TypeError, ValueError, OverflowError) as e:  # result not msgpack-able: a bug
+            result = reply.get("result")
+            if type(result) is Packed:
+                # {"id", "ok", "result": nil} ends with the nil byte: swap in the result.
+                body = pack({"id": reply["id"], "ok": True, "result": None})[:-1] + result
+                return _LEN.pack(len(body)) + body
+            return encode_frame(reply)
+        except (TypeError, ValueError, OverflowError) as e:  # a result msgpack refuses: a bug
             log.error("reply of %s cannot be encoded: %s", op, e)
-            frame = encode_frame(self._error_reply(reply.get("id"), op, e))
-        writer.write(frame)
+            return encode_frame(self._error_reply(reply.get("id"), op, e))
 
 
-@dataclass
-class _Conn:
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
-    reader_task: asyncio.Task[None]
-    pending: dict[int, asyncio.Future[Any]]
+class _ServerConnection(asyncio.Protocol):
+    """One client connection of an :class:`RpcServer`."""
+
+    def __init__(self, server: RpcServer) -> None:
+        self._server = server
+        self._frames = _FrameBuffer()
+        self._transport: asyncio.Transport | None = None
+        self._ready = False
+        self._closing = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._out: list[bytes] = []
+        self._batching = False
+        self._paused_for_tasks = False
+        self._paused_for_writes = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+        self._server._conns.add(self)
+        self._timer = asyncio.get_running_loop().call_later(
+            HANDSHAKE_TIMEOUT_S, self._fail, ProtocolError("handshake timed out")
+        )
+
+    def data_received(self, data: bytes) -> None:
+        self._frames.buf += data
+        self._process()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
+        if self._timer is not None:
+            self._timer.cancel()
+        for t in self._tasks:
+            t.cancel()
+        self._server._conns.discard(self)
+
+    def pause_writing(self) -> None:
+        # The client does not read its replies: stop reading its requests.
+        self._paused_for_writes = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._paused_for_writes = False
+        self._update_reading()
+
+    # -- frames -----------------------------------------------------------------------
+
+    def _limit(self) -> int:
+        return self._server._max_frame if self._ready else _MAX_HELLO
+
+    def _process(self) -> None:
+        if self._closing:
+            return
+        server = self._server
+        sync_ops = server._sync_ops
+        self._batching = True
+        frames = self._frames.frames(self._limit)
+        try:
+            for msg in frames:
+                if not self._ready:
+                    if not self._hello(msg):
+                        return
+                    continue
+                op = msg.get("op") if type(msg) is dict else None
+                if type(op) is str and op in sync_ops:
+                    reply = server._run_sync(msg)
+                    if type(reply) is bytes:
+                        self._out.append(reply)
+                        continue
+                    coro = reply
+                else:
+                    coro = server._run(msg)
+                t = asyncio.get_running_loop().create_task(self._respond(coro))  # type: ignore[arg-type]
+                self._tasks.add(t)
+                t.add_done_callback(self._task_done)
+                if len(self._tasks) >= server._max_inflight:
+                    self._paused_for_tasks = True
+                    self._update_reading()
+                    break
+        except PegaError as e:  # unframeable: reply and close
+            self._fail(e)
+        finally:
+            frames.close()  # drops the consumed bytes
+            self._batching = False
+            self._flush()
+
+    def _hello(self, msg: Any) -> bool:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        try:
+            self._server._check_hello(msg)
+        except PegaError as e:
+            self._out.append(encode_frame({"ok": False, "error": e.to_wire()}))
+            self._close()
+            return False
+        self._ready = True
+        self._out.append(self._server._hello_ok)
+        return True
+
+    async def _respond(self, coro: Coroutine[Any, Any, bytes]) -> None:
+        frame = await coro
+        if not self._closing:
+            self._out.append(frame)
+            if not self._batching:
+                self._flush()
+
+    def _task_done(self, t: asyncio.Task[None]) -> None:
+        self._tasks.discard(t)
+        if self._paused_for_tasks and len(self._tasks) < self._server._max_inflight:
+            self._paused_for_tasks = False
+            self._update_reading()
+            self._process()  # frames already received while paused
+
+    def _update_reading(self) -> None:
+        t = self._transport
+        if t is None or self._closing or t.is_closing():
+            return
+        if self._paused_for_tasks or self._paused_for_writes:
+            if t.is_reading():
+                t.pause_reading()
+        elif not t.is_reading():
+            t.resume_reading()
+
+    def _flush(self) -> None:
+        if self._out and self._transport is not None and not self._transport.is_closing():
+            out = self._out
+            self._transport.write(out[0] if len(out) == 1 else b"".join(out))
+        self._out.clear()
+        if self._closing and self._transport is not None:
+            self._transport.close()
+
+    def _fail(self, e: PegaError) -> None:
+        self._out.append(encode_frame({"id": None, "ok": False, "error": e.to_wire()}))
+        self._close()
+
+    def _close(self) -> None:
+        """Close once what is queued has been written."""
+        self._closing = True
+        if not self._batching:
+            self._flush()
+
+    def abort(self) -> list[asyncio.Task[None]]:
+        """Drop the connection now; returns its tasks (cancelled)."""
+        self._closing = True
+        if self._transport is not None:
+            self._transport.abort()
+        for t in self._tasks:
+            t.cancel()
+        return list(self._tasks)
+
+
+class _Expired(Exception):
+    """A call's deadline passed (turned into DeadlineExceeded by the caller)."""
+
+
+class _ClientConnection(asyncio.Protocol):
+    """One connection of an :class:`RpcClient`: sends frames, resolves replies by id,
+    fails calls whose deadline passed.
+
+    One timer serves all calls: it is armed for the earliest deadline and, when it
+    fires, fails what expired and re-arms for the next one, so a call costs two dict
+    entries rather than a timer of its own.
+    """
+
+    def __init__(self, client: RpcClient, address: str) -> None:
+        self._client = client
+        self.address = address
+        self._loop = asyncio.get_running_loop()
+        self._frames = _FrameBuffer()
+        self.transport: asyncio.Transport | None = None
+        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self._deadlines: dict[int, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self.hello: asyncio.Future[Any] = self._loop.create_future()
+        self._out: list[bytes] = []
+        self._flush_scheduled = False
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+
+    def data_received(self, data: bytes) -> None:
+        self._frames.buf += data
+        pending = self.pending
+        deadlines = self._deadlines
+        frames = self._frames.frames(self._limit)
+        try:
+            for msg in frames:
+                if not self.hello.done():
+                    self.hello.set_result(msg)
+                    continue
+                if type(msg) is not dict:
+                    continue
+                rid = msg.get("id")
+                if type(rid) is not int:
+                    if rid is None and not msg.get("ok"):
+                        # The server refused a frame it could not take and closes: the
+                        # calls in flight get its error rather than a bare "lost".
+                        err = error_from_wire(msg.get("error"))
+                        for fut in pending.values():
+                            if not fut.done():
+                                fut.set_exception(err)
+                    continue
+                fut = pending.pop(rid, None)
+                deadlines.pop(rid, None)
+                if fut is None or fut.done():
+                    continue
+                if msg.get("ok"):
+                    fut.set_result(msg.get("result"))
+                else:
+                    fut.set_exception(error_from_wire(msg.get("error")))
+        except PegaError as e:
+            self.drop(Unavailable(f"bad reply from {self.address}: {e}"))
+        finally:
+            frames.close()
+
+    def _limit(self) -> int:
+        return self._client._max_frame
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        why = exc or "closed by the server"
+        self._fail_all(Unavailable(f"connection to {self.address} lost: {why}"))
+
+    def request(self, rid: int, frame: bytes, deadline: float) -> asyncio.Future[Any]:
+        """Send a request frame; the future gets the reply, or ``_Expired`` at
+        ``deadline`` (loop time)."""
+        fut = self._loop.create_future()
+        self.pending[rid] = fut
+        self._deadlines[rid] = deadline
+        if self._timer is None or deadline < self._timer_at:
+            self._arm(deadline)
+        self._out.append(frame)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+        return fut
+
+    def send(self, frame: bytes) -> None:
+        """Queue a frame; frames queued in one loop iteration go out in one write."""
+        self._out.append(frame)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def forget(self, rid: int) -> None:
+        """Stop waiting for a reply."""
+        self.pending.pop(rid, None)
+        self._deadlines.pop(rid, None)
+
+    def _arm(self, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(at, self._expire)
+        self._timer_at = at
+
+    def _expire(self) -> None:
+        self._timer = None
+        now = self._loop.time()
+        nxt = 0.0
+        for rid, at in list(self._deadlines.items()):
+            if at <= now:
+                del self._deadlines[rid]
+                fut = self.pending.pop(rid, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(_Expired())
+            elif not nxt or at < nxt:
+                nxt = at
+        if nxt:
+            self._arm(nxt)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        out = self._out
+        if out and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        out.clear()
+
+    def _fail_all(self, err: PegaError) -> None:
+        self.lost = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self.hello.done():
+            self.hello.set_exception(err)
+            self.hello.exception()  # retrieved: nobody may be waiting any more
+        pending, self.pending = self.pending, {}
+        self._deadlines = {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._client._lost(self)
+
+    def drop(self, err: PegaError) -> None:
+        """Close the connection; pending calls fail with ``err``."""
+        if self.transport is not None:
+            self.transport.abort()
+        self._fail_all(err)
 
 
 class RpcClient:
@@ -306,7 +616,7 @@ class RpcClient:
         self._max_frame = max_frame
         self._ids = itertools.count(1)
         self._current = 0
-        self._conn: _Conn | None = None
+        self._conn: _ClientConnection | None = None
         self._connecting: asyncio.Lock | None = None
 
     @property
@@ -318,57 +628,32 @@ class RpcClient:
         """Close the connection; pending calls fail with ``Unavailable``."""
         conn, self._conn = self._conn, None
         if conn is not None:
-            self._drop(conn, Unavailable("client closed"))
+            conn.drop(Unavailable("client closed"))
 
-    def _drop(self, conn: _Conn, err: PegaError) -> None:
-        conn.reader_task.cancel()
-        conn.writer.close()
-        for fut in conn.pending.values():
-            if not fut.done():
-                fut.set_exception(err)
-        conn.pending.clear()
+    def _lost(self, conn: _ClientConnection) -> None:
         if self._conn is conn:
             self._conn = None
 
-    async def _open(self, addr: str, timeout: float) -> _Conn:
+    async def _open(self, addr: str, timeout: float) -> _ClientConnection:
         host, port = parse_address(addr)
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-        try:
-            writer.write(
-                encode_frame({"op": "hello", "version": PROTOCOL_VERSION, "token": self._token})
-            )
-            reply = req_map(await asyncio.wait_for(read_frame(reader, 65536), timeout))
-        except BaseException:
-            writer.close()
-            raise
+        loop = asyncio.get_running_loop()
+        conn = _ClientConnection(self, addr)
+        async with asyncio.timeout(timeout):
+            await loop.create_connection(lambda: conn, host, port)
+            try:
+                hello = {"op": "hello", "version": PROTOCOL_VERSION, "token": self._token}
+                conn.send(encode_frame(hello))
+                reply = req_map(await conn.hello)
+            except BaseException:
+                if conn.transport is not None:
+                    conn.transport.abort()
+                raise
         if not reply.get("ok"):
-            writer.close()
+            conn.drop(Unavailable("handshake refused"))
             raise error_from_wire(reply.get("error"))
-        conn = _Conn(reader, writer, None, {})  # type: ignore[arg-type]
-        conn.reader_task = asyncio.create_task(self._read_loop(conn))
         return conn
 
-    async def _read_loop(self, conn: _Conn) -> None:
-        err: PegaError = Unavailable("connection closed by server")
-        try:
-            while True:
-                msg = await read_frame(conn.reader, self._max_frame)
-                if not isinstance(msg, dict):
-                    continue
-                fut = conn.pending.pop(msg.get("id"), None)  # type: ignore[arg-type]
-                if fut is None or fut.done():
-                    continue
-                if msg.get("ok"):
-                    fut.set_result(msg.get("result"))
-                else:
-                    fut.set_exception(error_from_wire(msg.get("error")))
-        except asyncio.CancelledError:
-            return
-        except (asyncio.IncompleteReadError, ConnectionError, OSError, PegaError) as e:
-            err = Unavailable(f"connection to {self.current_address} lost: {e}")
-        self._drop(conn, err)
-
-    async def _connection(self, deadline: float) -> _Conn:
+    async def _connection(self, deadline: float) -> _ClientConnection:
         if self._conn is not None:
             return self._conn
         if self._connecting is None:
@@ -379,7 +664,7 @@ class RpcClient:
             errors: list[str] = []
             for i in range(len(self.addresses)):
                 idx = (self._current + i) % len(self.addresses)
-                remaining = deadline - time.monotonic()
+                remaining = deadline - asyncio.get_running_loop().time()
                 if remaining <= 0:
                     break
                 try:
@@ -388,7 +673,7 @@ class RpcClient:
                     )
                 except (Unauthorized, ProtocolError):
                     raise
-                except (OSError, TimeoutError, PegaError, asyncio.IncompleteReadError) as e:
+                except (OSError, TimeoutError, PegaError) as e:
                     errors.append(f"{self.addresses[idx]}: {type(e).__name__} {e}")
                     continue
                 self._current = idx
@@ -401,44 +686,44 @@ class RpcClient:
     async def call(
         self, op: str, args: dict[str, Any] | None = None, timeout: float | None = None
     ) -> Any:
-        """Run ``op`` remotely; fail over to another address once if the connection breaks."""
+        """Run ``op`` remotely; fail over to another address if the connection breaks."""
         budget = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + budget
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget
         last: PegaError | None = None
         for _attempt in range(len(self.addresses) + 1):
-            remaining = deadline - time.monotonic()
+            conn = self._conn
+            if conn is None:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        conn = await self._connection(deadline)
+                except TimeoutError:
+                    break
+            remaining = deadline - loop.time()
             if remaining <= 0:
                 break
-            try:
-                conn = await self._connection(deadline)
-            except TimeoutError:
-                break
             rid = next(self._ids)
-            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            conn.pending[rid] = fut
             frame = {
                 "id": rid,
                 "op": op,
                 "args": args or {},
                 "deadline_ms": max(1, int(remaining * 1000)),
             }
+            fut = conn.request(rid, encode_frame(frame), deadline)
             try:
-                conn.writer.write(encode_frame(frame))
-                return await asyncio.wait_for(fut, remaining)
-            except TimeoutError:
-                conn.pending.pop(rid, None)
+                return await fut
+            except _Expired:
                 raise DeadlineExceeded(
                     f"{op} to {self.current_address} exceeded {budget:.3f} s"
                 ) from None
             except Unavailable as e:
+                if not conn.lost:  # the server's own answer
+                    raise
                 last = e
                 self._current = (self._current + 1) % len(self.addresses)
-                continue
-            except (ConnectionError, OSError) as e:
-                last = Unavailable(str(e))
-                self._drop(conn, last)
-                self._current = (self._current + 1) % len(self.addresses)
-                continue
+            except asyncio.CancelledError:
+                conn.forget(rid)
+                raise
         if last is not None:
             raise last
         raise DeadlineExceeded(f"{op} exceeded {budget:.3f} s")

@@ -103,13 +103,10 @@ def check_hashes(msg: dict[str, Any], key: str, max_len: int = MAX_LIST) -> list
     """A list field of block hashes."""
     v = req_list(msg, key, max_len)
     # The common, valid case is checked in C; the per-item loop only names the culprit.
-    if (
-        v
-        and set(map(type, v)) == _BYTES
-        and min(map(len, v)) > 0
-        and max(map(len, v)) <= MAX_HASH_BYTES
-    ):
-        return v
+    if v and set(map(type, v)) == _BYTES:
+        lengths = set(map(len, v))
+        if min(lengths) > 0 and max(lengths) <= MAX_HASH_BYTES:
+            return v
     return [check_hash(h) for h in v]
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -34,22 +36,43 @@ from typing import Any
 import uvloop
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
 
-from etcd_fixture import EtcdServer, start_coordinator_async  # noqa: E402
+
+from pegaflow.storage_node.publisher import EtcdPublisher  # noqa: E402
 
 from pegaflow.config import EtcdConfig  # noqa: E402
 from pegaflow.keys import BlockLocation, NodeRecord  # noqa: E402
 from pegaflow.rpc import RpcClient  # noqa: E402
-from pegaflow.storage_node.publisher import EtcdPublisher  # noqa: E402
+from tests.etcd_fixture import EtcdServer, start_coordinator_async  # noqa: E402
 
 NS = "bench:llama-8b:bf16:bs16:tp1"
 PREFIX = 128
 
 
 def block_hash(i: int) -> bytes:
-    """A 32-byte hash, like vLLM's sha256 block hashes."""
-    return i.to_bytes(8, "big") * 4
+    """Block ``i``'s 32-byte hash: uniform like vLLM's sha256 block hashes."""
+    return hashlib.sha256(i.to_bytes(8, "big")).digest()
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process, MiB (0 where /proc is missing)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (0 where /proc is missing)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def say(msg: str) -> None:
@@ -60,11 +83,12 @@ async def ingest(cfg: EtcdConfig, n: int, concurrency: int) -> tuple[float, dict
     """Publish ``n`` blocks from one node; returns (seconds, publisher stats)."""
     pub = EtcdPublisher(cfg, lambda: [], concurrency=concurrency, max_pending=n + 1)
     await pub.start(NodeRecord("bench-node", "127.0.0.1", 9000, capacity_bytes=1 << 40))
+    hashes = [block_hash(i) for i in range(n)]  # what vLLM computes, not the publisher
     t0 = time.perf_counter()
     chunk = 50_000
     for start in range(0, n, chunk):
         pub.publish_many(
-            (NS, block_hash(i), 0, BlockLocation("bench-node", i, 1, 1 << 20, i))
+            (NS, hashes[i], 0, BlockLocation("bench-node", i, 1, 1 << 20, i))
             for i in range(start, min(n, start + chunk))
         )
         await asyncio.sleep(0)  # let the writers start on the first chunk
@@ -116,12 +140,21 @@ async def latency(address: str, n: int, count: int) -> list[float]:
     return out
 
 
-def _throughput_proc(address: str, n: int, inflight: int, seconds: float, q: Any) -> None:
-    async def run() -> tuple[int, int]:
+def _throughput_proc(
+    address: str, n: int, inflight: int, start_at: float, seconds: float, q: Any
+) -> None:
+    # A load generator: keep the collector's full passes (over everything imported) out
+    # of the measurement.
+    gc.freeze()
+    gc.set_threshold(20_000)
+
+    async def run() -> tuple[int, int, float]:
         client = RpcClient([address], timeout=10)
-        argsets = [lookup_args((i * 104729 * PREFIX) % max(PREFIX, n - PREFIX)) for i in range(64)]
+        starts = [(i * 104729 * PREFIX) % max(PREFIX, n - PREFIX) for i in range(64)]
+        argsets = [lookup_args(s) for s in starts]
         done = errors = 0
         await client.call("lookup", argsets[0])
+        await asyncio.sleep(max(0.0, start_at - time.time()))  # all clients start together
         t_end = time.perf_counter() + seconds
 
         async def worker(w: int) -> None:
@@ -135,32 +168,35 @@ def _throughput_proc(address: str, n: int, inflight: int, seconds: float, q: Any
                 else:
                     errors += 1
 
+        cpu0 = time.process_time()
         await asyncio.gather(*(worker(w) for w in range(inflight)))
+        cpu = time.process_time() - cpu0
         await client.close()
-        return done, errors
+        return done, errors, cpu
 
     q.put(uvloop.run(run()))
 
 
-def throughput(address: str, n: int, procs: int, inflight: int, seconds: float) -> float:
+def throughput(
+    address: str, n: int, procs: int, inflight: int, seconds: float
+) -> tuple[float, float]:
+    """Lookups/s of ``procs`` client processes running over the same window, and the
+    CPU seconds the clients used."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    start_at = time.time() + 5.0  # time enough to spawn and connect
     ps = [
-        ctx.Process(target=_throughput_proc, args=(address, n, inflight, seconds, q))
+        ctx.Process(target=_throughput_proc, args=(address, n, inflight, start_at, seconds, q))
         for _ in range(procs)
     ]
-    t0 = time.perf_counter()
     for p in ps:
         p.start()
     results = [q.get(timeout=seconds + 120) for _ in ps]
     for p in ps:
         p.join(30)
-    # Processes start at slightly different times; each measured its own window.
-    del t0
-    done = sum(r[0] for r in results)
     if any(r[1] for r in results):
         raise RuntimeError(f"lookups that missed: {sum(r[1] for r in results)}")
-    return done / seconds
+    return sum(r[0] for r in results) / seconds, sum(r[2] for r in results)
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -189,8 +225,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             f"({stats['batches']} txns of <= {args.batch}, {args.concurrency} in flight)"
         )
         lag, st = await wait_indexed(coord.address, args.blocks, timeout=600)
-        say(f"mirror: holds {st['blocks']} blocks {lag:.2f} s after the ingest finished")
+        rss = rss_mb(coord.pid)
+        say(
+            f"mirror: holds {st['blocks']} blocks {lag:.2f} s after the ingest finished; "
+            f"coordinator RSS {rss:.0f} MiB"
+        )
 
+        await asyncio.sleep(args.settle)  # etcd snapshots/compacts after a big ingest
         lat = await latency(coord.address, args.blocks, args.lookups)
         lat.sort()
         p50 = statistics.median(lat) * 1000
@@ -199,20 +240,29 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             f"lookup latency ({PREFIX}-block prefix, 1 client, sequential, {len(lat)} calls): "
             f"p50 {p50:.3f} ms, p99 {p99:.3f} ms, max {lat[-1] * 1000:.3f} ms"
         )
-        rate = await asyncio.to_thread(
+        cpu0 = cpu_seconds(coord.pid)
+        rate, client_cpu = await asyncio.to_thread(
             throughput, coord.address, args.blocks, args.procs, args.inflight, args.seconds
         )
+        server_cpu = cpu_seconds(coord.pid) - cpu0
+        per_cpu = rate * args.seconds / server_cpu if server_cpu else 0.0
         say(
             f"throughput: {rate:,.0f} lookups/s ({args.procs} client processes x "
-            f"{args.inflight} in flight, {args.seconds:.0f} s)"
+            f"{args.inflight} in flight, {args.seconds:.0f} s); coordinator used "
+            f"{server_cpu / args.seconds:.0%} of a core = {per_cpu:,.0f} lookups per CPU-second, "
+            f"clients {client_cpu / args.seconds:.0%}; load average {os.getloadavg()[0]:.1f}"
         )
         result: dict[str, Any] = {
             "lookup_p50_ms": round(p50, 4),
             "lookup_p99_ms": round(p99, 4),
             "lookups_per_s": round(rate),
+            "lookups_per_coordinator_cpu_s": round(per_cpu),
+            "coordinator_core_share": round(server_cpu / args.seconds, 3),
+            "loadavg_1m": round(os.getloadavg()[0], 2),
             "ingest_blocks_per_s": round(ingest_rate),
             "indexed_blocks": st["blocks"],
             "mirror_catchup_s": round(lag, 3),
+            "coordinator_rss_mib": round(rss),
             "blocks": args.blocks,
             "prefix_blocks": PREFIX,
             "txn_ops": args.batch,
@@ -245,8 +295,9 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=4, help="transactions in flight")
     p.add_argument("--lookups", type=int, default=5000, help="sequential lookups timed")
     p.add_argument("--procs", type=int, default=2, help="client processes for throughput")
-    p.add_argument("--inflight", type=int, default=16, help="lookups in flight per process")
+    p.add_argument("--inflight", type=int, default=32, help="lookups in flight per process")
     p.add_argument("--seconds", type=float, default=5.0, help="throughput run length")
+    p.add_argument("--settle", type=float, default=2.0, help="pause after the ingest, s")
     p.add_argument("--reload", action="store_true", help="also time a fresh coordinator load")
     p.add_argument("--tmp", default="", help="directory for etcd's data (default: system tmp)")
     args = p.parse_args()

@@ -62,6 +62,11 @@ class EtcdPublisher:
     ``(namespace, hash, shard, location)``; it is called synchronously and its result
     is copied at once, so it may return a live view.  It must agree with what was
     passed to :meth:`publish`/:meth:`unpublish` so far.
+
+    ``client``: an :class:`~pegaflow.etcd.EtcdClient` to share (default: its own).
+    ``max_pending``: writes queued at most (about 250 bytes each) before dropping.
+    ``concurrency``: transactions in flight at once.  ``registry``: where to register
+    the ``pegaflow_node_etcd_*`` metrics (default: nowhere).
     """
 
     def __init__(
@@ -70,7 +75,7 @@ class EtcdPublisher:
         inventory: Inventory,
         *,
         client: EtcdClient | None = None,
-        max_pending: int = 1 << 20,
+        max_pending: int = 1 << 18,
         concurrency: int = 4,
         registry: CollectorRegistry | None = None,
     ) -> None:

@@ -1,0 +1,1 @@
+"""The coordinator: global index mirror, lookups, placement and status."""

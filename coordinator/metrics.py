@@ -1,0 +1,165 @@
+"""Prometheus metrics of the coordinator (names are stable; all start ``pegaflow_``).
+
+Hot-path figures (lookups, their latency and hit/miss blocks) are plain integers
+updated without locks and read by a collector at scrape time, so a lookup pays well
+under a microsecond for its metrics.
+
+=============================================== ==================================
+``pegaflow_coordinator_lookups_total``          lookups served
+``pegaflow_coordinator_lookup_seconds``         histogram of lookup handling time
+``pegaflow_coordinator_lookup_hit_blocks_total`` blocks found by lookups
+``pegaflow_coordinator_lookup_miss_blocks_total`` blocks asked for but not found
+``pegaflow_coordinator_place_total``            placements, by ``result``
+``pegaflow_coordinator_rpc_errors_total``       error replies, by ``op`` and ``code``
+``pegaflow_index_blocks`` / ``_entries`` / ``_nodes`` / ``_namespaces``  index size
+``pegaflow_index_node_entries``                 shard entries per ``node``
+``pegaflow_etcd_connected``                     1 while the mirror's watch is live
+``pegaflow_etcd_revision``                      last revision applied to the index
+``pegaflow_etcd_watch_lag_revisions``           revisions behind the latest seen
+``pegaflow_etcd_watch_events_total``            watch events applied
+``pegaflow_etcd_full_syncs_total``              full reads of the index from etcd
+``pegaflow_etcd_watch_errors_total``            broken or failed watches
+=============================================== ==================================
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+from .index import BlockIndex
+
+LATENCY_BUCKETS = (
+    0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 1.0,
+)  # fmt: skip
+
+
+class FastHistogram:
+    """A lock-free histogram for one event loop: ``observe`` is a bisect and two adds."""
+
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        """Record one value."""
+        self.counts[bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        """The histogram as a Prometheus metric family (cumulative buckets)."""
+        acc = 0
+        buckets: list[tuple[str, float]] = []
+        for bound, c in zip((*self.buckets, float("inf")), self.counts, strict=True):
+            acc += c
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), acc))
+        return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=self.sum)
+
+
+class CoordinatorMetrics:
+    """The coordinator's counters; the service bumps the fields directly."""
+
+    def __init__(self) -> None:
+        self.lookups = 0
+        self.hit_blocks = 0
+        self.miss_blocks = 0
+        self.lookup_seconds = FastHistogram()
+        self.place: dict[str, int] = {}
+        self.errors: dict[tuple[str, str], int] = {}
+
+    def on_request(self, op: str, seconds: float, code: str | None) -> None:
+        """RpcServer's per-request hook: counts error replies."""
+        if code is not None:
+            self.errors[(op, code)] = self.errors.get((op, code), 0) + 1
+
+
+class CoordinatorCollector(Collector):
+    """Reads :class:`CoordinatorMetrics`, the index and the mirror at scrape time."""
+
+    def __init__(
+        self,
+        metrics: CoordinatorMetrics,
+        index: BlockIndex,
+        mirror_status: Callable[[], dict[str, Any] | None],
+    ) -> None:
+        self.m = metrics
+        self.index = index
+        self.mirror_status = mirror_status
+
+    def collect(self) -> Iterator[Any]:
+        m = self.m
+        yield _counter("pegaflow_coordinator_lookups", "lookups served", m.lookups)
+        yield m.lookup_seconds.family(
+            "pegaflow_coordinator_lookup_seconds", "time to handle one lookup"
+        )
+        yield _counter(
+            "pegaflow_coordinator_lookup_hit_blocks", "blocks found by lookups", m.hit_blocks
+        )
+        yield _counter(
+            "pegaflow_coordinator_lookup_miss_blocks",
+            "blocks asked for by lookups but not found",
+            m.miss_blocks,
+        )
+        place = CounterMetricFamily(
+            "pegaflow_coordinator_place", "placement decisions", labels=["result"]
+        )
+        for result, n in m.place.items():
+            place.add_metric([result], n)
+        yield place
+        errors = CounterMetricFamily(
+            "pegaflow_coordinator_rpc_errors", "error replies", labels=["op", "code"]
+        )
+        for (op, code), n in m.errors.items():
+            errors.add_metric([op, code], n)
+        yield errors
+
+        idx = self.index
+        yield _gauge("pegaflow_index_blocks", "blocks in the index", idx.num_blocks)
+        yield _gauge("pegaflow_index_entries", "shard entries in the index", idx.num_entries)
+        yield _gauge("pegaflow_index_nodes", "known storage nodes", idx.num_nodes)
+        yield _gauge("pegaflow_index_namespaces", "namespaces with blocks", idx.num_namespaces)
+        per_node = GaugeMetricFamily(
+            "pegaflow_index_node_entries", "shard entries held per node", labels=["node"]
+        )
+        for node, n in idx.node_counts().items():
+            per_node.add_metric([node], n)
+        yield per_node
+
+        st = self.mirror_status()
+        if st is not None:
+            yield _gauge("pegaflow_etcd_connected", "1 while the etcd watch is live",
+                         int(st["etcd_connected"]))  # fmt: skip
+            yield _gauge("pegaflow_etcd_revision", "last etcd revision applied", st["revision"])
+            yield _gauge(
+                "pegaflow_etcd_watch_lag_revisions",
+                "etcd revisions the index is behind",
+                st["lag_revisions"],
+            )
+            yield _counter("pegaflow_etcd_watch_events", "watch events applied", st["events"])
+            yield _counter(
+                "pegaflow_etcd_full_syncs", "full reads of the index from etcd", st["full_syncs"]
+            )
+            yield _counter(
+                "pegaflow_etcd_watch_errors", "broken or failed etcd watches", st["watch_errors"]
+            )
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc)
+    c.add_metric([], value)
+    return c
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc)
+    g.add_metric([], value)
+    return g

@@ -1,0 +1,391 @@
+"""Keeps a :class:`~pegaflow.coordinator.index.BlockIndex` equal to the index in etcd.
+
+Start: a paged range read of ``nodes/`` then ``blocks/``, both at one revision, into a
+fresh index that replaces the served one in one step.  Then a watch of the whole
+cluster prefix from the next revision.  When the watch breaks it is resumed from the
+last applied revision; only when that revision was compacted (or etcd was rebuilt and
+went back in revisions) does the mirror read everything again.  Meanwhile lookups keep
+being served from the last state, and ``connected``/``lag_revisions`` say how current
+it is.
+
+A block key's node is taken from its lease (the node record carries the same lease), so
+values are decoded only for keys whose lease is unknown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import binascii
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from aetcd import rpc
+
+from pegaflow.errors import PegaError, Unavailable
+from pegaflow.etcd import PUT, EtcdClient, RevisionCompacted, Watch, prefix_range_end
+from pegaflow.keys import BlockLocation, Keyspace, NodeRecord
+
+from .index import BlockIndex
+
+log = logging.getLogger(__name__)
+
+_MAX_BACKOFF_S = 5.0
+_HEX = [bytes((c,)) for c in b"0123456789abcdef"]
+
+
+class EtcdMirror:
+    """Feeds ``index`` from etcd until closed; never raises for an etcd outage."""
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        keys: Keyspace,
+        index: BlockIndex,
+        *,
+        progress_interval_s: float = 2.0,
+        page_size: int = 10000,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.index = index
+        self._progress_interval = progress_interval_s
+        self._page_size = page_size
+        self._split_over = 8 * page_size  # keys above which a range is read in slices
+        self._root = (keys.prefix + "/").encode()
+        self._bprefix = keys.blocks.encode()
+        self._blen = len(self._bprefix)
+        self._nprefix = keys.nodes.encode()
+        self._nlen = len(self._nprefix)
+        self._leases: dict[int, str] = {}
+        self._ns_names: dict[bytes, str] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._synced = asyncio.Event()
+        self._last_rx = 0.0
+        self._cluster_id = 0
+
+        #: Whether a watch is open and answering.
+        self.connected = False
+        #: Last revision whose events are all applied.
+        self.revision = 0
+        #: Latest etcd revision seen in any response.
+        self.etcd_revision = 0
+        self.events = 0
+        self.full_syncs = 0
+        self.watch_errors = 0
+        self.bad_keys = 0
+        self.last_sync_s = 0.0
+        self.disconnected_since: float | None = time.monotonic()
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def start(self, wait_s: float | None = None) -> bool:
+        """Start mirroring; wait up to ``wait_s`` for the first full read.  Returns
+        whether it completed (if not, the mirror keeps trying in the background)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="etcd-mirror")
+        if wait_s is None:
+            return self.synced
+        try:
+            await asyncio.wait_for(self._synced.wait(), wait_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        """Stop mirroring (the index keeps its last state)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self.connected = False
+
+    @property
+    def synced(self) -> bool:
+        """Whether a full read has completed at least once."""
+        return self._synced.is_set()
+
+    @property
+    def lag_revisions(self) -> int:
+        """How many etcd revisions the index is behind the latest one seen."""
+        return max(0, self.etcd_revision - self.revision)
+
+    def status(self) -> dict[str, Any]:
+        """The mirror's state for status pages."""
+        return {
+            "etcd_connected": self.connected,
+            "synced": self.synced,
+            "revision": self.revision,
+            "etcd_revision": self.etcd_revision,
+            "lag_revisions": self.lag_revisions,
+            "events": self.events,
+            "full_syncs": self.full_syncs,
+            "watch_errors": self.watch_errors,
+            "disconnected_s": (
+                round(time.monotonic() - self.disconnected_since, 3)
+                if self.disconnected_since is not None
+                else 0.0
+            ),
+        }
+
+    # -- loop -------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        failures = 0
+        full = True
+        while True:
+            try:
+                if full:
+                    await self._full_sync()
+                    full = False
+                watch = await self.client.watch(self._root, self.revision + 1)
+                if watch.created_revision < self.revision or (
+                    self._cluster_id and watch.cluster_id != self._cluster_id
+                ):
+                    log.warning(
+                        "etcd went back from revision %d to %d (rebuilt?); reading everything",
+                        self.revision,
+                        watch.created_revision,
+                    )
+                    watch.cancel()
+                    full = True
+                    continue
+                self._cluster_id = watch.cluster_id
+                self._set_connected(True)
+                failures = 0
+                await self._follow(watch)
+            except asyncio.CancelledError:
+                raise
+            except RevisionCompacted as e:
+                log.warning("etcd history compacted past revision %d (%s); reading everything",
+                            self.revision, e)  # fmt: skip
+                full = True
+            except PegaError as e:
+                self.watch_errors += 1
+                if self.connected or failures == 0:
+                    if self.synced:
+                        state = f"serving the last state (revision {self.revision})"
+                    else:
+                        state = "no index loaded yet (check that etcd runs at those endpoints)"
+                    log.warning(
+                        "etcd unreachable for the index mirror (%s); %s; retrying with backoff",
+                        e,
+                        state,
+                    )
+            except Exception:
+                self.watch_errors += 1
+                log.exception("index mirror failed; retrying")
+            self._set_connected(False)
+            failures += 1
+            await asyncio.sleep(min(_MAX_BACKOFF_S, 0.1 * 2 ** min(failures, 10)))
+
+    def _set_connected(self, up: bool) -> None:
+        if up and not self.connected:
+            if self.disconnected_since is not None and self.full_syncs and self.watch_errors:
+                log.info(
+                    "index mirror back on etcd at %s (revision %d, was away %.1f s)",
+                    self.client.endpoint,
+                    self.revision,
+                    time.monotonic() - self.disconnected_since,
+                )
+            self.disconnected_since = None
+        elif not up and self.connected:
+            self.disconnected_since = time.monotonic()
+        self.connected = up
+
+    async def _full_sync(self) -> None:
+        t0 = time.monotonic()
+        fresh = BlockIndex()
+        leases: dict[int, str] = {}
+        rev = 0
+        async for page_rev, kvs in self.client.range_pages(self.keys.nodes.encode()):
+            rev = page_rev
+            for kv in kvs:
+                self._node_put(fresh, leases, kv)
+        await self._scan_blocks(fresh, leases, rev)
+        self.index.replace_with(fresh)
+        self._leases = leases
+        self.revision = rev
+        self.etcd_revision = max(self.etcd_revision, rev)
+        self.full_syncs += 1
+        self.last_sync_s = time.monotonic() - t0
+        self._synced.set()
+        log.info(
+            "index loaded from etcd: %d blocks, %d nodes at revision %d in %.2f s",
+            self.index.num_blocks,
+            self.index.num_nodes,
+            rev,
+            self.last_sync_s,
+        )
+
+    async def _scan_blocks(self, index: BlockIndex, leases: dict[int, str], rev: int) -> None:
+        """Read every block key at ``rev``.
+
+        etcd 3.4 walks the whole rest of a range for every page it returns (to count
+        it), so paging a million keys costs O(n^2).  A big namespace is therefore read
+        in slices by the leading hex digits of the hash (uniform for real hashes), each
+        small enough to page cheaply."""
+        cursor, end = self._bprefix, prefix_range_end(self._bprefix)
+        while cursor < end:
+            count, first, _ = await self.client.probe(cursor, end, revision=rev)
+            if first is None:
+                return
+            slash = first.find(b"/", self._blen)
+            if count <= self._split_over or slash < 0:
+                await self._scan_range(index, leases, rev, cursor, end)
+                return
+            ns_prefix = first[: slash + 1]  # no key in [cursor, first): start there
+            await self._scan_prefix(index, leases, rev, ns_prefix, 0)
+            cursor = prefix_range_end(ns_prefix)
+
+    async def _scan_prefix(
+        self, index: BlockIndex, leases: dict[int, str], rev: int, prefix: bytes, depth: int
+    ) -> None:
+        end = prefix_range_end(prefix)
+        if depth < 4:
+            count, _, _ = await self.client.probe(prefix, end, revision=rev)
+            if count > self._split_over:
+                # Below "0", each hex digit, above "f": together exactly [prefix, end).
+                await self._scan_range(index, leases, rev, prefix, prefix + b"0")
+                for digit in _HEX:
+                    await self._scan_prefix(index, leases, rev, prefix + digit, depth + 1)
+                await self._scan_range(index, leases, rev, prefix + b"g", end)
+                return
+        await self._scan_range(index, leases, rev, prefix, end)
+
+    async def _scan_range(
+        self, index: BlockIndex, leases: dict[int, str], rev: int, lo: bytes, hi: bytes
+    ) -> None:
+        async for _, kvs in self.client.range_pages(
+            lo, end=hi, revision=rev, page_size=self._page_size
+        ):
+            self._block_puts(index, leases, kvs)
+
+    async def _follow(self, watch: Watch) -> None:
+        self._last_rx = time.monotonic()
+        dog = asyncio.create_task(self._watchdog(watch), name="etcd-mirror-watchdog")
+        try:
+            async for r in watch.responses():
+                self._last_rx = time.monotonic()
+                self._apply(r)
+        finally:
+            dog.cancel()
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await dog
+
+    async def _watchdog(self, watch: Watch) -> None:
+        """Asks for progress when the stream is quiet; cancels it when etcd stays silent
+        (the watch's deadline: a dead etcd behind a live TCP connection)."""
+        while True:
+            await asyncio.sleep(self._progress_interval)
+            if time.monotonic() - self._last_rx < self._progress_interval:
+                continue
+            sent = time.monotonic()
+            try:
+                async with asyncio.timeout(self.client.timeout):
+                    await watch.request_progress()
+            except (TimeoutError, Unavailable):
+                pass
+            await asyncio.sleep(self.client.timeout)
+            if self._last_rx < sent:
+                log.warning(
+                    "etcd watch silent for %.1f s; reconnecting", time.monotonic() - self._last_rx
+                )
+                watch.cancel()
+                return
+
+    # -- applying etcd data -----------------------------------------------------------
+
+    def _apply(self, r: rpc.WatchResponse) -> None:
+        rev = r.header.revision
+        if rev > self.etcd_revision:
+            self.etcd_revision = rev
+        events = r.events
+        if not events:  # progress notification: everything up to rev was delivered
+            if rev > self.revision:
+                self.revision = rev
+            return
+        index = self.index
+        bprefix, blen, leases = self._bprefix, self._blen, self._leases
+        for ev in events:
+            kv = ev.kv
+            key = kv.key
+            if key.startswith(bprefix):
+                parsed = self._parse_block_key(key[blen:])
+                if parsed is None:
+                    continue
+                ns, h, shard = parsed
+                if ev.type == PUT:
+                    node = leases.get(kv.lease) or self._node_of_value(kv.value)
+                    if node is not None:
+                        index.add(ns, h, shard, node)
+                else:
+                    index.remove(ns, h, shard)
+            elif key.startswith(self._nprefix):
+                if ev.type == PUT:
+                    self._node_put(index, leases, kv)
+                else:
+                    node_id = key[self._nlen :].decode(errors="replace")
+                    for lease in [k for k, v in leases.items() if v == node_id]:
+                        del leases[lease]
+                    index.remove_node(node_id)
+        self.events += len(events)
+        if not r.fragment:
+            last = events[-1].kv.mod_revision
+            if last > self.revision:
+                self.revision = last
+
+    def _block_puts(
+        self, index: BlockIndex, leases: dict[int, str], kvs: Sequence[rpc.KeyValue]
+    ) -> None:
+        blen = self._blen
+        add = index.add
+        parse = self._parse_block_key
+        for kv in kvs:
+            parsed = parse(kv.key[blen:])
+            if parsed is None:
+                continue
+            node = leases.get(kv.lease) or self._node_of_value(kv.value)
+            if node is not None:
+                add(parsed[0], parsed[1], parsed[2], node)
+
+    def _node_put(self, index: BlockIndex, leases: dict[int, str], kv: rpc.KeyValue) -> None:
+        try:
+            rec = NodeRecord.decode(kv.value)
+        except (PegaError, TypeError, ValueError):
+            self._bad_key(kv.key)
+            return
+        index.set_node(rec)
+        if kv.lease:
+            leases[kv.lease] = rec.node_id
+
+    def _parse_block_key(self, rest: bytes) -> tuple[str, bytes, int] | None:
+        try:
+            ns_b, hx, sh = rest.rsplit(b"/", 2)
+            h = binascii.unhexlify(hx)
+            shard = int(sh)
+        except (ValueError, binascii.Error):
+            self._bad_key(rest)
+            return None
+        ns = self._ns_names.get(ns_b)
+        if ns is None:
+            ns = ns_b.decode(errors="replace")
+            if len(self._ns_names) < 100_000:
+                self._ns_names[ns_b] = ns
+        return ns, h, shard
+
+    def _node_of_value(self, value: bytes) -> str | None:
+        try:
+            return BlockLocation.decode(value).node
+        except (PegaError, TypeError, ValueError):
+            self.bad_keys += 1
+            return None
+
+    def _bad_key(self, key: bytes) -> None:
+        if not self.bad_keys:
+            log.warning("ignoring malformed index key %r (further ones only counted)", key[:200])
+        self.bad_keys += 1

@@ -1,0 +1,329 @@
+"""The coordinator service: lookups, placement and status over the control protocol.
+
+A :class:`Coordinator` serves a :class:`~pegaflow.coordinator.index.BlockIndex`, fed
+either by an :class:`~pegaflow.coordinator.mirror.EtcdMirror` (a cluster: any number of
+coordinators, each a full read replica of etcd) or directly by a storage node through a
+:class:`~pegaflow.coordinator.index.LocalSink` (the single-host ``pegaflow-server``, no
+etcd).  Ops (``args`` and results are msgpack maps; bytes stay bytes):
+
+``lookup`` ``{ns, hashes: [bytes], shards: [int]}`` ->
+    ``{hits, nodes: {node_id: NodeRecord}, blocks: [[node_id per shard] per hit]}``
+``place`` ``{ns, count, block_bytes, client_host}`` -> ``{node: NodeRecord}``
+``status`` ``{}`` -> ``{nodes, blocks, namespaces, coordinator: {...}}``
+``nodes`` ``{}`` -> ``{nodes: [NodeRecord]}``
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from pegaflow.config import CoordinatorConfig, EtcdConfig, SecurityConfig
+from pegaflow.errors import NoSpace, Unavailable
+from pegaflow.etcd import EtcdClient
+from pegaflow.http import HttpHandle, new_registry, start_http
+from pegaflow.keys import Keyspace, NodeRecord
+from pegaflow.rpc import Handler, Packed, RpcServer, SyncHandler
+from pegaflow.wire import check_hashes, check_namespace, check_shards, pack, req_int, req_str
+
+from .index import BlockIndex
+from .metrics import CoordinatorCollector, CoordinatorMetrics
+from .mirror import EtcdMirror
+
+log = logging.getLogger(__name__)
+
+#: Most hashes accepted in one lookup (a 1M-token prompt at block size 16).
+MAX_LOOKUP_HASHES = 65536
+
+
+_HITS_KEY = b"\x83" + pack("hits")  # a 3-entry map, then its first key
+_NODES_KEY = pack("nodes")
+_BLOCKS_KEY = pack("blocks")
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    return (b"\xdc" + n.to_bytes(2, "big")) if n < 1 << 16 else (b"\xdd" + n.to_bytes(4, "big"))
+
+
+def _map_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x80 | n,))
+    return (b"\xde" + n.to_bytes(2, "big")) if n < 1 << 16 else (b"\xdf" + n.to_bytes(4, "big"))
+
+
+class Coordinator:
+    """One coordinator: an index (mirrored from etcd, or fed locally), the control
+    protocol server and the HTTP endpoint, with an explicit lifecycle.
+
+    * ``etcd`` with endpoints and no ``index``: the index mirrors etcd.
+    * ``index`` given (or no etcd endpoints): the index is fed in-process, e.g. by a
+      :class:`~pegaflow.coordinator.index.LocalSink`; no etcd is used.
+
+    The HTTP endpoint also serves the live dashboard (:mod:`pegaflow.dashboard`) unless
+    ``dashboard=False``; ``http_app_hook`` replaces it with routes of your own.
+    """
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        *,
+        etcd: EtcdConfig | None = None,
+        security: SecurityConfig | None = None,
+        index: BlockIndex | None = None,
+        registry: CollectorRegistry | None = None,
+        coordinator_id: str | None = None,
+        dashboard: bool = True,
+        http_app_hook: Callable[[web.Application], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.etcd_config = etcd
+        self.token = (security.token if security else "") or None
+        use_etcd = index is None and etcd is not None and bool(etcd.endpoints)
+        self.index = index if index is not None else BlockIndex()
+        self.registry = registry if registry is not None else new_registry()
+        self.metrics = CoordinatorMetrics()
+        self.id = coordinator_id or ""
+        self.mirror: EtcdMirror | None = None
+        self._etcd: EtcdClient | None = None
+        if use_etcd:
+            assert etcd is not None
+            self._etcd = EtcdClient(etcd)
+            self.mirror = EtcdMirror(self._etcd, Keyspace(etcd.prefix), self.index)
+        self.registry.register(
+            CoordinatorCollector(
+                self.metrics, self.index, lambda: self.mirror.status() if self.mirror else None
+            )
+        )
+        self._dashboard = dashboard
+        self._app_hook = http_app_hook
+        self._rpc: RpcServer | None = None
+        self._http: HttpHandle | None = None
+        self.port = 0
+        self.http_port: int | None = None
+        self._started = 0.0
+        self._row_cache: dict[tuple[str, ...], bytes] = {}
+        self._ns_ok: set[str] = set()
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the control protocol (after :meth:`start`)."""
+        return f"{self.config.host}:{self.port}"
+
+    @property
+    def handlers(self) -> dict[str, Handler | SyncHandler]:
+        """The ops, for embedding them in another :class:`~pegaflow.rpc.RpcServer`."""
+        return {
+            "lookup": self.op_lookup,
+            "place": self.op_place,
+            "status": self.op_status,
+            "nodes": self.op_nodes,
+        }
+
+    async def start(self, *, serve: bool = True) -> None:
+        """Load the index (waiting up to ``[etcd] timeout_s`` for etcd, then going on in
+        the background), then listen for the control protocol and HTTP.  With
+        ``serve=False`` nothing listens (the ops are then served by an embedding
+        server through :attr:`handlers`)."""
+        self._started = time.monotonic()
+        if self.mirror is not None:
+            assert self.etcd_config is not None
+            synced = await self.mirror.start(wait_s=max(1.0, self.etcd_config.timeout_s))
+            if not synced:
+                log.warning(
+                    "etcd at %s did not answer; serving an empty index until it does "
+                    "(check that etcd runs and --etcd-endpoints is right)",
+                    ", ".join(self.etcd_config.endpoints),
+                )
+        if not serve:
+            return
+        cfg = self.config
+        self._rpc = RpcServer(
+            "pegaflow-coordinator",
+            self.handlers,
+            token=self.token,
+            max_frame=cfg.max_frame_bytes,
+            on_request=self.metrics.on_request,
+        )
+        self.port = await self._rpc.start(cfg.host, cfg.port)
+        if not self.id:
+            self.id = f"{socket.gethostname()}:{self.port}"
+        if cfg.http_port >= 0:
+            hook = self._app_hook
+            if hook is None and self._dashboard:
+                from pegaflow import dashboard
+
+                hook = dashboard.app_hook(status=self.op_status_async, registry=self.registry)
+            self._http = await start_http(
+                cfg.http_host,
+                cfg.http_port,
+                status=self.op_status_async,
+                health=self.health,
+                registry=self.registry,
+                app_hook=hook,
+            )
+            self.http_port = self._http.port
+
+    async def close(self) -> None:
+        """Stop serving and mirroring; safe to call more than once."""
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+        if self._rpc is not None:
+            await self._rpc.close()
+            self._rpc = None
+        if self.mirror is not None:
+            await self.mirror.close()
+        if self._etcd is not None:
+            await self._etcd.close()
+
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        """Healthy once the index has been loaded (always, without etcd); a coordinator
+        that lost etcd afterwards stays healthy and serves its last state."""
+        st = self._coordinator_status()
+        ok = self.mirror is None or self.mirror.synced
+        return ok, {"coordinator": st}
+
+    # -- ops --------------------------------------------------------------------------
+
+    def lookup(self, ns: str, hashes: Sequence[bytes], shards: Sequence[int]) -> dict[str, Any]:
+        """In-process lookup: the ``lookup`` op's result as a map (no validation)."""
+        hits, blocks, node_ids = self.index.lookup(ns, hashes, shards)
+        nodes = {n: self.index.node_wire(n) for n in node_ids}
+        return {"hits": hits, "nodes": nodes, "blocks": [list(b) for b in blocks]}
+
+    def op_lookup(self, args: dict[str, Any]) -> Packed:
+        """Longest stored prefix of ``hashes`` with every shard in ``shards``."""
+        t0 = time.perf_counter()
+        ns = args.get("ns")
+        if type(ns) is not str or ns not in self._ns_ok:  # validated once per namespace
+            ns = check_namespace(ns)
+            if len(self._ns_ok) >= 4096:
+                self._ns_ok.clear()
+            self._ns_ok.add(ns)
+        hashes = check_hashes(args, "hashes", MAX_LOOKUP_HASHES)
+        shards = check_shards(args)
+        index = self.index
+        hits, blocks, node_ids = index.lookup(ns, hashes, shards)
+        # {"hits": .., "nodes": {..}, "blocks": [..]} assembled from packed pieces.
+        result = Packed(
+            b"".join(
+                (
+                    _HITS_KEY,
+                    pack(hits),
+                    _NODES_KEY,
+                    _map_header(len(node_ids)),
+                    *map(index.node_entry_packed, node_ids),
+                    _BLOCKS_KEY,
+                    self._pack_blocks(blocks),
+                )
+            )
+        )
+        m = self.metrics
+        m.lookups += 1
+        m.hit_blocks += hits
+        m.miss_blocks += len(hashes) - hits
+        m.lookup_seconds.observe(time.perf_counter() - t0)
+        return result
+
+    def _pack_blocks(self, blocks: list[tuple[str, ...]]) -> bytes:
+        """msgpack of ``blocks``: each distinct row is packed once (rows are shared)."""
+        n = len(blocks)
+        head = _array_header(n)
+        if not n:
+            return head
+        first = blocks[0]
+        if blocks.count(first) == n:
+            return head + self._packed_row(first) * n
+        return head + b"".join(map(self._packed_row, blocks))
+
+    def _packed_row(self, row: tuple[str, ...]) -> bytes:
+        cache = self._row_cache
+        packed = cache.get(row)
+        if packed is None:
+            if len(cache) >= 4096:
+                cache.clear()
+            packed = cache[row] = pack(list(row))
+        return packed
+
+    def op_place(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Pick the node for ``count`` new blocks of ``block_bytes``: one on the client's
+        host first, else the one with the most free bytes."""
+        check_namespace(args.get("ns"))
+        count = req_int(args, "count", 1, 1 << 32)
+        block_bytes = req_int(args, "block_bytes", 1, 1 << 40)
+        host = req_str(args, "client_host", 256) if "client_host" in args else ""
+        node = self.place(count * block_bytes, host)
+        return {"node": node.to_wire()}
+
+    def place(self, need: int, client_host: str = "") -> NodeRecord:
+        """The node a client on ``client_host`` should write ``need`` bytes to."""
+        nodes = self.index.nodes()
+        if not nodes:
+            self._count_place("unavailable")
+            raise Unavailable("no storage node is registered")
+        fits = [n for n in nodes if n.capacity_bytes >= need]
+        if not fits:
+            self._count_place("no_space")
+            raise NoSpace(f"no storage node can hold {need} bytes")
+
+        def free(n: NodeRecord) -> int:
+            return n.capacity_bytes - n.used_bytes
+
+        local = [n for n in fits if client_host and n.host == client_host]
+        best = max(local or fits, key=lambda n: (free(n), n.node_id))
+        self._count_place("local" if local else "remote")
+        return best
+
+    def _count_place(self, result: str) -> None:
+        self.metrics.place[result] = self.metrics.place.get(result, 0) + 1
+
+    def op_nodes(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Every known storage node."""
+        return {"nodes": [n.to_wire() for n in self.index.nodes()]}
+
+    def op_status(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Nodes, index size and this coordinator's state."""
+        idx = self.index
+        nodes = []
+        for n in idx.nodes():
+            rec = n.to_wire()
+            rec["entries"] = idx.entries_of(n.node_id)
+            nodes.append(rec)
+        return {
+            "nodes": nodes,
+            "blocks": idx.num_blocks,
+            "entries": idx.num_entries,
+            "namespaces": idx.num_namespaces,
+            "coordinator": self._coordinator_status(),
+        }
+
+    async def op_status_async(self) -> dict[str, Any]:
+        """:meth:`op_status` for the HTTP endpoint."""
+        return self.op_status({})
+
+    def _coordinator_status(self) -> dict[str, Any]:
+        st: dict[str, Any] = {
+            "id": self.id,
+            "address": self.address,
+            "mode": "etcd" if self.mirror is not None else "local",
+            "etcd_connected": self.mirror.connected if self.mirror else False,
+            "revision": self.mirror.revision if self.mirror else 0,
+            "uptime_s": round(time.monotonic() - self._started, 3) if self._started else 0.0,
+            "lookups": self.metrics.lookups,
+            "hit_blocks": self.metrics.hit_blocks,
+            "miss_blocks": self.metrics.miss_blocks,
+            "http_port": self.http_port,
+        }
+        if self.mirror is not None:
+            st["etcd"] = self.mirror.status()
+        return st
