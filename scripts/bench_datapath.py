@@ -48,8 +48,10 @@ def free_port() -> int:
 def ucx_perftest(size: int, tls: str, iters: int) -> float:
     """GB/s of one ``ucx_perftest -t tag_bw`` run over loopback."""
     exe = perftest_binary()
+    # UCX's own defaults: importing ucxx in this process sets UCX_* variables
+    # (e.g. UCX_MAX_RNDV_RAILS=1) that must not leak into the reference measurement
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if not k.startswith("UCX")},
         "UCX_TLS": tls,
         "LD_LIBRARY_PATH": f"{exe.parent.parent / 'lib'}:{os.environ.get('LD_LIBRARY_PATH', '')}",
         "UCX_WARN_UNUSED_ENV_VARS": "n",
@@ -59,15 +61,30 @@ def ucx_perftest(size: int, tls: str, iters: int) -> float:
         [str(exe), "-p", port], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
-        time.sleep(0.5)
-        out = subprocess.run(
-            [str(exe), "127.0.0.1", "-p", port, "-t", "tag_bw", "-s", str(size), "-n", str(iters)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        ).stdout
+        for _ in range(50):  # the server may take a moment to listen
+            time.sleep(0.2)
+            out = subprocess.run(
+                [
+                    str(exe),
+                    "127.0.0.1",
+                    "-p",
+                    port,
+                    "-t",
+                    "tag_bw",
+                    "-s",
+                    str(size),
+                    "-n",
+                    str(iters),
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            ).stdout
+            if "Final:" in out:
+                break
     finally:
+        server.kill()
         server.wait(30)
     m = re.search(r"Final:\s+\d+\s+\S+\s+\S+\s+\S+\s+(\S+)\s+(\S+)", out)
     if not m:
