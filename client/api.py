@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from pegaflow import telemetry
 from pegaflow.config import ClientConfig
-from pegaflow.errors import Unavailable
+from pegaflow.errors import PegaError, Unavailable
 from pegaflow.keys import NodeRecord
 from pegaflow.rpc import RpcClient
 
@@ -165,6 +165,36 @@ class PegaClient:
         await asyncio.gather(*(one(n, idx) for n, idx in by_node.items()))
         return ok
 
+    async def pin_blocks(
+        self,
+        ns: str,
+        items: Sequence[tuple[str, bytes, int]],
+        ttl_s: float = 5.0,
+        timeout: float | None = None,
+    ) -> list[bool]:
+        """Read pins: keep ``(node id, hash, shard)`` blocks from eviction for ``ttl_s``,
+        between a lookup and the get that follows it.  Per item: stored and pinned.
+        Best effort: failures are ``False``, never raised."""
+        budget = self.cfg.rpc_timeout_s if timeout is None else timeout
+        by_node: dict[str, list[int]] = defaultdict(list)
+        for i, (node_id, _h, _s) in enumerate(items):
+            by_node[node_id].append(i)
+        ok = [False] * len(items)
+
+        async def one(node_id: str, idx: list[int]) -> None:
+            try:
+                rec = await self._node(node_id, budget)
+                got = await self._data.pin(
+                    rec.ucx_address, ns, [(items[i][1], items[i][2]) for i in idx], ttl_s, budget
+                )
+            except PegaError:
+                return
+            for i, g in zip(idx, got, strict=False):
+                ok[i] = g
+
+        await asyncio.gather(*(one(n, idx) for n, idx in by_node.items()))
+        return ok
+
     async def put_blocks(
         self,
         ns: str,
@@ -261,6 +291,12 @@ class SyncPegaClient:
     ) -> concurrent.futures.Future[list[bool]]:
         """:meth:`get_blocks` without waiting."""
         return self._submit(self._client.get_blocks(ns, items, timeout))
+
+    def submit_pin_blocks(
+        self, ns: str, items: Sequence[tuple[str, bytes, int]], ttl_s: float = 5.0
+    ) -> concurrent.futures.Future[list[bool]]:
+        """:meth:`PegaClient.pin_blocks` without waiting (fire and forget after a lookup)."""
+        return self._submit(self._client.pin_blocks(ns, items, ttl_s))
 
     def submit_put_blocks(
         self,

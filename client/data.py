@@ -306,6 +306,27 @@ class DataClient:
             stored=stored, skipped=len(items) - n_accepted, failed=n_accepted - stored
         )
 
+    async def pin(
+        self, addr: str, ns: str, blocks: Sequence[tuple[bytes, int]], ttl_s: float, timeout: float
+    ) -> list[bool]:
+        """Ask the node to keep blocks from eviction for ``ttl_s`` (a read pin between
+        lookup and get); per block, whether it is stored and now pinned."""
+        if not blocks:
+            return []
+        deadline = time.monotonic() + timeout
+        conn = await self._connection(addr, deadline)
+        reply = await self._request(
+            conn,
+            {
+                "op": "pin",
+                "ns": ns,
+                "ttl_ms": max(1, int(ttl_s * 1000)),
+                "blocks": [[h, s] for h, s in blocks],
+            },
+            max(0.001, deadline - time.monotonic()),
+        )
+        return [bool(x) for x in reply.get("pinned", [])]
+
     async def node_id(self, addr: str, timeout: float) -> str:
         """The id the node at ``addr`` announced in its handshake."""
         return (await self._connection(addr, time.monotonic() + timeout)).node_id

@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT_S = 600.0
 MAX_INFLIGHT_PER_CONN = 32
+MAX_PIN_MS = 30_000
 _EMPTY = np.empty(0, dtype=np.uint8)
 
 
@@ -210,6 +211,8 @@ class DataServer:
             elif op == "abort":
                 self._abort(req_int(msg, "seq"))
                 result = {}
+            elif op == "pin":
+                result = self._pin(msg)
             elif op == "stats":
                 result = vars(self.pool.stats())
             else:
@@ -285,6 +288,23 @@ class DataServer:
         finally:
             for _, e in pinned:
                 self.pool.unpin(e)
+
+    def _pin(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Read pins: keep the named blocks from eviction for ``ttl_ms`` (between a
+        reader's lookup and its get), so a hit is not lost to a racing writer."""
+        ns = check_namespace(msg.get("ns"))
+        ttl_ms = req_int(msg, "ttl_ms", 1, MAX_PIN_MS)
+        keys = [_block_ref(ns, b) for b in req_list(msg, "blocks", self.cfg.max_batch)]
+        pinned = [e for e in map(self.pool.get, keys) if e is not None]
+        for e in pinned:
+            self.pool.pin(e)
+
+        def release() -> None:
+            for e in pinned:
+                self.pool.unpin(e)
+
+        asyncio.get_running_loop().call_later(ttl_ms / 1000, release)
+        return {"pinned": [e is not None for e in map(self.pool.get, keys)]}
 
     # ---- put -----------------------------------------------------------------------
 

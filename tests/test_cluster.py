@@ -336,3 +336,19 @@ async def test_writer_dying_mid_put_leaves_nothing_visible(node_factory: list[Pr
         assert np.array_equal(out, data)
     finally:
         await c.close()
+
+
+async def test_read_pins_keep_looked_up_blocks_through_eviction(cluster: Cluster) -> None:
+    c = cluster.client(local_node="n1")
+    first, d_first = blocks(8, 40)
+    await c.put_blocks(NS, [(h, 0, d_first[i]) for i, h in enumerate(first)])
+    await wait_for(lambda: _hits(c, first, 8), 10, "blocks visible")
+    res = await c.lookup(NS, first)
+    pins = await c.pin_blocks(NS, [(res.blocks[i][0], h, 0) for i, h in enumerate(first)], ttl_s=30)
+    assert pins == [True] * 8
+    for seed in range(50, 70):  # 80 MiB through the 64 MiB pool: everything unpinned goes
+        hs, d = blocks(16, seed)
+        await c.put_blocks(NS, [(h, 0, d[i]) for i, h in enumerate(hs)])
+    out = np.zeros_like(d_first)
+    ok = await c.get_blocks(NS, [(res.blocks[i][0], h, 0, out[i]) for i, h in enumerate(first)])
+    assert all(ok) and np.array_equal(out, d_first)
