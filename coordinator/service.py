@@ -24,6 +24,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from pegaflow.auth import Authenticator
 from pegaflow.config import CoordinatorConfig, EtcdConfig, SecurityConfig
 from pegaflow.errors import NoSpace, Unavailable
 from pegaflow.etcd import EtcdClient
@@ -86,6 +87,7 @@ class Coordinator:
         self.config = config
         self.etcd_config = etcd
         self.token = (security.token if security else "") or None
+        self._security = security
         use_etcd = index is None and etcd is not None and bool(etcd.endpoints)
         self.index = index if index is not None else BlockIndex()
         self.registry = registry if registry is not None else new_registry()
@@ -150,7 +152,7 @@ class Coordinator:
         self._rpc = RpcServer(
             "pegaflow-coordinator",
             self.handlers,
-            token=self.token,
+            auth=Authenticator(self.token, self._security.tenant_tokens if self._security else ()),
             max_frame=cfg.max_frame_bytes,
             on_request=self.metrics.on_request,
         )

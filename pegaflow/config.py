@@ -71,6 +71,10 @@ class SecurityConfig:
     """Shared-secret authentication of the control and data planes."""
 
     token: str = opt("", "shared secret required on every connection (empty: none)")
+    tenant_tokens: list[str] = opt(
+        [],
+        "tenant secrets, 'tenant=secret': such a connection may only use namespaces 'tenant@...'",
+    )
 
 
 @dataclass

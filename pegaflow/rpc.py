@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import inspect
 import itertools
 import logging
@@ -32,6 +31,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, cast
 
+from pegaflow.auth import Authenticator, check_access
 from pegaflow.errors import (
     BadRequest,
     DeadlineExceeded,
@@ -141,13 +141,14 @@ class RpcServer:
         max_frame: int = DEFAULT_MAX_FRAME,
         max_inflight_per_conn: int = 64,
         on_request: Callable[[str, float, str | None], None] | None = None,
+        auth: Authenticator | None = None,
     ) -> None:
         self.name = name
+        self._auth = auth if auth is not None else Authenticator(token)
         self._handlers = handlers
         self._sync_ops = frozenset(
             op for op, h in handlers.items() if not inspect.iscoroutinefunction(h)
         )
-        self._token = token
         self._max_frame = max_frame
         self._max_inflight = max(1, max_inflight_per_conn)
         self._on_request = on_request
@@ -173,7 +174,8 @@ class RpcServer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2)
 
-    def _check_hello(self, hello: Any) -> None:
+    def _check_hello(self, hello: Any) -> str | None:
+        """Validate the handshake; returns the connection's tenant (None: all access)."""
         hello = req_map(hello)
         if hello.get("op") != "hello":
             raise ProtocolError("first frame must be hello")
@@ -182,10 +184,20 @@ class RpcServer:
             raise ProtocolError(
                 f"protocol version {version} not supported (want {PROTOCOL_VERSION})"
             )
-        if self._token is not None:
-            got = hello.get("token")
-            if not isinstance(got, str) or not hmac.compare_digest(got, self._token):
-                raise Unauthorized("missing or wrong token")
+        return self._auth.authenticate(hello.get("token"))
+
+    def _foreign_ns(self, msg: Any, tenant: str) -> bytes | None:
+        """The error reply for a request outside ``tenant``'s namespaces, else None."""
+        args = msg.get("args") if type(msg) is dict else None
+        if type(args) is dict and "ns" in args:
+            try:
+                check_access(args["ns"], tenant)
+            except PegaError as e:
+                op = msg.get("op")
+                return self._encode(
+                    self._error_reply(msg.get("id"), str(op), e), str(op), time.perf_counter()
+                )
+        return None
 
     def _parse(self, msg: Any) -> tuple[int, str, Handler | SyncHandler, dict[str, Any], int]:
         if type(msg) is dict:  # the well-formed case, checked without helper calls
@@ -302,6 +314,7 @@ class _ServerConnection(asyncio.Protocol):
         self._paused_for_tasks = False
         self._paused_for_writes = False
         self._timer: asyncio.TimerHandle | None = None
+        self._tenant: str | None = None
 
     # -- asyncio.Protocol -------------------------------------------------------------
 
@@ -351,6 +364,11 @@ class _ServerConnection(asyncio.Protocol):
                     if not self._hello(msg):
                         return
                     continue
+                if self._tenant is not None:
+                    denied = server._foreign_ns(msg, self._tenant)
+                    if denied is not None:
+                        self._out.append(denied)
+                        continue
                 op = msg.get("op") if type(msg) is dict else None
                 if type(op) is str and op in sync_ops:
                     reply = server._run_sync(msg)
@@ -379,7 +397,7 @@ class _ServerConnection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         try:
-            self._server._check_hello(msg)
+            self._tenant = self._server._check_hello(msg)
         except PegaError as e:
             self._out.append(encode_frame({"ok": False, "error": e.to_wire()}))
             self._close()

@@ -46,7 +46,12 @@ class AllInOne:
             index=None if use_etcd else BlockIndex(),
             registry=self.registry,
         )
-        self.node = StorageNode(cfg.node, token=cfg.security.token or None, registry=self.registry)
+        self.node = StorageNode(
+            cfg.node,
+            token=cfg.security.token or None,
+            tenant_tokens=cfg.security.tenant_tokens,
+            registry=self.registry,
+        )
         sink: InventorySink
         if use_etcd:
             from pegaflow.storage_node.publisher import EtcdPublisher

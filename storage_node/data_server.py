@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ import numpy as np
 from pegaflow.storage_node.metrics import NodeMetrics
 
 from pegaflow import telemetry
+from pegaflow.auth import Authenticator, check_access
 from pegaflow.checksum import checksum
 from pegaflow.config import NodeConfig
 from pegaflow.errors import BadRequest, DeadlineExceeded, PegaError, ProtocolError, Unauthorized
@@ -72,6 +72,7 @@ class _Conn:
     authed: bool
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     closed: bool = False
+    tenant: str | None = None
     # requests in flight on this connection; the reader stops reading at the bound
     slots: asyncio.Semaphore = field(
         default_factory=lambda: asyncio.Semaphore(MAX_INFLIGHT_PER_CONN)
@@ -88,14 +89,14 @@ class DataServer:
         sink: InventorySink,
         metrics: NodeMetrics,
         *,
-        token: str | None = None,
+        auth: Authenticator | None = None,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         self.pool = pool
         self.cfg = cfg
         self.sink = sink
         self.metrics = metrics
-        self._token = token or None
+        self._auth = auth if auth is not None else Authenticator()
         self._on_change = on_change
         self._worker: UcxWorker | None = None
         self._listener: Any = None
@@ -129,7 +130,7 @@ class DataServer:
     # ---- connections ---------------------------------------------------------------
 
     def _accept(self, ep: Any) -> None:
-        conn = _Conn(ep=ep, authed=self._token is None)
+        conn = _Conn(ep=ep, authed=not self._auth.required)
         self._conns.add(conn)
         self.metrics.connections.inc()
         t = asyncio.get_running_loop().create_task(self._serve(conn))
@@ -190,6 +191,8 @@ class DataServer:
             msg = req_map(unpack(memoryview(data).cast("B"), self.cfg.max_request_bytes))
             rid = msg.get("id")
             op = req_str(msg, "op", 32)
+            if conn.tenant is not None and "ns" in msg:
+                check_access(msg["ns"], conn.tenant)
             if op == "hello":
                 result = self._hello(conn, msg)
             elif not conn.authed:
@@ -235,10 +238,7 @@ class DataServer:
             raise ProtocolError(
                 f"protocol version {version} not supported (want {PROTOCOL_VERSION})"
             )
-        if self._token is not None:
-            tok = msg.get("token")
-            if not isinstance(tok, str) or not hmac.compare_digest(tok, self._token):
-                raise Unauthorized("missing or wrong token")
+        conn.tenant = self._auth.authenticate(msg.get("token"))
         conn.authed = True
         return {"node_id": self.pool.node_id, "version": PROTOCOL_VERSION}
 

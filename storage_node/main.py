@@ -37,7 +37,9 @@ def make_sink(cfg: ClusterConfig, node: StorageNode) -> InventorySink:
 
 async def run(cfg: ClusterConfig) -> None:
     """Serve until SIGINT/SIGTERM."""
-    node = StorageNode(cfg.node, token=cfg.security.token or None)
+    node = StorageNode(
+        cfg.node, token=cfg.security.token or None, tenant_tokens=cfg.security.tenant_tokens
+    )
     node.sink = make_sink(cfg, node)
     telemetry.setup(cfg.telemetry, service="pegaflow-node", registry=node.registry)
     await node.start()

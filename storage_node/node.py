@@ -6,6 +6,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from pegaflow.storage_node.pool import BlockPool, Entry
 from prometheus_client import CollectorRegistry
 
 from pegaflow import __version__
+from pegaflow.auth import Authenticator
 from pegaflow.config import NodeConfig
 from pegaflow.inventory import InventorySink
 from pegaflow.keys import BlockLocation, NodeRecord
@@ -58,13 +60,14 @@ class StorageNode:
         sink: InventorySink | None = None,
         *,
         token: str | None = None,
+        tenant_tokens: Sequence[str] = (),
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.cfg = cfg
         self.sink: InventorySink = sink if sink is not None else NullSink()
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = NodeMetrics(self.registry)
-        self._token = token
+        self._auth = Authenticator(token, tenant_tokens)
         self.pool: BlockPool | None = None
         self.data: DataServer | None = None
         self.node_id = cfg.node_id
@@ -111,7 +114,7 @@ class StorageNode:
         )
         self.update_gauges()  # capacity is known now, not only after the first change
         self.data = DataServer(
-            self.pool, cfg, self.sink, self.metrics, token=self._token, on_change=self._dirty.set
+            self.pool, cfg, self.sink, self.metrics, auth=self._auth, on_change=self._dirty.set
         )
         await self.data.start()
         if not cfg.node_id and cfg.ucx_port == 0:

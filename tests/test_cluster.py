@@ -352,3 +352,49 @@ async def test_read_pins_keep_looked_up_blocks_through_eviction(cluster: Cluster
     out = np.zeros_like(d_first)
     ok = await c.get_blocks(NS, [(res.blocks[i][0], h, 0, out[i]) for i, h in enumerate(first)])
     assert all(ok) and np.array_equal(out, d_first)
+
+
+async def test_tenants_cannot_touch_each_others_blocks(node_factory: list[Proc]) -> None:
+    from pegaflow.devcluster import start_server
+
+    server = start_server(
+        token="admin",
+        extra=["--node-pool-bytes", "32MiB", "--node-slab-bytes", "4MiB",
+               "--security-tenant-tokens", "acme=a-secret,globex=g-secret"],
+    )  # fmt: skip
+    node_factory.append(server)
+    addr = server.ready["coordinator"]
+
+    def client(token: str) -> PegaClient:
+        return PegaClient(ClientConfig(coordinators=[addr], lookup_timeout_s=2), token=token)
+
+    acme, globex, admin = client("a-secret"), client("g-secret"), client("admin")
+    try:
+        hashes, data = blocks(4, 60)
+        assert (
+            await acme.put_blocks("acme@m", [(h, 0, data[i]) for i, h in enumerate(hashes)])
+        ).stored == 4
+        with pytest.raises(Unauthorized):
+            await acme.put_blocks("globex@m", [(hashes[0], 0, data[0])])
+        await wait_for(lambda: _ns_hits(acme, "acme@m", hashes, 4), 10, "acme's blocks visible")
+        with pytest.raises(Unauthorized):
+            await globex.lookup("acme@m", hashes)
+        node = server.ready["node"]
+        out = np.zeros_like(data)
+        # the node refuses too, even when asked directly
+        assert (
+            await globex.get_blocks("acme@m", [(node, h, 0, out[i]) for i, h in enumerate(hashes)])
+            == [False] * 4
+        )
+        assert not out.any()
+        # the cluster token sees every tenant
+        assert (await admin.lookup("acme@m", hashes)).hits == 4
+        ok = await admin.get_blocks("acme@m", [(node, h, 0, out[i]) for i, h in enumerate(hashes)])
+        assert all(ok) and np.array_equal(out, data)
+    finally:
+        for c in (acme, globex, admin):
+            await c.close()
+
+
+async def _ns_hits(c: PegaClient, ns: str, hashes: list[bytes], want: int) -> bool:
+    return (await c.lookup(ns, hashes)).hits == want
