@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -44,9 +45,12 @@ class EtcdServer:
         *,
         binary: str = ETCD_BINARY,
         max_txn_ops: int = 1024,
+        tls_dir: Path | None = None,
         extra_args: Sequence[str] = (),
     ) -> None:
         self.data_dir = Path(data_dir)
+        #: With TLS (files from :func:`make_test_certs`), clients must present a cert.
+        self.tls_dir = tls_dir
         self.binary = binary
         self.client_port = free_port()
         self.peer_port = free_port()
@@ -58,8 +62,18 @@ class EtcdServer:
 
     def argv(self) -> list[str]:
         """The etcd command line."""
-        client = f"http://127.0.0.1:{self.client_port}"
+        scheme = "https" if self.tls_dir else "http"
+        client = f"{scheme}://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
+        tls = []
+        if self.tls_dir:
+            d = self.tls_dir
+            tls = [
+                "--cert-file", str(d / "server.crt"),
+                "--key-file", str(d / "server.key"),
+                "--trusted-ca-file", str(d / "ca.crt"),
+                "--client-cert-auth",
+            ]  # fmt: skip
         return [
             self.binary,
             "--name", "pegaflow-test",
@@ -74,6 +88,7 @@ class EtcdServer:
             "--max-txn-ops", str(self.max_txn_ops),
             "--quota-backend-bytes", str(4 << 30),
             "--log-level", "warn",
+            *tls,
             *self.extra_args,
         ]  # fmt: skip
 
@@ -87,7 +102,7 @@ class EtcdServer:
         if self.running:
             return
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
+        log = open(self.log_path, "ab")  # handed to the child
         try:
             self._proc = subprocess.Popen(
                 self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
@@ -106,9 +121,13 @@ class EtcdServer:
 
     def healthy(self) -> bool:
         """Whether etcd answers ``/health`` with ``true``."""
+        context = None
+        if self.tls_dir:
+            context = ssl.create_default_context(cafile=str(self.tls_dir / "ca.crt"))
+            context.load_cert_chain(self.tls_dir / "client.crt", self.tls_dir / "client.key")
         try:
-            url = f"http://{self.endpoint}/health"
-            with urllib.request.urlopen(url, timeout=0.5) as r:
+            url = f"{'https' if self.tls_dir else 'http'}://{self.endpoint}/health"
+            with urllib.request.urlopen(url, timeout=0.5, context=context) as r:
                 return b"true" in r.read()
         except OSError:
             return False

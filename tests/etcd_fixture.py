@@ -27,13 +27,10 @@ import os
 import re
 import shutil
 import signal
-import socket
-import ssl
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -41,140 +38,9 @@ from pathlib import Path
 import pytest
 
 from pegaflow.config import EtcdConfig
+from pegaflow.devcluster import ETCD_BINARY, EtcdServer
 
-ETCD_BINARY = os.environ.get("PEGAFLOW_TEST_ETCD", "etcd")
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class EtcdServer:
-    """One etcd member on loopback, restartable on the same data dir and ports."""
-
-    def __init__(
-        self,
-        data_dir: Path,
-        *,
-        binary: str = ETCD_BINARY,
-        max_txn_ops: int = 1024,
-        tls_dir: Path | None = None,
-        extra_args: Sequence[str] = (),
-    ) -> None:
-        self.data_dir = Path(data_dir)
-        #: With TLS (files from :func:`make_test_certs`), clients must present a cert.
-        self.tls_dir = tls_dir
-        self.binary = binary
-        self.client_port = free_port()
-        self.peer_port = free_port()
-        self.endpoint = f"127.0.0.1:{self.client_port}"
-        self.max_txn_ops = max_txn_ops
-        self.extra_args = list(extra_args)
-        self.log_path = self.data_dir.parent / f"{self.data_dir.name}.log"
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    def argv(self) -> list[str]:
-        """The etcd command line."""
-        scheme = "https" if self.tls_dir else "http"
-        client = f"{scheme}://127.0.0.1:{self.client_port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        tls = []
-        if self.tls_dir:
-            d = self.tls_dir
-            tls = [
-                "--cert-file", str(d / "server.crt"),
-                "--key-file", str(d / "server.key"),
-                "--trusted-ca-file", str(d / "ca.crt"),
-                "--client-cert-auth",
-            ]  # fmt: skip
-        return [
-            self.binary,
-            "--name", "pegaflow-test",
-            "--data-dir", str(self.data_dir),
-            "--listen-client-urls", client,
-            "--advertise-client-urls", client,
-            "--listen-peer-urls", peer,
-            "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"pegaflow-test={peer}",
-            "--auto-compaction-mode", "periodic",
-            "--auto-compaction-retention", "1h",
-            "--max-txn-ops", str(self.max_txn_ops),
-            "--quota-backend-bytes", str(4 << 30),
-            "--log-level", "warn",
-            *tls,
-            *self.extra_args,
-        ]  # fmt: skip
-
-    @property
-    def running(self) -> bool:
-        """Whether the process is alive."""
-        return self._proc is not None and self._proc.poll() is None
-
-    def start(self, timeout: float = 30.0) -> None:
-        """Start (or restart) etcd and wait until it reports healthy."""
-        if self.running:
-            return
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")  # handed to the child
-        try:
-            self._proc = subprocess.Popen(
-                self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
-        finally:
-            log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.running:
-                raise RuntimeError(f"etcd exited at start; see {self.log_path}:\n{self.tail()}")
-            if self.healthy():
-                return
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"etcd not healthy in {timeout} s; see {self.log_path}:\n{self.tail()}")
-
-    def healthy(self) -> bool:
-        """Whether etcd answers ``/health`` with ``true``."""
-        context = None
-        if self.tls_dir:
-            context = ssl.create_default_context(cafile=str(self.tls_dir / "ca.crt"))
-            context.load_cert_chain(self.tls_dir / "client.crt", self.tls_dir / "client.key")
-        try:
-            url = f"{'https' if self.tls_dir else 'http'}://{self.endpoint}/health"
-            with urllib.request.urlopen(url, timeout=0.5, context=context) as r:
-                return b"true" in r.read()
-        except OSError:
-            return False
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM and wait (SIGKILL after ``timeout``); the data dir stays."""
-        if self._proc is None:
-            return
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(10)
-        self._proc = None
-
-    def kill(self) -> None:
-        """SIGKILL and wait."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait(10)
-        self._proc = None
-
-    def tail(self, lines: int = 30) -> str:
-        """The end of etcd's log."""
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
 
 
 def make_test_certs(directory: Path) -> Path:
