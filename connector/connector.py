@@ -1,0 +1,435 @@
+"""``PegaKVConnector``: vLLM's KV connector API on top of the PegaFlow cluster.
+
+A thin facade: vLLM builds one instance per role, in the scheduler process
+(``KVConnectorRole.SCHEDULER``) and in every worker (``KVConnectorRole.WORKER``).
+Each hook below forwards to :class:`~.scheduler.SchedulerSide` or
+:class:`~.worker.WorkerSide`; version differences live in :mod:`.compat`.
+
+Guarantees, whatever the cluster does:
+
+* a lookup never takes longer than ``lookup_timeout_s``; any failure is a miss and
+  serving goes on (a circuit breaker stops asking a dead cluster for a while);
+* loaded blocks are checksum-verified before they are written into the KV cache;
+  a block that cannot be loaded is reported through
+  :meth:`PegaKVConnector.get_block_ids_with_load_errors` and vLLM recomputes it
+  (with ``kv_load_failure_policy="recompute"``; with vLLM's default ``"fail"`` the
+  affected request ends with an error instead, so set ``recompute``);
+* saves never stall the forward pass and never read a block after vLLM reused it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .compat import (
+    HIT_SOURCE,
+    VLLM_VERSION,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorStats,
+    KVConnectorWorkerMetadata,
+    PegaConnectorMetadata,
+    PegaWorkerMetadata,
+    block_ids_of,
+    device_type,
+    engine_geometry,
+    hash_info,
+    kv_load_failure_policy,
+    parallel_ranks,
+)
+from .metadata import StepPlan
+from .metrics import Counters
+from .namespace import NamespaceFactors, hash_stability, make_namespace, shard_of
+from .scheduler import SchedulerSide
+from .settings import ConnectorSettings
+from .stats import PegaConnectorStats, PegaPromMetrics
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("pegaflow.connector")
+
+
+class PegaKVConnector(KVConnectorBase_V1):
+    """External, shared KV cache for vLLM backed by a PegaFlow cluster.
+
+    Enable with::
+
+        --kv-transfer-config '{"kv_connector": "PegaKVConnector", "kv_role": "kv_both",
+          "kv_connector_module_path": "pegaflow.connector",
+          "kv_load_failure_policy": "recompute"}'
+
+    Settings come from ``kv_connector_extra_config`` and ``PEGAFLOW_*`` variables (see
+    :class:`~.settings.ConnectorSettings`).
+
+    Args:
+        vllm_config: the engine's configuration.
+        role: scheduler or worker.
+        kv_cache_config: the engine's KV cache configuration.
+    """
+
+    if HIT_SOURCE is not None:
+        _cache_hit_source = HIT_SOURCE
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        role: KVConnectorRole,
+        kv_cache_config: Any = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.settings = ConnectorSettings.load(extra)
+        self.geometry = engine_geometry(vllm_config, kv_cache_config)
+        if self.geometry.groups != 1 and self.settings.mode != "off":
+            logger.error(
+                "PegaFlow: %d KV cache groups (hybrid model); only single-group models are "
+                "supported: connector off",
+                self.geometry.groups,
+            )
+            self.settings.mode = "off"
+        is_worker = role == KVConnectorRole.WORKER
+        tp_rank, tp_size, pp_rank, pp_size = parallel_ranks(vllm_config, is_worker)
+        self.tp_size, self.pp_size = tp_size, pp_size
+        self.shard = shard_of(tp_rank, pp_rank, tp_size)
+        self.counters = Counters(
+            "worker" if is_worker else "scheduler", self.shard, self.settings.stats_path
+        )
+        self.policy = kv_load_failure_policy(vllm_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: Any = None
+        if is_worker:
+            from .worker import WorkerSide  # torch-heavy; workers only
+
+            self._worker = WorkerSide(
+                self.settings,
+                self.shard,
+                self.counters,
+                self._make_client,
+                retry_failed_loads=self.policy == "fail",
+            )
+        else:
+            self._scheduler = SchedulerSide(
+                self.settings,
+                self.geometry.block_size,
+                tp_size * pp_size,
+                namespace=self._compute_namespace,
+                counters=self.counters,
+                client_factory=self._make_client,
+            )
+            logger.info(
+                "PegaFlow connector (vLLM %s): mode=%s coordinators=%s local_node=%s",
+                VLLM_VERSION,
+                self.settings.mode,
+                ",".join(self.settings.coordinators),
+                self.settings.local_node or "(placement)",
+            )
+            if self.settings.can_load and self.policy != "recompute":
+                logger.warning(
+                    "PegaFlow: kv_load_failure_policy=%r: a block that cannot be loaded from "
+                    "the cluster (node lost, evicted, corrupt) FAILS its request instead of "
+                    'being recomputed. Set "kv_load_failure_policy": "recompute" in '
+                    "--kv-transfer-config.",
+                    self.policy,
+                )
+
+    # ---- plumbing ------------------------------------------------------------------
+
+    def _make_client(self) -> Any:
+        from pegaflow.client import SyncPegaClient
+
+        from pegaflow.config import ClientConfig
+
+        s = self.settings
+        cfg = ClientConfig(
+            coordinators=list(s.coordinators),
+            local_node=s.local_node,
+            host=s.host,
+            lookup_timeout_s=s.lookup_timeout_s,
+            rpc_timeout_s=s.rpc_timeout_s,
+            transfer_timeout_s=s.transfer_timeout_s,
+        )
+        return SyncPegaClient(cfg, token=s.token or None)
+
+    def _compute_namespace(self) -> str | None:
+        hi = hash_info(self._vllm_config)
+        if hi.root_fingerprint == "unset":
+            return None
+        stab = hash_stability(hi.algo, hi.pythonhashseed, hi.fixed_default_seed)
+        if not stab.stable:
+            logger.warning(
+                "\n%s\nPegaFlow: BLOCK HASHES OF THIS ENGINE ARE NOT STABLE ACROSS PROCESSES.\n"
+                "%s\n%s",
+                "!" * 78,
+                stab.reason,
+                "!" * 78,
+            )
+        vc = self._vllm_config
+        mc = vc.model_config
+        weights = []
+        load_format = str(getattr(vc.load_config, "load_format", ""))
+        if "dummy" in load_format:
+            weights.append(f"dummy:seed={getattr(mc, 'seed', None)}")
+        for attr in ("revision", "quantization", "tokenizer_revision"):
+            v = getattr(mc, attr, None)
+            if v:
+                weights.append(f"{attr}={v}")
+        g = self.geometry
+        cache_dtype = str(getattr(vc.cache_config, "cache_dtype", "auto"))
+        f = NamespaceFactors(
+            model=self.settings.model_id or str(mc.model),
+            dtype=str(getattr(mc, "dtype", "")).replace("torch.", ""),
+            kv_dtype=f"{g.kv_dtype}/{cache_dtype}",
+            device=device_type(),
+            layout=g.layout,
+            block_size=g.block_size,
+            num_layers=g.num_layers,
+            num_kv_heads=g.num_kv_heads,
+            head_size=g.head_size,
+            tp_size=self.tp_size,
+            pp_size=self.pp_size,
+            page_bytes=g.page_bytes,
+            hash_algo=hi.algo,
+            hash_seed_fingerprint=hi.root_fingerprint,
+            weights=";".join(weights),
+            extra=self.settings.namespace_extra,
+        )
+        ns = make_namespace(f)
+        logger.info("PegaFlow namespace %s for %s", ns, f)
+        return ns
+
+    def _plan(self, meta: KVConnectorMetadata | None = None) -> StepPlan:
+        meta = meta if meta is not None else self._connector_metadata
+        if isinstance(meta, PegaConnectorMetadata):
+            return meta.plan
+        return StepPlan()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a best-effort cache; a dropped save is only a future miss."""
+        return False
+
+    # ==============================
+    # Worker-side methods
+    # ==============================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Adopt the engine's per-layer KV cache tensors (whole-block copies, any layout).
+
+        Args:
+            kv_caches: layer name -> KV cache tensor of that layer.
+        """
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches, self.geometry.num_blocks)
+        io = self._worker.io
+        if io is not None and self.geometry.page_bytes:
+            per_layer = {layer.tile_bytes for layer in io.layers}
+            if per_layer != {self.geometry.page_bytes}:
+                logger.warning(
+                    "PegaFlow: KV tiles of %s bytes, vLLM pages of %d bytes",
+                    sorted(per_layer),
+                    self.geometry.page_bytes,
+                )
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before preempted requests' blocks are reused: finish copying them out.
+
+        Args:
+            kv_connector_metadata: this step's metadata (lists the preempted requests).
+        """
+        if self._worker is None:
+            return
+        plan = self._plan(kv_connector_metadata)
+        if plan.preempted:
+            self._worker.wait_for_copies(plan.preempted)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Start this step's loads in the background (requests waiting for remote KV).
+
+        Loads are asynchronous: their requests are not scheduled until
+        :meth:`get_finished` reports them, so nothing here blocks the forward pass.
+
+        Args:
+            forward_context: vLLM's forward context (unused).
+            **kwargs: unused.
+        """
+        if self._worker is not None:
+            idle = getattr(forward_context, "attn_metadata", None) is None
+            self._worker.start_step(self._plan(), idle=idle)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """No-op: whole requests are loaded before vLLM schedules them.
+
+        Args:
+            layer_name: the layer about to run.
+        """
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """No-op: blocks are saved whole (every layer) after the forward pass.
+
+        Args:
+            layer_name: the layer that ran.
+            kv_layer: its paged KV cache.
+            attn_metadata: attention metadata of the step.
+            **kwargs: unused.
+        """
+        return
+
+    def wait_for_save(self) -> None:
+        """Queue the copy-out of the blocks this step filled; returns without waiting.
+
+        vLLM keeps the blocks of a finished request until :meth:`get_finished` reports
+        it (see :meth:`request_finished`), and preemptions wait in
+        :meth:`handle_preemptions`, so the copy can run behind the next steps.
+        """
+        if self._worker is not None:
+            self._worker.submit_saves(self._plan())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose async transfers completed.
+
+        Args:
+            finished_req_ids: requests that finished generating this step.
+
+        Returns:
+            (requests whose blocks are copied out and may be freed, requests whose
+            loads finished, successfully or not).
+        """
+        if self._worker is None:
+            return None, None
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks that could not be loaded (node gone, evicted, checksum mismatch).
+
+        Reported no later than the step in which their request is reported finished
+        receiving; vLLM recomputes from the first failed block of each request.
+        """
+        if self._worker is None:
+            return set()
+        return self._worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Failed saves and loads, so the scheduler side stops assuming they are stored."""
+        if self._worker is None:
+            return None
+        rep = self._worker.take_report()
+        return PegaWorkerMetadata(rep) if rep is not None else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Counters since the last call (see :mod:`.metrics`), or None when idle."""
+        delta = self.counters.take_delta()
+        return PegaConnectorStats(data=delta) if delta else None
+
+    def shutdown(self) -> None:
+        """Drain queued copies, give pending puts a moment, close the client."""
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.close()
+            self.counters.maybe_write(force=True)
+
+    # ==============================
+    # Scheduler-side methods
+    # ==============================
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` stored in the cluster (all shards).
+
+        One lookup with a hard deadline; any failure is 0 hits.  Hits are loaded
+        asynchronously, so the answer is ``(hit_tokens, True)`` or ``(0, False)``.
+
+        Args:
+            request: the request.
+            num_computed_tokens: tokens already in vLLM's own prefix cache.
+        """
+        assert self._scheduler is not None
+        try:
+            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:
+            logger.exception("PegaFlow: lookup bookkeeping failed; treating as a miss")
+            return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Plan the load into the blocks vLLM allocated for the external hit.
+
+        Args:
+            request: the request.
+            blocks: all of the request's blocks.
+            num_external_tokens: tokens to load (0: nothing to do).
+        """
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, block_ids_of(blocks), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """This step's loads, saves, preemptions and delayed frees for the workers.
+
+        Args:
+            scheduler_output: the step's scheduler output (not modified).
+        """
+        assert self._scheduler is not None
+        return PegaConnectorMetadata(self._scheduler.build_plan(scheduler_output))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Learn the workers' failed saves / loads (they may be saved again).
+
+        Args:
+            connector_output: aggregated worker output of the step.
+        """
+        if self._scheduler is None:
+            return
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, PegaWorkerMetadata):
+            self._scheduler.update_connector_output(meta.report)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Keep a finished request's blocks while their copy-out is pending.
+
+        Args:
+            request: the finished request.
+            block_ids: its blocks.
+
+        Returns:
+            (True when vLLM must wait for :meth:`get_finished` before freeing the
+            blocks, no KV transfer params).
+        """
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request), None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        """Rebuild stats sent from another process.
+
+        Args:
+            data: the counters.
+        """
+        return PegaConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """``vllm:pegaflow_*`` counters on vLLM's ``/metrics``.
+
+        Args:
+            vllm_config: engine configuration.
+            metric_types: Prometheus metric classes vLLM wants used.
+            labelnames: label names of every series.
+            per_engine_labelvalues: label values per engine index.
+        """
+        return PegaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

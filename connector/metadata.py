@@ -1,0 +1,70 @@
+"""What the scheduler-side connector tells the workers each step, and what they answer.
+
+Plain dataclasses of builtins: vLLM moves them between its own processes (scheduler to
+workers and back), never over PegaFlow's network.  Pure module: no vLLM import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoadJob:
+    """Pull ``hashes[i]`` into vLLM block ``block_ids[i]``; report ``req_id`` when done."""
+
+    req_id: str
+    block_ids: list[int]
+    hashes: list[bytes]
+    nodes: list[list[str]]
+    """per block, the node id holding each shard (index = shard)"""
+    first_block: int = 0
+    """index of ``block_ids[0]`` within the request (for logs)"""
+
+
+@dataclass
+class SaveJob:
+    """Copy vLLM blocks ``block_ids`` out and store them under ``hashes``."""
+
+    req_id: str
+    block_ids: list[int]
+    hashes: list[bytes]
+
+
+@dataclass
+class StepPlan:
+    """One engine step's connector work for every worker."""
+
+    namespace: str = ""
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    """requests preempted this step: their pending block copies must finish first"""
+    delay_free: list[str] = field(default_factory=list)
+    """finished requests whose blocks vLLM keeps until the worker reports them sent"""
+
+    def is_empty(self) -> bool:
+        """No work at all (the namespace alone is not work)."""
+        return not (self.loads or self.saves or self.preempted or self.delay_free)
+
+
+@dataclass
+class WorkerReport:
+    """Worker to scheduler: outcomes that change what the scheduler believes is stored."""
+
+    save_failed: list[bytes] = field(default_factory=list)
+    """hashes whose save failed or was dropped (may be saved again later)"""
+    load_failed: dict[str, int] = field(default_factory=dict)
+    """request id -> index (within the request) of its first block that failed to load"""
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        """Union of two workers' reports (the earliest failure wins)."""
+        out = WorkerReport(list(self.save_failed), dict(self.load_failed))
+        out.save_failed.extend(h for h in other.save_failed if h not in set(self.save_failed))
+        for rid, idx in other.load_failed.items():
+            out.load_failed[rid] = min(idx, out.load_failed.get(rid, idx))
+        return out
+
+    def is_empty(self) -> bool:
+        """Nothing to report."""
+        return not (self.save_failed or self.load_failed)

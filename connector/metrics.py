@@ -1,0 +1,150 @@
+"""Connector counters: hits, misses, loaded / saved blocks and bytes, latency, errors.
+
+One :class:`Counters` lives in each connector instance (scheduler and every worker).
+It feeds three outlets:
+
+* vLLM's connector stats (``get_kv_connector_stats``; see :mod:`.stats`): deltas since
+  the last call, aggregated across workers by vLLM, logged as "KV Transfer metrics"
+  and exported by vLLM's ``/metrics`` as ``vllm:pegaflow_*`` counters;
+* the process's Prometheus registry (``pegaflow_connector_*``), for deployments that
+  scrape the engine process directly: one counter per entry of :data:`COUNTERS`, plus
+  latency histograms (:data:`HISTOGRAMS`) of lookups, load jobs and puts;
+* an optional JSON file of the cumulative totals (``stats_path`` setting), which tests
+  and operators can read without a metrics stack.
+
+Pure module: no vLLM import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+COUNTERS: dict[str, str] = {
+    # scheduler side
+    "lookups": "lookups sent to the coordinator",
+    "lookup_errors": "lookups that failed or timed out (answered as 0 hits)",
+    "lookup_skipped": "lookups skipped while the circuit breaker was open",
+    "lookup_hit_blocks": "blocks found in the cluster by lookups",
+    "lookup_miss_blocks": "full blocks asked for and not found",
+    "lookup_seconds": "time spent in lookups",
+    "hit_tokens": "tokens promised to vLLM as external hits",
+    "save_planned_blocks": "blocks scheduled for saving",
+    "save_known_blocks": "blocks not saved because the cluster already has them",
+    # worker side
+    "load_jobs": "requests whose blocks were loaded",
+    "load_blocks": "blocks loaded into the KV cache",
+    "load_bytes": "bytes loaded into the KV cache",
+    "load_failed_blocks": "blocks that could not be loaded (reported to vLLM, recomputed)",
+    "load_seconds": "wall time of load jobs, from start to last block",
+    "save_blocks": "blocks stored by the cluster",
+    "save_present_blocks": "blocks the node already had (skipped)",
+    "save_failed_blocks": "blocks whose save failed",
+    "save_dropped_blocks": "blocks not saved: staging memory full or cluster backing off",
+    "save_bytes": "bytes sent to the cluster",
+    "save_seconds": "wall time of puts",
+    "copy_seconds": "time spent copying between the KV cache and staging memory",
+}
+
+
+#: Counters whose every ``add`` is one operation's duration, also kept as a histogram.
+HISTOGRAMS: dict[str, tuple[str, str]] = {
+    "lookup_seconds": ("pegaflow_connector_lookup_latency_seconds", "latency of one lookup"),
+    "load_seconds": ("pegaflow_connector_load_latency_seconds", "wall time of one load job"),
+    "save_seconds": ("pegaflow_connector_save_latency_seconds", "wall time of one put"),
+}
+_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+)  # fmt: skip
+
+
+class Counters:
+    """Thread-safe counters with a cumulative view and a since-last-take view."""
+
+    def __init__(self, role: str = "", rank: int = 0, stats_path: str = "") -> None:
+        self._lock = threading.Lock()
+        self._total: dict[str, float] = {}
+        self._delta: dict[str, float] = {}
+        self._path = f"{stats_path}.{role}{rank}.json" if stats_path else ""
+        self._written = 0.0
+        self._timer: threading.Timer | None = None
+        self._prom = _prometheus_counters()
+
+    def add(self, name: str, value: float = 1) -> None:
+        """Increase counter ``name`` (one of :data:`COUNTERS`) by ``value``."""
+        if not value:
+            return
+        if name not in COUNTERS:
+            raise KeyError(f"unknown connector counter {name!r}")
+        with self._lock:
+            self._total[name] = self._total.get(name, 0) + value
+            self._delta[name] = self._delta.get(name, 0) + value
+        prom = self._prom.get(name)
+        if prom is not None:
+            prom.inc(value)
+            hist = self._prom.get(f"{name}:hist")
+            if hist is not None:
+                hist.observe(value)
+        if self._path and self._timer is None:
+            t = threading.Timer(0.3, self._flush)
+            t.daemon = True
+            self._timer = t
+            t.start()
+
+    def _flush(self) -> None:
+        self._timer = None
+        self.maybe_write(force=True)
+
+    def totals(self) -> dict[str, float]:
+        """Cumulative values since the connector started."""
+        with self._lock:
+            return dict(self._total)
+
+    def take_delta(self) -> dict[str, float]:
+        """Values accumulated since the previous call (then reset)."""
+        with self._lock:
+            d, self._delta = self._delta, {}
+        self.maybe_write()
+        return d
+
+    def maybe_write(self, force: bool = False) -> None:
+        """Write the totals to the stats file (at most twice a second unless forced)."""
+        if not self._path:
+            return
+        now = time.monotonic()
+        if not force and now - self._written < 0.5:
+            return
+        self._written = now
+        tmp = f"{self._path}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "w") as fh:
+                json.dump(self.totals(), fh, sort_keys=True)
+            os.replace(tmp, self._path)
+        except OSError:
+            pass
+
+
+_PROM: dict[str, Any] | None = None
+_PROM_LOCK = threading.Lock()
+
+
+def _prometheus_counters() -> dict[str, Any]:
+    """``pegaflow_connector_<name>`` counters (and ``<name>:hist`` histograms) in the
+    default registry (once per process)."""
+    global _PROM
+    with _PROM_LOCK:
+        if _PROM is None:
+            _PROM = {}
+            try:
+                from prometheus_client import Counter, Histogram
+
+                for name, doc in COUNTERS.items():
+                    _PROM[name] = Counter(f"pegaflow_connector_{name}", doc)
+                for name, (metric, doc) in HISTOGRAMS.items():
+                    _PROM[f"{name}:hist"] = Histogram(metric, doc, buckets=_LATENCY_BUCKETS)
+            except Exception:  # no prometheus_client, or names taken: metrics are optional
+                _PROM = {}
+        return _PROM

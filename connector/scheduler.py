@@ -1,0 +1,466 @@
+"""Scheduler side of the connector: lookups, load plans, save plans, delayed frees.
+
+Runs inside vLLM's scheduler (engine-core process).  Everything here is bookkeeping on
+block indices and hashes; the only I/O is one lookup RPC per new request, under a hard
+deadline and behind a circuit breaker, so a slow or dead cluster costs the engine at
+most ``lookup_timeout_s`` per request and nothing at all while the breaker is open.
+
+Pure module: no vLLM import (requests and scheduler outputs are duck-typed), so the
+bookkeeping is unit-tested with fakes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport
+from .metrics import Counters
+from .namespace import block_hash_bytes
+from .settings import ConnectorSettings
+
+logger = logging.getLogger("pegaflow.connector")
+
+
+class LookupClient(Protocol):
+    """The part of :class:`pegaflow.client.SyncPegaClient` the scheduler uses."""
+
+    def lookup(
+        self,
+        ns: str,
+        hashes: Sequence[bytes],
+        shards: Sequence[int] = (0,),
+        timeout: float | None = None,
+    ) -> Any: ...
+
+
+class CircuitBreaker:
+    """Stops calling a failing cluster for a while, with exponential backoff.
+
+    ``failures`` consecutive failures open the breaker for ``backoff_s``; after the
+    pause one trial call is let through: a success closes the breaker, a failure
+    reopens it for twice as long (capped at ``backoff_max_s``).
+    """
+
+    def __init__(
+        self,
+        failures: int,
+        backoff_s: float,
+        backoff_max_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._threshold = max(1, failures)
+        self._base = backoff_s
+        self._max = max(backoff_s, backoff_max_s)
+        self._clock = clock
+        self._fails = 0
+        self._backoff = backoff_s
+        self._open_until = 0.0
+        self._tripped = False
+
+    def allow(self) -> bool:
+        """Whether a call may be made now."""
+        return self._clock() >= self._open_until
+
+    @property
+    def is_open(self) -> bool:
+        """Whether calls are being refused now."""
+        return not self.allow()
+
+    def success(self) -> None:
+        """Record a successful call (closes the breaker)."""
+        self._fails = 0
+        self._backoff = self._base
+        self._tripped = False
+
+    def failure(self) -> bool:
+        """Record a failed call; True when this failure opened the breaker."""
+        self._fails += 1
+        if self._tripped or self._fails >= self._threshold:
+            self._open_until = self._clock() + self._backoff
+            self._backoff = min(self._backoff * 2, self._max)
+            self._tripped = True
+            self._fails = 0
+            return True
+        return False
+
+
+class KnownBlocks:
+    """Bounded LRU set of hashes believed stored in the cluster (saves skip them)."""
+
+    def __init__(self, capacity: int) -> None:
+        self._cap = max(1024, capacity)
+        self._d: OrderedDict[bytes, None] = OrderedDict()
+
+    def __contains__(self, h: bytes) -> bool:
+        if h in self._d:
+            self._d.move_to_end(h)
+            return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def add(self, h: bytes) -> None:
+        """Remember ``h`` (most recently used)."""
+        self._d[h] = None
+        self._d.move_to_end(h)
+        while len(self._d) > self._cap:
+            self._d.popitem(last=False)
+
+    def discard(self, h: bytes) -> None:
+        """Forget ``h``."""
+        self._d.pop(h, None)
+
+
+@dataclass
+class _Lookup:
+    at: float
+    start: int
+    n_hashes: int
+    hits: int
+    nodes: list[list[str]]
+
+
+@dataclass
+class _ReqState:
+    request: Any
+    block_ids: list[int] = field(default_factory=list)
+    next_save: int = 0
+    lookup: _Lookup | None = None
+    loading: bool = False
+    saved_any: bool = False
+
+
+def _group0(block_ids: Any) -> list[int]:
+    """The block ids of the (only) KV cache group from vLLM's per-group tuple."""
+    if not block_ids:
+        return []
+    first = block_ids[0]
+    if isinstance(first, list | tuple):
+        return list(first)
+    return list(block_ids)  # already a flat list (older vLLM)
+
+
+class SchedulerSide:
+    """The scheduler-side state machine of :class:`~pegaflow.connector.PegaKVConnector`.
+
+    Args:
+        settings: connector settings.
+        block_size: tokens per vLLM block.
+        world_size: TP x PP ranks of this engine; a block is a hit only when all of
+            its ``world_size`` shards are stored.
+        client: lookup client (``None``: created lazily by ``client_factory``).
+        namespace: returns the cache namespace (``None``: not known yet, ask again);
+            called on first use because it depends on vLLM state initialised after
+            the connector.
+        counters: the counters to update.
+        client_factory: builds the client on first use.
+        clock: monotonic clock (tests inject one).
+    """
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        block_size: int,
+        world_size: int,
+        namespace: Callable[[], str | None],
+        counters: Counters,
+        client: LookupClient | None = None,
+        client_factory: Callable[[], LookupClient] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.block_size = block_size
+        self.world_size = world_size
+        self.shards = list(range(world_size))
+        self._namespace_fn = namespace
+        self._namespace: str | None = None
+        self.counters = counters
+        self._client = client
+        self._client_factory = client_factory
+        self._clock = clock
+        self.lookup_breaker = CircuitBreaker(
+            settings.failures_to_backoff, settings.backoff_s, settings.backoff_max_s, clock
+        )
+        self.known = KnownBlocks(settings.known_blocks)
+        self._reqs: dict[str, _ReqState] = {}
+        self._pending_loads: list[LoadJob] = []
+        self._delay_free: list[str] = []
+        self._last_error_log = -1e9
+
+    # ---- helpers -------------------------------------------------------------------
+
+    @property
+    def namespace(self) -> str:
+        """The cache namespace ('' when it could not be determined: connector inert)."""
+        if self._namespace is None:
+            try:
+                ns = self._namespace_fn()
+            except Exception:
+                logger.exception("PegaFlow: cannot determine the cache namespace; connector off")
+                ns = ""
+            if ns is None:  # not determinable yet (vLLM not fully initialised): ask again
+                return ""
+            self._namespace = ns
+        return self._namespace
+
+    def _state(self, request: Any) -> _ReqState:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = _ReqState(request)
+        else:
+            st.request = request
+        return st
+
+    def _client_or_none(self) -> LookupClient | None:
+        if self._client is None and self._client_factory is not None:
+            try:
+                self._client = self._client_factory()
+            except Exception as e:
+                self._log_error("cannot create the cluster client", e)
+                return None
+        return self._client
+
+    def _log_error(self, what: str, e: BaseException) -> None:
+        now = self._clock()
+        if now - self._last_error_log >= 10.0:
+            self._last_error_log = now
+            logger.warning("PegaFlow: %s: %s: %s (serving goes on)", what, type(e).__name__, e)
+
+    # ---- vLLM hooks ----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` the cluster can supply, loaded async."""
+        st = self._state(request)
+        if not self.settings.can_load:
+            return 0, False
+        bs = self.block_size
+        if num_computed_tokens % bs:
+            return 0, False
+        hashes = request.block_hashes
+        n = len(hashes)
+        start = num_computed_tokens // bs
+        if start >= n:
+            return 0, False
+        ns = self.namespace
+        if not ns:
+            return 0, False
+        lk = st.lookup
+        now = self._clock()
+        if not (
+            lk is not None
+            and lk.start == start
+            and lk.n_hashes == n
+            and now - lk.at < self.settings.lookup_cache_s
+        ):
+            lk = self._lookup(st, ns, hashes, start)
+            if lk is None:
+                return 0, False
+        if lk.hits <= 0:
+            return 0, False
+        return lk.hits * bs, True
+
+    def _lookup(self, st: _ReqState, ns: str, hashes: Sequence[Any], start: int) -> _Lookup | None:
+        if not self.lookup_breaker.allow():
+            self.counters.add("lookup_skipped")
+            return None
+        client = self._client_or_none()
+        if client is None:
+            self.lookup_breaker.failure()
+            self.counters.add("lookup_errors")
+            return None
+        asked = [block_hash_bytes(h) for h in hashes[start:]]
+        t0 = self._clock()
+        try:
+            res = client.lookup(ns, asked, self.shards, timeout=self.settings.lookup_timeout_s)
+            hits = max(0, min(int(res.hits), len(asked)))
+            blocks = list(res.blocks or [])
+        except Exception as e:
+            self.counters.add("lookup_errors")
+            if self.lookup_breaker.failure():
+                logger.warning("PegaFlow: lookups failing; pausing them (circuit breaker open)")
+            self._log_error("lookup failed", e)
+            return None
+        finally:
+            self.counters.add("lookup_seconds", self._clock() - t0)
+        self.lookup_breaker.success()
+        # every hit block must name a node for every shard; trust nothing beyond that
+        valid = 0
+        for b in blocks[:hits]:
+            if not isinstance(b, list | tuple) or len(b) != self.world_size:
+                break
+            if not all(isinstance(x, str) and x for x in b):
+                break
+            valid += 1
+        hits = valid
+        self.counters.add("lookups")
+        self.counters.add("lookup_hit_blocks", hits)
+        self.counters.add("lookup_miss_blocks", len(asked) - hits)
+        for h in asked[:hits]:
+            self.known.add(h)
+        for h in asked[hits:]:
+            self.known.discard(h)
+        lk = _Lookup(self._clock(), start, len(hashes), hits, [list(b) for b in blocks[:hits]])
+        st.lookup = lk
+        return lk
+
+    def update_state_after_alloc(
+        self, request: Any, block_ids: Any, num_external_tokens: int
+    ) -> None:
+        """Plan the load of the blocks vLLM just allocated for an external hit."""
+        st = self._state(request)
+        if num_external_tokens <= 0:
+            return
+        ids = _group0(block_ids)
+        bs = self.block_size
+        n_load = -(-num_external_tokens // bs)
+        lk = st.lookup
+        st.lookup = None
+        hashes = request.block_hashes
+        if lk is None or n_load > lk.hits or len(ids) < lk.start + n_load:
+            # vLLM asked for a load we did not offer: answer it with failures, never KV
+            start = lk.start if lk is not None else max(0, len(ids) - n_load)
+            logger.error(
+                "PegaFlow: unexpected load of %d tokens for %s; reporting it failed",
+                num_external_tokens,
+                request.request_id,
+            )
+            nodes: list[list[str]] = [[] for _ in range(n_load)]
+        else:
+            start = lk.start
+            nodes = lk.nodes[:n_load]
+        job = LoadJob(
+            req_id=request.request_id,
+            block_ids=list(ids[start : start + n_load]),
+            hashes=[block_hash_bytes(h) for h in hashes[start : start + n_load]],
+            nodes=nodes,
+            first_block=start,
+        )
+        if len(job.block_ids) != n_load or len(job.hashes) != n_load:
+            job.nodes = [[] for _ in job.block_ids]
+            job.hashes = (job.hashes + [b"\0"] * len(job.block_ids))[: len(job.block_ids)]
+        self._pending_loads.append(job)
+        st.loading = True
+        self.counters.add("hit_tokens", num_external_tokens)
+
+    def build_plan(self, scheduler_output: Any) -> StepPlan:
+        """This step's :class:`StepPlan` (resets the pending loads and delayed frees)."""
+        so = scheduler_output
+        plan = StepPlan(namespace=self.namespace if self._reqs or self._pending_loads else "")
+        plan.loads, self._pending_loads = self._pending_loads, []
+        num_sched: dict[str, int] = dict(getattr(so, "num_scheduled_tokens", {}) or {})
+        spec: dict[str, Any] = dict(getattr(so, "scheduled_spec_decode_tokens", {}) or {})
+
+        for nr in getattr(so, "scheduled_new_reqs", ()) or ():
+            st = self._reqs.get(nr.req_id)
+            if st is None:
+                continue
+            st.block_ids = _group0(nr.block_ids)
+            st.loading = False
+            after = nr.num_computed_tokens + num_sched.get(nr.req_id, 0)
+            after -= len(spec.get(nr.req_id, ()) or ())
+            self._plan_save(plan, nr.req_id, st, after)
+
+        cached = getattr(so, "scheduled_cached_reqs", None)
+        if cached is not None:
+            resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+            for i, rid in enumerate(cached.req_ids):
+                st = self._reqs.get(rid)
+                if st is None:
+                    continue
+                nb = cached.new_block_ids[i] if i < len(cached.new_block_ids) else None
+                if rid in resumed:
+                    st.block_ids = _group0(nb) if nb else []
+                elif nb:
+                    st.block_ids.extend(_group0(nb))
+                st.loading = False
+                after = cached.num_computed_tokens[i] + num_sched.get(rid, 0)
+                after -= len(spec.get(rid, ()) or ())
+                self._plan_save(plan, rid, st, after)
+
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            st = self._reqs.get(rid)
+            if st is not None:
+                st.block_ids = []
+            plan.preempted.append(rid)
+
+        plan.delay_free, self._delay_free = self._delay_free, []
+        for rid in getattr(so, "finished_req_ids", ()) or ():
+            self._reqs.pop(rid, None)
+        if plan.saves or plan.loads:
+            plan.namespace = self.namespace
+        return plan
+
+    def _plan_save(self, plan: StepPlan, rid: str, st: _ReqState, computed_after: int) -> None:
+        if not self.settings.can_save:
+            return
+        req = st.request
+        limit = computed_after
+        if not self.settings.save_decode_blocks:
+            limit = min(limit, int(getattr(req, "num_prompt_tokens", limit)))
+        hashes = req.block_hashes
+        full = min(limit // self.block_size, len(hashes), len(st.block_ids))
+        if full <= st.next_save:
+            return
+        lo, st.next_save = st.next_save, full
+        if not self.namespace:
+            return
+        ids: list[int] = []
+        hs: list[bytes] = []
+        for i in range(lo, full):
+            h = block_hash_bytes(hashes[i])
+            bid = st.block_ids[i]
+            if bid <= 0:  # vLLM's null block: nothing to save
+                continue
+            if h in self.known:
+                self.counters.add("save_known_blocks")
+                continue
+            self.known.add(h)
+            ids.append(bid)
+            hs.append(h)
+        if ids:
+            plan.saves.append(SaveJob(rid, ids, hs))
+            st.saved_any = True
+            self.counters.add("save_planned_blocks", len(ids))
+
+    def request_finished(self, request: Any) -> bool:
+        """True when vLLM must keep the request's blocks until the worker copied them."""
+        st = self._reqs.get(request.request_id)
+        if st is None or not st.saved_any or st.loading:
+            return False
+        self._delay_free.append(request.request_id)
+        return True
+
+    def update_connector_output(self, report: WorkerReport | None) -> None:
+        """Learn from the workers: failed saves may be saved again, failed loads too."""
+        if report is None:
+            return
+        for h in report.save_failed:
+            self.known.discard(h)
+        for rid, idx in report.load_failed.items():
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            for h in st.request.block_hashes[idx:]:
+                self.known.discard(block_hash_bytes(h))
+
+    def has_state(self, req_id: str) -> bool:
+        """Whether the request is tracked (tests)."""
+        return req_id in self._reqs
+
+    def close(self) -> None:
+        """Close the lookup client."""
+        c, self._client = self._client, None
+        close = getattr(c, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                pass

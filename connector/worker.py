@@ -1,0 +1,494 @@
+"""Worker side of the connector: async loads into the KV cache, async saves out of it.
+
+Runs in every vLLM worker (one per TP/PP rank); each rank moves only its own shard.
+
+Loads (``start_load_kv``) run on a background thread while the engine keeps stepping:
+blocks are fetched in chunks from the nodes named by the lookup, straight into host
+staging buffers, checksum-verified by the client, and copied whole into their vLLM
+blocks; the next chunk's fetch overlaps the current chunk's copy.  A request is
+reported finished (``get_finished``) when all of its blocks are in or failed; failed
+blocks are reported in the same step by ``get_block_ids_with_load_errors`` and vLLM
+recomputes them.  A block is never reported loaded unless its verified bytes were
+written.
+
+Saves (``wait_for_save``) are queued after the forward pass and never wait on the
+network: a background thread copies the new full blocks into staging buffers (one
+memcpy per layer and block) and hands them to the client's asynchronous put; the
+buffers are recycled when the put completes.  vLLM keeps a finished request's blocks
+until their copy-out is done (``request_finished`` returned True; ``get_finished``
+reports the request as sent), and ``handle_preemptions`` waits for the copy-out of
+preempted requests before their blocks can be reused.  When staging memory is full or
+the cluster is failing, saves are dropped (counted), never waited for.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .blockio import KVBlockIO
+from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport
+from .metrics import Counters
+from .scheduler import CircuitBreaker
+from .settings import ConnectorSettings
+
+logger = logging.getLogger("pegaflow.connector")
+
+_Buf = tuple[torch.Tensor, Any]
+_LOAD_DEPTH = 3
+"""chunks of one load in flight at once"""
+
+
+class Staging:
+    """A bounded pool of reusable host buffers of ``chunk_blocks`` blocks each."""
+
+    def __init__(
+        self, io: KVBlockIO, chunk_blocks: int, max_bytes: int, min_chunks: int = 1
+    ) -> None:
+        self.io = io
+        self.chunk_blocks = chunk_blocks
+        self.max_chunks = max(min_chunks, max_bytes // max(1, chunk_blocks * io.block_bytes))
+        self._free: list[_Buf] = []
+        self._made = 0
+        self._cond = threading.Condition()
+
+    def prefill(self, n: int) -> None:
+        """Allocate ``n`` buffers now and touch their pages (no page faults on the hot path)."""
+        bufs = []
+        for _ in range(min(n, self.max_chunks)):
+            buf = self.acquire(wait=False)
+            if buf is None:
+                break
+            buf[0].zero_()
+            bufs.append(buf)
+        for buf in bufs:
+            self.release(buf)
+
+    def acquire(self, wait: bool, timeout: float = 0.0) -> _Buf | None:
+        """A buffer; ``None`` when none is free (after ``timeout`` if ``wait``)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._free:
+                    return self._free.pop()
+                if self._made < self.max_chunks:
+                    self._made += 1
+                    break
+                left = deadline - time.monotonic()
+                if not wait or left <= 0:
+                    return None
+                self._cond.wait(left)
+        try:
+            return self.io.new_staging(self.chunk_blocks)
+        except Exception:
+            with self._cond:
+                self._made -= 1
+            raise
+
+    def release(self, buf: _Buf) -> None:
+        """Return a buffer to the pool."""
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+
+def _chunks(n: int, size: int) -> list[range]:
+    return [range(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+class WorkerSide:
+    """The worker-side engine of :class:`~pegaflow.connector.PegaKVConnector`.
+
+    Args:
+        settings: connector settings.
+        shard: this worker's shard (its rank within the engine).
+        counters: the counters to update.
+        client_factory: builds the cluster client (lazily, on first transfer).
+        retry_failed_loads: retry blocks that failed once more before reporting them
+            (used with ``kv_load_failure_policy="fail"``, where a report fails requests).
+    """
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        shard: int,
+        counters: Counters,
+        client_factory: Callable[[], Any],
+        retry_failed_loads: bool = False,
+    ) -> None:
+        self.settings = settings
+        self.shard = shard
+        self.counters = counters
+        self._client_factory = client_factory
+        self._client: Any = None
+        self._client_failed_at = -1e9
+        self._retry = retry_failed_loads
+        self.io: KVBlockIO | None = None
+        self._load_staging: Staging | None = None
+        self._save_staging: Staging | None = None
+        self._load_pool = concurrent.futures.ThreadPoolExecutor(1, "pegaflow-load")
+        self._save_pool = concurrent.futures.ThreadPoolExecutor(1, "pegaflow-save")
+        self._lock = threading.Condition()
+        self._loading: dict[str, int] = {}
+        self._done_loads: dict[str, tuple[list[int], int | None]] = {}
+        self._pending_gathers: dict[str, int] = {}
+        self._delay_free: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._report = WorkerReport()
+        self.save_breaker = CircuitBreaker(
+            settings.failures_to_backoff, settings.backoff_s, settings.backoff_max_s
+        )
+        self._closed = False
+        self._idle = False
+
+    # ---- setup ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        """Adopt vLLM's KV cache tensors; on an unsupported layout the connector goes inert."""
+        try:
+            io = KVBlockIO(kv_caches, num_blocks)
+        except Exception as e:
+            logger.error("PegaFlow: cannot use this KV cache layout (%s); connector inert", e)
+            return
+        chunk_blocks = max(1, self.settings.chunk_bytes // io.block_bytes)
+        half = self.settings.max_staging_bytes // 2
+        self._load_staging = Staging(io, chunk_blocks, half, min_chunks=_LOAD_DEPTH)
+        self._save_staging = Staging(io, chunk_blocks, half, min_chunks=1)
+        if self.settings.can_load:
+            self._load_staging.prefill(_LOAD_DEPTH)
+        if self.settings.can_save:
+            self._save_staging.prefill(1)
+        self.io = io
+        logger.info(
+            "PegaFlow worker shard %d: %s; %d blocks per transfer chunk",
+            self.shard,
+            io.describe(),
+            chunk_blocks,
+        )
+
+    def _get_client(self) -> Any:
+        if self._client is None:
+            if time.monotonic() - self._client_failed_at < self.settings.backoff_s:
+                return None
+            try:
+                self._client = self._client_factory()
+            except Exception as e:
+                self._client_failed_at = time.monotonic()
+                logger.warning("PegaFlow: cannot create the cluster client: %s", e)
+                return None
+        return self._client
+
+    # ---- per step ------------------------------------------------------------------
+
+    def start_step(self, plan: StepPlan, idle: bool = False) -> None:
+        """Start this step's loads (background) and note its delayed frees.
+
+        ``idle``: the step runs no forward pass (vLLM only polls for transfers).
+        """
+        self._idle = idle
+        with self._lock:
+            self._delay_free.update(plan.delay_free)
+            for job in plan.loads:
+                self._loading[job.req_id] = self._loading.get(job.req_id, 0) + 1
+        for job in plan.loads:
+            self._load_pool.submit(self._run_load_safe, plan.namespace, job)
+
+    def submit_saves(self, plan: StepPlan) -> None:
+        """Queue the copy-out of this step's newly full blocks (returns at once)."""
+        if not plan.saves:
+            return
+        if self.io is None or not self.settings.can_save or not plan.namespace:
+            self._drop(plan.saves)
+            return
+        if not self.save_breaker.allow():
+            self._drop(plan.saves)
+            return
+        marker = self.io.record_step()
+        with self._lock:
+            for job in plan.saves:
+                self._pending_gathers[job.req_id] = self._pending_gathers.get(job.req_id, 0) + 1
+        for job in plan.saves:
+            self._save_pool.submit(self._run_save_safe, plan.namespace, job, marker)
+
+    def wait_for_copies(self, req_ids: Sequence[str], timeout: float = 120.0) -> None:
+        """Block until no copy-out of ``req_ids`` is pending (their blocks may be reused)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while any(self._pending_gathers.get(r, 0) for r in req_ids):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    logger.error("PegaFlow: copy-out of preempted requests still pending")
+                    return
+                self._lock.wait(left)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose blocks may now be freed, requests whose loads are done).
+
+        In a step without a forward pass that only waits for loads, wait briefly for one
+        to land instead of returning at once: vLLM would otherwise spin through empty
+        steps, taking the CPU the transfer needs (2-core hosts) for nothing.
+        """
+        with self._lock:
+            if self._idle and self._loading and not self._done_loads:
+                self._lock.wait_for(lambda: bool(self._done_loads), self.settings.idle_wait_s)
+            sending = {r for r in self._delay_free if not self._pending_gathers.get(r, 0)}
+            self._delay_free -= sending
+            recving = set(self._done_loads)
+            for rid, (failed, first) in self._done_loads.items():
+                self._load_errors.update(failed)
+                if first is not None:
+                    self._report.load_failed[rid] = first
+            self._done_loads.clear()
+        return sending or None, recving or None
+
+    def take_load_errors(self) -> set[int]:
+        """Block ids whose load failed, reported once (vLLM recomputes them)."""
+        with self._lock:
+            errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    def take_report(self) -> WorkerReport | None:
+        """Outcomes the scheduler should learn from (None when there are none)."""
+        with self._lock:
+            rep, self._report = self._report, WorkerReport()
+        return None if rep.is_empty() else rep
+
+    def has_pending_loads(self) -> bool:
+        """Whether any load is still running (tests)."""
+        with self._lock:
+            return bool(self._loading)
+
+    # ---- loads ---------------------------------------------------------------------
+
+    def _run_load_safe(self, ns: str, job: LoadJob) -> None:
+        t0 = time.monotonic()
+        n = len(job.block_ids)
+        ok = [False] * n
+        try:
+            self._run_load(ns, job, ok)
+        except Exception:
+            logger.exception("PegaFlow: load of %s failed", job.req_id)
+        failed = [job.block_ids[i] for i in range(n) if not ok[i]]
+        first = next((job.first_block + i for i in range(n) if not ok[i]), None)
+        loaded = n - len(failed)
+        self.counters.add("load_jobs")
+        self.counters.add("load_blocks", loaded)
+        if self.io is not None:
+            self.counters.add("load_bytes", loaded * self.io.block_bytes)
+        self.counters.add("load_failed_blocks", len(failed))
+        self.counters.add("load_seconds", time.monotonic() - t0)
+        if failed:
+            logger.warning(
+                "PegaFlow: %d of %d blocks of %s could not be loaded; vLLM recomputes them",
+                len(failed),
+                n,
+                job.req_id,
+            )
+        with self._lock:
+            left = self._loading.get(job.req_id, 1) - 1
+            if left > 0:
+                self._loading[job.req_id] = left
+            else:
+                self._loading.pop(job.req_id, None)
+            prev = self._done_loads.get(job.req_id)
+            if prev is not None:
+                failed = prev[0] + failed
+                first = min(x for x in (prev[1], first) if x is not None) if failed else None
+            self._done_loads[job.req_id] = (failed, first)
+            self._lock.notify_all()
+
+    def _run_load(self, ns: str, job: LoadJob, ok: list[bool]) -> None:
+        io, staging = self.io, self._load_staging
+        if io is None or staging is None or not ns or not job.block_ids:
+            return
+        client = self._get_client()
+        if client is None:
+            return
+        timeout = self.settings.transfer_timeout_s
+
+        def fetch(rows: range, buf: _Buf, which: Sequence[int]) -> tuple[list[int], Any]:
+            items: list[tuple[str, bytes, int, Any]] = []
+            idx: list[int] = []
+            for i in which:
+                nodes = job.nodes[i] if i < len(job.nodes) else []
+                node = nodes[self.shard] if self.shard < len(nodes) else ""
+                if not node:
+                    continue
+                items.append((node, job.hashes[i], self.shard, buf[1][i - rows.start]))
+                idx.append(i)
+            fut = client.submit_get_blocks(ns, items, timeout=timeout) if items else None
+            return idx, fut
+
+        def outcome(idx: list[int], fut: Any) -> tuple[list[int], list[int]]:
+            got: list[bool] = [False] * len(idx)
+            if fut is not None:
+                try:
+                    got = [bool(g) for g in fut.result(timeout + 5.0)]
+                except Exception as e:
+                    logger.warning("PegaFlow: get of %d blocks failed: %s", len(idx), e)
+            if len(got) != len(idx):
+                got = [False] * len(idx)
+            good = [i for i, g in zip(idx, got, strict=True) if g]
+            bad = [i for i, g in zip(idx, got, strict=True) if not g]
+            return good, bad
+
+        def complete(rows: range, buf: _Buf, idx: list[int], fut: Any) -> None:
+            good, bad = outcome(idx, fut)
+            if bad and self._retry:
+                idx2, fut2 = fetch(rows, buf, bad)
+                good2, _ = outcome(idx2, fut2)
+                good = sorted(good + good2)
+            if good:
+                t0 = time.monotonic()
+                io.scatter([job.block_ids[i] for i in good], buf[0], [i - rows.start for i in good])
+                self.counters.add("copy_seconds", time.monotonic() - t0)
+                for i in good:
+                    ok[i] = True
+
+        pending: deque[tuple[range, _Buf, list[int], Any]] = deque()
+        try:
+            for rows in _chunks(len(job.block_ids), staging.chunk_blocks):
+                buf = staging.acquire(wait=True, timeout=timeout)
+                if buf is None:
+                    logger.warning("PegaFlow: no staging memory for a load; blocks fail")
+                    break
+                idx, fut = fetch(rows, buf, rows)
+                pending.append((rows, buf, idx, fut))
+                if len(pending) >= _LOAD_DEPTH:  # later chunks in flight while one lands
+                    r, b, i, f = pending.popleft()
+                    try:
+                        complete(r, b, i, f)
+                    finally:
+                        staging.release(b)
+            while pending:
+                r, b, i, f = pending.popleft()
+                try:
+                    complete(r, b, i, f)
+                finally:
+                    staging.release(b)
+        finally:
+            for _r, b, _i, f in pending:  # after an error: let in-flight gets land first
+                if f is not None:
+                    try:
+                        f.result(timeout + 5.0)
+                    except Exception:
+                        pass
+                staging.release(b)
+
+    # ---- saves ---------------------------------------------------------------------
+
+    def _drop(self, jobs: Sequence[SaveJob]) -> None:
+        with self._lock:
+            for job in jobs:
+                self._report.save_failed.extend(job.hashes)
+        self.counters.add("save_dropped_blocks", sum(len(j.hashes) for j in jobs))
+
+    def _run_save_safe(self, ns: str, job: SaveJob, marker: Any) -> None:
+        try:
+            self._run_save(ns, job, marker)
+        except Exception:
+            logger.exception("PegaFlow: save of %s failed", job.req_id)
+        finally:
+            with self._lock:
+                left = self._pending_gathers.get(job.req_id, 1) - 1
+                if left > 0:
+                    self._pending_gathers[job.req_id] = left
+                else:
+                    self._pending_gathers.pop(job.req_id, None)
+                self._lock.notify_all()
+
+    def _run_save(self, ns: str, job: SaveJob, marker: Any) -> None:
+        io, staging = self.io, self._save_staging
+        assert io is not None and staging is not None
+        client = self._get_client()
+        rows_all = _chunks(len(job.block_ids), staging.chunk_blocks)
+        for rows in rows_all:
+            hashes = job.hashes[rows.start : rows.stop]
+            if client is None or not self.save_breaker.allow():
+                rest = job.hashes[rows.start :]
+                self._drop([SaveJob(job.req_id, [], rest)])
+                return
+            buf = staging.acquire(wait=False)
+            if buf is None:
+                self._drop([SaveJob(job.req_id, [], hashes)])
+                continue
+            try:
+                t0 = time.monotonic()
+                io.gather(job.block_ids[rows.start : rows.stop], buf[0], after=marker)
+                self.counters.add("copy_seconds", time.monotonic() - t0)
+                items = [(h, self.shard, buf[1][j]) for j, h in enumerate(hashes)]
+                fut = client.submit_put_blocks(
+                    ns,
+                    items,
+                    node_id=self.settings.local_node or None,
+                    timeout=self.settings.transfer_timeout_s,
+                )
+            except Exception:
+                staging.release(buf)
+                self._drop([SaveJob(job.req_id, [], hashes)])
+                raise
+            started = time.monotonic()
+            fut.add_done_callback(
+                lambda f, buf=buf, hashes=hashes, started=started: self._put_done(
+                    f, buf, hashes, started
+                )
+            )
+
+    def _put_done(
+        self, fut: concurrent.futures.Future[Any], buf: _Buf, hashes: list[bytes], started: float
+    ) -> None:
+        assert self._save_staging is not None and self.io is not None
+        self._save_staging.release(buf)
+        self.counters.add("save_seconds", time.monotonic() - started)
+        try:
+            res = fut.result()
+        except Exception as e:
+            if self.save_breaker.failure():
+                logger.warning("PegaFlow: saves failing (%s); pausing them", e)
+            with self._lock:
+                self._report.save_failed.extend(hashes)
+            self.counters.add("save_failed_blocks", len(hashes))
+            return
+        self.save_breaker.success()
+        stored = int(getattr(res, "stored", 0))
+        present = int(getattr(res, "skipped", 0))
+        failed = int(getattr(res, "failed", 0))
+        self.counters.add("save_blocks", stored)
+        self.counters.add("save_present_blocks", present)
+        self.counters.add("save_bytes", stored * self.io.block_bytes)
+        if failed:
+            self.counters.add("save_failed_blocks", failed)
+            with self._lock:
+                self._report.save_failed.extend(hashes)
+
+    # ---- teardown ------------------------------------------------------------------
+
+    def shutdown(self, wait_s: float = 10.0) -> None:
+        """Finish queued copies, give puts ``wait_s`` to complete, close the client."""
+        if self._closed:
+            return
+        self._closed = True
+        self._load_pool.shutdown(wait=True, cancel_futures=True)
+        self._save_pool.shutdown(wait=True)
+        if self._save_staging is not None:
+            deadline = time.monotonic() + wait_s
+            st = self._save_staging
+            while time.monotonic() < deadline:
+                with st._cond:
+                    if len(st._free) == st._made:
+                        break
+                time.sleep(0.05)
+        self.counters.maybe_write(force=True)
+        c, self._client = self._client, None
+        if c is not None:
+            try:
+                c.close()
+            except Exception:
+                pass

@@ -1,0 +1,201 @@
+"""Fakes for the connector's unit tests: requests, scheduler outputs, an in-memory cluster."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from pegaflow.errors import DeadlineExceeded, Unavailable
+
+
+def chain_hashes(tokens: list[int], block_size: int, seed: bytes = b"root") -> list[bytes]:
+    """vLLM-style chained block hashes of the full blocks of ``tokens``."""
+    out: list[bytes] = []
+    parent = hashlib.sha256(seed).digest()
+    for i in range(len(tokens) // block_size):
+        blk = tokens[i * block_size : (i + 1) * block_size]
+        parent = hashlib.sha256(parent + repr(blk).encode()).digest()
+        out.append(parent)
+    return out
+
+
+class FakeRequest:
+    """The attributes of ``vllm.v1.request.Request`` the connector reads."""
+
+    def __init__(
+        self, request_id: str, tokens: list[int], block_size: int, output: int = 0
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = list(tokens)
+        self.num_prompt_tokens = len(tokens)
+        self.all_tokens = list(tokens) + [7] * output
+        self.block_size = block_size
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_tokens)
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        return chain_hashes(self.all_tokens, self.block_size)
+
+    def append(self, n: int) -> None:
+        """Generate ``n`` more tokens."""
+        self.all_tokens += [9] * n
+
+
+def new_req(req_id: str, block_ids: list[int], num_computed: int) -> Any:
+    return SimpleNamespace(
+        req_id=req_id, block_ids=(list(block_ids),), num_computed_tokens=num_computed
+    )
+
+
+def sched_output(
+    new: list[Any] | None = None,
+    cached: list[tuple[str, list[int] | None, int]] | None = None,
+    scheduled: dict[str, int] | None = None,
+    finished: set[str] | None = None,
+    preempted: set[str] | None = None,
+    resumed: set[str] | None = None,
+) -> Any:
+    """A ``SchedulerOutput`` look-alike; ``cached``: (req id, new block ids, computed)."""
+    cached = cached or []
+    return SimpleNamespace(
+        scheduled_new_reqs=new or [],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[c[0] for c in cached],
+            resumed_req_ids=resumed or set(),
+            new_block_ids=[(c[1],) if c[1] is not None else None for c in cached],
+            num_computed_tokens=[c[2] for c in cached],
+        ),
+        num_scheduled_tokens=scheduled or {},
+        scheduled_spec_decode_tokens={},
+        finished_req_ids=finished or set(),
+        preempted_req_ids=preempted or set(),
+    )
+
+
+@dataclass
+class FakeLookup:
+    hits: int
+    blocks: list[list[str]] = field(default_factory=list)
+    nodes: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FakePut:
+    stored: int = 0
+    skipped: int = 0
+    failed: int = 0
+
+
+class FakeCluster:
+    """In-memory cluster with the SyncPegaClient surface and failure switches."""
+
+    def __init__(self, node: str = "n1") -> None:
+        self.node = node
+        self.blocks: dict[tuple[str, bytes, int], tuple[str, bytes]] = {}
+        self.lookup_error: Exception | None = None
+        self.dead_nodes: set[str] = set()
+        self.corrupt: set[bytes] = set()
+        self.put_error: Exception | None = None
+        self.lookups = 0
+        self.gets = 0
+        self.puts = 0
+        self.lock = threading.Lock()
+        self.put_gate: threading.Event | None = None
+
+    # lookup ---------------------------------------------------------------------------
+    def lookup(
+        self, ns: str, hashes: Any, shards: Any = (0,), timeout: float | None = None
+    ) -> FakeLookup:
+        self.lookups += 1
+        if self.lookup_error is not None:
+            raise self.lookup_error
+        blocks: list[list[str]] = []
+        for h in hashes:
+            row = []
+            for s in shards:
+                loc = self.blocks.get((ns, h, s))
+                if loc is None:
+                    break
+                row.append(loc[0])
+            if len(row) != len(list(shards)):
+                break
+            blocks.append(row)
+        return FakeLookup(len(blocks), blocks)
+
+    # data -----------------------------------------------------------------------------
+    def get_blocks(self, ns: str, items: Any, timeout: float | None = None) -> list[bool]:
+        self.gets += 1
+        ok = []
+        for node, h, shard, buf in items:
+            loc = self.blocks.get((ns, h, shard))
+            arr = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+            if loc is None or node in self.dead_nodes or loc[0] != node or len(loc[1]) != arr.size:
+                ok.append(False)
+                continue
+            if h in self.corrupt:  # checksum mismatch: the client reports False
+                ok.append(False)
+                continue
+            np.frombuffer(buf, dtype=np.uint8)[:] = np.frombuffer(loc[1], dtype=np.uint8)
+            ok.append(True)
+        return ok
+
+    def put_blocks(
+        self, ns: str, items: Any, node_id: str | None = None, timeout: float | None = None
+    ) -> FakePut:
+        if self.put_gate is not None:
+            self.put_gate.wait(10)
+        self.puts += 1
+        if self.put_error is not None:
+            raise self.put_error
+        res = FakePut()
+        with self.lock:
+            for h, shard, buf in items:
+                key = (ns, h, shard)
+                if key in self.blocks:
+                    res.skipped += 1
+                    continue
+                self.blocks[key] = (node_id or self.node, bytes(memoryview(buf).cast("B")))
+                res.stored += 1
+        return res
+
+    def submit_get_blocks(
+        self, ns: str, items: Any, timeout: float | None = None
+    ) -> concurrent.futures.Future[list[bool]]:
+        f: concurrent.futures.Future[list[bool]] = concurrent.futures.Future()
+        try:
+            f.set_result(self.get_blocks(ns, items, timeout))
+        except Exception as e:
+            f.set_exception(e)
+        return f
+
+    def submit_put_blocks(
+        self, ns: str, items: Any, node_id: str | None = None, timeout: float | None = None
+    ) -> concurrent.futures.Future[FakePut]:
+        f: concurrent.futures.Future[FakePut] = concurrent.futures.Future()
+        # copy the buffers now (the real client sends them before the future resolves)
+        frozen = [(h, s, bytes(memoryview(b).cast("B"))) for h, s, b in items]
+
+        def run() -> None:
+            try:
+                f.set_result(self.put_blocks(ns, frozen, node_id, timeout))
+            except Exception as e:
+                f.set_exception(e)
+
+        threading.Thread(target=run, daemon=True).start()
+        return f
+
+    def close(self) -> None:
+        pass
+
+
+DEADLINE = DeadlineExceeded("lookup deadline")
+DOWN = Unavailable("cluster down")

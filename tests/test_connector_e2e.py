@@ -1,0 +1,280 @@
+"""End to end: real vLLM engines (CPU, tiny dummy Llama) against a real PegaFlow cluster.
+
+One cluster (etcd, a coordinator, nodes n1 and n2) and a handful of engines serve the
+whole module; each engine starts once.  Every output is compared with the output of
+an engine that has no connector at all (greedy decoding of seeded dummy weights is
+deterministic; loading wrong KV changes it).  The tests run in file order: the last
+ones kill a node and then the whole cluster.
+
+Slow (engine starts of 20-40 s each): ``pytest -m slow tests/test_connector_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pegaflow.client import SyncPegaClient
+
+from pegaflow.config import ClientConfig
+from pegaflow.devcluster import Proc, start_coordinator, start_node
+from tests.vllm_engine import VllmEngine, prompts
+
+pytestmark = pytest.mark.slow
+
+BS = 32
+MAX_TOKENS = 8
+SHARED = prompts(1, 256, seed=99)[0]  # an 8-block prefix shared by the B prompts
+A = prompts(3, 200, seed=1)  # 6 full blocks each
+B = [SHARED + p for p in prompts(2, 70, seed=2)]  # share only SHARED with A2
+A2 = [SHARED + p for p in prompts(2, 50, seed=3)]
+D = prompts(2, 300, seed=4)  # two engines at once
+F = prompts(2, 260, seed=5)  # node killed after lookup
+G = prompts(2, 150, seed=6)  # whole cluster down
+H = prompts(2, 230, seed=7)  # TP=2
+ALL = {"A": A, "A2": A2, "B": B, "D": D, "F": F, "G": G, "H": H}
+
+
+class Cluster:
+    """etcd + one coordinator + storage nodes, as real processes."""
+
+    def __init__(
+        self, etcd: Any, prefix: str, shm_dir: Path, node_ids: tuple[str, ...] = ("n1", "n2")
+    ) -> None:
+        self.coordinator: Proc = start_coordinator(etcd=etcd.endpoint, prefix=prefix)
+        self.address = self.coordinator.ready["address"]
+        self.nodes: dict[str, Proc] = {}
+        for nid in node_ids:
+            self.nodes[nid] = start_node(
+                nid,
+                etcd=etcd.endpoint,
+                prefix=prefix,
+                pool="256MiB",
+                slab="16MiB",
+                # a pool file of our own: node ids are only unique within this cluster
+                extra=["--node-shm-dir", str(shm_dir)],
+            )
+        self.client = SyncPegaClient(
+            ClientConfig(coordinators=[self.address], lookup_timeout_s=2.0)
+        )
+        deadline = time.monotonic() + 30
+        while len(self.client.nodes()) < len(node_ids):
+            assert time.monotonic() < deadline, "nodes did not join"
+            time.sleep(0.2)
+
+    def connector(self, local_node: str, stats: str, **kw: Any) -> dict[str, Any]:
+        """kv_connector_extra_config for an engine of this cluster."""
+        return {
+            "coordinators": self.address,
+            "local_node": local_node,
+            "stats_path": stats,
+            "lookup_timeout_s": 0.5,
+            "transfer_timeout_s": 5.0,
+            "backoff_s": 0.5,
+            **kw,
+        }
+
+    def stop(self) -> None:
+        self.client.close()
+        for p in self.nodes.values():
+            p.kill()
+        self.coordinator.kill()
+
+
+def stats(prefix: str) -> dict[str, float]:
+    """Cumulative connector counters of an engine (scheduler + all workers)."""
+    out: dict[str, float] = {}
+    for path in glob.glob(f"{prefix}.*.json"):
+        try:
+            with open(path) as fh:
+                for k, v in json.load(fh).items():
+                    out[k] = out.get(k, 0) + v
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def wait_stats(
+    prefix: str, cond: Callable[[dict[str, float]], bool], timeout: float = 20
+) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = stats(prefix)
+        if cond(s):
+            return s
+        if time.monotonic() > deadline:
+            pytest.fail(f"connector counters never satisfied the condition: {s}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[list[int]]]:
+    """Outputs of an engine without any connector, for every prompt set."""
+    if shutil.which("etcd") is None:
+        pytest.skip("no etcd binary")
+    eng = VllmEngine({"connector": None}, name="reference")
+    try:
+        return {k: eng.generate(v, MAX_TOKENS)["outputs"] for k, v in ALL.items()}
+    finally:
+        eng.stop()
+
+
+@pytest.fixture(scope="module")
+def shm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A private directory in /dev/shm for the nodes' pool files."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path_factory.getbasetemp()
+    d = Path(tempfile.mkdtemp(prefix="pegaflow-e2e-", dir=base))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(etcd_server: Any, reference: Any, shm: Path) -> Iterator[Cluster]:
+    c = Cluster(etcd_server, f"/pegaflow/e2e-{os.getpid()}", shm)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[dict[str, VllmEngine]]:
+    """Engines started by the tests, stopped at the end of the module."""
+    running: dict[str, VllmEngine] = {}
+    yield running
+    for e in running.values():
+        e.stop()
+
+
+def start(
+    engines: dict[str, VllmEngine],
+    name: str,
+    spec: dict[str, Any],
+    env: dict[str, str] | None = None,
+) -> VllmEngine:
+    e = VllmEngine(spec, env=env, name=name)
+    engines[name] = e
+    return e
+
+
+def test_restart_and_across_nodes(
+    cluster: Cluster, reference: Any, engines: Any, workdir: Path
+) -> None:
+    """Engine 1 (node n1) computes and saves; engine 2, a new process on node n2, hits."""
+    s1 = str(workdir / "e1")
+    e1 = start(engines, "e1", {"connector": cluster.connector("n1", s1)})
+    r = e1.generate(A + A2, MAX_TOKENS)
+    assert r["outputs"] == reference["A"] + reference["A2"]
+    assert r["cached"][:3] == [0, 0, 0]
+    want = 3 * 6 + 8 + 1 + 1  # A's blocks, the shared prefix once, A2's own full block each
+    wait_stats(s1, lambda s: s.get("save_blocks", 0) + s.get("save_present_blocks", 0) >= want)
+    e1.stop()
+    engines.pop("e1")
+
+    nodes = cluster.client.nodes()
+    assert nodes["n2"].blocks == 0  # whatever engine 2 loads must come from n1
+    s2 = str(workdir / "e2")
+    e2 = start(engines, "e2", {"connector": cluster.connector("n2", s2)})
+    r = e2.generate(A, MAX_TOKENS)
+    assert r["outputs"] == reference["A"]
+    assert r["cached"] == [192, 192, 192]  # every full block came from the cluster
+    r = e2.generate(B, MAX_TOKENS)  # only the shared prefix is stored
+    assert r["outputs"] == reference["B"]
+    assert all(c >= 256 for c in r["cached"])
+    st = wait_stats(
+        s2, lambda s: s.get("load_blocks", 0) >= 18 + 8 and s.get("save_blocks", 0) >= 2
+    )
+    assert st.get("load_failed_blocks", 0) == 0
+    assert st["lookup_hit_blocks"] >= 26
+    assert st.get("save_blocks", 0) >= 2  # B's own new blocks went to n2
+
+
+def test_two_engines_at_once_share_blocks(
+    cluster: Cluster, reference: Any, engines: Any, workdir: Path
+) -> None:
+    e2 = engines["e2"]
+    s3 = str(workdir / "e3")
+    e3 = start(engines, "e3", {"connector": cluster.connector("n1", s3)})
+    r = e3.generate(D, MAX_TOKENS)
+    assert r["outputs"] == reference["D"] and r["cached"] == [0, 0]
+    wait_stats(s3, lambda s: s.get("save_blocks", 0) >= 2 * 9)
+    r = e2.generate(D, MAX_TOKENS)  # e3 is still running
+    assert r["outputs"] == reference["D"]
+    assert r["cached"] == [288, 288]
+
+
+def test_node_lost_after_lookup_recomputes(
+    cluster: Cluster, reference: Any, engines: Any, workdir: Path
+) -> None:
+    """n1 dies; the index still names it (its lease has seconds to run): loads fail, vLLM
+    recomputes, outputs stay correct."""
+    e2, e3 = engines["e2"], engines["e3"]
+    s2 = str(workdir / "e2")
+    r = e3.generate(F, MAX_TOKENS)
+    assert r["outputs"] == reference["F"]
+    wait_stats(str(workdir / "e3"), lambda s: s.get("save_blocks", 0) >= 18 + 2 * 8)
+    before = stats(s2).get("load_failed_blocks", 0)
+    cluster.nodes["n1"].kill()
+    r = e2.generate(F, MAX_TOKENS)
+    assert r["outputs"] == reference["F"]
+    st = wait_stats(s2, lambda s: s.get("load_failed_blocks", 0) > before)
+    assert st["load_failed_blocks"] > before
+    # later requests still serve correctly once the index forgot n1
+    time.sleep(4)
+    r = e2.generate(F + A, MAX_TOKENS)
+    assert r["outputs"] == reference["F"] + reference["A"]
+
+
+def test_whole_cluster_down_engine_still_serves(
+    cluster: Cluster, reference: Any, engines: Any, workdir: Path
+) -> None:
+    e2 = engines["e2"]
+    s2 = str(workdir / "e2")
+    cluster.stop()
+    t0 = time.monotonic()
+    r = e2.generate(G + B, MAX_TOKENS)
+    assert r["outputs"] == reference["G"] + reference["B"]
+    r = e2.generate(A2, MAX_TOKENS)
+    assert r["outputs"] == reference["A2"]
+    assert time.monotonic() - t0 < 60
+    st = wait_stats(s2, lambda s: s.get("lookup_errors", 0) + s.get("lookup_skipped", 0) > 0)
+    assert st.get("lookup_errors", 0) >= 1
+
+
+def test_tensor_parallel_two_ranks(
+    etcd_server: Any, engines: Any, workdir: Path, shm: Path
+) -> None:
+    """TP=2: both shards are saved; a hit needs both; outputs equal the cold run's."""
+    for name in [n for n in engines if n != "e4"]:
+        engines.pop(name).stop()
+    c = Cluster(etcd_server, f"/pegaflow/e2e-tp-{os.getpid()}", shm, ("t1",))
+    try:
+        s4 = str(workdir / "e4")
+        e4 = start(
+            engines,
+            "e4",
+            {"connector": c.connector("t1", s4), "tp": 2},
+            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        )
+        cold = e4.generate(H, MAX_TOKENS)
+        assert cold["cached"] == [0, 0]
+        wait_stats(s4, lambda s: s.get("save_blocks", 0) >= 2 * 2 * 7)  # 2 shards
+        e4.call({"op": "reset_prefix_cache"})
+        warm = e4.generate(H, MAX_TOKENS)
+        assert warm["outputs"] == cold["outputs"]
+        assert warm["cached"] == [224, 224]
+        st = wait_stats(s4, lambda s: s.get("load_blocks", 0) >= 2 * 2 * 7)
+        assert st.get("load_failed_blocks", 0) == 0
+    finally:
+        c.stop()

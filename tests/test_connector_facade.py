@@ -1,0 +1,146 @@
+"""PegaKVConnector's vLLM-facing facade, wired to fakes: hook plumbing, metadata, stats.
+
+Runs against whichever vLLM is installed (no engine is started).  The same checks pass
+with vLLM 0.26's sources on ``PYTHONPATH`` (the GPU wheel's pure-Python modules).
+"""
+
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from pegaflow.connector import PegaKVConnector
+from pegaflow.connector.compat import (
+    KVConnectorRole,
+    PegaConnectorMetadata,
+    PegaWorkerMetadata,
+)
+from pegaflow.connector.metadata import WorkerReport
+from pegaflow.connector.stats import PegaConnectorStats
+
+from tests.connector_fakes import FakeCluster, FakeRequest, new_req, sched_output
+
+BS = 32
+
+
+def vllm_config(extra: dict[str, Any] | None = None, policy: str = "recompute") -> Any:
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            kv_connector="PegaKVConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra or {},
+            kv_load_failure_policy=policy,
+            is_kv_producer=True,
+        ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(model="/m/tiny", dtype="bfloat16", seed=0),
+        cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256", cache_dtype="auto"),
+        load_config=SimpleNamespace(load_format="dummy"),
+    )
+
+
+def kv_cache_config(groups: int = 1) -> Any:
+    spec = SimpleNamespace(
+        block_size=BS, num_kv_heads=2, head_size=32, dtype="torch.bfloat16", page_size_bytes=8192
+    )
+    return SimpleNamespace(
+        num_blocks=64,
+        kv_cache_layout="LBHNC",
+        kv_cache_groups=[
+            SimpleNamespace(layer_names=["l0", "l1"], kv_cache_spec=spec) for _ in range(groups)
+        ],
+    )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _hash_root() -> None:
+    """What vLLM's engine core does before the first request."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    init_none_hash(get_hash_fn_by_name("sha256"))
+
+
+def scheduler(cluster: FakeCluster, **kw: Any) -> PegaKVConnector:
+    c = PegaKVConnector(vllm_config(**kw), KVConnectorRole.SCHEDULER, kv_cache_config())
+    c._make_client = lambda: cluster  # type: ignore[method-assign]
+    c._scheduler._client_factory = lambda: cluster  # type: ignore[union-attr]
+    return c
+
+
+def test_scheduler_hooks_roundtrip() -> None:
+    cluster = FakeCluster()
+    conn = scheduler(cluster)
+    req = FakeRequest("r", list(range(100)), BS)
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],))
+    conn.update_state_after_alloc(req, blocks, 0)
+    meta = conn.build_connector_meta(
+        sched_output(new=[new_req("r", [1, 2, 3, 4], 0)], scheduled={"r": 100})
+    )
+    assert isinstance(meta, PegaConnectorMetadata)
+    again = pickle.loads(pickle.dumps(meta))  # vLLM ships it to the workers
+    assert [s.block_ids for s in again.plan.saves] == [[1, 2, 3]]
+    ns = again.plan.namespace
+    assert ns.startswith("tiny.")
+    assert conn.request_finished(req, [1, 2, 3, 4]) == (True, None)
+    out = SimpleNamespace(
+        kv_connector_worker_meta=PegaWorkerMetadata(WorkerReport(save_failed=[b"x"]))
+    )
+    conn.update_connector_output(out)
+    stats = conn.get_kv_connector_stats()
+    assert isinstance(stats, PegaConnectorStats)
+    assert stats.data["save_planned_blocks"] == 3
+    assert conn.get_kv_connector_stats() is None  # deltas
+    rebuilt = PegaKVConnector.build_kv_connector_stats(stats.data)
+    assert isinstance(rebuilt, PegaConnectorStats) and not rebuilt.is_empty()
+    assert "hit_rate" in rebuilt.reduce()
+    conn.shutdown()
+
+
+def test_lookup_exceptions_never_escape() -> None:
+    conn = scheduler(FakeCluster())
+
+    class Broken:
+        request_id = "x"
+
+        @property
+        def block_hashes(self) -> list[bytes]:
+            raise RuntimeError("boom")
+
+    assert conn.get_num_new_matched_tokens(Broken(), 0) == (0, False)
+
+
+def test_hybrid_models_turn_the_connector_off() -> None:
+    conn = PegaKVConnector(vllm_config(), KVConnectorRole.SCHEDULER, kv_cache_config(groups=2))
+    assert conn.settings.mode == "off"
+    req = FakeRequest("r", list(range(64)), BS)
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_bad_extra_config_is_refused() -> None:
+    with pytest.raises(ValueError):
+        PegaKVConnector(vllm_config({"mdoe": "x"}), KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+def test_worker_metadata_aggregates_across_ranks() -> None:
+    a = PegaWorkerMetadata(WorkerReport(save_failed=[b"a"], load_failed={"r": 3}))
+    b = PegaWorkerMetadata(WorkerReport(save_failed=[b"b", b"a"], load_failed={"r": 1, "s": 0}))
+    m = a.aggregate(b)
+    assert isinstance(m, PegaWorkerMetadata)
+    assert sorted(m.report.save_failed) == [b"a", b"b"]
+    assert m.report.load_failed == {"r": 1, "s": 0}
+
+
+def test_stats_aggregate_sums() -> None:
+    a = PegaConnectorStats(data={"load_blocks": 2, "load_seconds": 0.5})
+    b = PegaConnectorStats(data={"load_blocks": 3, "load_bytes": 10})
+    a.aggregate(b)
+    assert a.data == {"load_blocks": 5, "load_seconds": 0.5, "load_bytes": 10}
+    a.reset()
+    assert a.is_empty()

@@ -1,0 +1,122 @@
+"""A real vLLM engine (CPU) in its own process, driven by JSON lines on stdin.
+
+vLLM must be started under ``if __name__ == "__main__":``, so tests and benchmarks run
+engines through this script (see :class:`tests.vllm_engine.VllmEngine`)::
+
+    python tests/vllm_runner.py '<json engine spec>'
+
+The spec: ``model`` (directory with config.json), ``block_size``, ``max_model_len``,
+``kv_cache_bytes``, ``tp``, ``prefix_caching`` (vLLM's own), ``connector`` (the
+``kv_connector_extra_config`` of PegaKVConnector, or null for no connector),
+``max_num_batched_tokens`` (optional), ``seed``.
+
+Prints ``READY`` once the engine is up, then answers each command line with one JSON
+line:
+
+* ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n}`` ->
+  ``{"outputs": [[ids...]], "cached": [num_cached_tokens...], "elapsed_s": t}``
+  (all prompts in one batch, greedy);
+* ``{"op": "ttft", "prompts": [...]}`` -> ``{"ttft_ms": [...], "cached": [...]}``: one
+  prompt at a time, ``max_tokens=1``, wall time of each;
+* ``{"op": "reset_prefix_cache"}`` -> ``{"ok": true}`` (vLLM's local cache only);
+* ``{"op": "quit"}``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from typing import Any
+
+
+def _engine(spec: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    kw: dict[str, Any] = {}
+    if spec.get("connector") is not None:
+        kw["kv_transfer_config"] = {
+            "kv_connector": "PegaKVConnector",
+            "kv_role": "kv_both",
+            "kv_connector_module_path": "pegaflow.connector",
+            "kv_load_failure_policy": spec.get("failure_policy", "recompute"),
+            "kv_connector_extra_config": spec["connector"],
+        }
+    if spec.get("max_num_batched_tokens"):
+        kw["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
+    return LLM(
+        model=spec["model"],
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype=spec.get("dtype", "bfloat16"),
+        block_size=int(spec.get("block_size", 32)),
+        max_model_len=int(spec.get("max_model_len", 2048)),
+        kv_cache_memory_bytes=int(spec.get("kv_cache_bytes", 128 << 20)),
+        tensor_parallel_size=int(spec.get("tp", 1)),
+        enable_prefix_caching=bool(spec.get("prefix_caching", True)),
+        seed=int(spec.get("seed", 0)),
+        disable_log_stats=not spec.get("log_stats", False),
+        **kw,
+    )
+
+
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    return {
+        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "cached": [int(o.num_cached_tokens or 0) for o in outs],
+        "elapsed_s": elapsed,
+    }
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    llm = _engine(spec)
+    out = sys.stdout
+    out.write("READY\n")
+    out.flush()
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        cmd = json.loads(line)
+        op = cmd.get("op")
+        try:
+            if op == "quit":
+                break
+            if op == "generate":
+                res = _generate(llm, cmd["prompts"], int(cmd.get("max_tokens", 8)))
+            elif op == "ttft":
+                ttft, cached = [], []
+                for p in cmd["prompts"]:
+                    r = _generate(llm, [p], 1)
+                    ttft.append(r["elapsed_s"] * 1000.0)
+                    cached.append(r["cached"][0])
+                res = {"ttft_ms": ttft, "cached": cached}
+            elif op == "reset_prefix_cache":
+                res = {"ok": bool(llm.reset_prefix_cache())}
+            else:
+                res = {"error": f"unknown op {op!r}"}
+        except Exception as e:  # report, keep serving
+            res = {"error": f"{type(e).__name__}: {e}"}
+        out.write("RESULT " + json.dumps(res) + "\n")
+        out.flush()
+    try:
+        llm.llm_engine.engine_core.shutdown()  # stops EngineCore and workers cleanly
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+    out.write("BYE\n")
+    out.flush()
+
+
+if __name__ == "__main__":
+    main()
