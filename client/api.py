@@ -252,7 +252,7 @@ class SyncPegaClient:
         fut = self._submit(coro)
         try:
             # the coroutine enforces its own deadline; this only guards a wedged loop
-            return fut.result(None if timeout is None else timeout + 5.0)
+            return fut.result(None if timeout is None else timeout + 1.0)
         except concurrent.futures.TimeoutError:
             fut.cancel()
             raise Unavailable("client event loop did not answer in time") from None

@@ -42,7 +42,11 @@ async def run(cfg: ClusterConfig) -> None:
     )
     node.sink = make_sink(cfg, node)
     telemetry.setup(cfg.telemetry, service="pegaflow-node", registry=node.registry)
-    await node.start()
+    try:
+        await node.start()
+    except OSError as e:  # port taken, pool file in use, shm full
+        log.error("cannot start node: %s", e)
+        raise SystemExit(2) from None
     http = None
     if cfg.node.http_port >= 0:
         from pegaflow.http import start_http

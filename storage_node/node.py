@@ -6,6 +6,7 @@ import asyncio
 import logging
 import socket
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -107,7 +108,15 @@ class StorageNode:
         cfg = self.cfg
         self.data = None
         if not self.node_id:
-            self.node_id = f"{socket.gethostname()}-{cfg.ucx_port}"
+            if cfg.ucx_port:
+                self.node_id = f"{socket.gethostname()}-{cfg.ucx_port}"
+            else:  # a port picked by the OS says nothing stable: make the id unique
+                self.node_id = f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+                log.warning(
+                    "no [node] node_id and ucx_port 0: using %s; set node_id so that a "
+                    "restart finds this pool again",
+                    self.node_id,
+                )
         path = Path(cfg.shm_dir) / f"pegaflow-{self.node_id}.pool"
         self.pool = BlockPool(
             path, cfg.pool_bytes, cfg.slab_bytes, node_id=self.node_id, on_evict=self._on_evict

@@ -13,6 +13,7 @@ least recently used block of the size class that is not pinned by an in-flight r
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import time
@@ -74,6 +75,10 @@ class PoolStats:
     free_slabs: int
 
 
+class PoolInUse(OSError):
+    """Another live process holds this pool file."""
+
+
 class BlockPool:
     """Slot allocator, LRU and block table over a shared-memory pool file.
 
@@ -104,6 +109,14 @@ class BlockPool:
         self.capacity = n_slabs * slab_bytes
         self._on_evict = on_evict
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:  # one process per pool file: a second one would resize it under the first
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise PoolInUse(
+                f"pool file {self.path} is in use by another process: give each node its own "
+                "[node] node_id (or shm_dir)"
+            ) from None
         os.ftruncate(self._fd, self.capacity)
         self._mmap = mmap.mmap(self._fd, self.capacity, mmap.MAP_SHARED)
         self._prefault()

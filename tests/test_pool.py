@@ -146,3 +146,13 @@ def test_torn_journal_tail_is_ignored(tmp_path: Path, evicted: list[Entry]) -> N
     pool = make_pool(tmp_path, evicted)
     assert [x.key for x in pool.recovered] == [("ns", b"a", 0)]
     pool.close(unlink=True)
+
+
+def test_a_pool_file_serves_one_process(tmp_path: Path, evicted: list[Entry]) -> None:
+    from pegaflow.storage_node.pool import PoolInUse
+
+    pool = make_pool(tmp_path, evicted)
+    with pytest.raises(PoolInUse):
+        make_pool(tmp_path, evicted)
+    pool.close()
+    make_pool(tmp_path, evicted).close(unlink=True)  # free again once closed
