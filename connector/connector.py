@@ -140,8 +140,10 @@ class PegaKVConnector(KVConnectorBase_V1):
     def _make_client(self) -> Any:
         from pegaflow.client import SyncPegaClient
 
+        from pegaflow import telemetry
         from pegaflow.config import ClientConfig
 
+        telemetry.setup(service="pegaflow-connector")  # exports only if configured
         s = self.settings
         cfg = ClientConfig(
             coordinators=list(s.coordinators),

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pegaflow import telemetry
+
 from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport
 from .metrics import Counters
 from .namespace import block_hash_bytes
@@ -279,7 +281,12 @@ class SchedulerSide:
         asked = [block_hash_bytes(h) for h in hashes[start:]]
         t0 = self._clock()
         try:
-            res = client.lookup(ns, asked, self.shards, timeout=self.settings.lookup_timeout_s)
+            with telemetry.span(
+                "pegaflow.connector.lookup",
+                {"pegaflow.blocks": len(asked)} if telemetry.tracing else None,
+                parent=telemetry.request_context(st.request.request_id),
+            ):
+                res = client.lookup(ns, asked, self.shards, timeout=self.settings.lookup_timeout_s)
             hits = max(0, min(int(res.hits), len(asked)))
             blocks = list(res.blocks or [])
         except Exception as e:

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from pegaflow import telemetry
+
 from .blockio import KVBlockIO
 from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport
 from .metrics import Counters
@@ -272,7 +274,12 @@ class WorkerSide:
         n = len(job.block_ids)
         ok = [False] * n
         try:
-            self._run_load(ns, job, ok)
+            with telemetry.span(
+                "pegaflow.connector.load",
+                {"pegaflow.blocks": n} if telemetry.tracing else None,
+                parent=telemetry.request_context(job.req_id),
+            ):
+                self._run_load(ns, job, ok)
         except Exception:
             logger.exception("PegaFlow: load of %s failed", job.req_id)
         failed = [job.block_ids[i] for i in range(n) if not ok[i]]
@@ -392,7 +399,10 @@ class WorkerSide:
 
     def _run_save_safe(self, ns: str, job: SaveJob, marker: Any) -> None:
         try:
-            self._run_save(ns, job, marker)
+            with telemetry.span(
+                "pegaflow.connector.save", parent=telemetry.request_context(job.req_id)
+            ):
+                self._run_save(ns, job, marker)
         except Exception:
             logger.exception("PegaFlow: save of %s failed", job.req_id)
         finally:

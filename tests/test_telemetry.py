@@ -305,3 +305,26 @@ async def test_a_transfer_is_traced_from_client_to_node() -> None:
         for m in sm.metrics
     }
     assert {"pegaflow_node_get_bytes_total", "pegaflow_coordinator_lookups_total"} <= names
+
+
+def test_connector_lookup_is_a_span_of_the_request_trace() -> None:
+    """The real scheduler-side connector code traces its lookup under the request."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tests.connector_fakes import FakeRequest
+    from tests.test_connector_scheduler import make, store, toks
+
+    spans = InMemorySpanExporter()
+    reg, _, _ = registry()
+    assert telemetry.setup(
+        TelemetryConfig(), service="t", registry=reg, span_exporter=spans,
+        metric_exporter=CaptureMetrics(),
+    )  # fmt: skip
+    side, cl, _ = make()
+    req = FakeRequest("req-traced", toks(18), 4)
+    store(cl, req, 3)
+    assert side.get_num_new_matched_tokens(req, 0) == (12, True)
+    telemetry.flush()
+    trace_id, root_id = telemetry.request_ids("req-traced")
+    (lk,) = [s for s in spans.get_finished_spans() if s.name == "pegaflow.connector.lookup"]
+    assert lk.context.trace_id == trace_id and lk.parent.span_id == root_id
