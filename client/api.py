@@ -45,6 +45,14 @@ class LookupResult:
     """node id per shard, for each of the first ``hits`` blocks"""
 
 
+def _by_node(items: Sequence[tuple[Any, ...]]) -> dict[str, list[int]]:
+    """Indexes of ``items`` grouped by their first field, the node id."""
+    by_node: dict[str, list[int]] = defaultdict(list)
+    for i, item in enumerate(items):
+        by_node[item[0]].append(i)
+    return by_node
+
+
 class PegaClient:
     """Async client of a PegaFlow cluster (one per event loop)."""
 
@@ -136,9 +144,7 @@ class PegaClient:
         Returns per item True when the block arrived and its checksum matched.
         """
         budget = self.cfg.transfer_timeout_s if timeout is None else timeout
-        by_node: dict[str, list[int]] = defaultdict(list)
-        for i, (node_id, _h, _s, _b) in enumerate(items):
-            by_node[node_id].append(i)
+        by_node = _by_node(items)
         ok = [False] * len(items)
 
         async def one(node_id: str, idx: list[int]) -> None:
@@ -176,9 +182,7 @@ class PegaClient:
         between a lookup and the get that follows it.  Per item: stored and pinned.
         Best effort: failures are ``False``, never raised."""
         budget = self.cfg.rpc_timeout_s if timeout is None else timeout
-        by_node: dict[str, list[int]] = defaultdict(list)
-        for i, (node_id, _h, _s) in enumerate(items):
-            by_node[node_id].append(i)
+        by_node = _by_node(items)
         ok = [False] * len(items)
 
         async def one(node_id: str, idx: list[int]) -> None:

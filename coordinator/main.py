@@ -7,17 +7,14 @@ is a full read replica.  Prints ``READY <host:port> http=<port>`` once serving.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import logging
 import signal
-import sys
-
-import uvloop
 
 from pegaflow import telemetry
-from pegaflow.config import ClusterConfig, add_arguments, config_from_args
+from pegaflow.config import ClusterConfig
+from pegaflow.service import run_service
 
 from .service import Coordinator
 
@@ -74,20 +71,9 @@ async def run(cfg: ClusterConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``pegaflow-coordinator``."""
-    parser = argparse.ArgumentParser(prog="pegaflow-coordinator", description=__doc__)
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
-    add_arguments(parser, ["etcd", "security", "coordinator", "telemetry"])
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+    run_service(
+        "pegaflow-coordinator", __doc__, ["etcd", "security", "coordinator", "telemetry"], run, argv
     )
-    try:
-        cfg = config_from_args(args)
-    except (OSError, ValueError) as e:
-        parser.error(str(e))
-    uvloop.run(run(cfg))
 
 
 if __name__ == "__main__":

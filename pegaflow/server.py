@@ -12,21 +12,18 @@ node metrics) and ``/v1/status``.  Prints
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
-import sys
 from typing import Any
 
-import uvloop
-
 from pegaflow import telemetry
-from pegaflow.config import ClusterConfig, add_arguments, config_from_args
+from pegaflow.config import ClusterConfig
 from pegaflow.coordinator.index import BlockIndex, LocalSink
 from pegaflow.coordinator.service import Coordinator
 from pegaflow.http import new_registry
 from pegaflow.inventory import InventorySink
+from pegaflow.service import run_service
 from pegaflow.storage_node.node import StorageNode
 
 log = logging.getLogger("pegaflow.server")
@@ -109,18 +106,13 @@ async def run(cfg: ClusterConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``pegaflow-server``."""
-    parser = argparse.ArgumentParser(prog="pegaflow-server", description=__doc__)
-    add_arguments(parser, ["etcd", "security", "coordinator", "node", "telemetry"])
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    run_service(
+        "pegaflow-server",
+        __doc__,
+        ["etcd", "security", "coordinator", "node", "telemetry"],
+        run,
+        argv,
     )
-    try:
-        cfg = config_from_args(args)
-    except (OSError, ValueError) as e:
-        sys.exit(f"pegaflow-server: bad configuration: {e}")
-    uvloop.run(run(cfg))
 
 
 if __name__ == "__main__":

@@ -7,18 +7,16 @@ Prints ``READY node=<id> ucx=<host:port> http=<port>`` once serving.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
-import sys
 
-import uvloop
 from pegaflow.storage_node.node import NullSink, StorageNode
 
 from pegaflow import telemetry
-from pegaflow.config import ClusterConfig, add_arguments, config_from_args
+from pegaflow.config import ClusterConfig
 from pegaflow.inventory import InventorySink
+from pegaflow.service import run_service
 
 log = logging.getLogger("pegaflow.node")
 
@@ -79,18 +77,8 @@ async def run(cfg: ClusterConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pegaflow-node", description=__doc__)
-    add_arguments(parser, ["etcd", "security", "node", "telemetry"])
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        cfg = config_from_args(args)
-    except (OSError, ValueError) as e:
-        sys.exit(f"pegaflow-node: bad configuration: {e}")
-    uvloop.run(run(cfg))
+    """Entry point of ``pegaflow-node``."""
+    run_service("pegaflow-node", __doc__, ["etcd", "security", "node", "telemetry"], run, argv)
 
 
 if __name__ == "__main__":
