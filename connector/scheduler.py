@@ -136,6 +136,7 @@ class _ReqState:
     lookup: _Lookup | None = None
     loading: bool = False
     saved_any: bool = False
+    started_ns: int = field(default_factory=time.time_ns)  # root span of its trace
 
 
 def _group0(block_ids: Any) -> list[int]:
@@ -440,6 +441,9 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> bool:
         """True when vLLM must keep the request's blocks until the worker copied them."""
         st = self._reqs.get(request.request_id)
+        if st is not None and telemetry.tracing:
+            hits = st.lookup.hits if st.lookup is not None else 0
+            telemetry.request_root(request.request_id, st.started_ns, {"pegaflow.hit_blocks": hits})
         if st is None or not st.saved_any or st.loading:
             return False
         self._delay_free.append(request.request_id)

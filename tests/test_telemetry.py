@@ -308,7 +308,8 @@ async def test_a_transfer_is_traced_from_client_to_node() -> None:
 
 
 def test_connector_lookup_is_a_span_of_the_request_trace() -> None:
-    """The real scheduler-side connector code traces its lookup under the request."""
+    """The real scheduler-side connector code traces its lookup under the request, and
+    emits the request's root span when vLLM finishes it."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from tests.connector_fakes import FakeRequest
@@ -325,6 +326,11 @@ def test_connector_lookup_is_a_span_of_the_request_trace() -> None:
     store(cl, req, 3)
     assert side.get_num_new_matched_tokens(req, 0) == (12, True)
     telemetry.flush()
+    side.request_finished(req)  # emits the request's root span
+    telemetry.flush()
     trace_id, root_id = telemetry.request_ids("req-traced")
     (lk,) = [s for s in spans.get_finished_spans() if s.name == "pegaflow.connector.lookup"]
     assert lk.context.trace_id == trace_id and lk.parent.span_id == root_id
+    (root,) = [s for s in spans.get_finished_spans() if s.name == "pegaflow.request"]
+    assert (root.context.trace_id, root.context.span_id) == (trace_id, root_id)
+    assert root.attributes["pegaflow.hit_blocks"] == 3
