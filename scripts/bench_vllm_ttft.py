@@ -27,7 +27,6 @@ prompts, and ``points`` for every length.  Targets (issue 3): warm <= 0.2 x cold
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import shutil
@@ -42,7 +41,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pegaflow.devcluster import start_server  # noqa: E402
-from tests.vllm_engine import VllmEngine, prompts  # noqa: E402
+from tests.vllm_engine import VllmEngine, prompts, wait_saved  # noqa: E402
+from tests.vllm_engine import connector_stats as stats  # noqa: E402
 
 BENCH_MODEL: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -63,28 +63,6 @@ BENCH_MODEL: dict[str, Any] = {
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
 }
-
-
-def stats(prefix: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for path in glob.glob(f"{prefix}.*.json"):
-        try:
-            with open(path) as fh:
-                for k, v in json.load(fh).items():
-                    out[k] = out.get(k, 0) + v
-        except (OSError, ValueError):
-            pass
-    return out
-
-
-def wait_saved(prefix: str, blocks: int, timeout: float = 120.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = stats(prefix)
-        done = s.get("save_blocks", 0) + s.get("save_present_blocks", 0)
-        if done >= blocks or time.monotonic() > deadline:
-            return s
-        time.sleep(0.2)
 
 
 def notes(engine: VllmEngine) -> None:

@@ -11,8 +11,6 @@ Slow (engine starts of 20-40 s each): ``pytest -m slow tests/test_connector_e2e.
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import shutil
 import tempfile
@@ -27,6 +25,7 @@ from pegaflow.client import SyncPegaClient
 from pegaflow.config import ClientConfig
 from pegaflow.devcluster import Proc, start_coordinator, start_node
 from tests.vllm_engine import VllmEngine, prompts
+from tests.vllm_engine import connector_stats as stats
 
 pytestmark = pytest.mark.slow
 
@@ -87,19 +86,6 @@ class Cluster:
         for p in self.nodes.values():
             p.kill()
         self.coordinator.kill()
-
-
-def stats(prefix: str) -> dict[str, float]:
-    """Cumulative connector counters of an engine (scheduler + all workers)."""
-    out: dict[str, float] = {}
-    for path in glob.glob(f"{prefix}.*.json"):
-        try:
-            with open(path) as fh:
-                for k, v in json.load(fh).items():
-                    out[k] = out.get(k, 0) + v
-        except (OSError, ValueError):
-            pass
-    return out
 
 
 def wait_stats(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import queue
@@ -133,3 +134,28 @@ def prompts(
     rng = random.Random(seed)
     pre = list(prefix or [])
     return [pre + [rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def connector_stats(prefix: str) -> dict[str, float]:
+    """Cumulative connector counters of an engine (scheduler + all workers), from the
+    JSON files the connector writes when ``stats_path`` is set."""
+    out: dict[str, float] = {}
+    for path in glob.glob(f"{prefix}.*.json"):
+        try:
+            with open(path) as fh:
+                for k, v in json.load(fh).items():
+                    out[k] = out.get(k, 0) + v
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def wait_saved(prefix: str, blocks: int, timeout: float = 120.0) -> dict[str, float]:
+    """Wait until an engine's connector saved (or found present) ``blocks`` blocks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = connector_stats(prefix)
+        done = s.get("save_blocks", 0) + s.get("save_present_blocks", 0)
+        if done >= blocks or time.monotonic() > deadline:
+            return s
+        time.sleep(0.2)
