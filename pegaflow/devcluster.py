@@ -234,6 +234,13 @@ def start(
     return proc
 
 
+def _temp_shm_dir() -> str:
+    """A fresh directory for a pool (in /dev/shm where it exists), removed at exit."""
+    d = tempfile.mkdtemp(prefix="pegaflow-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    atexit.register(shutil.rmtree, d, True)
+    return d
+
+
 def start_node(
     node_id: str,
     *,
@@ -252,10 +259,7 @@ def start_node(
     this process exits); pass the same one to restart a node on its old pool.
     """
     if shm_dir is None:
-        shm_dir = tempfile.mkdtemp(
-            prefix="pegaflow-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
-        )
-        atexit.register(shutil.rmtree, shm_dir, True)
+        shm_dir = _temp_shm_dir()
     argv = [
         "pegaflow.storage_node.main",
         "--node-node-id", node_id,
@@ -301,12 +305,15 @@ def start_coordinator(
 def start_server(
     *, token: str | None = None, extra: Sequence[str] = (), env: dict[str, str] | None = None
 ) -> Proc:
-    """A single-host ``pegaflow-server``; ``ready['coordinator']`` is its address."""
+    """A single-host ``pegaflow-server``; ``ready['coordinator']`` is its address.  Its
+    pool lives in a fresh directory removed when this process exits (a later
+    ``--node-shm-dir`` in ``extra`` overrides it)."""
     argv = [
         "pegaflow.server",
         "--coordinator-port", "0",
         "--coordinator-http-port", "0",
         "--node-ucx-port", "0",
+        "--node-shm-dir", _temp_shm_dir(),
         *extra,
     ]  # fmt: skip
     if token:
