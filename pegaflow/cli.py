@@ -24,6 +24,7 @@ from typing import Any
 
 from pegaflow.config import load_config
 from pegaflow.errors import PegaError
+from pegaflow.keys import node_http_url
 from pegaflow.rpc import RpcClient
 
 HEALTH_TIMEOUT_S = 2.0
@@ -123,19 +124,6 @@ def render_status(st: dict[str, Any], health: dict[str, str] | None = None) -> s
     return "\n".join(lines)
 
 
-def _health_url(rec: dict[str, Any]) -> str | None:
-    http = str(rec.get("http") or "")
-    host, sep, port = http.rpartition(":")
-    if not sep:
-        return None
-    host = host.strip("[]")
-    if host in ("", "0.0.0.0", "::"):
-        host = str(rec.get("host") or "127.0.0.1")
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{port}/health"
-
-
 async def node_health(
     nodes: list[dict[str, Any]], timeout: float = HEALTH_TIMEOUT_S
 ) -> dict[str, str]:
@@ -144,9 +132,10 @@ async def node_health(
 
     async def one(session: aiohttp.ClientSession, rec: dict[str, Any]) -> tuple[str, str]:
         nid = str(rec.get("node_id"))
-        url = _health_url(rec)
-        if url is None:
+        base = node_http_url(rec)
+        if base is None:
             return nid, "-"
+        url = base + "/health"
         try:
             async with session.get(url) as r:
                 return nid, "ok" if r.status == 200 else "unhealthy"

@@ -109,3 +109,20 @@ class Keyspace:
         if not s.startswith(self.nodes):
             raise BadRequest(f"not a node key: {s!r}")
         return s[len(self.nodes) :]
+
+
+def node_http_url(rec: dict[str, Any]) -> str | None:
+    """``http://host:port`` of a node's endpoint, or None.  A wildcard bind address
+    (``0.0.0.0``) is replaced by the node's data-plane host."""
+    http = str(rec.get("http") or "")
+    if not http:
+        return None
+    host, sep, port = http.rpartition(":")
+    if not sep:
+        return None
+    host = host.strip("[]")
+    if host in ("0.0.0.0", "::", ""):
+        host = str(rec.get("host") or "127.0.0.1")
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"

@@ -6,7 +6,7 @@ copy-in/copy-out* rendezvous over TCP, about 0.5-1.2 GB/s for 2 MiB messages, wh
 ``ucx_perftest`` reaches 4-6 GB/s with *zero-copy put* rendezvous.  We therefore:
 
 * create endpoints without UCX peer error handling (dead peers are detected by our own
-  deadlines: every request is cancelled when its deadline passes), and
+  deadlines: a transfer past its deadline closes its endpoint), and
 * set ``UCX_RNDV_SCHEME=put_zcopy`` unless the operator chose otherwise,
 
 and drive the worker from the event loop thread: the worker's epoll fd is registered
@@ -73,7 +73,7 @@ class UcxWorker:
 
     ``await worker.wait(request, timeout)`` completes when UCX finishes the request,
     raising :class:`~pegaflow.errors.Unavailable` on a UCX error and
-    :class:`~pegaflow.errors.DeadlineExceeded` (after cancelling it) on timeout.
+    :class:`~pegaflow.errors.DeadlineExceeded` on timeout.
     """
 
     def __init__(self) -> None:
@@ -89,7 +89,6 @@ class UcxWorker:
         self._closed = False
         self._loop.add_reader(self._fd, self._progress)
         self._seq = 0
-        self.wakeups = 0
         self._keep: dict[int, tuple[Any, Any]] = {}
 
     def next_seq(self) -> int:
@@ -107,7 +106,6 @@ class UcxWorker:
         self._scheduled = False
         if self._closed:
             return
-        self.wakeups += 1
         w = self.worker
         w.progress()
         self._reap()

@@ -44,6 +44,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from pegaflow.keys import node_http_url
+
 log = logging.getLogger(__name__)
 
 StatusFn = Callable[[], Awaitable[dict[str, Any]]]
@@ -95,23 +97,6 @@ def _is_local_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _node_http_url(rec: dict[str, Any]) -> str | None:
-    """``http://host:port`` of a node's endpoint, or None.  A wildcard bind address
-    (``0.0.0.0``) is replaced by the node's data-plane host."""
-    http = str(rec.get("http") or "")
-    if not http:
-        return None
-    host, sep, port = http.rpartition(":")
-    if not sep:
-        return None
-    host = host.strip("[]")
-    if host in ("0.0.0.0", "::", ""):
-        host = str(rec.get("host") or "127.0.0.1")
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
 
 
 @dataclass
@@ -289,7 +274,7 @@ class Dashboard:
     async def _scrape(
         self, rec: dict[str, Any], local: dict[str, float]
     ) -> tuple[dict[str, float], str]:
-        url = _node_http_url(rec)
+        url = node_http_url(rec)
         if url is None:
             return {}, "no HTTP endpoint published"
         host_port = url.split("//", 1)[1]
