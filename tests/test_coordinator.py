@@ -187,11 +187,9 @@ async def test_entries_vanish_when_the_lease_expires_or_is_revoked(
         await leaving.publisher.close()
         await eventually(lambda: _eq(hits(client, 4, [1]), 0), timeout=5, what="revoke")
         # A crash stops the keepalives: entries go within the TTL.
-        t0 = time.monotonic()
         await crashed.publisher.close(revoke=False)
         assert await hits(client, 4, [0]) == 4
         await eventually(lambda: _eq(hits(client, 4, [0]), 0), timeout=10, what="expiry")
-        assert time.monotonic() - t0 < 10
         assert (await client.call("nodes", {}))["nodes"] == []
     finally:
         await client.close()
