@@ -11,6 +11,20 @@ the layout so that engines with different layouts never share blocks.
 When the block dimension is outermost in memory (every vLLM backend today) a layer is
 viewed as a ``(num_blocks, tile_bytes)`` byte matrix and a block copy is one contiguous
 ``memcpy`` per layer.  Other layouts fall back to strided copies of the block slice.
+vLLM's cross-layer layout (one tensor, all layers of a block contiguous) registers as a
+single "layer" whose tile is the whole block.
+
+Two families of copies:
+
+* :meth:`KVBlockIO.gather` / :meth:`KVBlockIO.scatter` move whole chunks through a host
+  staging buffer (the UCX path: blocks arrive in staging, then go to the device).
+* :meth:`KVBlockIO.copy_in` / :meth:`KVBlockIO.copy_out` move blocks between the KV
+  cache and arbitrary offsets of a host byte region (a node's pool file mapped by the
+  same-host shortcut).  On CUDA, when the region is pinned and mapped, one kernel per
+  layer reads or writes every block's tile straight from host memory
+  (:mod:`~pegaflow.connector.tilecopy`), with an event per layer for layer-wise loads;
+  otherwise blocks go by DMA through a device staging buffer and are scattered on the
+  device.
 """
 
 from __future__ import annotations
@@ -22,6 +36,11 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from . import tilecopy
+
+_DEV_STAGING_BLOCKS = 64
+"""blocks per device staging chunk of the DMA path"""
 
 
 def _natural_key(name: str) -> list[Any]:
@@ -53,13 +72,17 @@ class KVBlockIO:
             raise ValueError("no KV cache tensors to register")
         self.num_blocks = num_blocks
         self.layers: list[_Layer] = []
-        seen: dict[tuple[int, int], str] = {}
+        seen: dict[tuple[int, int], int] = {}
+        self.layer_of: dict[str, int] = {}
+        """layer name -> index in :attr:`layers` (shared caches map to one entry)"""
         for name in sorted(kv_caches, key=_natural_key):
             t = kv_caches[name]
             key = (t.data_ptr(), t.numel())
             if key in seen:  # layers sharing one cache (e.g. KV sharing): copy once
+                self.layer_of[name] = seen[key]
                 continue
-            seen[key] = name
+            seen[key] = len(self.layers)
+            self.layer_of[name] = len(self.layers)
             self.layers.append(self._layer(name, t, num_blocks))
         self.device = kv_caches[self.layers[0].name].device
         self.is_cpu = self.device.type == "cpu"
@@ -70,8 +93,16 @@ class KVBlockIO:
             self._offsets.append(off)
             off += layer.tile_bytes
         self._stream: Any = None
+        self._save_stream: Any = None
+        self._dev_staging: torch.Tensor | None = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)
+            self._save_stream = torch.cuda.Stream(device=self.device)
+        self.kernel_ok = tilecopy.available(self.device) and all(
+            layer.raw is not None and tilecopy.aligned(layer.tile_bytes, layer.raw.data_ptr(), off)
+            for layer, off in zip(self.layers, self._offsets, strict=True)
+        )
+        """whether the tile kernel can serve this cache (tiles, 16-byte alignment)"""
 
     @staticmethod
     def _layer(name: str, t: torch.Tensor, num_blocks: int) -> _Layer:
@@ -221,3 +252,185 @@ class KVBlockIO:
         idx = self._split_idx(idx.to(m.device), layer.split)
         vals = part.reshape(-1).view(m.dtype).view(len(idx), *m.shape[1:])
         m[idx] = vals.to(m.device)
+
+    # ---- copies to and from a host byte region (same-host shortcut) ------------------
+
+    def _check_ids(self, block_ids: Sequence[int]) -> None:
+        for bid in block_ids:
+            if not 0 <= bid < self.num_blocks:
+                raise IndexError(f"block id {bid} out of range")
+
+    def _dev_stage(self) -> torch.Tensor:
+        if self._dev_staging is None:
+            self._dev_staging = torch.empty(
+                (_DEV_STAGING_BLOCKS, self.block_bytes), dtype=torch.uint8, device=self.device
+            )
+        return self._dev_staging
+
+    def _use_kernel(self, host: torch.Tensor, offsets: Sequence[int], mapped: bool) -> bool:
+        return mapped and self.kernel_ok and tilecopy.aligned(host.data_ptr(), *offsets)
+
+    def copy_in(
+        self,
+        host: torch.Tensor,
+        offsets: Sequence[int],
+        block_ids: Sequence[int],
+        *,
+        mapped: bool = False,
+    ) -> Transfer:
+        """Copy block ``i`` from ``host[offsets[i]:][:block_bytes]`` into KV block
+        ``block_ids[i]`` of every layer.
+
+        ``host`` is a flat uint8 CPU tensor; ``mapped``: it is pinned and visible to the
+        device (then the tile kernel is used where the layout allows).  On CUDA the
+        copies are queued on the connector's stream and the returned :class:`Transfer`
+        has an event per layer; on the CPU they are done on return.
+        """
+        self._check_ids(block_ids)
+        n = len(block_ids)
+        if n == 0 or self.is_cpu:
+            if n:
+                self._copy_in_cpu(host.numpy(), offsets, block_ids)
+            return Transfer([], None)
+        events: list[Any] = []
+        with torch.cuda.stream(self._stream):
+            if self._use_kernel(host, offsets, mapped):
+                src = tilecopy.RawPointer(host.data_ptr())
+                src_off = tilecopy.offsets_tensor(offsets, self.device)
+                ids = torch.tensor(list(block_ids), dtype=torch.int64).to(self.device)
+                for layer, off in zip(self.layers, self._offsets, strict=True):
+                    assert layer.raw is not None
+                    tilecopy.copy_tiles(
+                        src, src_off + off, layer.raw, ids * layer.tile_bytes, layer.tile_bytes
+                    )
+                    ev = torch.cuda.Event()
+                    ev.record(self._stream)
+                    events.append(ev)
+            else:
+                self._copy_in_dma(host, offsets, block_ids)
+                ev = torch.cuda.Event()
+                ev.record(self._stream)
+                events = [ev] * len(self.layers)
+        return Transfer(events, self._stream)
+
+    def _copy_in_dma(
+        self, host: torch.Tensor, offsets: Sequence[int], block_ids: Sequence[int]
+    ) -> None:
+        bb = self.block_bytes
+        if len(self.layers) == 1 and self.layers[0].raw is not None:  # cross-layer: direct
+            raw = self.layers[0].raw
+            for off, bid in zip(offsets, block_ids, strict=True):
+                raw[bid].copy_(host[off : off + bb], non_blocking=True)
+            return
+        stage = self._dev_stage()
+        for start in range(0, len(block_ids), _DEV_STAGING_BLOCKS):
+            ids = block_ids[start : start + _DEV_STAGING_BLOCKS]
+            for j, off in enumerate(offsets[start : start + len(ids)]):
+                stage[j].copy_(host[off : off + bb], non_blocking=True)
+            idx = torch.tensor(list(ids), dtype=torch.long).to(self.device, non_blocking=True)
+            for layer, loff in zip(self.layers, self._offsets, strict=True):
+                part = stage[: len(ids), loff : loff + layer.tile_bytes]
+                if layer.raw is not None:
+                    layer.raw.index_copy_(0, idx, part)
+                else:
+                    self._scatter_strided(layer, idx, part.contiguous())
+
+    def _copy_in_cpu(
+        self, host: np.ndarray, offsets: Sequence[int], block_ids: Sequence[int]
+    ) -> None:
+        for layer, loff in zip(self.layers, self._offsets, strict=True):
+            tb = layer.tile_bytes
+            if layer.raw is not None:
+                raw = layer.raw.numpy()
+                for off, bid in zip(offsets, block_ids, strict=True):
+                    raw[bid] = host[off + loff : off + loff + tb]
+            else:
+                part = np.stack([host[o + loff : o + loff + tb] for o in offsets])
+                self._scatter_strided(
+                    layer, np.asarray(list(block_ids), dtype=np.int64), torch.from_numpy(part)
+                )
+
+    def copy_out(
+        self,
+        block_ids: Sequence[int],
+        host: torch.Tensor,
+        offsets: Sequence[int],
+        *,
+        mapped: bool = False,
+        after: Any = None,
+    ) -> None:
+        """Copy KV block ``block_ids[i]`` of every layer to ``host[offsets[i]:]``; returns
+        when the bytes are in host memory.  ``after``: a :meth:`record_step` marker the
+        copy must follow (the forward pass that wrote the blocks)."""
+        self._check_ids(block_ids)
+        n = len(block_ids)
+        if n == 0:
+            return
+        if self.is_cpu:
+            h = host.numpy()
+            for layer, loff in zip(self.layers, self._offsets, strict=True):
+                tb = layer.tile_bytes
+                if layer.raw is not None:
+                    raw = layer.raw.numpy()
+                    for off, bid in zip(offsets, block_ids, strict=True):
+                        h[off + loff : off + loff + tb] = raw[bid]
+                else:
+                    idx = self._split_idx(torch.tensor(list(block_ids)), layer.split)
+                    tiles = layer.moved.index_select(0, idx).contiguous().view(n, -1)
+                    for j, off in enumerate(offsets):
+                        h[off + loff : off + loff + tb] = tiles[j].view(torch.uint8).numpy()
+            return
+        with torch.cuda.stream(self._save_stream):
+            if after is not None:
+                self._save_stream.wait_event(after)
+            if self._use_kernel(host, offsets, mapped):
+                dst = tilecopy.RawPointer(host.data_ptr())
+                dst_off = tilecopy.offsets_tensor(offsets, self.device)
+                ids = torch.tensor(list(block_ids), dtype=torch.int64).to(self.device)
+                for layer, off in zip(self.layers, self._offsets, strict=True):
+                    assert layer.raw is not None
+                    tilecopy.copy_tiles(
+                        layer.raw, ids * layer.tile_bytes, dst, dst_off + off, layer.tile_bytes
+                    )
+            else:
+                bb = self.block_bytes
+                stage = self._dev_stage()
+                for start in range(0, n, _DEV_STAGING_BLOCKS):
+                    ids_l = list(block_ids[start : start + _DEV_STAGING_BLOCKS])
+                    idx = torch.tensor(ids_l, dtype=torch.long).to(self.device)
+                    m = len(ids_l)
+                    for layer, loff in zip(self.layers, self._offsets, strict=True):
+                        dst_part = stage[:m, loff : loff + layer.tile_bytes]
+                        if layer.raw is not None:
+                            torch.index_select(layer.raw, 0, idx, out=dst_part)
+                        else:
+                            src = layer.moved.index_select(0, self._split_idx(idx, layer.split))
+                            dst_part.copy_(src.contiguous().view(m, -1).view(torch.uint8))
+                    for j, off in enumerate(offsets[start : start + m]):
+                        host[off : off + bb].copy_(stage[j], non_blocking=True)
+                    if start + m < n:  # the staging chunk is reused: let it drain first
+                        self._save_stream.synchronize()
+            self._save_stream.synchronize()
+
+
+class Transfer:
+    """Copies queued on a CUDA stream, with one completion event per layer."""
+
+    def __init__(self, events: list[Any], stream: Any) -> None:
+        self.events = events
+        self.stream = stream
+
+    def wait_layer(self, i: int) -> None:
+        """Make the current stream wait (on the device, not the CPU) for layer ``i``."""
+        if self.events:
+            torch.cuda.current_stream().wait_event(self.events[i])
+
+    def wait_all(self) -> None:
+        """Make the current stream wait for every layer."""
+        if self.events:
+            torch.cuda.current_stream().wait_event(self.events[-1])
+
+    def synchronize(self) -> None:
+        """Block the calling thread until every copy is done."""
+        if self.events:
+            self.events[-1].synchronize()

@@ -70,6 +70,14 @@ class ConnectorSettings:
     max_staging_bytes: int = _f(
         1 << 30, "host staging memory for transfers; saves beyond it are dropped, loads wait"
     )
+    same_host_shortcut: bool = _f(
+        True,
+        "copy blocks straight between the KV cache and local_node's pool file when that "
+        "node runs on this host (no UCX hop); off: always UCX",
+    )
+    verify_threads: int = _f(
+        0, "CPU threads that check checksums of same-host loads (0: min(16, cpus))"
+    )
     idle_wait_s: float = _f(
         0.02, "in engine steps that only wait for loads, block this long for one to land"
     )

@@ -36,6 +36,7 @@ import torch
 from pegaflow import telemetry
 
 from .blockio import KVBlockIO
+from .localpath import LocalPath
 from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport
 from .metrics import Counters
 from .scheduler import CircuitBreaker
@@ -133,6 +134,7 @@ class WorkerSide:
         self._client_failed_at = -1e9
         self._retry = retry_failed_loads
         self.io: KVBlockIO | None = None
+        self._local: LocalPath | None = None
         self._load_staging: Staging | None = None
         self._save_staging: Staging | None = None
         self._load_pool = concurrent.futures.ThreadPoolExecutor(1, "pegaflow-load")
@@ -168,6 +170,15 @@ class WorkerSide:
         if self.settings.can_save:
             self._save_staging.prefill(1)
         self.io = io
+        if self.settings.local_node and self.settings.same_host_shortcut:
+            self._local = LocalPath(
+                io,
+                self.settings.local_node,
+                self.settings.transfer_timeout_s,
+                self.settings.verify_threads,
+            )
+            # map and pin the local pool now, off the engine's start path
+            self._load_pool.submit(self._attach_local)
         logger.info(
             "PegaFlow worker shard %d: %s; %d blocks per transfer chunk",
             self.shard,
@@ -319,6 +330,9 @@ class WorkerSide:
         if client is None:
             return
         timeout = self.settings.transfer_timeout_s
+        done_local = self._load_local(client, ns, job, ok)
+        if len(done_local) == len(job.block_ids):
+            return
 
         def fetch(rows: range, buf: _Buf, which: Sequence[int]) -> tuple[list[int], Any]:
             items: list[tuple[str, bytes, int, Any]] = []
@@ -326,7 +340,7 @@ class WorkerSide:
             for i in which:
                 nodes = job.nodes[i] if i < len(job.nodes) else []
                 node = nodes[self.shard] if self.shard < len(nodes) else ""
-                if not node:
+                if not node or i in done_local:
                     continue
                 items.append((node, job.hashes[i], self.shard, buf[1][i - rows.start]))
                 idx.append(i)
@@ -389,6 +403,41 @@ class WorkerSide:
                         pass
                 staging.release(b)
 
+    def _attach_local(self) -> None:
+        client = self._get_client()
+        if client is not None and self._local is not None:
+            self._local.attach(client)
+
+    def _node_of(self, job: LoadJob, i: int) -> str:
+        nodes = job.nodes[i] if i < len(job.nodes) else []
+        return nodes[self.shard] if self.shard < len(nodes) else ""
+
+    def _load_local(self, client: Any, ns: str, job: LoadJob, ok: list[bool]) -> set[int]:
+        """Load the blocks held by this host's node through its pool file; returns the
+        indexes it handled (loaded or failed), which the UCX path then skips."""
+        local = self._local
+        if local is None:
+            return set()
+        idx = [i for i in range(len(job.block_ids)) if self._node_of(job, i) == local.node_id]
+        if not idx or not local.attach(client):
+            return set()
+        t0 = time.monotonic()
+        try:
+            pending = local.start_load(
+                client,
+                ns,
+                [job.hashes[i] for i in idx],
+                self.shard,
+                [job.block_ids[i] for i in idx],
+            )
+            for i, good in zip(idx, pending.finish(), strict=True):
+                ok[i] = good
+            self.counters.add("local_load_blocks", sum(ok[i] for i in idx))
+        except Exception as e:
+            logger.warning("PegaFlow: local load of %d blocks failed: %s", len(idx), e)
+        self.counters.add("copy_seconds", time.monotonic() - t0)
+        return set(idx)
+
     # ---- saves ---------------------------------------------------------------------
 
     def _drop(self, jobs: Sequence[SaveJob]) -> None:
@@ -418,6 +467,9 @@ class WorkerSide:
         io, staging = self.io, self._save_staging
         assert io is not None and staging is not None
         client = self._get_client()
+        if client is not None and self._local is not None and self._local.attach(client):
+            self._save_local(client, ns, job, marker)
+            return
         rows_all = _chunks(len(job.block_ids), staging.chunk_blocks)
         for rows in rows_all:
             hashes = job.hashes[rows.start : rows.stop]
@@ -451,11 +503,44 @@ class WorkerSide:
                 )
             )
 
+    def _save_local(self, client: Any, ns: str, job: SaveJob, marker: Any) -> None:
+        local = self._local
+        assert local is not None and self.io is not None
+        chunk = max(1, self.settings.chunk_bytes // self.io.block_bytes) * 4
+        for rows in _chunks(len(job.block_ids), chunk):
+            hashes = job.hashes[rows.start : rows.stop]
+            if not self.save_breaker.allow():
+                self._drop([SaveJob(job.req_id, [], job.hashes[rows.start :])])
+                return
+            t0 = time.monotonic()
+            fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            try:
+                fut.set_result(
+                    local.save(
+                        client,
+                        ns,
+                        hashes,
+                        self.shard,
+                        job.block_ids[rows.start : rows.stop],
+                        marker,
+                    )
+                )
+            except Exception as e:
+                fut.set_exception(e)
+            self.counters.add("copy_seconds", time.monotonic() - t0)
+            self._record_put(fut, hashes, t0)
+
     def _put_done(
         self, fut: concurrent.futures.Future[Any], buf: _Buf, hashes: list[bytes], started: float
     ) -> None:
-        assert self._save_staging is not None and self.io is not None
+        assert self._save_staging is not None
         self._save_staging.release(buf)
+        self._record_put(fut, hashes, started)
+
+    def _record_put(
+        self, fut: concurrent.futures.Future[Any], hashes: list[bytes], started: float
+    ) -> None:
+        assert self.io is not None
         self.counters.add("save_seconds", time.monotonic() - started)
         try:
             res = fut.result()
@@ -496,6 +581,8 @@ class WorkerSide:
                         break
                 time.sleep(0.05)
         self.counters.maybe_write(force=True)
+        if self._local is not None:
+            self._local.close()
         c, self._client = self._client, None
         if c is not None:
             try:

@@ -1,0 +1,221 @@
+"""The same-host shortcut of one worker: KV blocks copied straight between the KV cache
+and the pool file of the storage node on this host, with no UCX hop.
+
+Loads: ``locate`` pins the blocks on the node and says where they are in its pool file;
+the copies into the KV cache are queued (one kernel per layer from pinned memory, or
+DMA); meanwhile the xxh3 of every block is recomputed from the file on CPU threads
+(xxhash releases the GIL); a block counts as loaded only when its checksum matches the
+one the node committed.  The pin is released once the copies are done, so the slots
+cannot be evicted and reused while they are read.
+
+Saves: a local ``reserve`` gives slot offsets; the KV blocks are copied into them; the
+node verifies each slot's xxh3 against the writer's before it commits and publishes.
+
+Anything that goes wrong makes the blocks misses (loads) or failures (saves), exactly
+like the UCX path: the caller falls back or recomputes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from pegaflow.checksum import checksum
+
+from .blockio import KVBlockIO, Transfer
+from .hostpool import MappedPool
+
+logger = logging.getLogger("pegaflow.connector")
+
+_PIN_TTL_S = 10.0
+
+
+class LocalPath:
+    """Direct access to the pool of ``node_id`` (the node on this host).
+
+    Args:
+        io: the worker's KV block copier.
+        node_id: the local node's id.
+        timeout: deadline of each control call and of a whole transfer.
+        verify_threads: CPU threads that recompute checksums (0: ``min(16, cpus)``).
+    """
+
+    def __init__(
+        self, io: KVBlockIO, node_id: str, timeout: float, verify_threads: int = 0
+    ) -> None:
+        self.io = io
+        self.node_id = node_id
+        self.timeout = timeout
+        n = verify_threads or min(16, os.cpu_count() or 1)
+        self._verify = concurrent.futures.ThreadPoolExecutor(n, "pegaflow-verify")
+        self.pool: MappedPool | None = None
+        self.use_kernel = True
+        """copy with the tile kernel where possible (False: always the copy engines)"""
+        self._failed = False
+        self._attach_lock = threading.Lock()
+
+    def attach(self, client: Any) -> bool:
+        """Map the node's pool if it offers it and this process can open it (once)."""
+        if self.pool is not None:
+            return True
+        with self._attach_lock:
+            return self._attach(client)
+
+    def _attach(self, client: Any) -> bool:
+        if self.pool is not None:
+            return True
+        if self._failed:
+            return False
+        try:
+            info = client.call(lambda c: c.local_pool(self.node_id, self.timeout), self.timeout)
+            if info is None:
+                raise OSError("the node does not offer its pool file to this client")
+            self.pool = MappedPool(info, self.io.device)
+        except Exception as e:
+            self._failed = True
+            logger.info(
+                "PegaFlow: same-host shortcut to node %s off (%s); blocks go over UCX",
+                self.node_id,
+                e,
+            )
+            return False
+        logger.info("PegaFlow: same-host shortcut to node %s (%s)", self.node_id, info.path)
+        return True
+
+    # ---- loads ---------------------------------------------------------------------
+
+    def start_load(
+        self,
+        client: Any,
+        ns: str,
+        hashes: Sequence[bytes],
+        shard: int,
+        block_ids: Sequence[int],
+    ) -> PendingLoad:
+        """Pin, queue the copies and the checksum checks; :meth:`PendingLoad.finish`
+        waits for both and says which blocks are good."""
+        pool = self.pool
+        assert pool is not None
+        pin, where = client.call(
+            lambda c: c.locate(
+                ns, self.node_id, [(h, shard) for h in hashes], _PIN_TTL_S, self.timeout
+            ),
+            self.timeout,
+        )
+        bb = self.io.block_bytes
+        idx = [i for i, w in enumerate(where) if w is not None and w.size == bb]
+        try:
+            xfer = self.io.copy_in(
+                pool.tensor,
+                [where[i].offset for i in idx],
+                [block_ids[i] for i in idx],
+                mapped=pool.registered and self.use_kernel,
+            )
+        except BaseException:
+            self._unpin(client, pin)
+            raise
+        sums = [self._verify.submit(checksum, pool.view(where[i].offset, bb)) for i in idx]
+        return PendingLoad(
+            self, client, pin, len(hashes), idx, [where[i].xxh3 for i in idx], sums, xfer
+        )
+
+    def _unpin(self, client: Any, pin: int) -> None:
+        try:
+            client.call(lambda c: c.unpin(self.node_id, pin, self.timeout), self.timeout)
+        except Exception as e:  # the pin expires on the node by itself
+            logger.debug("PegaFlow: unpin failed: %s", e)
+
+    # ---- saves ---------------------------------------------------------------------
+
+    def save(
+        self,
+        client: Any,
+        ns: str,
+        hashes: Sequence[bytes],
+        shard: int,
+        block_ids: Sequence[int],
+        after: Any = None,
+    ) -> Any:
+        """Store KV blocks through the pool file; returns the node's put outcome."""
+        pool = self.pool
+        assert pool is not None
+        bb = self.io.block_bytes
+        seq, offsets = client.call(
+            lambda c: c.reserve_local(
+                ns, self.node_id, [(h, shard, bb) for h in hashes], self.timeout
+            ),
+            self.timeout,
+        )
+        idx = [i for i, o in enumerate(offsets) if o is not None]
+        try:
+            self.io.copy_out(
+                [block_ids[i] for i in idx],
+                pool.tensor,
+                [offsets[i] for i in idx],  # type: ignore[misc]
+                mapped=pool.registered and self.use_kernel,
+                after=after,
+            )
+            got = list(self._verify.map(lambda i: checksum(pool.view(offsets[i], bb)), idx))
+        except BaseException:
+            try:
+                client.call(lambda c: c.abort_local(self.node_id, seq, self.timeout), self.timeout)
+            except Exception:
+                pass  # the reservation expires on the node
+            raise
+        sums: list[int | None] = [None] * len(hashes)
+        for i, s in zip(idx, got, strict=True):
+            sums[i] = s
+        return client.call(
+            lambda c: c.commit_local(self.node_id, seq, sums, self.timeout), self.timeout
+        )
+
+    def close(self) -> None:
+        """Stop the checksum threads and unmap the pool."""
+        self._verify.shutdown(wait=True)
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+
+class PendingLoad:
+    """A local load whose copies and checksum checks are under way."""
+
+    def __init__(
+        self,
+        path: LocalPath,
+        client: Any,
+        pin: int,
+        n: int,
+        idx: list[int],
+        want: list[int],
+        sums: list[concurrent.futures.Future[int]],
+        xfer: Transfer,
+    ) -> None:
+        self._path = path
+        self._client = client
+        self._pin = pin
+        self._n = n
+        self._idx = idx
+        self._want = want
+        self._sums = sums
+        self.transfer = xfer
+
+    def finish(self) -> list[bool]:
+        """Wait for the copies and checks; per block, whether its verified bytes are in."""
+        ok = [False] * self._n
+        try:
+            self.transfer.synchronize()
+            for i, want, fut in zip(self._idx, self._want, self._sums, strict=True):
+                try:
+                    ok[i] = fut.result(self._path.timeout) == want
+                except Exception:
+                    ok[i] = False
+                if not ok[i]:
+                    logger.warning("PegaFlow: checksum mismatch in the local pool: a miss")
+        finally:
+            self._path._unpin(self._client, self._pin)
+        return ok

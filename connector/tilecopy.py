@@ -1,0 +1,110 @@
+"""One GPU kernel that copies many equal-size tiles between two address spaces.
+
+The copy engines move large extents at full PCIe speed, but the pieces of a KV cache
+are small (one layer of one 16-token block of Llama-3.1-8B is 64 KiB) and thousands of
+small DMAs run at a fraction of it.  This kernel instead has the GPU's SMs read (or
+write) the tiles themselves, through the host memory's mapping into the device address
+space (pinned or ``cudaHostRegister``-ed memory under unified addressing): one launch
+per layer moves every block of a request, and a layer can be waited for on its own
+(layer-wise loading).
+
+Sources and destinations are raw device-visible addresses plus per-tile byte offsets,
+so the same kernel serves host pool -> KV cache (loads) and KV cache -> host (saves).
+Triton is optional: :func:`available` says whether the kernel can run here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+try:  # triton ships with CUDA builds of torch; CPU-only installs may lack it
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - exercised only where triton is missing
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+
+_ELEM = 8
+"""bytes per element moved (tiles and offsets must be multiples of it)"""
+_BLOCK = 1024
+"""elements per program: 8 KiB"""
+
+
+class RawPointer:
+    """A device-visible address that Triton accepts as a pointer argument."""
+
+    def __init__(self, ptr: int, dtype: torch.dtype = torch.int64) -> None:
+        self.ptr = ptr
+        self.dtype = dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_tiles_kernel(src, src_off, dst, dst_off, tile_elems, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        c = tl.program_id(1)
+        # offsets are multiples of 16 bytes: lets the compiler use 128-bit accesses
+        s0 = tl.multiple_of(tl.load(src_off + t), 2)
+        d0 = tl.multiple_of(tl.load(dst_off + t), 2)
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < tile_elems
+        v = tl.load(src + s0 + offs, mask=mask)
+        tl.store(dst + d0 + offs, v, mask=mask)
+
+
+def available(device: torch.device) -> bool:
+    """Whether the tile kernel can run on ``device``."""
+    return triton is not None and device.type == "cuda"
+
+
+def aligned(*values: int) -> bool:
+    """Whether addresses, offsets and sizes suit the kernel (16-byte multiples)."""
+    return all(v % 16 == 0 for v in values)
+
+
+def copy_tiles(
+    src: Any,
+    src_offsets: torch.Tensor,
+    dst: Any,
+    dst_offsets: torch.Tensor,
+    tile_bytes: int,
+) -> None:
+    """Copy ``len(src_offsets)`` tiles of ``tile_bytes``: ``src + src_offsets[i]`` to
+    ``dst + dst_offsets[i]``, on the current CUDA stream.
+
+    ``src``/``dst``: CUDA tensors or :class:`RawPointer` (any device-visible address);
+    offsets: int64 CUDA tensors of *byte* offsets, all multiples of 16.
+    """
+    n = int(src_offsets.numel())
+    if n == 0:
+        return
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    elems = tile_bytes // _ELEM
+    grid = (n, triton.cdiv(elems, _BLOCK))
+    _copy_tiles_kernel[grid](
+        _as_i64(src),
+        src_offsets // _ELEM,
+        _as_i64(dst),
+        dst_offsets // _ELEM,
+        elems,
+        BLOCK=_BLOCK,
+    )
+
+
+def _as_i64(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.view(torch.uint8).view(torch.int64) if x.dtype != torch.int64 else x
+    return x
+
+
+def offsets_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Byte offsets as an int64 tensor on ``device`` (one small host-to-device copy)."""
+    return torch.tensor(list(values), dtype=torch.int64).to(device, non_blocking=True)

@@ -1,0 +1,82 @@
+"""The connector's GPU data path (needs a CUDA device; skipped elsewhere).
+
+KV caches shaped as vLLM 0.26 allocates them on a GPU, the real connector code
+(``KVBlockIO`` + ``LocalPath``) and a real ``pegaflow-server``: save blocks, load them
+back into different block ids, byte-identical; with the tile kernel reading the pinned
+pool and with the copy-engine (DMA) path; per-layer and cross-layer layouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from pegaflow.client import SyncPegaClient
+from pegaflow.connector.blockio import KVBlockIO
+from pegaflow.connector.localpath import LocalPath
+
+from pegaflow.config import ClientConfig
+from pegaflow.devcluster import Proc, start_server
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Proc]:
+    p = start_server(extra=["--node-pool-bytes", "512MiB", "--node-slab-bytes", "16MiB"])
+    try:
+        yield p
+    finally:
+        p.terminate()
+
+
+def _caches(layout: str, blocks: int, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    layers, heads, tokens, head = 4, 8, 16, 128
+    if layout == "cross_layer":  # (blocks, layers, tokens, heads, 2*head)
+        t = torch.randn(blocks, layers, tokens, heads, 2 * head, device="cuda").bfloat16()
+        return {"cross_layers": t}
+    if layout == "mla":  # (blocks, tokens, 576): one latent vector per token
+        return {f"layers.{i}.attn": torch.randn(blocks, tokens, 576, device="cuda").bfloat16()
+                for i in range(layers)}  # fmt: skip
+    out = {}
+    for i in range(layers):  # FlashAttention NHD: physical (B, N, H, 2D), logical (B, H, N, 2D)
+        raw = torch.randn(blocks, tokens, heads, 2 * head, device="cuda").bfloat16()
+        out[f"model.layers.{i}.self_attn.attn"] = raw.permute(0, 2, 1, 3)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "cross_layer", "mla"])
+@pytest.mark.parametrize("mode", ["kernel", "dma"])
+def test_gpu_save_then_load_into_other_blocks(server: Proc, layout: str, mode: str) -> None:
+    node = server.ready["node"]
+    client = SyncPegaClient(ClientConfig(coordinators=[server.ready["coordinator"]]))
+    src_kv, dst_kv = _caches(layout, 96, 1), _caches(layout, 96, 2)
+    src, dst = KVBlockIO(src_kv, 96), KVBlockIO(dst_kv, 96)
+    writer, reader = LocalPath(src, node, 10.0), LocalPath(dst, node, 10.0)
+    try:
+        assert writer.attach(client) and reader.attach(client)
+        for path in (writer, reader):
+            assert path.pool is not None and path.pool.wait_registered(60)
+            path.use_kernel = mode == "kernel"
+        assert src.kernel_ok
+        ns = f"gpu-{layout}-{mode}"
+        hashes = [bytes([i]) * 16 for i in range(70)]  # > one device staging chunk
+        ids = list(range(5, 75))
+        out = writer.save(client, ns, hashes, 0, ids)
+        assert (out.stored, out.failed) == (70, 0)
+        targets = [95 - i for i in range(70)]  # other ids, reversed order
+        pending = reader.start_load(client, ns, hashes, 0, targets)
+        ok = pending.finish()
+        assert ok == [True] * 70
+        for name in src_kv:
+            want = src_kv[name][ids]
+            got = dst_kv[name][targets]
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
+        # per-layer events exist for layer-wise waiting
+        assert len(pending.transfer.events) == len(dst.layers)
+    finally:
+        writer.close()
+        reader.close()
+        client.close()

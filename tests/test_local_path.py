@@ -1,0 +1,128 @@
+"""The same-host shortcut against a real ``pegaflow-server`` process: blocks copied
+straight between a KV cache and the node's pool file, pinned while read, verified."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from pegaflow.client import SyncPegaClient
+from pegaflow.connector.blockio import KVBlockIO
+from pegaflow.connector.hostpool import MappedPool
+from pegaflow.connector.localpath import LocalPath
+
+from pegaflow.config import ClientConfig
+from pegaflow.devcluster import Proc, start_server
+from pegaflow.errors import Unauthorized
+
+NS = "test-local"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Proc]:
+    p = start_server(
+        token="admin",
+        extra=["--node-pool-bytes", "64MiB", "--node-slab-bytes", "4MiB",
+               "--security-tenant-tokens", "acme=a-secret"],
+    )  # fmt: skip
+    try:
+        yield p
+    finally:
+        p.terminate()
+
+
+def _client(server: Proc, token: str = "admin") -> SyncPegaClient:
+    cfg = ClientConfig(coordinators=[server.ready["coordinator"]], lookup_timeout_s=2)
+    return SyncPegaClient(cfg, token=token)
+
+
+def _kv(num_blocks: int, seed: int) -> dict[str, torch.Tensor]:
+    """Per-layer caches shaped like vLLM's FlashAttention layout: (blocks, H, N, 2*D)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.randn(num_blocks, 2, 16, 16, generator=g).to(
+            torch.bfloat16
+        )
+        for i in range(4)
+    }
+
+
+def test_save_then_load_into_other_blocks_is_byte_identical(server: Proc) -> None:
+    node = server.ready["node"]
+    c = _client(server)
+    src_kv, dst_kv = _kv(32, 1), _kv(32, 2)
+    src, dst = KVBlockIO(src_kv, 32), KVBlockIO(dst_kv, 32)
+    writer, reader = LocalPath(src, node, 5.0), LocalPath(dst, node, 5.0)
+    try:
+        assert writer.attach(c) and reader.attach(c)
+        hashes = [bytes([i]) * 16 for i in range(10)]
+        out = writer.save(c, NS, hashes, 0, list(range(3, 13)))
+        assert (out.stored, out.failed) == (10, 0)
+        assert c.lookup(NS, hashes).hits == 10
+        again = writer.save(c, NS, hashes[:4], 0, [3, 4, 5, 6])
+        assert again.skipped == 4  # already stored: nothing rewritten
+        targets = list(range(20, 30))
+        ok = reader.start_load(c, NS, hashes, 0, targets).finish()
+        assert ok == [True] * 10
+        for name in src_kv:
+            assert torch.equal(dst_kv[name][20:30], src_kv[name][3:13])
+        # a block the node does not have is a miss, the others still load
+        ok = reader.start_load(c, NS, [hashes[0], b"\xee" * 16], 0, [0, 1]).finish()
+        assert ok == [True, False]
+    finally:
+        writer.close()
+        reader.close()
+        c.close()
+
+
+def test_a_corrupted_slot_is_never_loaded(server: Proc) -> None:
+    node = server.ready["node"]
+    c = _client(server)
+    kv = _kv(8, 3)
+    io = KVBlockIO(kv, 8)
+    path = LocalPath(io, node, 5.0)
+    try:
+        assert path.attach(c)
+        hashes = [b"c" * 15 + bytes([i]) for i in range(2)]
+        assert path.save(c, NS, hashes, 0, [0, 1]).stored == 2
+        pin, where = c.call(lambda a: a.locate(NS, node, [(hashes[1], 0)], 5.0), 5.0)
+        assert where[0] is not None and path.pool is not None
+        path.pool.view(where[0].offset, 64)[:] ^= 0xFF  # flip bits in the stored slot
+        c.call(lambda a: a.unpin(node, pin), 5.0)
+        before = {k: v.clone() for k, v in kv.items()}
+        ok = path.start_load(c, NS, hashes, 0, [5, 6]).finish()
+        assert ok == [True, False]
+        for name in kv:
+            assert torch.equal(kv[name][5], before[name][0])
+    finally:
+        path.close()
+        c.close()
+
+
+def test_tenants_get_no_pool_access(server: Proc) -> None:
+    node = server.ready["node"]
+    acme = _client(server, "a-secret")
+    try:
+        assert acme.call(lambda a: a.local_pool(node), 5.0) is None
+        with pytest.raises(Unauthorized):
+            acme.call(lambda a: a.reserve_local("acme@m", node, [(b"x" * 16, 0, 4096)]), 5.0)
+    finally:
+        acme.close()
+
+
+def test_mapped_pool_refuses_a_different_file(server: Proc, tmp_path: object) -> None:
+    c = _client(server)
+    try:
+        info = c.call(lambda a: a.local_pool(server.ready["node"]), 5.0)
+        assert info is not None
+        with MappedPool(info) as pool:
+            assert pool.size == info.size
+            assert isinstance(pool.view(0, 16), np.ndarray)
+        from dataclasses import replace
+
+        with pytest.raises(OSError, match="not the node's pool file"):
+            MappedPool(replace(info, ino=info.ino + 1))
+    finally:
+        c.close()
