@@ -13,7 +13,7 @@ import concurrent.futures
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -23,7 +23,7 @@ from pegaflow.errors import PegaError, Unavailable
 from pegaflow.keys import NodeRecord
 from pegaflow.rpc import RpcClient
 
-from .data import DataClient, PutOutcome
+from .data import DataClient, LocatedBlock, PoolFile, PutOutcome
 
 T = TypeVar("T")
 
@@ -43,6 +43,10 @@ class LookupResult:
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
     blocks: list[list[str]] = field(default_factory=list)
     """node id per shard, for each of the first ``hits`` blocks"""
+    generations: list[list[int]] = field(default_factory=list)
+    """with ``lookup(..., generations=True)``: the generation of each shard of each of
+    the first ``hits`` blocks when it was published (same shape as ``blocks``); pass
+    them to :meth:`PegaClient.get_blocks` to fence the read (empty otherwise)"""
 
 
 def _by_node(items: Sequence[tuple[Any, ...]]) -> dict[str, list[int]]:
@@ -68,6 +72,12 @@ class PegaClient:
         await self._rpc.close()
         await self._data.close()
 
+    @property
+    def stale_misses(self) -> int:
+        """Blocks of fenced gets (``get_blocks(..., generations=...)``) that were misses
+        because their slot held another generation than the lookup returned."""
+        return self._data.stale_misses
+
     # ---- control plane -------------------------------------------------------------
 
     async def lookup(
@@ -76,8 +86,11 @@ class PegaClient:
         hashes: Sequence[bytes],
         shards: Sequence[int] = (0,),
         timeout: float | None = None,
+        generations: bool = False,
     ) -> LookupResult:
-        """The longest prefix of ``hashes`` stored with all ``shards``, and where.
+        """The longest prefix of ``hashes`` stored with all ``shards``, and where (with
+        ``generations``, also the generation of each shard: see
+        :attr:`LookupResult.generations`).
 
         Raises a :class:`~pegaflow.errors.PegaError` on failure or after ``timeout``
         (default ``lookup_timeout_s``).
@@ -90,15 +103,23 @@ class PegaClient:
             else None
         )
         with telemetry.span("pegaflow.client.lookup", attrs) as span:
+            args: dict[str, Any] = {"ns": ns, "hashes": list(hashes), "shards": list(shards)}
+            if generations:
+                args["gens"] = True
             res = await self._rpc.call(
-                "lookup",
-                {"ns": ns, "hashes": list(hashes), "shards": list(shards)},
-                timeout=self.cfg.lookup_timeout_s if timeout is None else timeout,
+                "lookup", args, timeout=self.cfg.lookup_timeout_s if timeout is None else timeout
             )
             span.set_attribute("pegaflow.hits", int(res["hits"]))
         nodes = {nid: NodeRecord.from_wire(rec) for nid, rec in res.get("nodes", {}).items()}
         self._nodes.update(nodes)
-        return LookupResult(int(res["hits"]), nodes, [list(b) for b in res.get("blocks", [])])
+        hits = int(res["hits"])
+        gens: list[list[int]] = []
+        if generations:
+            flat, k = res.get("gens") or [], len(shards)
+            if len(flat) != hits * k:
+                raise Unavailable("malformed lookup reply (generations)")
+            gens = [flat[i : i + k] for i in range(0, hits * k, k)]
+        return LookupResult(hits, nodes, [list(b) for b in res.get("blocks", [])], gens)
 
     async def place(
         self, ns: str, count: int, block_bytes: int, timeout: float | None = None
@@ -137,12 +158,21 @@ class PegaClient:
     # ---- data plane ----------------------------------------------------------------
 
     async def get_blocks(
-        self, ns: str, items: Sequence[GetItem], timeout: float | None = None
+        self,
+        ns: str,
+        items: Sequence[GetItem],
+        timeout: float | None = None,
+        generations: Sequence[int | None] | None = None,
     ) -> list[bool]:
         """Fetch blocks into caller-owned buffers, batched per node, nodes in parallel.
 
-        Returns per item True when the block arrived and its checksum matched.
+        ``generations`` (optional, one per item, None for "any"): the generation each
+        block had at lookup (:attr:`LookupResult.generations`); a node whose slot now
+        holds another generation answers a miss.  Returns per item True when the block
+        arrived (with that generation) and its checksum matched.
         """
+        if generations is not None and len(generations) != len(items):
+            raise ValueError("generations must have one entry per item")
         budget = self.cfg.transfer_timeout_s if timeout is None else timeout
         by_node = _by_node(items)
         ok = [False] * len(items)
@@ -163,6 +193,7 @@ class PegaClient:
                     ns,
                     [(items[i][1], items[i][2], items[i][3]) for i in idx],
                     budget,
+                    None if generations is None else [generations[i] for i in idx],
                 )
                 span.set_attribute("pegaflow.loaded", sum(got))
             for i, g in zip(idx, got, strict=True):
@@ -231,6 +262,63 @@ class PegaClient:
             span.set_attribute("pegaflow.stored", out.stored)
         return out
 
+    # ---- same-host shortcut: the caller maps the node's pool file itself ------------
+
+    async def local_pool(self, node_id: str, timeout: float | None = None) -> PoolFile | None:
+        """The pool file of ``node_id`` if the node offers it to this client (same-host
+        shortcut; whether this process can open it is for the caller to check)."""
+        budget = self.cfg.rpc_timeout_s if timeout is None else timeout
+        rec = await self._node(node_id, budget)
+        return await self._data.pool_file(rec.ucx_address, budget)
+
+    async def locate(
+        self,
+        ns: str,
+        node_id: str,
+        blocks: Sequence[tuple[bytes, int]],
+        ttl_s: float = 5.0,
+        timeout: float | None = None,
+    ) -> tuple[int, list[LocatedBlock | None]]:
+        """Pin ``(hash, shard)`` blocks on ``node_id`` for ``ttl_s``; returns (pin id,
+        where each block is in the pool file, None when absent).  See
+        :meth:`DataClient.locate`; release with :meth:`unpin`."""
+        budget = self.cfg.rpc_timeout_s if timeout is None else timeout
+        rec = await self._node(node_id, budget)
+        return await self._data.locate(rec.ucx_address, ns, blocks, ttl_s, budget)
+
+    async def unpin(self, node_id: str, pin: int, timeout: float | None = None) -> None:
+        """Release a pin of :meth:`locate` early."""
+        budget = self.cfg.rpc_timeout_s if timeout is None else timeout
+        rec = await self._node(node_id, budget)
+        await self._data.unpin(rec.ucx_address, pin, budget)
+
+    async def reserve_local(
+        self,
+        ns: str,
+        node_id: str,
+        blocks: Sequence[tuple[bytes, int, int]],
+        timeout: float | None = None,
+    ) -> tuple[int, list[int | None]]:
+        """Reserve slots for ``(hash, shard, size)`` blocks written through the pool file;
+        returns (reservation, slot offset or None if already stored)."""
+        budget = self.cfg.transfer_timeout_s if timeout is None else timeout
+        rec = await self._node(node_id, budget)
+        return await self._data.reserve_local(rec.ucx_address, ns, blocks, budget)
+
+    async def commit_local(
+        self, node_id: str, seq: int, sums: Sequence[int | None], timeout: float | None = None
+    ) -> PutResult:
+        """Commit a :meth:`reserve_local` reservation; the node verifies every slot."""
+        budget = self.cfg.transfer_timeout_s if timeout is None else timeout
+        rec = await self._node(node_id, budget)
+        return await self._data.commit(rec.ucx_address, seq, sums, budget)
+
+    async def abort_local(self, node_id: str, seq: int, timeout: float | None = None) -> None:
+        """Drop a :meth:`reserve_local` reservation."""
+        budget = self.cfg.rpc_timeout_s if timeout is None else timeout
+        rec = await self._node(node_id, budget)
+        await self._data.abort(rec.ucx_address, seq, budget)
+
 
 class SyncPegaClient:
     """A thread-safe, blocking facade over a :class:`PegaClient` on its own loop thread."""
@@ -261,23 +349,33 @@ class SyncPegaClient:
             fut.cancel()
             raise Unavailable("client event loop did not answer in time") from None
 
+    def call(self, fn: Callable[[PegaClient], Coroutine[Any, Any, T]], timeout: float) -> T:
+        """Run ``fn(async_client)`` on the client's loop and wait (at most ``timeout``
+        plus a second) for its result; for the async API's less common calls."""
+        return self._run(fn(self._client), timeout)
+
     def lookup(
         self,
         ns: str,
         hashes: Sequence[bytes],
         shards: Sequence[int] = (0,),
         timeout: float | None = None,
+        generations: bool = False,
     ) -> LookupResult:
         """See :meth:`PegaClient.lookup`."""
         t = self.cfg.lookup_timeout_s if timeout is None else timeout
-        return self._run(self._client.lookup(ns, hashes, shards, t), t)
+        return self._run(self._client.lookup(ns, hashes, shards, t, generations), t)
 
     def get_blocks(
-        self, ns: str, items: Sequence[GetItem], timeout: float | None = None
+        self,
+        ns: str,
+        items: Sequence[GetItem],
+        timeout: float | None = None,
+        generations: Sequence[int | None] | None = None,
     ) -> list[bool]:
         """See :meth:`PegaClient.get_blocks`."""
         t = self.cfg.transfer_timeout_s if timeout is None else timeout
-        return self._run(self._client.get_blocks(ns, items, t), t)
+        return self._run(self._client.get_blocks(ns, items, t, generations), t)
 
     def put_blocks(
         self,
@@ -291,10 +389,14 @@ class SyncPegaClient:
         return self._run(self._client.put_blocks(ns, items, node_id, t), t)
 
     def submit_get_blocks(
-        self, ns: str, items: Sequence[GetItem], timeout: float | None = None
+        self,
+        ns: str,
+        items: Sequence[GetItem],
+        timeout: float | None = None,
+        generations: Sequence[int | None] | None = None,
     ) -> concurrent.futures.Future[list[bool]]:
         """:meth:`get_blocks` without waiting."""
-        return self._submit(self._client.get_blocks(ns, items, timeout))
+        return self._submit(self._client.get_blocks(ns, items, timeout, generations))
 
     def submit_pin_blocks(
         self, ns: str, items: Sequence[tuple[str, bytes, int]], ttl_s: float = 5.0

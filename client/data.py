@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,14 +41,73 @@ class PutOutcome:
     failed: int = 0
 
 
+@dataclass(frozen=True)
+class PoolFile:
+    """Where a node keeps its pool (offered to same-host clients in the handshake)."""
+
+    path: str
+    dev: int
+    ino: int
+    size: int
+
+    @classmethod
+    def from_wire(cls, d: Any) -> PoolFile | None:
+        if not isinstance(d, dict):
+            return None
+        try:
+            return cls(str(d["path"]), int(d["dev"]), int(d["ino"]), int(d["bytes"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+@dataclass(frozen=True)
+class LocatedBlock:
+    """A pinned block of a node's pool file: where it is and what it must hash to."""
+
+    offset: int
+    size: int
+    gen: int
+    xxh3: int
+
+
 @dataclass
 class _NodeConn:
     addr: str
     ep: Any
     node_id: str = ""
+    pool: PoolFile | None = None
     pending: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
     reader: asyncio.Task[None] | None = None
     closed: bool = False
+
+
+class _Landing:
+    """The payloads of one get: each block's xxh3, taken the moment it lands, and one
+    future that completes when every block has landed (or fails with the first error)."""
+
+    __slots__ = ("fut", "left", "sums", "views")
+
+    def __init__(self, views: list[memoryview]) -> None:
+        self.views = views
+        self.sums: list[int | None] = [None] * len(views)
+        self.left = len(views)
+        self.fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def callback(self, i: int) -> Callable[[BaseException | None], None]:
+        """The completion callback of block ``i``'s receive."""
+        return functools.partial(self._landed, i)
+
+    def _landed(self, i: int, err: BaseException | None) -> None:
+        fut = self.fut
+        if fut.done():
+            return
+        if err is not None:
+            fut.set_exception(err)
+            return
+        self.sums[i] = checksum(self.views[i])
+        self.left -= 1
+        if not self.left:
+            fut.set_result(None)
 
 
 def _byte_view(buf: Any) -> memoryview:
@@ -68,6 +128,9 @@ class DataClient:
         self._connecting: dict[str, asyncio.Future[_NodeConn]] = {}
         self._ids = itertools.count(1)
         self._hasher = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pegaflow-xxh3")
+        #: Blocks a node answered ``"stale"`` for: their slot now holds another
+        #: generation than the one the caller expected (counted as misses).
+        self.stale_misses = 0
 
     @property
     def worker(self) -> UcxWorker:
@@ -144,6 +207,7 @@ class DataClient:
             self._drop(conn, Unavailable(f"handshake with {addr} failed"))
             raise
         conn.node_id = str(hello.get("node_id", ""))
+        conn.pool = PoolFile.from_wire(hello.get("pool"))
         self._conns[addr] = conn
         return conn
 
@@ -155,9 +219,18 @@ class DataClient:
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         conn.pending[rid] = fut
         w = self.worker
-        send = w.am_send(conn.ep, pack(msg))
+
+        def sent(err: BaseException | None) -> None:
+            # the reply implies the request left; only a failed send needs reporting
+            if err is not None and not fut.done():
+                fut.set_exception(err)
+
+        w.on_done(w.am_send(conn.ep, pack(msg)), sent)
         try:
-            await asyncio.wait_for(asyncio.gather(w.track(send), fut), timeout)
+            await asyncio.wait_for(fut, timeout)
+        except PegaError:
+            conn.pending.pop(rid, None)
+            raise
         except TimeoutError:
             conn.pending.pop(rid, None)
             self._drop(conn, Unavailable(f"{msg['op']} to {conn.addr} timed out"))
@@ -171,17 +244,21 @@ class DataClient:
 
     # ---- operations ----------------------------------------------------------------
 
-    async def _hash_after(self, fut: asyncio.Future[None], view: memoryview) -> int:
-        await fut
-        return await asyncio.get_running_loop().run_in_executor(self._hasher, checksum, view)
-
     async def get(
-        self, addr: str, ns: str, items: Sequence[tuple[bytes, int, Any]], timeout: float
+        self,
+        addr: str,
+        ns: str,
+        items: Sequence[tuple[bytes, int, Any]],
+        timeout: float,
+        gens: Sequence[int | None] | None = None,
     ) -> list[bool]:
         """Fetch ``(hash, shard, buffer)`` blocks from the node at ``addr``.
 
-        Returns, per item, True when the block arrived whole and its checksum matched.
-        Failures (missing, wrong size, corrupt, node down, timeout) are False, never raised.
+        ``gens`` (optional, per item): the generation the block must still have (from a
+        lookup); the node answers a typed miss (``"stale"``) for a block whose slot now
+        holds another generation.  Returns, per item, True when the block arrived whole
+        and its checksum matched.  Failures (missing, stale, wrong size, corrupt, node
+        down, timeout) are False, never raised.
         """
         if not items:
             return []
@@ -194,12 +271,12 @@ class DataClient:
             # Receives go up before the request, so payloads land as expected messages
             # straight in the caller's buffers; the node answers every index (a miss
             # is an empty message), so none of them is left posted.  Each block is
-            # hashed (off the loop thread) as soon as it lands, while others still move.
-            futs = [w.track(w.tag_recv(conn.ep, v, make_tag(seq, i))) for i, v in enumerate(views)]
-            hashed = [
-                asyncio.ensure_future(self._hash_after(f, v))
-                for f, v in zip(futs, views, strict=True)
-            ]
+            # hashed the moment it lands, on the loop thread inside the worker's
+            # progress (xxh3 of a block still in cache, no task or thread hand-off),
+            # while the next payloads keep arriving in the socket buffer.
+            landed = _Landing(views)
+            for i, v in enumerate(views):
+                w.on_done(w.tag_recv(conn.ep, v, make_tag(seq, i)), landed.callback(i), landed.fut)
             try:
                 reply = await self._request(
                     conn,
@@ -207,28 +284,37 @@ class DataClient:
                         "op": "get",
                         "ns": ns,
                         "seq": seq,
-                        "blocks": [[h, s] for h, s, _ in items],
+                        "blocks": (
+                            [[h, s] for h, s, _ in items]
+                            if gens is None
+                            else [
+                                [h, s] if g is None else [h, s, g]
+                                for (h, s, _), g in zip(items, gens, strict=True)
+                            ]
+                        ),
                         **telemetry.wire_context(),
                     },
                     max(0.001, deadline - time.monotonic()),
                 )
-                sums = await asyncio.wait_for(
-                    asyncio.gather(*hashed), max(0.001, deadline - time.monotonic())
-                )
+                await asyncio.wait_for(landed.fut, max(0.001, deadline - time.monotonic()))
             except BaseException as e:
-                for t in hashed:
-                    t.cancel()
-                w.forget(futs)
+                w.forget([landed.fut])
                 self._drop(conn, Unavailable(f"get from {addr} failed mid-transfer"))
                 if isinstance(e, TimeoutError):
                     raise Unavailable(f"get from {addr} timed out") from None
                 raise
+            sums = landed.sums
             header = reply.get("blocks")
             if not isinstance(header, list) or len(header) != len(items):
                 raise Unavailable("malformed get reply")
             ok = [False] * len(items)
             for i, h in enumerate(header):
                 if not isinstance(h, list) or len(h) != 3 or h[0] != len(views[i]):
+                    if h == "stale":
+                        self.stale_misses += 1
+                    continue
+                if gens is not None and gens[i] is not None and h[1] != gens[i]:
+                    self.stale_misses += 1  # a node that ignored the expected generation
                     continue
                 ok[i] = sums[i] == h[2]
                 if not ok[i]:
@@ -313,20 +399,113 @@ class DataClient:
         lookup and get); per block, whether it is stored and now pinned."""
         if not blocks:
             return []
+        reply = await self._call(addr, _pin_msg("pin", ns, blocks, ttl_s), timeout)
+        return [bool(x) for x in reply.get("pinned", [])]
+
+    async def _call(self, addr: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One control request to the node at ``addr`` within ``timeout`` (connecting
+        first if needed)."""
+        deadline = time.monotonic() + timeout
+        conn = await self._connection(addr, deadline)
+        return await self._request(conn, msg, max(0.001, deadline - time.monotonic()))
+
+    async def check(
+        self,
+        addr: str,
+        ns: str,
+        blocks: Sequence[tuple[bytes, int, int | None]],
+        timeout: float,
+    ) -> list[bool]:
+        """Per ``(hash, shard, generation or None)``: whether the node at ``addr`` holds
+        that block committed (with that generation).  Raises a typed error when the node
+        cannot answer (never guess: the index GC deletes what this says is gone)."""
+        if not blocks:
+            return []
         deadline = time.monotonic() + timeout
         conn = await self._connection(addr, deadline)
         reply = await self._request(
             conn,
             {
-                "op": "pin",
+                "op": "check",
                 "ns": ns,
-                "ttl_ms": max(1, int(ttl_s * 1000)),
-                "blocks": [[h, s] for h, s in blocks],
+                "blocks": [[h, s] if g is None else [h, s, g] for h, s, g in blocks],
             },
             max(0.001, deadline - time.monotonic()),
         )
-        return [bool(x) for x in reply.get("pinned", [])]
+        valid = reply.get("valid")
+        if not isinstance(valid, list) or len(valid) != len(blocks):
+            raise Unavailable(f"malformed check reply from {addr}")
+        return [v is True for v in valid]
 
     async def node_id(self, addr: str, timeout: float) -> str:
         """The id the node at ``addr`` announced in its handshake."""
         return (await self._connection(addr, time.monotonic() + timeout)).node_id
+
+    # ---- same-host shortcut (the caller maps the node's pool file itself) ----------
+
+    async def pool_file(self, addr: str, timeout: float) -> PoolFile | None:
+        """The node's pool file, if it offers direct access to this client."""
+        return (await self._connection(addr, time.monotonic() + timeout)).pool
+
+    async def locate(
+        self,
+        addr: str,
+        ns: str,
+        blocks: Sequence[tuple[bytes, int]],
+        ttl_s: float,
+        timeout: float,
+    ) -> tuple[int, list[LocatedBlock | None]]:
+        """Pin blocks for ``ttl_s`` and return (pin id, where each one is in the pool file).
+
+        The caller copies the bytes out of its own mapping of the file, checks each
+        block's xxh3 and then releases the pin with :meth:`unpin`.
+        """
+        reply = await self._call(addr, _pin_msg("locate", ns, blocks, ttl_s), timeout)
+        got = reply.get("blocks")
+        if not isinstance(got, list) or len(got) != len(blocks):
+            raise Unavailable("malformed locate reply")
+        out: list[LocatedBlock | None] = []
+        for b in got:
+            ok = isinstance(b, list) and len(b) == 4 and all(isinstance(x, int) for x in b)
+            out.append(LocatedBlock(*b) if ok else None)
+        return int(reply.get("pin", 0)), out
+
+    async def unpin(self, addr: str, pin: int, timeout: float) -> None:
+        """Release a pin taken by :meth:`locate` or :meth:`pin` (idempotent)."""
+        await self._call(addr, {"op": "unpin", "pin": pin}, timeout)
+
+    async def reserve_local(
+        self, addr: str, ns: str, blocks: Sequence[tuple[bytes, int, int]], timeout: float
+    ) -> tuple[int, list[int | None]]:
+        """Reserve slots for ``(hash, shard, size)`` blocks that the caller writes through
+        the pool file; returns (reservation, slot offset or None when already stored).
+        Finish with :meth:`commit` (or :meth:`abort`)."""
+        msg = {"op": "reserve", "ns": ns, "local": True, "blocks": [list(b) for b in blocks]}
+        reply = await self._call(addr, msg, timeout)
+        offsets = reply.get("offsets")
+        if not isinstance(offsets, list) or len(offsets) != len(blocks):
+            raise Unavailable("malformed reserve reply")
+        return int(reply["seq"]), [o if isinstance(o, int) else None for o in offsets]
+
+    async def commit(
+        self, addr: str, seq: int, sums: Sequence[int | None], timeout: float
+    ) -> PutOutcome:
+        """Commit a local reservation: the node checks each written slot against ``sums``
+        (None for blocks it did not accept) and publishes the good ones."""
+        reply = await self._call(addr, {"op": "commit", "seq": seq, "xxh3": list(sums)}, timeout)
+        accepted = sum(1 for x in sums if x is not None)
+        stored = int(reply.get("stored", 0))
+        return PutOutcome(stored=stored, skipped=len(sums) - accepted, failed=accepted - stored)
+
+    async def abort(self, addr: str, seq: int, timeout: float) -> None:
+        """Drop a reservation (its slots go back to the pool)."""
+        await self._call(addr, {"op": "abort", "seq": seq}, timeout)
+
+
+def _pin_msg(op: str, ns: str, blocks: Sequence[tuple[bytes, int]], ttl_s: float) -> dict[str, Any]:
+    return {
+        "op": op,
+        "ns": ns,
+        "ttl_ms": max(1, int(ttl_s * 1000)),
+        "blocks": [[h, s] for h, s in blocks],
+    }

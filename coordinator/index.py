@@ -1,20 +1,30 @@
-"""The in-memory block index: namespace -> block hash -> the node holding each shard.
+"""The in-memory block index: namespace -> block hash -> node and generation per shard.
 
 Lookups are served from here and never touch etcd.  Memory is what limits the index, so
-an entry keeps only what a lookup returns: for each shard, the id of the node holding
-it.  Slot, generation, size and checksum stay with the node, which is the source of
-truth and checks them on every read; etcd keeps them too (the mirror just skips them).
+an entry keeps only what a lookup returns: for each shard, the node holding it and the
+generation the block had when it was published (a reader passes it back to the node,
+which answers a typed miss when the slot now holds another generation).  Slot, size and
+checksum stay with the node, which is the source of truth and checks them on every
+read; etcd keeps them too (the mirror just skips them).
 
-Layout: ``_ns[ns][hash]`` is a tuple indexed by shard (``None`` where a shard is
-missing).  Tuples are interned, so the thousands of blocks whose shards all live on
-the same node share one tuple; a block then costs its hash bytes plus one dict slot
-(about 120 bytes at a million blocks).
+Layout: the node ids of a block's shards form a *row* (a tuple indexed by shard,
+``None`` where a shard is missing).  Rows are interned and numbered, so the thousands of
+blocks whose shards all live on the same nodes share one row.  ``_ns[ns][hash]`` is a
+small bytes value: ``<I`` row id, then a ``<Q`` generation per shard of the row (0
+where the shard is missing).  A single-shard block costs its hash bytes, one dict slot
+and a 48-byte value (about 160 bytes at a million blocks).
+
+Lookups join the values of the asked-for hashes and unpack row ids (and generations)
+with :mod:`struct` in C; Python only looks at each distinct row.
 """
 
 from __future__ import annotations
 
+import struct
 import sys
 from collections.abc import Iterable, Sequence
+from itertools import chain, compress
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 from pegaflow.errors import BadRequest
@@ -23,41 +33,85 @@ from pegaflow.wire import pack
 
 #: Highest shard number + 1 the index stores (a block's row is a tuple this long at most).
 MAX_SHARDS = 4096
-
-_MAX_INTERNED = 1 << 16
+#: Generations are unsigned 64-bit integers.
+MAX_GEN = (1 << 64) - 1
+_MAX_ROWS = (1 << 32) - 1
 
 Row = tuple[str | None, ...]
+
+_U32 = struct.Struct("<I")
+_ONE = struct.Struct("<IQ")  # the value of a single-shard block
+_VALUES: dict[int, struct.Struct] = {}  # value length -> struct of one value
+_UNPACK: dict[tuple[int, int, bool], struct.Struct] = {}  # (length, blocks, gens) -> struct
+_CHUNK = 1024  # most values unpacked by one struct
+_first = itemgetter(0)
+
+
+def _value_struct(nbytes: int) -> struct.Struct:
+    """The struct of one value of ``nbytes`` (row id + a u64 per shard)."""
+    s = _VALUES.get(nbytes)
+    if s is None:
+        s = _VALUES[nbytes] = struct.Struct(f"<I{(nbytes - 4) // 8}Q")
+    return s
+
+
+def _unpack(buf: bytes, size: int, k: int, gens: bool) -> list[int]:
+    """From ``k`` joined values of ``size`` bytes: their row ids, or (``gens``) all
+    their generations, block-major.  Structs are cached for power-of-two counts."""
+    out: list[int] = []
+    off = 0
+    while k:
+        m = 1 << (min(k, _CHUNK).bit_length() - 1)
+        st = _UNPACK.get((size, m, gens))
+        if st is None:
+            if len(_UNPACK) >= 512:
+                _UNPACK.clear()
+            pad = size - 4
+            rec = f"4x{pad // 8}Q" if gens else f"I{pad}x"
+            st = _UNPACK[(size, m, gens)] = struct.Struct("<" + rec * m)
+        out += st.unpack_from(buf, off)
+        off += size * m
+        k -= m
+    return out
 
 
 class LookupResult(NamedTuple):
     """``hits`` blocks of the prefix are stored; ``blocks[i][j]`` is the node holding
     shard ``shards[j]`` of block ``i`` (rows are shared tuples: do not mutate);
-    ``nodes`` is every node id in ``blocks``."""
+    ``nodes`` is every node id in ``blocks``.  With ``gens=True``, ``gens`` holds the
+    generation of each of those shards, flat and block-major:
+    ``gens[i * len(shards) + j]``; otherwise None."""
 
     hits: int
     blocks: list[tuple[str, ...]]
     nodes: set[str]
+    gens: list[int] | None = None
 
 
 _SHARD0 = (0,)
 
 
 class BlockIndex:
-    """Which node holds which shard of which block, plus the table of live nodes.
+    """Which node holds which shard of which block (and its generation), plus the table
+    of live nodes.
 
     Not thread-safe; meant for one event loop.  An entry whose node is not in the node
     table is kept (its record may arrive later) but never returned by :meth:`lookup`.
     """
 
     def __init__(self) -> None:
-        self._ns: dict[str, dict[bytes, Row]] = {}
+        self._ns: dict[str, dict[bytes, bytes]] = {}
+        self._lens: dict[str, dict[int, int]] = {}  # ns -> {value length: blocks}
         self._nodes: dict[str, NodeRecord] = {}
         self._wire: dict[str, dict[str, Any]] = {}
         self._packed: dict[str, bytes] = {}  # node id -> msgpack of id + wire record
         self._counts: dict[str, int] = {}  # node id -> shard entries it holds
         self._unknown: set[str] = set()  # node ids with entries but no record
-        self._rows: dict[Row, Row] = {}  # interned rows
-        self._ones: dict[str, Row] = {}  # node id -> its interned 1-shard row
+        self._rows: list[Row | None] = []  # row id -> row (None: free id)
+        self._rids: dict[Row, int] = {}  # row -> row id
+        self._refs: list[int] = []  # row id -> blocks using it
+        self._free: list[int] = []  # free row ids
+        self._ones: dict[str, int] = {}  # node id -> row id of (node id,)
         self._blocks = 0
         self._entries = 0
 
@@ -73,7 +127,7 @@ class BlockIndex:
 
     def remove_node(self, node_id: str, *, purge: bool = True) -> int:
         """Forget a node; with ``purge`` also drop every entry it holds (a scan of the
-        index, about 50 ms per million blocks).  Returns the number of entries dropped."""
+        index, about 0.1 s per million blocks).  Returns the number of entries dropped."""
         self._nodes.pop(node_id, None)
         self._wire.pop(node_id, None)
         self._packed.pop(node_id, None)
@@ -81,33 +135,17 @@ class BlockIndex:
             if self._counts.get(node_id):
                 self._unknown.add(node_id)
             return 0
+        affected = {rid for rid, row in enumerate(self._rows) if row and node_id in row}
         dropped = 0
-        done: dict[int, tuple[Row, Row]] = {}  # id(old row) -> (old row kept alive, new row)
         for ns in list(self._ns):
             table = self._ns[ns]
-            gone: list[bytes] = []
-            for h, row in table.items():
-                if node_id not in row:
-                    continue
-                pair = done.get(id(row))
-                if pair is None:
-                    new = tuple(None if n == node_id else n for n in row)
-                    end = len(new)
-                    while end and new[end - 1] is None:
-                        end -= 1
-                    pair = done[id(row)] = (row, self._intern(new[:end]) if end else ())
+            keys = list(table)
+            rids = self._rids_of(ns, list(table.values()))
+            for h in list(compress(keys, map(affected.__contains__, rids))):
+                v = table[h]
+                row, gens = self._decode(v)
                 dropped += row.count(node_id)
-                if pair[1]:
-                    table[h] = pair[1]  # same size: allowed while iterating
-                else:
-                    gone.append(h)
-            for h in gone:
-                del table[h]
-            self._blocks -= len(gone)
-            if not table:
-                del self._ns[ns]
-        self._rows = {r: r for r in self._rows if node_id not in r}
-        self._ones.pop(node_id, None)
+                self._store(ns, table, h, v, [None if n == node_id else n for n in row], gens)
         self._entries -= dropped
         self._counts.pop(node_id, None)
         self._unknown.discard(node_id)
@@ -129,70 +167,150 @@ class BlockIndex:
         """Every known node."""
         return list(self._nodes.values())
 
-    # -- entries ----------------------------------------------------------------------
+    # -- rows and values --------------------------------------------------------------
 
-    def _intern(self, row: Row) -> Row:
-        rows = self._rows
-        if len(rows) >= _MAX_INTERNED:  # pathological shard placements: stop sharing
-            rows.clear()
-        return rows.setdefault(row, row)
+    def _acquire(self, row: Row) -> int:
+        """The id of ``row`` (interned and numbered on first use), one more reference."""
+        rid = self._rids.get(row)
+        if rid is None:
+            row = tuple(None if n is None else sys.intern(n) for n in row)
+            if self._free:
+                rid = self._free.pop()
+                self._rows[rid] = row
+            else:
+                rid = len(self._rows)
+                if rid > _MAX_ROWS:
+                    raise BadRequest("too many distinct shard placements in the index")
+                self._rows.append(row)
+                self._refs.append(0)
+            self._rids[row] = rid
+            if len(row) == 1:
+                self._ones[row[0]] = rid  # type: ignore[index]
+        self._refs[rid] += 1
+        return rid
 
-    def _store(self, ns: str, table: dict[bytes, Row], h: bytes, row: Row) -> None:
-        """Put ``row`` (not yet interned; may be all None) at ``table[h]``."""
+    def _release(self, rid: int) -> None:
+        refs = self._refs
+        refs[rid] -= 1
+        if refs[rid]:
+            return
+        row = self._rows[rid]
+        assert row is not None
+        del self._rids[row]
+        self._rows[rid] = None
+        self._free.append(rid)
+        if len(row) == 1 and self._ones.get(row[0]) == rid:  # type: ignore[arg-type]
+            del self._ones[row[0]]  # type: ignore[arg-type]
+
+    def _rids_of(self, ns: str, vals: list[bytes]) -> list[int]:
+        """The row id of each of ``vals`` (values of namespace ``ns``)."""
+        if not vals:
+            return []
+        lens = self._lens[ns]
+        if len(lens) == 1:
+            return _unpack(b"".join(vals), len(vals[0]), len(vals), False)
+        return [_U32.unpack_from(v)[0] for v in vals]
+
+    def _decode(self, v: bytes) -> tuple[Row, list[int]]:
+        """``(row, generation per shard)`` of a stored value."""
+        t = _value_struct(len(v)).unpack(v)
+        return self._rows[t[0]], list(t[1:])  # type: ignore[return-value]
+
+    def _store(
+        self,
+        ns: str,
+        table: dict[bytes, bytes],
+        h: bytes,
+        old: bytes | None,
+        row: Sequence[str | None],
+        gens: Sequence[int],
+    ) -> None:
+        """Replace ``table[h]`` (``old``) by ``row``/``gens`` (may be all None: delete)."""
         end = len(row)
         while end and row[end - 1] is None:
             end -= 1
+        rid = self._acquire(tuple(row[:end])) if end else -1
+        lens = self._lens.get(ns)
+        if lens is None:
+            lens = self._lens[ns] = {}
+        if old is not None:
+            self._release(_U32.unpack_from(old)[0])
+            n = lens[len(old)] - 1
+            if n:
+                lens[len(old)] = n
+            else:
+                del lens[len(old)]
         if end == 0:
-            if table.pop(h, None) is not None:
+            if old is not None:
+                del table[h]
                 self._blocks -= 1
                 if not table:
                     self._ns.pop(ns, None)
-            return
-        if h not in table:
-            self._blocks += 1
-        table[h] = self._intern(row[:end] if end != len(row) else row)
-
-    def add(self, ns: str, block_hash: bytes, shard: int, node_id: str) -> None:
-        """Record that ``node_id`` holds ``shard`` of the block (replacing any holder)."""
-        if not 0 <= shard < MAX_SHARDS:
-            raise BadRequest(f"shard {shard} out of range [0, {MAX_SHARDS})")
-        table = self._ns.get(ns)
-        if table is None:
-            table = self._ns[sys.intern(ns)] = {}
-        row = table.get(block_hash)
-        counts = self._counts
-        if row is None and shard == 0 and node_id in counts:
-            # The common case (a new single-shard block of a node already counted).
-            one = self._ones.get(node_id)
-            if one is None:
-                one = self._ones[node_id] = self._intern((sys.intern(node_id),))
-            table[block_hash] = one
-            counts[one[0]] += 1  # type: ignore[index]
-            self._entries += 1
-            self._blocks += 1
-            return
-        if row is None:
-            row = (None,) * (shard + 1)
-        elif len(row) <= shard:
-            row = row + (None,) * (shard + 1 - len(row))
-        old = row[shard]
-        if old == node_id:
+                    self._lens.pop(ns, None)
             return
         if old is None:
-            self._entries += 1
-        else:
-            self._dec(old)
-        if node_id not in counts:
-            node_id = sys.intern(node_id)
-            counts[node_id] = 1
-            if node_id not in self._nodes:
-                self._unknown.add(node_id)
-        else:
-            counts[node_id] += 1
-        new = (*row[:shard], node_id, *row[shard + 1 :])
-        if block_hash not in table:
             self._blocks += 1
-        table[block_hash] = self._intern(new)
+        value = _value_struct(4 + 8 * end).pack(
+            rid, *(g if n is not None else 0 for n, g in zip(row[:end], gens, strict=False))
+        )
+        table[h] = value
+        lens[len(value)] = lens.get(len(value), 0) + 1
+
+    # -- entries ----------------------------------------------------------------------
+
+    def add(self, ns: str, block_hash: bytes, shard: int, node_id: str, gen: int = 0) -> None:
+        """Record that ``node_id`` holds ``shard`` of the block with generation ``gen``
+        (replacing any holder)."""
+        if not 0 <= shard < MAX_SHARDS:
+            raise BadRequest(f"shard {shard} out of range [0, {MAX_SHARDS})")
+        if not 0 <= gen <= MAX_GEN:
+            raise BadRequest(f"generation {gen} out of range")
+        table = self._ns.get(ns)
+        if table is None:
+            ns = sys.intern(ns)
+            table = self._ns[ns] = {}
+            self._lens[ns] = {}
+        old = table.get(block_hash)
+        counts = self._counts
+        if old is None and shard == 0 and node_id in counts:
+            # The common case: a new single-shard block of a node already counted.
+            rid = self._ones.get(node_id)
+            if rid is not None:
+                self._refs[rid] += 1
+                table[block_hash] = _ONE.pack(rid, gen)
+                lens = self._lens[ns]
+                lens[12] = lens.get(12, 0) + 1
+                counts[node_id] += 1
+                self._entries += 1
+                self._blocks += 1
+                return
+        if old is None:
+            row: list[str | None] = []
+            gens: list[int] = []
+        else:
+            r, gens = self._decode(old)
+            row = list(r)
+        if len(row) <= shard:
+            row += [None] * (shard + 1 - len(row))
+            gens += [0] * (shard + 1 - len(gens))
+        prev = row[shard]
+        if prev == node_id and gens[shard] == gen:
+            return
+        if prev != node_id:
+            if prev is None:
+                self._entries += 1
+            else:
+                self._dec(prev)
+            if node_id not in counts:
+                node_id = sys.intern(node_id)
+                counts[node_id] = 1
+                if node_id not in self._nodes:
+                    self._unknown.add(node_id)
+            else:
+                counts[node_id] += 1
+        row[shard] = node_id
+        gens[shard] = gen
+        self._store(ns, table, block_hash, old, row, gens)
 
     def _dec(self, node_id: str) -> None:
         c = self._counts[node_id] - 1
@@ -208,53 +326,123 @@ class BlockIndex:
         table = self._ns.get(ns)
         if table is None:
             return False
-        row = table.get(block_hash)
-        if row is None or len(row) <= shard:
+        old = table.get(block_hash)
+        if old is None:
             return False
-        old = row[shard]
-        if old is None or (node_id is not None and old != node_id):
+        r, gens = self._decode(old)
+        if len(r) <= shard:
             return False
-        self._dec(old)
+        prev = r[shard]
+        if prev is None or (node_id is not None and prev != node_id):
+            return False
+        self._dec(prev)
         self._entries -= 1
-        self._store(ns, table, block_hash, (*row[:shard], None, *row[shard + 1 :]))
+        row = list(r)
+        row[shard] = None
+        self._store(ns, table, block_hash, old, row, gens)
         return True
 
     def get(self, ns: str, block_hash: bytes) -> dict[int, str]:
         """``{shard: node id}`` of one block (empty when unknown)."""
-        row = self._ns.get(ns, {}).get(block_hash, ())
-        return {s: n for s, n in enumerate(row) if n is not None}
+        return {s: n for s, (n, _) in self.locations(ns, block_hash).items()}
 
-    def lookup(self, ns: str, hashes: Sequence[bytes], shards: Sequence[int]) -> LookupResult:
+    def locations(self, ns: str, block_hash: bytes) -> dict[int, tuple[str, int]]:
+        """``{shard: (node id, generation)}`` of one block (empty when unknown)."""
+        v = self._ns.get(ns, {}).get(block_hash)
+        if v is None:
+            return {}
+        row, gens = self._decode(v)
+        return {s: (n, g) for s, (n, g) in enumerate(zip(row, gens, strict=False)) if n is not None}
+
+    def hashes(self, ns: str) -> list[bytes]:
+        """Every block hash of a namespace (a snapshot)."""
+        return list(self._ns.get(ns, ()))
+
+    def entries(self, ns: str, hashes: Iterable[bytes]) -> list[tuple[bytes, int, str, int]]:
+        """``(hash, shard, node id, generation)`` of every shard entry of those blocks
+        of ``ns`` that are still in the index."""
+        table = self._ns.get(ns)
+        if table is None:
+            return []
+        out = []
+        for h in hashes:
+            v = table.get(h)
+            if v is None:
+                continue
+            row, gens = self._decode(v)
+            out.extend(
+                (h, s, n, g)
+                for s, (n, g) in enumerate(zip(row, gens, strict=True))
+                if n is not None
+            )
+        return out
+
+    def lookup(
+        self, ns: str, hashes: Sequence[bytes], shards: Sequence[int], gens: bool = False
+    ) -> LookupResult:
         """The longest prefix of ``hashes`` whose every shard in ``shards`` is held by a
-        known node, with the holder of each shard of each block in the prefix."""
+        known node, with the holder of each shard of each block in the prefix (and,
+        with ``gens``, the generation of each)."""
+        empty = LookupResult(0, [], set(), [] if gens else None)
         table = self._ns.get(ns)
         if table is None or not hashes:
-            return LookupResult(0, [], set())
-        # The per-block work runs in C (map, index, set); Python only looks at each
-        # distinct row, and rows are interned, so there are few.
-        rows = list(map(table.get, hashes))
-        if None in rows:
-            del rows[rows.index(None) :]
-            if not rows:
-                return LookupResult(0, [], set())
-        want = tuple(shards)
-        first = rows[0]
-        distinct = (first,) if rows.count(first) == len(rows) else set(rows)
-        picks = {row: self._pick(row, want) for row in distinct}
-        bad = [row for row, picked in picks.items() if picked is None]
-        if bad:
-            del rows[min(rows.index(row) for row in bad) :]
-            if not rows:
-                return LookupResult(0, [], set())
-            picks = {row: picks[row] for row in set(rows)}
-        if all(picked is row for row, picked in picks.items()):
-            blocks: list[tuple[str, ...]] = rows  # type: ignore[assignment]
+            return empty
+        # The per-block work runs in C (map, join, struct, count); Python only looks at
+        # each distinct row, and rows are interned, so there are few.
+        vals = list(map(table.get, hashes))
+        try:
+            joined = b"".join(vals)  # type: ignore[arg-type]
+        except TypeError:  # a miss: the prefix ends there
+            del vals[vals.index(None) :]
+            if not vals:
+                return empty
+            joined = b"".join(vals)  # type: ignore[arg-type]
+        k = len(vals)
+        lens = self._lens[ns]
+        size = len(vals[0]) if len(lens) == 1 else 0  # type: ignore[arg-type]
+        each: list[tuple[int, ...]] | None = None  # per-value unpacking (mixed lengths)
+        if size:
+            rids = _unpack(joined, size, k, False)
         else:
-            blocks = list(map(picks.__getitem__, rows))  # type: ignore[arg-type]
-        nodes: set[str] = set()
-        for picked in picks.values():
-            nodes.update(picked)  # type: ignore[arg-type]
-        return LookupResult(len(blocks), blocks, nodes)
+            each = [_value_struct(len(v)).unpack(v) for v in vals]  # type: ignore[arg-type]
+            rids = list(map(_first, each))
+        want = tuple(shards)
+        rows = self._rows
+        first = rids[0]
+        if rids.count(first) == k:  # the whole prefix on the same nodes
+            picked = self._pick(rows[first], want)  # type: ignore[arg-type]
+            if picked is None:
+                return empty
+            blocks = [picked] * k
+            nodes = set(picked)
+        else:
+            picks = {rid: self._pick(rows[rid], want) for rid in set(rids)}  # type: ignore[arg-type]
+            bad = [rid for rid, p in picks.items() if p is None]
+            if bad:
+                k = min(rids.index(rid) for rid in bad)
+                if not k:
+                    return empty
+                del rids[k:]
+                picks = {rid: picks[rid] for rid in set(rids)}
+            blocks = list(map(picks.__getitem__, rids))  # type: ignore[arg-type]
+            nodes = set()
+            for p in picks.values():
+                nodes.update(p)  # type: ignore[arg-type]
+        if not gens:
+            return LookupResult(k, blocks, nodes)
+        if each is None:
+            n = (size - 4) // 8
+            allg = _unpack(joined, size, k, True)
+            if want == tuple(range(n)):
+                out = allg
+            elif len(want) == 1:
+                out = allg[want[0] :: n]
+            else:
+                out = list(chain.from_iterable(zip(*(allg[s::n] for s in want), strict=True)))
+        else:
+            got = map(itemgetter(*(s + 1 for s in want)), each[:k])
+            out = list(got) if len(want) == 1 else list(chain.from_iterable(got))
+        return LookupResult(k, blocks, nodes, out)
 
     def _pick(self, row: Row, shards: tuple[int, ...]) -> tuple[str, ...] | None:
         """``row`` restricted to ``shards`` (``row`` itself when equal), or None when a
@@ -296,6 +484,11 @@ class BlockIndex:
         """Known nodes."""
         return len(self._nodes)
 
+    @property
+    def num_rows(self) -> int:
+        """Distinct shard placements (interned rows) in use."""
+        return len(self._rids)
+
     def entries_of(self, node_id: str) -> int:
         """Shard entries held by one node."""
         return self._counts.get(node_id, 0)
@@ -318,10 +511,10 @@ class BlockIndex:
         self.__dict__.update(other.__dict__)
         other.__init__()  # type: ignore[misc]
 
-    def bulk_add(self, ns: str, entries: Iterable[tuple[bytes, int, str]]) -> None:
-        """:meth:`add` for many ``(hash, shard, node id)`` of one namespace."""
-        for h, shard, node in entries:
-            self.add(ns, h, shard, node)
+    def bulk_add(self, ns: str, entries: Iterable[tuple[Any, ...]]) -> None:
+        """:meth:`add` for many ``(hash, shard, node id[, generation])`` of one namespace."""
+        for e in entries:
+            self.add(ns, *e)
 
 
 class LocalSink:
@@ -343,8 +536,8 @@ class LocalSink:
         self.index.set_node(record)
 
     def publish(self, ns: str, block_hash: bytes, shard: int, loc: BlockLocation) -> None:
-        """The block's shard is now on ``loc.node``."""
-        self.index.add(ns, block_hash, shard, loc.node)
+        """The block's shard is now on ``loc.node`` with generation ``loc.gen``."""
+        self.index.add(ns, block_hash, shard, loc.node, loc.gen)
 
     def unpublish(self, ns: str, block_hash: bytes, shard: int, loc: BlockLocation) -> None:
         """The block's shard is gone from ``loc.node`` (no-op if another node holds it)."""

@@ -19,6 +19,11 @@ under a microsecond for its metrics.
 ``pegaflow_etcd_watch_events_total``            watch events applied
 ``pegaflow_etcd_full_syncs_total``              full reads of the index from etcd
 ``pegaflow_etcd_watch_errors_total``            broken or failed watches
+``pegaflow_coordinator_leader``                 1 while this one runs the singleton duties
+``pegaflow_coordinator_gc_passes_total``        index GC passes run
+``pegaflow_coordinator_gc_checked_entries_total`` index entries checked with their node
+``pegaflow_coordinator_gc_deleted_entries_total`` stale index entries deleted from etcd
+``pegaflow_coordinator_gc_errors_total``        nodes that did not answer a check, failed passes
 =============================================== ==================================
 """
 
@@ -90,10 +95,14 @@ class CoordinatorCollector(Collector):
         metrics: CoordinatorMetrics,
         index: BlockIndex,
         mirror_status: Callable[[], dict[str, Any] | None],
+        leader: Callable[[], bool | None] = lambda: None,
+        gc_status: Callable[[], dict[str, Any] | None] = lambda: None,
     ) -> None:
         self.m = metrics
         self.index = index
         self.mirror_status = mirror_status
+        self.leader = leader
+        self.gc_status = gc_status
 
     def collect(self) -> Iterator[Any]:
         m = self.m
@@ -150,6 +159,31 @@ class CoordinatorCollector(Collector):
             )
             yield _counter(
                 "pegaflow_etcd_watch_errors", "broken or failed etcd watches", st["watch_errors"]
+            )
+        leader = self.leader()
+        if leader is not None:
+            yield _gauge(
+                "pegaflow_coordinator_leader",
+                "1 while this coordinator is the elected leader running the singleton duties",
+                int(leader),
+            )
+        gc = self.gc_status()
+        if gc is not None:
+            yield _counter("pegaflow_coordinator_gc_passes", "index GC passes run", gc["passes"])
+            yield _counter(
+                "pegaflow_coordinator_gc_checked_entries",
+                "index entries the GC checked with their node",
+                gc["checked"],
+            )
+            yield _counter(
+                "pegaflow_coordinator_gc_deleted_entries",
+                "stale index entries the GC deleted from etcd",
+                gc["deleted"],
+            )
+            yield _counter(
+                "pegaflow_coordinator_gc_errors",
+                "GC checks a node did not answer, and failed GC passes",
+                gc["errors"],
             )
 
 

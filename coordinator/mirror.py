@@ -8,8 +8,9 @@ went back in revisions) does the mirror read everything again.  Meanwhile lookup
 being served from the last state, and ``connected``/``lag_revisions`` say how current
 it is.
 
-A block key's node is taken from its lease (the node record carries the same lease), so
-values are decoded only for keys whose lease is unknown.
+A block key's node is taken from its lease (the node record carries the same lease), or
+from its value when the lease is unknown; the value's generation goes into the index
+(lookups can return it, readers fence their gets with it).
 """
 
 from __future__ import annotations
@@ -22,18 +23,20 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgpack
 from aetcd import rpc
 
 from pegaflow.errors import PegaError, Unavailable
 from pegaflow.etcd import PUT, EtcdClient, RevisionCompacted, Watch, prefix_range_end
-from pegaflow.keys import BlockLocation, Keyspace, NodeRecord
+from pegaflow.keys import Keyspace, NodeRecord
 
-from .index import BlockIndex
+from .index import MAX_GEN, BlockIndex
 
 log = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 5.0
 _HEX = [bytes((c,)) for c in b"0123456789abcdef"]
+_unpackb = msgpack.unpackb
 
 
 class EtcdMirror:
@@ -320,9 +323,9 @@ class EtcdMirror:
                     continue
                 ns, h, shard = parsed
                 if ev.type == PUT:
-                    node = leases.get(kv.lease) or self._node_of_value(kv.value)
-                    if node is not None:
-                        index.add(ns, h, shard, node)
+                    loc = self._location(leases, kv)
+                    if loc is not None:
+                        index.add(ns, h, shard, loc[0], loc[1])
                 else:
                     index.remove(ns, h, shard)
             elif key.startswith(self._nprefix):
@@ -345,13 +348,14 @@ class EtcdMirror:
         blen = self._blen
         add = index.add
         parse = self._parse_block_key
+        location = self._location
         for kv in kvs:
             parsed = parse(kv.key[blen:])
             if parsed is None:
                 continue
-            node = leases.get(kv.lease) or self._node_of_value(kv.value)
-            if node is not None:
-                add(parsed[0], parsed[1], parsed[2], node)
+            loc = location(leases, kv)
+            if loc is not None:
+                add(parsed[0], parsed[1], parsed[2], loc[0], loc[1])
 
     def _node_put(self, index: BlockIndex, leases: dict[int, str], kv: rpc.KeyValue) -> None:
         try:
@@ -378,12 +382,21 @@ class EtcdMirror:
                 self._ns_names[ns_b] = ns
         return ns, h, shard
 
-    def _node_of_value(self, value: bytes) -> str | None:
+    def _location(self, leases: dict[int, str], kv: rpc.KeyValue) -> tuple[str, int] | None:
+        """``(node id, generation)`` of a block key: the node from the key's lease when
+        known, else from the value (a :class:`~pegaflow.keys.BlockLocation` record)."""
         try:
-            return BlockLocation.decode(value).node
-        except (PegaError, TypeError, ValueError):
+            v = _unpackb(kv.value)
+            gen = v[2]
+            node = leases.get(kv.lease) or v[0]
+            if len(v) != 5 or type(node) is not str or type(gen) is not int:
+                raise ValueError("malformed block location")
+            if not 0 <= gen <= MAX_GEN:
+                raise ValueError("generation out of range")
+        except Exception:
             self.bad_keys += 1
             return None
+        return node, gen
 
     def _bad_key(self, key: bytes) -> None:
         if not self.bad_keys:

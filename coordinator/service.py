@@ -1,21 +1,29 @@
 """The coordinator service: lookups, placement and status over the control protocol.
 
+With etcd, the coordinators elect one leader through etcd
+(:mod:`~pegaflow.coordinator.election`) that runs the singleton duties: the index GC
+(:mod:`~pegaflow.coordinator.gc`).
+
 A :class:`Coordinator` serves a :class:`~pegaflow.coordinator.index.BlockIndex`, fed
 either by an :class:`~pegaflow.coordinator.mirror.EtcdMirror` (a cluster: any number of
 coordinators, each a full read replica of etcd) or directly by a storage node through a
 :class:`~pegaflow.coordinator.index.LocalSink` (the single-host ``pegaflow-server``, no
 etcd).  Ops (``args`` and results are msgpack maps; bytes stay bytes):
 
-``lookup`` ``{ns, hashes: [bytes], shards: [int]}`` ->
-    ``{hits, nodes: {node_id: NodeRecord}, blocks: [[node_id per shard] per hit]}``
+``lookup`` ``{ns, hashes: [bytes], shards: [int], gens?: bool}`` ->
+    ``{hits, nodes: {node_id: NodeRecord}, blocks: [[node_id per shard] per hit]}``; with
+    ``gens: true`` also ``gens: [int]``, the generation each of those shards had when it
+    was published, flat and block-major (``gens[i * len(shards) + j]``)
 ``place`` ``{ns, count, block_bytes, client_host}`` -> ``{node: NodeRecord}``
-``status`` ``{}`` -> ``{nodes, blocks, namespaces, coordinator: {...}}``
+``status`` ``{}`` -> ``{nodes, blocks, namespaces, coordinator: {...}}`` (``coordinator``
+    has ``leader``: whether this one runs the singleton duties, and ``election``/``gc``)
 ``nodes`` ``{}`` -> ``{nodes: [NodeRecord]}``
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +41,8 @@ from pegaflow.keys import Keyspace, NodeRecord
 from pegaflow.rpc import Handler, Packed, RpcServer, SyncHandler
 from pegaflow.wire import check_hashes, check_namespace, check_shards, pack, req_int, req_str
 
+from .election import Election
+from .gc import IndexGC
 from .index import BlockIndex
 from .metrics import CoordinatorCollector, CoordinatorMetrics
 from .mirror import EtcdMirror
@@ -44,8 +54,10 @@ MAX_LOOKUP_HASHES = 65536
 
 
 _HITS_KEY = b"\x83" + pack("hits")  # a 3-entry map, then its first key
+_HITS_KEY_GENS = b"\x84" + pack("hits")  # the same with a 4th entry, "gens"
 _NODES_KEY = pack("nodes")
 _BLOCKS_KEY = pack("blocks")
+_GENS_KEY = pack("gens")
 
 
 def _array_header(n: int) -> bytes:
@@ -94,6 +106,8 @@ class Coordinator:
         self.metrics = CoordinatorMetrics()
         self.id = coordinator_id or ""
         self.mirror: EtcdMirror | None = None
+        self.election: Election | None = None
+        self.gc: IndexGC | None = None
         self._etcd: EtcdClient | None = None
         if use_etcd:
             assert etcd is not None
@@ -101,7 +115,11 @@ class Coordinator:
             self.mirror = EtcdMirror(self._etcd, Keyspace(etcd.prefix), self.index)
         self.registry.register(
             CoordinatorCollector(
-                self.metrics, self.index, lambda: self.mirror.status() if self.mirror else None
+                self.metrics,
+                self.index,
+                lambda: self.mirror.status() if self.mirror else None,
+                lambda: self.election.is_leader if self.election else None,
+                lambda: self.gc.status() if self.gc else None,
             )
         )
         self._dashboard = dashboard
@@ -147,6 +165,7 @@ class Coordinator:
                     ", ".join(self.etcd_config.endpoints),
                 )
         if not serve:
+            await self._start_duties()
             return
         cfg = self.config
         self._rpc = RpcServer(
@@ -159,6 +178,7 @@ class Coordinator:
         self.port = await self._rpc.start(cfg.host, cfg.port)
         if not self.id:
             self.id = f"{socket.gethostname()}:{self.port}"
+        await self._start_duties()
         if cfg.http_port >= 0:
             hook = self._app_hook
             if hook is None and self._dashboard:
@@ -175,6 +195,30 @@ class Coordinator:
             )
             self.http_port = self._http.port
 
+    async def _start_duties(self) -> None:
+        """Campaign for the leadership of the singleton duties and start them (etcd only)."""
+        if self._etcd is None or self.election is not None:
+            return
+        assert self.etcd_config is not None
+        keys = Keyspace(self.etcd_config.prefix)
+        cfg = self.config
+        identity = self.id or f"{socket.gethostname()}-{os.getpid()}"
+        self.election = Election(
+            self._etcd, f"{keys.election}gc".encode(), identity, cfg.election_ttl_s
+        )
+        self.gc = IndexGC(
+            self.index,
+            self._etcd,
+            keys,
+            self.election,
+            interval_s=cfg.gc_interval_s,
+            batch=cfg.gc_batch,
+            entries_per_s=cfg.gc_entries_per_s,
+            token=self.token,
+        )
+        await self.election.start()
+        await self.gc.start()
+
     async def close(self) -> None:
         """Stop serving and mirroring; safe to call more than once."""
         if self._http is not None:
@@ -183,6 +227,10 @@ class Coordinator:
         if self._rpc is not None:
             await self._rpc.close()
             self._rpc = None
+        if self.gc is not None:
+            await self.gc.close()
+        if self.election is not None:
+            await self.election.close()  # resign: another coordinator takes over now
         if self.mirror is not None:
             await self.mirror.close()
         if self._etcd is not None:
@@ -197,11 +245,16 @@ class Coordinator:
 
     # -- ops --------------------------------------------------------------------------
 
-    def lookup(self, ns: str, hashes: Sequence[bytes], shards: Sequence[int]) -> dict[str, Any]:
+    def lookup(
+        self, ns: str, hashes: Sequence[bytes], shards: Sequence[int], gens: bool = False
+    ) -> dict[str, Any]:
         """In-process lookup: the ``lookup`` op's result as a map (no validation)."""
-        hits, blocks, node_ids = self.index.lookup(ns, hashes, shards)
+        hits, blocks, node_ids, block_gens = self.index.lookup(ns, hashes, shards, gens)
         nodes = {n: self.index.node_wire(n) for n in node_ids}
-        return {"hits": hits, "nodes": nodes, "blocks": [list(b) for b in blocks]}
+        out = {"hits": hits, "nodes": nodes, "blocks": [list(b) for b in blocks]}
+        if gens:
+            out["gens"] = block_gens
+        return out
 
     def op_lookup(self, args: dict[str, Any]) -> Packed:
         """Longest stored prefix of ``hashes`` with every shard in ``shards``."""
@@ -214,19 +267,21 @@ class Coordinator:
             self._ns_ok.add(ns)
         hashes = check_hashes(args, "hashes", MAX_LOOKUP_HASHES)
         shards = check_shards(args)
+        want_gens = args.get("gens") is True
         index = self.index
-        hits, blocks, node_ids = index.lookup(ns, hashes, shards)
-        # {"hits": .., "nodes": {..}, "blocks": [..]} assembled from packed pieces.
+        hits, blocks, node_ids, gens = index.lookup(ns, hashes, shards, want_gens)
+        # {"hits": .., "nodes": {..}, "blocks": [..](, "gens": [..])} from packed pieces.
         result = Packed(
             b"".join(
                 (
-                    _HITS_KEY,
+                    _HITS_KEY_GENS if want_gens else _HITS_KEY,
                     pack(hits),
                     _NODES_KEY,
                     _map_header(len(node_ids)),
                     *map(index.node_entry_packed, node_ids),
                     _BLOCKS_KEY,
                     self._pack_blocks(blocks),
+                    *((_GENS_KEY, pack(gens)) if want_gens else ()),
                 )
             )
         )
@@ -325,7 +380,12 @@ class Coordinator:
             "hit_blocks": self.metrics.hit_blocks,
             "miss_blocks": self.metrics.miss_blocks,
             "http_port": self.http_port,
+            "leader": self.election.is_leader if self.election else False,
         }
         if self.mirror is not None:
             st["etcd"] = self.mirror.status()
+        if self.election is not None:
+            st["election"] = self.election.status()
+        if self.gc is not None:
+            st["gc"] = self.gc.status()
         return st

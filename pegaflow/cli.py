@@ -121,6 +121,16 @@ def render_status(st: dict[str, Any], health: dict[str, str] | None = None) -> s
         f"coordinator {coord.get('id', '?')}: etcd {etcd}{extra}, "
         f"up {_duration(float(coord.get('uptime_s', 0)))}{http}"
     )
+    election = coord.get("election")
+    if isinstance(election, dict):
+        if coord.get("leader"):
+            gc = coord.get("gc") if isinstance(coord.get("gc"), dict) else {}
+            lines.append(
+                f"elected leader (index GC): this coordinator; GC deleted "
+                f"{gc.get('deleted', 0)} stale entries in {gc.get('passes', 0)} passes"
+            )
+        else:
+            lines.append(f"elected leader (index GC): {election.get('leader_id') or 'none yet'}")
     return "\n".join(lines)
 
 

@@ -86,6 +86,20 @@ class CoordinatorConfig:
     http_host: str = opt("127.0.0.1", "interface of the HTTP endpoint (/health, /metrics)")
     http_port: int = opt(7780, "HTTP port (0: any free port, -1: off)")
     max_frame_bytes: int = opt(16 << 20, "largest control frame accepted", size=True)
+    election_ttl_s: int = opt(
+        10,
+        "TTL of the lease behind the leadership of singleton duties (the index GC); "
+        "a dead leader is replaced within this",
+    )
+    gc_interval_s: float = opt(
+        300.0,
+        "seconds between two index GC passes of the elected coordinator, which delete "
+        "entries whose block is gone from its node (0: no GC)",
+    )
+    gc_batch: int = opt(1024, "index entries checked per node request by the GC")
+    gc_entries_per_s: int = opt(
+        100_000, "pace of a GC pass: entries checked per second at most (lookups come first)"
+    )
 
 
 @dataclass
@@ -95,6 +109,12 @@ class NodeConfig:
     node_id: str = opt("", "unique node name (empty: <hostname>-<ucx port>)")
     host: str = opt("127.0.0.1", "address clients use to reach this node's UCX listener")
     ucx_port: int = opt(7800, "UCX listener port (0: any free port)")
+    ucx_net_devices: str = opt(
+        "auto",
+        "network devices UCX may use and accept connections on (UCX_NET_DEVICES); 'auto': "
+        "the interface that owns [node] host plus every RDMA device, so a loopback node "
+        "refuses connections from other hosts; 'all': every device; else a UCX device list",
+    )
     http_host: str = opt("127.0.0.1", "interface of the HTTP endpoint")
     http_port: int = opt(7880, "HTTP port (0: any free port, -1: off)")
     pool_bytes: int = opt(1 << 30, "size of the block pool in host memory", size=True)
@@ -108,6 +128,11 @@ class NodeConfig:
     reserve_timeout_s: float = opt(30.0, "an uncommitted put's slots are reclaimed after this")
     max_request_bytes: int = opt(4 << 20, "largest data-plane control message", size=True)
     max_batch: int = opt(4096, "most blocks in one get or put")
+    local_access: bool = opt(
+        True,
+        "let clients on this host with cluster-wide access (not tenants) read and write the "
+        "pool file directly (same-host shortcut; they also need OS permission on the file)",
+    )
     coordinators: list[str] = opt([], "coordinator addresses (informational for status)")
 
 

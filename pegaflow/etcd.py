@@ -104,6 +104,21 @@ def delete_if_lease_op(key: bytes, lease: int) -> rpc.RequestOp:
     return rpc.RequestOp(request_txn=rpc.TxnRequest(compare=[cmp], success=[delete_op(key)]))
 
 
+def delete_if_unmodified_op(key: bytes, mod_revision: int) -> rpc.RequestOp:
+    """A delete that happens only while ``key`` was not written since ``mod_revision``
+    (a nested txn): the index GC never deletes an entry a node has rewritten since."""
+    cmp = rpc.Compare(
+        key=key, target=rpc.Compare.CompareTarget.MOD, result=rpc.Compare.EQUAL,
+        mod_revision=mod_revision,
+    )  # fmt: skip
+    return rpc.RequestOp(request_txn=rpc.TxnRequest(compare=[cmp], success=[delete_op(key)]))
+
+
+def range_op(key: bytes) -> rpc.RequestOp:
+    """A read of one key, for :meth:`EtcdClient.txn` (many keys in one round trip)."""
+    return rpc.RequestOp(request_range=rpc.RangeRequest(key=key))
+
+
 def _translate(e: grpc.aio.AioRpcError, endpoint: str) -> PegaError:
     code = e.code()
     details = e.details() or ""

@@ -52,10 +52,20 @@ def configure_ucx_env() -> None:
 
 configure_ucx_env()
 
+import numpy as np  # noqa: E402
 import ucxx._lib.libucxx as ucx_api  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 
 from pegaflow.errors import DeadlineExceeded, Unavailable  # noqa: E402
+
+_Done = Callable[[BaseException | None], None]
+"""A completion callback: ``None`` on success, the (typed) error otherwise."""
+
+
+def expire(fut: asyncio.Future[Any], timeout: float) -> None:
+    """Fail ``fut`` with DeadlineExceeded unless it is done (a ``call_later`` target)."""
+    if not fut.done():
+        fut.set_exception(DeadlineExceeded(f"UCX transfer not done within {timeout:.3f} s"))
 
 
 def make_tag(seq: int, index: int) -> Any:
@@ -76,15 +86,19 @@ class UcxWorker:
     :class:`~pegaflow.errors.DeadlineExceeded` on timeout.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, config: dict[str, str] | None = None) -> None:
+        """``config``: UCX options for this worker's context only, without the ``UCX_``
+        prefix (e.g. ``{"NET_DEVICES": "lo"}``); they override the environment."""
         self._loop = asyncio.get_running_loop()
         self.context = ucx_api.UCXContext(
-            feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.AM, ucx_api.Feature.WAKEUP)
+            config_dict=dict(config or {}),
+            feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.AM, ucx_api.Feature.WAKEUP),
         )
         self.worker = ucx_api.UCXWorker(self.context)
         self.worker.init_blocking_progress_mode()
         self._fd = self.worker.epoll_file_descriptor
-        self._pending: list[tuple[Any, asyncio.Future[None]]] = []
+        # (request, completion callback, key for forget())
+        self._pending: list[tuple[Any, _Done, object]] = []
         self._scheduled = False
         self._closed = False
         self._loop.add_reader(self._fd, self._progress)
@@ -116,27 +130,50 @@ class UcxWorker:
     def _reap(self) -> None:
         if not self._pending:
             return
-        still: list[tuple[Any, asyncio.Future[None]]] = []
-        for req, fut in self._pending:
+        # callbacks may register new requests: those go to a fresh list
+        pending, self._pending = self._pending, []
+        still: list[tuple[Any, _Done, object]] = []
+        keep = self._keep
+        for entry in pending:
+            req = entry[0]
             if not req.completed:
-                still.append((req, fut))
+                still.append(entry)
                 continue
-            self._keep.pop(id(req), None)
-            if fut.done():
-                continue
+            if keep:
+                keep.pop(id(req), None)
             try:
                 req.check_error()
             except Exception as e:
-                fut.set_exception(Unavailable(f"UCX transfer failed: {type(e).__name__}: {e}"))
+                entry[1](Unavailable(f"UCX transfer failed: {type(e).__name__}: {e}"))
             else:
-                fut.set_result(None)
+                entry[1](None)
+        if self._pending:
+            still.extend(self._pending)
         self._pending = still
+
+    def on_done(self, req: Any, done: _Done, key: object = None) -> None:
+        """Call ``done(None)`` when ``req`` completes, ``done(Unavailable(...))`` when it
+        fails; ``key`` groups requests for :meth:`forget`.
+
+        The callback runs on the loop thread inside the worker's progress, as soon as the
+        completion is seen (no task, no future): it must be short, must not block on
+        the network and must not call :meth:`forget`.
+        """
+        self._pending.append((req, done, key))
+        self.kick()
 
     def track(self, req: Any) -> asyncio.Future[None]:
         """A future that completes with ``req``."""
         fut: asyncio.Future[None] = self._loop.create_future()
-        self._pending.append((req, fut))
-        self.kick()
+
+        def done(err: BaseException | None) -> None:
+            if not fut.done():
+                if err is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(err)
+
+        self.on_done(req, done, fut)
         return fut
 
     async def wait(self, req: Any, timeout: float) -> None:
@@ -152,22 +189,40 @@ class UcxWorker:
         """
         if not reqs:
             return
-        futs = [self.track(r) for r in reqs]
-        try:
-            await asyncio.wait_for(asyncio.gather(*futs), timeout)
-        except TimeoutError:
-            raise DeadlineExceeded(f"UCX transfer not done within {timeout:.3f} s") from None
-        finally:
-            self.forget(futs)
+        # one future and one timer for the whole batch, not a future per request
+        fut: asyncio.Future[None] = self._loop.create_future()
+        left = len(reqs)
 
-    def forget(self, futs: list[asyncio.Future[None]]) -> None:
-        """Stop tracking the unfinished ones of ``futs`` (their endpoint must be closed)."""
-        drop = {id(f) for f in futs if not f.done()}
-        if drop:
-            for f in futs:
-                if not f.done():
-                    f.cancel()
-            self._pending = [(r, f) for r, f in self._pending if id(f) not in drop]
+        def done(err: BaseException | None) -> None:
+            nonlocal left
+            if fut.done():
+                return
+            if err is not None:
+                fut.set_exception(err)
+                return
+            left -= 1
+            if not left:
+                fut.set_result(None)
+
+        self._pending.extend((r, done, fut) for r in reqs)
+        self.kick()
+        timer = self._loop.call_later(timeout, expire, fut, timeout)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            if left:
+                self.forget([fut])
+
+    def forget(self, keys: list[Any]) -> None:
+        """Stop tracking the requests registered under ``keys`` (futures from
+        :meth:`track`, or keys given to :meth:`on_done`); unfinished futures among them
+        are cancelled.  The requests' endpoint must be closed (see :meth:`wait_all`)."""
+        drop = {id(k) for k in keys}
+        for k in keys:
+            if isinstance(k, asyncio.Future) and not k.done():
+                k.cancel()
+        self._pending = [e for e in self._pending if id(e[2]) not in drop]
 
     def listen(self, port: int, on_endpoint: Callable[[Any], None]) -> Any:
         """Listen for connections on ``port``; ``on_endpoint(ep)`` is called for each."""
@@ -195,8 +250,6 @@ class UcxWorker:
 
     def am_send(self, ep: Any, data: bytes) -> Any:
         """Post an active message holding ``data``."""
-        import numpy as np
-
         arr = Array(np.frombuffer(data, dtype=np.uint8))
         req = ep.am_send(arr)
         # UCX reads the buffer when the send leaves, which may be after wire-up
@@ -223,10 +276,10 @@ class UcxWorker:
             return
         self._closed = True
         self._loop.remove_reader(self._fd)
-        for _req, fut in self._pending:
-            if not fut.done():
-                fut.cancel()
-        self._pending.clear()
+        pending, self._pending = self._pending, []
+        for _req, _done, key in pending:
+            if isinstance(key, asyncio.Future) and not key.done():
+                key.cancel()
         try:
             self.worker.cancel_inflight_requests(period=0, max_attempts=1)
         except Exception:

@@ -7,9 +7,19 @@ Starts its own etcd (temporary data dir) and a ``pegaflow-coordinator`` process,
 2. waits until the coordinator's mirror (following the etcd watch) holds them all;
 3. measures lookup latency of a 128-block prefix over the control protocol from one
    client, sequentially (p50/p99);
-4. measures lookups/s with ``--procs`` client processes, each keeping ``--inflight``
-   lookups outstanding on one connection;
-5. optionally (``--reload``) times a second coordinator loading the whole index.
+4. measures lookups/s with ``--procs`` load-generator processes, each keeping
+   ``--inflight`` lookups outstanding on one connection, and the coordinator's CPU;
+5. measures lookup latency again while the load generator keeps a moderate load of
+   ``--latency-load`` lookups/s on the coordinator (p50/p99);
+6. optionally (``--reload``) times a second coordinator loading the whole index.
+
+The load generator is as cheap per request as Python gets, so that on a small machine
+the coordinator, not its clients, is what is measured: one blocking socket per
+process, requests packed once (only the request id is patched in), replies cut out of
+the stream by their length prefix without decoding.  Every reply is still checked: the
+first answer to each distinct request is decoded and validated (every block of the
+prefix found), and every later answer to it must equal that one byte for byte (after
+the request id).  ``--client rpc`` uses the library's :class:`RpcClient` instead.
 
 Prints human-readable lines, then one JSON object as the last line.
 
@@ -25,8 +35,11 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import select
 import shutil
+import socket
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -43,7 +56,8 @@ from pegaflow.storage_node.publisher import EtcdPublisher  # noqa: E402
 
 from pegaflow.config import EtcdConfig  # noqa: E402
 from pegaflow.keys import BlockLocation, NodeRecord  # noqa: E402
-from pegaflow.rpc import RpcClient  # noqa: E402
+from pegaflow.rpc import RpcClient, encode_frame, parse_address  # noqa: E402
+from pegaflow.wire import PROTOCOL_VERSION, unpack  # noqa: E402
 from tests.etcd_fixture import EtcdServer, start_coordinator_async  # noqa: E402
 
 NS = "bench:llama-8b:bf16:bs16:tp1"
@@ -177,26 +191,229 @@ def _throughput_proc(
     q.put(uvloop.run(run()))
 
 
+_RID_BASE = 1 << 24  # ids in [2**24, 2**32): msgpack encodes them as 0xce + 4 bytes
+_RID_SPAN = (1 << 32) - _RID_BASE
+_N_ARGSETS = 64
+
+
+class LeanLookups:
+    """A lookup load generator on one blocking socket (see the module docstring).
+
+    Request frames are packed once per distinct request with a 4-byte id field that is
+    patched per call; a reply is ``{"id": <0xce + 4 bytes>, "ok": true, "result": ..}``
+    with the result always the same for the same request, so after the first one
+    (decoded and validated) every reply is checked by comparing bytes.
+    """
+
+    def __init__(self, address: str, n: int, seed: int = 0) -> None:
+        host, port = parse_address(address)
+        self.sock = socket.create_connection((host, port), timeout=10)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.sendall(encode_frame({"op": "hello", "version": PROTOCOL_VERSION}))
+        self.buf = bytearray()
+        self._views: list[memoryview] = []
+        self._consumed = 0
+        while not (frames := self._frames(block=True)):
+            pass
+        hello = unpack(frames[0], 1 << 20)
+        self._release()
+        if not hello.get("ok"):
+            raise RuntimeError(f"handshake refused: {hello}")
+        starts = [
+            ((i + seed * _N_ARGSETS) * 104729 * PREFIX) % max(PREFIX, n - PREFIX)
+            for i in range(_N_ARGSETS)
+        ]
+        self.templates: list[bytes] = []
+        self.id_at = 0
+        for st in starts:
+            frame = encode_frame(
+                {"id": _RID_BASE, "op": "lookup", "args": lookup_args(st), "deadline_ms": 10_000}
+            )
+            self.id_at = frame.index(b"\xce" + _RID_BASE.to_bytes(4, "big")) + 1
+            self.templates.append(frame)
+        self.expect: list[bytes | None] = [None] * _N_ARGSETS
+        self.next_rid = 0
+        self.errors = 0
+        self.sent_at: dict[int, float] = {}
+
+    def requests(self, count: int, stamp: bool = False) -> bytes:
+        """``count`` request frames in one buffer (ids patched in)."""
+        out = []
+        rid = self.next_rid
+        now = time.perf_counter() if stamp else 0.0
+        for _ in range(count):
+            frame = bytearray(self.templates[rid % _N_ARGSETS])
+            frame[self.id_at : self.id_at + 4] = (_RID_BASE + rid % _RID_SPAN).to_bytes(4, "big")
+            out.append(frame)
+            if stamp:
+                self.sent_at[rid % _RID_SPAN] = now
+            rid += 1
+        self.next_rid = rid
+        return b"".join(out)
+
+    def _frames(self, block: bool) -> list[memoryview]:
+        """Reply frames received so far, reading the socket once (blocking if
+        ``block``); views into the buffer, valid until :meth:`_release`."""
+        buf = self.buf
+        if block or select.select([self.sock], [], [], 0)[0]:
+            data = self.sock.recv(1 << 20)
+            if not data:
+                raise RuntimeError("the coordinator closed the connection")
+            buf += data
+        spans = []
+        pos = 0
+        while len(buf) - pos >= 4:
+            (size,) = struct.unpack_from("!I", buf, pos)
+            if len(buf) - pos - 4 < size:
+                break
+            spans.append((pos + 4, pos + 4 + size))
+            pos += 4 + size
+        self._consumed = pos
+        if not spans:
+            self._views = []
+            return []
+        mv = memoryview(buf)
+        self._views = [mv, *(mv[a:b] for a, b in spans)]
+        return self._views[1:]
+
+    def _release(self) -> None:
+        for v in reversed(self._views):
+            v.release()
+        self._views = []
+        del self.buf[: self._consumed]
+
+    def check(self, body: memoryview) -> int:
+        """The request id of a reply, after checking the reply (errors are counted)."""
+        if body[:5] != b"\x83\xa2id\xce":
+            self.errors += 1
+            return -1
+        rid = int.from_bytes(body[5:9], "big") - _RID_BASE
+        k = rid % _N_ARGSETS
+        tail = body[9:]
+        want = self.expect[k]
+        if want is not None and tail == want:
+            return rid
+        msg = unpack(body, 16 << 20)  # first answer to this request, or a different one
+        r = msg.get("result") if msg.get("ok") else None
+        good = (
+            isinstance(r, dict)
+            and r.get("hits") == PREFIX
+            and len(r.get("blocks", ())) == PREFIX
+            and all(b and b[0] in r.get("nodes", {}) for b in r["blocks"])
+        )
+        if not good:
+            self.errors += 1
+        elif want is None:
+            self.expect[k] = bytes(tail)
+        return rid
+
+    def run(
+        self, inflight: int, seconds: float, rate: float = 0.0, start_at: float = 0.0
+    ) -> tuple[int, list[float]]:
+        """Keep ``inflight`` lookups outstanding (at most ``rate`` per second when
+        given) for ``seconds``; returns (replies in that window, latencies in s when
+        paced)."""
+        paced = rate > 0
+        self.sock.sendall(self.requests(1))  # a first answer to check, before the clock
+        while not (frames := self._frames(block=True)):
+            pass
+        for f in frames:
+            self.check(f)
+        self._release()
+        time.sleep(max(0.0, start_at - time.time()))
+        t0 = time.perf_counter()
+        t_end = t0 + seconds
+        outstanding = done = sent = 0
+        lat: list[float] = []
+        while True:
+            now = time.perf_counter()
+            if now >= t_end:
+                break
+            room = inflight - outstanding
+            if paced:
+                room = min(room, int(rate * (now - t0)) + 1 - sent)
+            if room > 0:
+                self.sock.sendall(self.requests(room, stamp=paced))
+                outstanding += room
+                sent += room
+            if paced:
+                # wait for a reply, or for the next request's time
+                wait = max(0.0, min((sent - rate * (now - t0)) / rate, t_end - now))
+                if not select.select([self.sock], [], [], wait)[0]:
+                    continue
+            frames = self._frames(block=True)
+            t_rx = time.perf_counter()
+            for f in frames:
+                rid = self.check(f)
+                if paced and rid >= 0:
+                    lat.append(t_rx - self.sent_at.pop(rid % _RID_SPAN, t_rx))
+            self._release()
+            outstanding -= len(frames)
+            done += len(frames)
+        return done, lat
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _lean_proc(
+    address: str,
+    n: int,
+    seed: int,
+    inflight: int,
+    start_at: float,
+    seconds: float,
+    rate: float,
+    q: Any,
+) -> None:
+    gc.freeze()
+    gc.set_threshold(20_000)
+    gen = LeanLookups(address, n, seed)
+    cpu0 = time.process_time()
+    done, lat = gen.run(inflight, seconds, rate, start_at)
+    cpu = time.process_time() - cpu0
+    gen.close()
+    q.put((done, gen.errors, cpu, lat))
+
+
 def throughput(
-    address: str, n: int, procs: int, inflight: int, seconds: float
-) -> tuple[float, float]:
-    """Lookups/s of ``procs`` client processes running over the same window, and the
-    CPU seconds the clients used."""
+    address: str,
+    n: int,
+    procs: int,
+    inflight: int,
+    seconds: float,
+    *,
+    lean: bool = True,
+    rate: float = 0.0,
+) -> tuple[float, float, list[float]]:
+    """Lookups/s of ``procs`` load-generator processes running over the same window,
+    the CPU seconds they used and (when paced at ``rate`` lookups/s in all) the latency
+    of every paced lookup."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     start_at = time.time() + 5.0  # time enough to spawn and connect
-    ps = [
-        ctx.Process(target=_throughput_proc, args=(address, n, inflight, start_at, seconds, q))
-        for _ in range(procs)
-    ]
+    if lean:
+        ps = [
+            ctx.Process(
+                target=_lean_proc,
+                args=(address, n, i, inflight, start_at, seconds, rate / procs, q),
+            )
+            for i in range(procs)
+        ]
+    else:
+        ps = [
+            ctx.Process(target=_throughput_proc, args=(address, n, inflight, start_at, seconds, q))
+            for _ in range(procs)
+        ]
     for p in ps:
         p.start()
     results = [q.get(timeout=seconds + 120) for _ in ps]
     for p in ps:
         p.join(30)
     if any(r[1] for r in results):
-        raise RuntimeError(f"lookups that missed: {sum(r[1] for r in results)}")
-    return sum(r[0] for r in results) / seconds, sum(r[2] for r in results)
+        raise RuntimeError(f"lookups that missed or were wrong: {sum(r[1] for r in results)}")
+    lat = [x for r in results for x in (r[3] if len(r) > 3 else ())]
+    return sum(r[0] for r in results) / seconds, sum(r[2] for r in results), lat
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -240,24 +457,81 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             f"lookup latency ({PREFIX}-block prefix, 1 client, sequential, {len(lat)} calls): "
             f"p50 {p50:.3f} ms, p99 {p99:.3f} ms, max {lat[-1] * 1000:.3f} ms"
         )
-        cpu0 = cpu_seconds(coord.pid)
-        rate, client_cpu = await asyncio.to_thread(
-            throughput, coord.address, args.blocks, args.procs, args.inflight, args.seconds
-        )
-        server_cpu = cpu_seconds(coord.pid) - cpu0
-        per_cpu = rate * args.seconds / server_cpu if server_cpu else 0.0
-        say(
-            f"throughput: {rate:,.0f} lookups/s ({args.procs} client processes x "
-            f"{args.inflight} in flight, {args.seconds:.0f} s); coordinator used "
-            f"{server_cpu / args.seconds:.0%} of a core = {per_cpu:,.0f} lookups per CPU-second, "
-            f"clients {client_cpu / args.seconds:.0%}; load average {os.getloadavg()[0]:.1f}"
-        )
+        lean = args.client == "lean"
+        runs = []
+        for _ in range(args.runs):
+            cpu0 = cpu_seconds(coord.pid)
+            rate, client_cpu, _ = await asyncio.to_thread(
+                throughput,
+                coord.address,
+                args.blocks,
+                args.procs,
+                args.inflight,
+                args.seconds,
+                lean=lean,
+            )
+            server_cpu = cpu_seconds(coord.pid) - cpu0
+            per_cpu = rate * args.seconds / server_cpu if server_cpu else 0.0
+            runs.append((rate, server_cpu, client_cpu, per_cpu))
+            say(
+                f"throughput: {rate:,.0f} lookups/s ({args.procs} {args.client} load "
+                f"generator(s) x {args.inflight} in flight, {args.seconds:.0f} s); coordinator "
+                f"used {server_cpu / args.seconds:.0%} of a core = {per_cpu:,.0f} lookups per "
+                f"CPU-second, load generators {client_cpu / args.seconds:.0%}; load average "
+                f"{os.getloadavg()[0]:.1f}"
+            )
+        rate, server_cpu, client_cpu, per_cpu = max(runs)  # the best run; the spread below
+        rates = sorted(r[0] for r in runs)
+
+        # latency under a moderate load: the library's client, one call at a time,
+        # while the load generator keeps --latency-load lookups/s going
+        loaded: dict[str, Any] = {}
+        if args.latency_load > 0:
+            bg = asyncio.create_task(
+                asyncio.to_thread(
+                    throughput,
+                    coord.address,
+                    args.blocks,
+                    1,
+                    8,  # a few in flight: no queue builds up at a moderate rate
+                    args.seconds + 7.0,
+                    rate=args.latency_load,
+                )
+            )
+            await asyncio.sleep(5.5)  # the generator spawns, connects and starts
+            cpu0 = cpu_seconds(coord.pid)
+            t0 = time.perf_counter()
+            lat_l = await latency(coord.address, args.blocks, args.lookups)
+            dt = time.perf_counter() - t0
+            share = (cpu_seconds(coord.pid) - cpu0) / dt
+            bg_rate, _, bg_lat = await bg
+            lat_l.sort()
+            bg_lat.sort()
+            loaded = {
+                "loaded_background_lookups_per_s": round(bg_rate),
+                "loaded_coordinator_core_share": round(share, 3),
+                "loaded_lookup_p50_ms": round(statistics.median(lat_l) * 1000, 4),
+                "loaded_lookup_p99_ms": round(lat_l[int(len(lat_l) * 0.99) - 1] * 1000, 4),
+                "loaded_background_p50_ms": round(statistics.median(bg_lat) * 1000, 4),
+                "loaded_background_p99_ms": round(bg_lat[int(len(bg_lat) * 0.99) - 1] * 1000, 4),
+            }
+            say(
+                f"lookup latency under {bg_rate:,.0f} lookups/s of background load "
+                f"(coordinator at {share:.0%} of a core): library client, sequential: p50 "
+                f"{loaded['loaded_lookup_p50_ms']:.3f} ms, p99 "
+                f"{loaded['loaded_lookup_p99_ms']:.3f} ms; the background lookups "
+                f"themselves: p50 {loaded['loaded_background_p50_ms']:.3f} ms, p99 "
+                f"{loaded['loaded_background_p99_ms']:.3f} ms"
+            )
         result: dict[str, Any] = {
             "lookup_p50_ms": round(p50, 4),
             "lookup_p99_ms": round(p99, 4),
+            **loaded,
             "lookups_per_s": round(rate),
+            "lookups_per_s_runs": [round(r) for r in rates],
             "lookups_per_coordinator_cpu_s": round(per_cpu),
             "coordinator_core_share": round(server_cpu / args.seconds, 3),
+            "load_generator_core_share": round(client_cpu / args.seconds, 3),
             "loadavg_1m": round(os.getloadavg()[0], 2),
             "ingest_blocks_per_s": round(ingest_rate),
             "indexed_blocks": st["blocks"],
@@ -267,6 +541,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "prefix_blocks": PREFIX,
             "txn_ops": args.batch,
             "txn_concurrency": args.concurrency,
+            "client": args.client,
             "client_procs": args.procs,
             "client_inflight": args.inflight,
             "cpus": os.cpu_count(),
@@ -294,9 +569,22 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=512, help="ops per etcd transaction")
     p.add_argument("--concurrency", type=int, default=4, help="transactions in flight")
     p.add_argument("--lookups", type=int, default=5000, help="sequential lookups timed")
-    p.add_argument("--procs", type=int, default=2, help="client processes for throughput")
-    p.add_argument("--inflight", type=int, default=32, help="lookups in flight per process")
+    p.add_argument("--procs", type=int, default=1, help="load-generator processes")
+    p.add_argument("--inflight", type=int, default=64, help="lookups in flight per process")
     p.add_argument("--seconds", type=float, default=5.0, help="throughput run length")
+    p.add_argument("--runs", type=int, default=3, help="throughput runs (best reported)")
+    p.add_argument(
+        "--client",
+        choices=("lean", "rpc"),
+        default="lean",
+        help="load generator: raw socket, pre-packed requests (lean) or RpcClient (rpc)",
+    )
+    p.add_argument(
+        "--latency-load",
+        type=float,
+        default=10_000,
+        help="lookups/s of background load while latency is measured again (0: skip)",
+    )
     p.add_argument("--settle", type=float, default=2.0, help="pause after the ingest, s")
     p.add_argument("--reload", action="store_true", help="also time a fresh coordinator load")
     p.add_argument("--tmp", default="", help="directory for etcd's data (default: system tmp)")

@@ -4,8 +4,10 @@ under constant eviction, on a real cluster (etcd, a coordinator, two nodes).
 
 Every block's bytes are derived from its hash, so every byte a get reports as fetched
 is checked: a mismatch is a *corruption* (must be 0).  A miss (evicted, not yet
-indexed) is not an error; an *error* is a call that raised.  The RSS of each service
-is sampled after warm-up and at the end (must stay flat).
+indexed) is not an error; an *error* is a call that raised.  Gets are fenced by the
+generations the lookup returned (a block evicted and stored again since is a *stale*
+miss).  The coordinator runs its index GC every ``--gc-interval`` seconds meanwhile.
+The RSS of each service is sampled after warm-up and at the end (must stay flat).
 
     .venv/bin/python scripts/soak.py [--seconds 60] [--clients 4]
 
@@ -24,6 +26,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +38,7 @@ from pegaflow.client import PegaClient  # noqa: E402
 from pegaflow.config import ClientConfig  # noqa: E402
 from pegaflow.devcluster import EtcdServer, start_coordinator, start_node  # noqa: E402
 from pegaflow.errors import PegaError  # noqa: E402
+from pegaflow.rpc import RpcClient  # noqa: E402
 
 NS = "soak"
 BLOCK = 64 << 10
@@ -79,7 +83,7 @@ async def client_loop(
                 else:
                     start = rng.randrange(0, len(known) - BATCH + 1)
                     hashes = known[start : start + BATCH]
-                    found = await c.lookup(NS, hashes)
+                    found = await c.lookup(NS, hashes, generations=True)
                     stats["lookup"] += 1
                     stats["lookup_hits"] += found.hits
                     if found.hits:
@@ -88,8 +92,12 @@ async def client_loop(
                             (found.blocks[j][0], h, 0, out[j])
                             for j, h in enumerate(hashes[: found.hits])
                         ]
-                        ok = await c.get_blocks(NS, items)
+                        stale = c.stale_misses
+                        ok = await c.get_blocks(
+                            NS, items, generations=[g[0] for g in found.generations]
+                        )
                         stats["get"] += 1
+                        stats["stale_misses"] += c.stale_misses - stale
                         for j, good in enumerate(ok):
                             if not good:
                                 stats["get_misses"] += 1
@@ -103,6 +111,16 @@ async def client_loop(
             stats["ops"] += 1
     finally:
         await c.close()
+
+
+async def gc_status(coordinator: str) -> dict[str, Any]:
+    """The coordinator's index GC counters (it is the only one: the leader)."""
+    rpc = RpcClient([coordinator], timeout=5)
+    try:
+        st = (await rpc.call("status", {}))["coordinator"]
+        return {"leader": st.get("leader"), **st.get("gc", {})}
+    finally:
+        await rpc.close()
 
 
 async def soak(coordinator: str, seconds: float, clients: int, stats: Counter[str]) -> None:
@@ -122,13 +140,18 @@ def main() -> None:
     ap.add_argument(
         "--warmup", type=float, default=5, help="seconds of load before the first RSS sample"
     )
+    ap.add_argument("--gc-interval", type=float, default=5, help="seconds between index GC passes")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="pegaflow-soak-") as tmp:
         etcd = EtcdServer(Path(tmp) / "etcd")
         procs = []
         try:
             etcd.start()
-            coord = start_coordinator(etcd=etcd.endpoint, prefix="/pegaflow/soak")
+            coord = start_coordinator(
+                etcd=etcd.endpoint,
+                prefix="/pegaflow/soak",
+                extra=["--coordinator-gc-interval-s", str(args.gc_interval)],
+            )
             procs.append(coord)
             for nid in ("n1", "n2"):  # 16 MiB pools: ~250 blocks each, constant eviction
                 procs.append(
@@ -145,6 +168,7 @@ def main() -> None:
             elapsed = time.monotonic() - t0
             after = {name: rss_kib(pid) for name, pid in services.items()}
             dead = [p.name for p in procs if not p.alive()]
+            gc = asyncio.run(gc_status(coord.ready["address"]))
         finally:
             for p in procs:
                 p.terminate()
@@ -157,7 +181,9 @@ def main() -> None:
         f"{stats['ops']} ops in {args.warmup + elapsed:.0f} s ({stats['put']} puts, "
         f"{stats['lookup']} lookups, {stats['get']} gets), {stats['errors']} errors, "
         f"{stats['corruptions']} corruptions, "
-        f"{stats['get_misses']} misses (evicted after lookup)"
+        f"{stats['get_misses']} misses (evicted after lookup; {stats['stale_misses']} of them "
+        f"stale: stored again since), index GC: {gc.get('passes', 0)} passes, "
+        f"{gc.get('checked', 0)} entries checked, {gc.get('deleted', 0)} deleted"
     )
     print(
         json.dumps(
@@ -169,6 +195,7 @@ def main() -> None:
                 "seconds": round(args.warmup + elapsed, 1),
                 "clients": args.clients,
                 "services_died": dead,
+                "gc": gc,
                 "rss_kib_before": before,
                 "rss_kib_after": after,
                 "counts": dict(stats),

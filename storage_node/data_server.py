@@ -5,9 +5,15 @@ request, matched by ``id``; payloads are tagged messages, see :mod:`pegaflow.ucx
 
 * ``hello {version, token}`` -> ``{node_id, version}``; required first when a token is
   configured.
-* ``get {id, ns, seq, blocks: [[hash, shard], ...]}`` -> ``{blocks: [[size, gen, xxh3] |
-  None, ...]}``, then every present block is sent with tag ``(seq, index)`` straight
-  from the pool.  Blocks are pinned (not evictable) until their send completes.
+* ``get {id, ns, seq, blocks: [[hash, shard] | [hash, shard, gen], ...]}`` -> ``{blocks:
+  [[size, gen, xxh3] | None | "stale", ...]}``, then every present block is sent with tag
+  ``(seq, index)`` straight from the pool.  Blocks are pinned (not evictable) until their
+  send completes.  A block asked for with ``gen`` (the generation a lookup returned)
+  whose slot now holds another generation is a typed miss, ``"stale"``; ``None`` is a
+  block not stored.  Every miss gets an empty payload message.
+* ``check {id, ns, blocks: [[hash, shard(, gen)], ...]}`` -> ``{valid: [bool]}``: whether
+  each block is stored and committed (with that generation); the coordinators' index GC
+  asks this before it deletes index entries.
 * ``reserve {id, ns, blocks: [[hash, shard, size], ...]}`` -> ``{seq, accept: [bool]}``:
   slots are reserved for the accepted blocks (not already stored) and receives are
   posted straight into them with tag ``(seq, index)``.
@@ -15,13 +21,27 @@ request, matched by ``id``; payloads are tagged messages, see :mod:`pegaflow.ucx
   payloads arrived, each block's xxh3 is verified against the writer's and only then
   committed and published.  An unverified block is discarded.
 * ``abort {id, seq}`` drops a reservation; reservations also expire.
+
+Same-host shortcut (a client on the node's own host that can open the pool file, e.g. a
+GPU connector copying straight between the pool and its device):
+
+* the ``hello`` reply carries ``pool {path, dev, ino, bytes}`` (only to connections with
+  cluster-wide access, never to a tenant's: the file holds every tenant's blocks);
+* ``locate {id, ns, ttl_ms, blocks: [[hash, shard], ...]}`` -> ``{pin, blocks:
+  [[offset, size, gen, xxh3] | None, ...]}`` pins the present blocks for ``ttl_ms`` (no
+  eviction while the reader copies them out of the file and checks their xxh3);
+* ``unpin {id, pin}`` releases such a pin (or one taken by ``pin``) early;
+* ``reserve`` with ``local: true`` posts no receives and answers ``offsets`` too: the
+  writer fills the slots through the file, then ``commit`` verifies as usual.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +49,7 @@ from typing import Any
 
 import numpy as np
 from pegaflow.storage_node.metrics import NodeMetrics
+from pegaflow.storage_node.netdev import ucx_net_devices
 
 from pegaflow import telemetry
 from pegaflow.auth import Authenticator, check_access
@@ -103,6 +124,8 @@ class DataServer:
         self._conns: set[_Conn] = set()
         self._reservations: dict[int, _Reservation] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self._pins: dict[int, tuple[list[Any], asyncio.TimerHandle]] = {}
+        self._pin_ids = itertools.count(1)
         # xxh3 releases the GIL: verify puts off the loop thread
         self._hasher = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pegaflow-xxh3")
 
@@ -111,8 +134,12 @@ class DataServer:
         return int(self._listener.port)
 
     async def start(self) -> None:
-        """Create the UCX worker and listen on the configured port."""
-        self._worker = UcxWorker()
+        """Create the UCX worker (on the devices of ``[node] ucx_net_devices``) and
+        listen on the configured port."""
+        devices = ucx_net_devices(self.cfg.ucx_net_devices, self.cfg.host)
+        if devices:
+            log.info("UCX network devices: %s", devices)
+        self._worker = UcxWorker({"NET_DEVICES": devices} if devices else None)
         self._listener = self._worker.listen(self.cfg.ucx_port, self._accept)
         self._sweeper = asyncio.create_task(self._sweep())
 
@@ -122,6 +149,8 @@ class DataServer:
             self._sweeper.cancel()
         for conn in list(self._conns):
             self._close_conn(conn)
+        for pin in list(self._pins):
+            self._release_pin(pin)
         self._listener = None
         if self._worker is not None:
             self._worker.close()
@@ -214,8 +243,15 @@ class DataServer:
             elif op == "abort":
                 self._abort(req_int(msg, "seq"))
                 result = {}
+            elif op == "check":
+                result = self._check(msg)
             elif op == "pin":
                 result = self._pin(msg)
+            elif op == "locate":
+                result = self._locate(msg)
+            elif op == "unpin":
+                self._release_pin(req_int(msg, "pin"))
+                result = {}
             elif op == "stats":
                 result = vars(self.pool.stats())
             else:
@@ -240,7 +276,16 @@ class DataServer:
             )
         conn.tenant = self._auth.authenticate(msg.get("token"))
         conn.authed = True
-        return {"node_id": self.pool.node_id, "version": PROTOCOL_VERSION}
+        reply: dict[str, Any] = {"node_id": self.pool.node_id, "version": PROTOCOL_VERSION}
+        if self.cfg.local_access and conn.tenant is None:
+            st = os.stat(self.pool.path)
+            reply["pool"] = {
+                "path": str(self.pool.path),
+                "dev": st.st_dev,
+                "ino": st.st_ino,
+                "bytes": self.pool.capacity,
+            }
+        return reply
 
     # ---- get -----------------------------------------------------------------------
 
@@ -251,60 +296,106 @@ class DataServer:
         seq = req_int(msg, "seq", 0, 2**44 - 1)
         items = req_list(msg, "blocks", self.cfg.max_batch)
         keys = [_block_ref(ns, b) for b in items]
-        pinned = []
+        want = _wanted_gens(items)
+        pool = self.pool
+        ep = conn.ep
+        pinned: list[Any] = []
         header: list[Any] = []
-        for key in keys:
-            e = self.pool.get(key)
-            if e is None:
-                header.append(None)
-                continue
-            self.pool.pin(e)
-            pinned.append((len(header), e))
-            header.append([e.size, e.gen, e.xxh3])
-        # metrics once per batch, not per block
-        if pinned:
-            self.metrics.get_blocks.labels(result="hit").inc(len(pinned))
-        if len(pinned) < len(keys):
-            self.metrics.get_blocks.labels(result="miss").inc(len(keys) - len(pinned))
+        reqs: list[Any] = []
+        stale = 0
         try:
             # Every index gets a message so that the reader's pre-posted receives all
-            # complete: the block, or an empty message for a miss.
-            present = dict(pinned)
-            reqs = [
-                w.tag_send(
-                    conn.ep,
-                    self.pool.view(present[i]) if i in present else _EMPTY,
-                    make_tag(seq, i),
-                )
-                for i in range(len(keys))
-            ]
+            # complete: the block, or an empty message for a miss.  Each send is posted
+            # as its block is found; a rendezvous send only announces itself (a small
+            # RTS), so all of them reach the reader before any payload, the reader
+            # answers them at once and the payloads then stream back to back.
+            for i, key in enumerate(keys):
+                e = pool.get(key)
+                if e is None:
+                    header.append(None)
+                elif want is not None and want[i] is not None and e.gen != want[i]:
+                    header.append("stale")  # the slot holds another generation now
+                    stale += 1
+                    e = None
+                else:
+                    pool.pin(e)
+                    pinned.append(e)
+                    header.append([e.size, e.gen, e.xxh3])
+                reqs.append(w.tag_send(ep, _EMPTY if e is None else pool.view(e), make_tag(seq, i)))
+            # start moving payloads now (the reader's answers may be in), not after the
+            # reply has been packed and the loop has come round
+            w.worker.progress()
             w.kick()
+            # metrics once per batch, not per block
+            if pinned:
+                self.metrics.get_blocks.labels(result="hit").inc(len(pinned))
+            if stale:
+                self.metrics.get_blocks.labels(result="stale").inc(stale)
+            if len(pinned) + stale < len(keys):
+                self.metrics.get_blocks.labels(result="miss").inc(len(keys) - len(pinned) - stale)
             await self._reply(conn, {"id": rid, "ok": True, "blocks": header})
             await w.wait_all(reqs, self.cfg.reserve_timeout_s)
-            self.metrics.get_bytes.inc(sum(e.size for _, e in pinned))
+            self.metrics.get_bytes.inc(sum(e.size for e in pinned))
         except PegaError as e:
             self.metrics.transfer_errors.labels(kind=e.code).inc()
             self._close_conn(conn)
+        except BaseException:
+            # sends may still read these slots: they die with the connection before
+            # the blocks are unpinned
+            self._close_conn(conn)
+            raise
         finally:
-            for _, e in pinned:
-                self.pool.unpin(e)
+            for e in pinned:
+                pool.unpin(e)
+
+    def _check(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Whether each block is stored and committed (with the generation given)."""
+        ns = check_namespace(msg.get("ns"))
+        items = req_list(msg, "blocks", self.cfg.max_batch)
+        keys = [_block_ref(ns, b) for b in items]
+        want = _wanted_gens(items)
+        valid = []
+        for i, key in enumerate(keys):
+            e = self.pool.get(key)
+            valid.append(e is not None and (want is None or want[i] in (None, e.gen)))
+        return {"valid": valid}
 
     def _pin(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Read pins: keep the named blocks from eviction for ``ttl_ms`` (between a
         reader's lookup and its get), so a hit is not lost to a racing writer."""
+        pin, found = self._pin_blocks(msg)
+        return {"pinned": [e is not None for e in found], "pin": pin}
+
+    def _locate(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Same-host reads: pin the named blocks and say where they lie in the pool file."""
+        pin, found = self._pin_blocks(msg)
+        self.metrics.get_blocks.labels(result="hit").inc(sum(e is not None for e in found))
+        return {
+            "pin": pin,
+            "blocks": [None if e is None else [e.offset, e.size, e.gen, e.xxh3] for e in found],
+        }
+
+    def _pin_blocks(self, msg: dict[str, Any]) -> tuple[int, list[Any]]:
         ns = check_namespace(msg.get("ns"))
         ttl_ms = req_int(msg, "ttl_ms", 1, MAX_PIN_MS)
         keys = [_block_ref(ns, b) for b in req_list(msg, "blocks", self.cfg.max_batch)]
-        pinned = [e for e in map(self.pool.get, keys) if e is not None]
+        found = [self.pool.get(k) for k in keys]
+        pinned = [e for e in found if e is not None]
         for e in pinned:
             self.pool.pin(e)
+        pin = next(self._pin_ids)
+        timer = asyncio.get_running_loop().call_later(ttl_ms / 1000, self._release_pin, pin)
+        self._pins[pin] = (pinned, timer)
+        return pin, found
 
-        def release() -> None:
-            for e in pinned:
-                self.pool.unpin(e)
-
-        asyncio.get_running_loop().call_later(ttl_ms / 1000, release)
-        return {"pinned": [e is not None for e in map(self.pool.get, keys)]}
+    def _release_pin(self, pin: int) -> None:
+        held = self._pins.pop(pin, None)
+        if held is None:
+            return  # expired already, or never existed: releasing is idempotent
+        entries, timer = held
+        timer.cancel()
+        for e in entries:
+            self.pool.unpin(e)
 
     # ---- put -----------------------------------------------------------------------
 
@@ -313,6 +404,9 @@ class DataServer:
         assert w is not None
         ns = check_namespace(msg.get("ns"))
         items = req_list(msg, "blocks", self.cfg.max_batch)
+        local = msg.get("local") is True
+        if local and (not self.cfg.local_access or conn.tenant is not None):
+            raise Unauthorized("this connection may not write the pool file directly")
         parsed = []
         for b in items:
             if not isinstance(b, list) or len(b) != 3:
@@ -329,7 +423,7 @@ class DataServer:
             for i, (key, size) in enumerate(parsed):
                 e = self.pool.reserve(key, size, self.cfg.reserve_timeout_s)
                 entries.append(e)
-                if e is not None:
+                if e is not None and not local:
                     reqs.append(w.tag_recv(conn.ep, self.pool.view(e), make_tag(seq, i)))
         except PegaError:
             for e in entries:
@@ -347,7 +441,10 @@ class DataServer:
                 self._close_conn(conn)
 
         done.add_done_callback(_failed)
-        return {"seq": seq, "accept": [e is not None for e in entries]}
+        reply: dict[str, Any] = {"seq": seq, "accept": [e is not None for e in entries]}
+        if local:
+            reply["offsets"] = [None if e is None else e.offset for e in entries]
+        return reply
 
     async def _commit(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
         seq = req_int(msg, "seq")
@@ -414,6 +511,20 @@ class DataServer:
                     log.info("reservation %d expired; reclaiming its slots", seq)
                     self._abort(seq)
             self.pool.reclaim_expired(now)
+
+
+def _wanted_gens(items: list[Any]) -> list[int | None] | None:
+    """The expected generation of each ``[hash, shard, gen]`` item (None where an item
+    has none); None when no item carries one.  Items are already checked as lists."""
+    if all(len(b) == 2 for b in items):
+        return None
+    out: list[int | None] = []
+    for b in items:
+        g = b[2] if len(b) > 2 else None
+        if g is not None and (type(g) is not int or not 0 <= g < 1 << 64):
+            raise BadRequest("a block's generation must be an integer in [0, 2**64)")
+        out.append(g)
+    return out
 
 
 def _block_ref(ns: str, b: Any) -> tuple[str, bytes, int]:

@@ -518,3 +518,117 @@ async def test_etcd_tls_with_client_certs(tmp_path: Path, coordinators: Any) -> 
         await no_cert.close()
     finally:
         server.kill()
+
+
+async def _is_leader(address: str) -> bool:
+    client = RpcClient([address], timeout=5)
+    try:
+        return bool((await client.call("status", {}))["coordinator"]["leader"])
+    finally:
+        await client.close()
+
+
+async def _coordinator_status(address: str) -> dict[str, Any]:
+    client = RpcClient([address], timeout=5)
+    try:
+        return (await client.call("status", {}))["coordinator"]
+    finally:
+        await client.close()
+
+
+async def test_one_elected_coordinator_runs_the_index_gc_and_a_survivor_takes_over(
+    etcd_config: EtcdConfig, coordinators: Any
+) -> None:
+    """Two coordinators, exactly one leader (etcd election); the leader's GC deletes an
+    index entry that points at a live node but a block the node does not have, and
+    keeps the real ones; kill -9 the leader and the other takes over, GC included."""
+    import numpy as np
+    from pegaflow.client import PegaClient
+
+    from pegaflow.config import ClientConfig
+    from pegaflow.devcluster import start_node
+
+    ttl = 2
+    duty_args = ["--coordinator-election-ttl-s", str(ttl), "--coordinator-gc-interval-s", "0.2"]
+    c1, c2 = await asyncio.gather(
+        coordinators.start(etcd_config, extra_args=duty_args),
+        coordinators.start(etcd_config, extra_args=duty_args),
+    )
+    node = start_node(
+        "g1", etcd=etcd_config.endpoints[0], prefix=etcd_config.prefix, pool="16MiB", slab="4MiB"
+    )
+    etcd = EtcdClient(etcd_config)
+    keys = Keyspace(etcd_config.prefix)
+    client = PegaClient(
+        ClientConfig(coordinators=[c1.address, c2.address], local_node="g1", lookup_timeout_s=2)
+    )
+    by_address = {c1.address: c1, c2.address: c2}
+
+    async def leaders() -> list[str]:
+        return [a for a, p in by_address.items() if p.alive() and await _is_leader(a)]
+
+    async def stale_entry_is_collected(i: int) -> None:
+        key = keys.block_key(NS, h(i), 0)
+        # a live node, a block it never had: only the GC can remove this (no lease)
+        await etcd.put(key, BlockLocation("g1", slot=0, gen=12345, size=4096, xxh3=0).encode())
+        await eventually(
+            lambda: _none(etcd.get(key)), 20, f"stale entry {i} deleted by the leader's GC"
+        )
+
+    try:
+        await eventually(lambda: _count_is(leaders(), 1), 20, "exactly one leader")
+        await eventually(lambda: _node_known(client, "g1"), 20, "node g1 registered")
+        data = np.arange(4096, dtype=np.uint8)
+        assert (await client.put_blocks(NS, [(h(0), 0, data)])).stored == 1
+        await eventually(lambda: _hits_of(client, [h(0)], 1), 10, "the real block indexed")
+
+        [leader] = await leaders()
+        await stale_entry_is_collected(1)
+        assert await etcd.get(keys.block_key(NS, h(0), 0)) is not None  # real entry kept
+        assert (await client.lookup(NS, [h(0)])).hits == 1
+        st = await _coordinator_status(leader)
+        assert st["gc"]["deleted"] >= 1 and st["election"]["leader_id"] == st["id"]
+        other = c2.address if leader == c1.address else c1.address
+        follower = await _coordinator_status(other)
+        assert (follower["leader"], follower["gc"]["passes"], follower["gc"]["deleted"]) == (
+            False,
+            0,
+            0,
+        )
+        assert follower["election"]["leader_id"] == st["id"]
+
+        by_address[leader].kill()  # kill -9: its lease expires within the TTL
+        await eventually(lambda: _count_is(leaders(), 1), ttl * 3 + 10, "the survivor leads")
+        assert await leaders() == [other]
+        await stale_entry_is_collected(2)
+        assert (await client.lookup(NS, [h(0)])).hits == 1
+        status, body = http_get(by_address[other].http_port, "/metrics")
+        assert status == 200
+        text = body.decode()
+        assert "pegaflow_coordinator_leader 1.0" in text
+        deleted = [
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("pegaflow_coordinator_gc_deleted_entries_total ")
+        ]
+        assert deleted and deleted[0] >= 1
+    finally:
+        await client.close()
+        await etcd.close()
+        node.kill()
+
+
+async def _count_is(values: Awaitable[list[str]], n: int) -> bool:
+    return len(await values) == n
+
+
+async def _none(value: Awaitable[Any]) -> bool:
+    return await value is None
+
+
+async def _node_known(client: Any, node_id: str) -> bool:
+    return node_id in await client.nodes()
+
+
+async def _hits_of(client: Any, hashes: list[bytes], want: int) -> bool:
+    return (await client.lookup(NS, hashes)).hits == want

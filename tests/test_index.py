@@ -148,8 +148,10 @@ def test_rows_are_shared_between_blocks() -> None:
     for i in range(1000):
         for s in range(4):
             idx.add("ns", h(i), s, "a")
-    rows = {id(idx._ns["ns"][h(i)]) for i in range(1000)}
-    assert len(rows) == 1
+    assert idx.num_rows == 1  # one placement ("a" on every shard), stored once
+    for i in range(1000):
+        idx.remove("ns", h(i), 3)
+    assert idx.num_rows == 1  # the 4-shard row was freed, the 3-shard one took over
 
 
 async def test_local_sink_feeds_the_index() -> None:
@@ -177,6 +179,7 @@ ops = st.lists(
         st.integers(0, 7),  # hash
         st.integers(0, 3),  # shard
         st.sampled_from(["a", "b", "c"]),
+        st.sampled_from([0, 1, 7, (1 << 57) + 3, (1 << 64) - 1]),  # generation
     ),
     max_size=120,
 )
@@ -185,15 +188,17 @@ ops = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(ops, st.lists(st.integers(0, 3), min_size=1, max_size=4, unique=True))
 def test_matches_a_reference_model(
-    program: list[tuple[str, str, int, int, str]], shards: list[int]
+    program: list[tuple[str, str, int, int, str, int]], shards: list[int]
 ) -> None:
     idx = make("a", "b", "c")
     model: dict[tuple[str, int, int], str] = {}
+    gens: dict[tuple[str, int, int], int] = {}
     alive = {"a", "b", "c"}
-    for op, ns, hi, shard, n in program:
+    for op, ns, hi, shard, n, gen in program:
         if op == "add":
-            idx.add(ns, h(hi), shard, n)
+            idx.add(ns, h(hi), shard, n, gen)
             model[(ns, hi, shard)] = n
+            gens[(ns, hi, shard)] = gen
         elif op == "remove":
             idx.remove(ns, h(hi), shard)
             model.pop((ns, hi, shard), None)
@@ -216,13 +221,62 @@ def test_matches_a_reference_model(
         hashes = [h(i) for i in range(8)]
         expect_hits = 0
         expect_blocks = []
+        expect_gens = []
         for i in range(8):
             row = [model.get((ns, i, s)) for s in shards]
             if any(v is None or v not in alive for v in row):
                 break
             expect_hits += 1
             expect_blocks.append(row)
+            expect_gens += [gens[(ns, i, s)] for s in shards]
         r = idx.lookup(ns, hashes, shards)
         assert r.hits == expect_hits
         assert [list(b) for b in r.blocks] == expect_blocks
         assert r.nodes == {n for row in expect_blocks for n in row}
+        assert r.gens is None
+        rg = idx.lookup(ns, hashes, shards, gens=True)
+        assert (rg.hits, rg.blocks, rg.gens) == (r.hits, r.blocks, expect_gens)
+        for i in range(8):
+            assert idx.locations(ns, h(i)) == {
+                s: (v, gens[(ns2, i2, s)])
+                for (ns2, i2, s), v in model.items()
+                if (ns2, i2) == (ns, i)
+            }
+
+
+def test_entries_and_generations_of_blocks() -> None:
+    idx = make("a", "b")
+    big = (1 << 64) - 1
+    idx.add("ns", h(0), 0, "a", 5)
+    idx.add("ns", h(1), 0, "a", 6)
+    idx.add("ns", h(1), 2, "b", big)
+    assert sorted(idx.hashes("ns")) == [h(0), h(1)] and idx.hashes("nope") == []
+    assert sorted(idx.entries("ns", [h(1), h(0), h(9)])) == [
+        (h(0), 0, "a", 5),
+        (h(1), 0, "a", 6),
+        (h(1), 2, "b", big),
+    ]
+    assert idx.locations("ns", h(1)) == {0: ("a", 6), 2: ("b", big)}
+    r = idx.lookup("ns", [h(1), h(0)], [0], gens=True)
+    assert (r.hits, r.gens) == (2, [6, 5])  # mixed value lengths in one namespace
+    assert idx.lookup("ns", [h(1)], [2, 0], gens=True).gens == [big, 6]
+    idx.add("ns", h(0), 0, "a", 7)  # the same holder stores it again: a new generation
+    assert idx.locations("ns", h(0)) == {0: ("a", 7)} and idx.entries_of("a") == 2
+    with pytest.raises(BadRequest):
+        idx.add("ns", h(2), 0, "a", 1 << 64)
+    assert idx.remove_node("b") == 1
+    assert idx.lookup("ns", [h(1), h(0)], [0], gens=True).gens == [6, 7]
+
+
+def test_long_lookups_unpack_in_chunks() -> None:
+    idx = make("a", "b")
+    n = 3000  # more than one struct chunk, not a power of two
+    for i in range(n):
+        idx.add("ns", h(i), 0, "a" if i % 7 else "b", i)
+    r = idx.lookup("ns", [h(i) for i in range(n)], [0], gens=True)
+    assert r.hits == n and r.gens == list(range(n))
+    assert [b[0] for b in r.blocks] == ["a" if i % 7 else "b" for i in range(n)]
+    for i in range(n):
+        idx.add("ns", h(i), 1, "b", 10 * i)
+    r = idx.lookup("ns", [h(i) for i in range(n)], [1, 0], gens=True)
+    assert r.hits == n and r.gens[:4] == [0, 0, 10, 1] and r.gens[-2:] == [10 * (n - 1), n - 1]
