@@ -299,6 +299,8 @@ class DataClient:
                 await asyncio.wait_for(landed.fut, max(0.001, deadline - time.monotonic()))
             except BaseException as e:
                 w.forget([landed.fut])
+                if not landed.fut.cancelled():
+                    landed.fut.exception()  # a transfer error nobody awaited: retrieved
                 self._drop(conn, Unavailable(f"get from {addr} failed mid-transfer"))
                 if isinstance(e, TimeoutError):
                     raise Unavailable(f"get from {addr} timed out") from None

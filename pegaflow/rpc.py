@@ -64,6 +64,9 @@ class Packed(bytes):
     __slots__ = ()
 
 
+_REPLY_ID = b"\x83" + pack("id")  # a 3-entry map, then its first key
+_REPLY_OK_RESULT = pack("ok") + pack(True) + pack("result")
+
 _PLAIN = frozenset({Packed, dict, list, tuple, str, bytes, int, float, bool, type(None)})
 
 
@@ -290,9 +293,9 @@ class RpcServer:
         try:
             result = reply.get("result")
             if type(result) is Packed:
-                # {"id", "ok", "result": nil} ends with the nil byte: swap in the result.
-                body = pack({"id": reply["id"], "ok": True, "result": None})[:-1] + result
-                return _LEN.pack(len(body)) + body
+                # {"id": rid, "ok": true, "result": <result>}, spliced (one copy)
+                head = _REPLY_ID + pack(reply["id"]) + _REPLY_OK_RESULT
+                return b"".join((_LEN.pack(len(head) + len(result)), head, result))
             return encode_frame(reply)
         except (TypeError, ValueError, OverflowError) as e:  # a result msgpack refuses: a bug
             log.error("reply of %s cannot be encoded: %s", op, e)

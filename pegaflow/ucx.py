@@ -10,8 +10,9 @@ copy-in/copy-out* rendezvous over TCP, about 0.5-1.2 GB/s for 2 MiB messages, wh
 * set ``UCX_RNDV_SCHEME=put_zcopy`` unless the operator chose otherwise,
 
 and drive the worker from the event loop thread: the worker's epoll fd is registered
-with ``loop.add_reader``; every wake-up progresses the worker, completes the futures of
-finished requests and re-arms.  One thread, no GIL ping-pong with a progress thread.
+with ``loop.add_reader``; every wake-up progresses the worker, runs the completion
+callbacks of finished requests (:meth:`UcxWorker.on_done`; a batch waits on one future)
+and re-arms.  One thread, no GIL ping-pong with a progress thread.
 
 Message conventions used by the node and the client:
 

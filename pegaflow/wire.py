@@ -20,7 +20,6 @@ PROTOCOL_VERSION = 1
 MAX_LIST = 65536
 #: Longest block hash accepted (vLLM uses 32-byte sha256 digests).
 MAX_HASH_BYTES = 64
-_BYTES = {bytes}
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._:=+,@-]{1,256}$")
 
 
@@ -100,13 +99,20 @@ def check_hash(h: Any) -> bytes:
 
 
 def check_hashes(msg: dict[str, Any], key: str, max_len: int = MAX_LIST) -> list[bytes]:
-    """A list field of block hashes."""
+    """A list field of block hashes, of a message decoded by :func:`unpack`."""
     v = req_list(msg, key, max_len)
     # The common, valid case is checked in C; the per-item loop only names the culprit.
-    if v and set(map(type, v)) == _BYTES:
-        lengths = set(map(len, v))
-        if min(lengths) > 0 and max(lengths) <= MAX_HASH_BYTES:
-            return v
+    # Of what unpack() produces only bytes (a msgpack binary) can be joined, so the join
+    # is the type check, at a third of the cost of collecting the items' types.
+    if v:
+        try:
+            b"".join(v)
+        except TypeError:
+            pass
+        else:
+            lengths = set(map(len, v))
+            if min(lengths) > 0 and max(lengths) <= MAX_HASH_BYTES:
+                return v
     return [check_hash(h) for h in v]
 
 

@@ -228,6 +228,63 @@ def _spread(xs: list[float]) -> dict[str, float]:
     }
 
 
+def measure_point(
+    args: argparse.Namespace, tls: str, addr: str, size: int, batch: int, batches: list[int]
+) -> dict[str, Any]:
+    """One block size and batch: ``--rounds`` interleaved rounds of the references and
+    ours; prints its line and returns its figures."""
+    reps = max(2, min(16, (512 << 20) // (size * batch)))
+    streams = not args.no_stream and size == 2 << 20 and batch == max(batches)
+    perf: list[float] = []
+    gets: list[float] = []
+    puts: list[float] = []
+    hot: list[float] = []
+    cold: list[float] = []
+    exact = True
+    for _ in range(args.rounds):
+        perf.append(ucx_perftest(size, tls, iters=max(50, (512 << 20) // size)))
+        g, p, ok = asyncio.run(measure_ours(addr, size, batch, reps))
+        gets.append(g)
+        puts.append(p)
+        exact = exact and ok
+        if streams:
+            hot.append(ucx_stream(size, tls, span=size))
+            cold.append(ucx_stream(size, tls, span=STREAM_SPAN))
+    pt: dict[str, Any] = {
+        "block_bytes": size,
+        "batch": batch,
+        "get_gbps": round(statistics.median(gets), 3),
+        "put_gbps": round(statistics.median(puts), 3),
+        "ucx_perftest_gbps": round(statistics.median(perf), 3),
+        "byte_exact": exact,
+        "get_rounds": _spread(gets),
+        "ucx_perftest_rounds": _spread(perf),
+    }
+    pt["get_ratio"] = round(pt["get_gbps"] / pt["ucx_perftest_gbps"], 3)
+    pt["put_ratio"] = round(pt["put_gbps"] / pt["ucx_perftest_gbps"], 3)
+    line = (
+        f"{size >> 10:>6} KiB x{batch:<3} get {pt['get_gbps']:6.2f} GB/s"
+        f" (best {max(gets):.2f}, worst {min(gets):.2f})"
+        f"  put {pt['put_gbps']:6.2f} GB/s"
+        f"  ucx_perftest {pt['ucx_perftest_gbps']:6.2f} GB/s"
+        f" (best {max(perf):.2f}, worst {min(perf):.2f})"
+        f"  get/perftest {pt['get_ratio']:.2f}"
+    )
+    if not exact:
+        line += "  NOT BYTE-EXACT (a get missed or returned other bytes)"
+    if streams:
+        pt["stream_hot_gbps"] = round(statistics.median(hot), 3)
+        pt["stream_cold_gbps"] = round(statistics.median(cold), 3)
+        pt["get_ratio_cold_stream"] = round(pt["get_gbps"] / pt["stream_cold_gbps"], 3)
+        line += (
+            f"\n{'':>12} raw UCX stream, hot buffer {pt['stream_hot_gbps']:.2f}"
+            f" GB/s (best {max(hot):.2f}), 512 MiB cycled {pt['stream_cold_gbps']:.2f} GB/s"
+            f" (best {max(cold):.2f})  get/cold stream {pt['get_ratio_cold_stream']:.2f}"
+        )
+    print(line, flush=True)
+    return pt
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--_stream":  # one end of ucx_stream()
         role, size, span, total, port = sys.argv[2:7]
@@ -252,68 +309,22 @@ def main() -> None:
 
     from pegaflow.devcluster import start_node
 
-    node = start_node(
-        "bench-node",
-        pool=args.pool,
-        slab="64MiB",
-        env={"UCX_TLS": tls},
-        extra=["--node-http-port", "-1"],
-    )
-    addr = node.ready["ucx"]
     points = []
-    try:
-        for size in sizes:
-            for batch in batches:
-                reps = max(2, min(16, (512 << 20) // (size * batch)))
-                streams = not args.no_stream and size == 2 << 20 and batch == max(batches)
-                perf: list[float] = []
-                gets: list[float] = []
-                puts: list[float] = []
-                hot: list[float] = []
-                cold: list[float] = []
-                exact = True
-                for _ in range(args.rounds):
-                    perf.append(ucx_perftest(size, tls, iters=max(50, (512 << 20) // size)))
-                    g, p, ok = asyncio.run(measure_ours(addr, size, batch, reps))
-                    gets.append(g)
-                    puts.append(p)
-                    exact = exact and ok
-                    if streams:
-                        hot.append(ucx_stream(size, tls, span=size))
-                        cold.append(ucx_stream(size, tls, span=STREAM_SPAN))
-                pt: dict[str, Any] = {
-                    "block_bytes": size,
-                    "batch": batch,
-                    "get_gbps": round(statistics.median(gets), 3),
-                    "put_gbps": round(statistics.median(puts), 3),
-                    "ucx_perftest_gbps": round(statistics.median(perf), 3),
-                    "byte_exact": exact,
-                    "get_rounds": _spread(gets),
-                    "ucx_perftest_rounds": _spread(perf),
-                }
-                pt["get_ratio"] = round(pt["get_gbps"] / pt["ucx_perftest_gbps"], 3)
-                pt["put_ratio"] = round(pt["put_gbps"] / pt["ucx_perftest_gbps"], 3)
-                line = (
-                    f"{size >> 10:>6} KiB x{batch:<3} get {pt['get_gbps']:6.2f} GB/s"
-                    f" (best {max(gets):.2f}, worst {min(gets):.2f})"
-                    f"  put {pt['put_gbps']:6.2f} GB/s"
-                    f"  ucx_perftest {pt['ucx_perftest_gbps']:6.2f} GB/s"
-                    f" (best {max(perf):.2f}, worst {min(perf):.2f})"
-                    f"  get/perftest {pt['get_ratio']:.2f}"
-                )
-                if streams:
-                    pt["stream_hot_gbps"] = round(statistics.median(hot), 3)
-                    pt["stream_cold_gbps"] = round(statistics.median(cold), 3)
-                    pt["get_ratio_cold_stream"] = round(pt["get_gbps"] / pt["stream_cold_gbps"], 3)
-                    line += (
-                        f"\n{'':>12} raw UCX stream, hot buffer {pt['stream_hot_gbps']:.2f}"
-                        f" GB/s, 512 MiB cycled {pt['stream_cold_gbps']:.2f} GB/s"
-                        f"  get/cold stream {pt['get_ratio_cold_stream']:.2f}"
-                    )
-                points.append(pt)
-                print(line, flush=True)
-    finally:
-        node.terminate()
+    for size in sizes:
+        for batch in batches:
+            # a fresh node per point: blocks of earlier points would hold the pool's
+            # slabs, and this size class would then evict its own blocks before the gets
+            node = start_node(
+                "bench-node",
+                pool=args.pool,
+                slab="64MiB",
+                env={"UCX_TLS": tls},
+                extra=["--node-http-port", "-1"],
+            )
+            try:
+                points.append(measure_point(args, tls, node.ready["ucx"], size, batch, batches))
+            finally:
+                node.terminate()
     main_pt = next(
         (p for p in points if p["block_bytes"] == 2 << 20 and p["batch"] == 32), points[0]
     )

@@ -322,8 +322,10 @@ class DataServer:
                     pinned.append(e)
                     header.append([e.size, e.gen, e.xxh3])
                 reqs.append(w.tag_send(ep, _EMPTY if e is None else pool.view(e), make_tag(seq, i)))
-            # start moving payloads now (the reader's answers may be in), not after the
-            # reply has been packed and the loop has come round
+            # the reply goes right behind the announcements, ahead of every payload (the
+            # reader has it before the last block lands), then payloads start moving now
+            # (the reader's answers may be in), not once the loop has come round
+            reqs.append(w.am_send(ep, pack({"id": rid, "ok": True, "blocks": header})))
             w.worker.progress()
             w.kick()
             # metrics once per batch, not per block
@@ -333,7 +335,6 @@ class DataServer:
                 self.metrics.get_blocks.labels(result="stale").inc(stale)
             if len(pinned) + stale < len(keys):
                 self.metrics.get_blocks.labels(result="miss").inc(len(keys) - len(pinned) - stale)
-            await self._reply(conn, {"id": rid, "ok": True, "blocks": header})
             await w.wait_all(reqs, self.cfg.reserve_timeout_s)
             self.metrics.get_bytes.inc(sum(e.size for e in pinned))
         except PegaError as e:
