@@ -68,6 +68,8 @@ class LocatedBlock:
     size: int
     gen: int
     xxh3: int
+    digest: int | None = None
+    """the writer's device digest, when it gave one (see ``KVBlockIO.digest``)"""
 
 
 @dataclass
@@ -468,7 +470,12 @@ class DataClient:
             raise Unavailable("malformed locate reply")
         out: list[LocatedBlock | None] = []
         for b in got:
-            ok = isinstance(b, list) and len(b) == 4 and all(isinstance(x, int) for x in b)
+            ok = (
+                isinstance(b, list)
+                and len(b) in (4, 5)
+                and all(isinstance(x, int) for x in b[:4])
+                and (len(b) == 4 or b[4] is None or isinstance(b[4], int))
+            )
             out.append(LocatedBlock(*b) if ok else None)
         return int(reply.get("pin", 0)), out
 
@@ -490,11 +497,20 @@ class DataClient:
         return int(reply["seq"]), [o if isinstance(o, int) else None for o in offsets]
 
     async def commit(
-        self, addr: str, seq: int, sums: Sequence[int | None], timeout: float
+        self,
+        addr: str,
+        seq: int,
+        sums: Sequence[int | None],
+        timeout: float,
+        digests: Sequence[int | None] | None = None,
     ) -> PutOutcome:
         """Commit a local reservation: the node checks each written slot against ``sums``
-        (None for blocks it did not accept) and publishes the good ones."""
-        reply = await self._call(addr, {"op": "commit", "seq": seq, "xxh3": list(sums)}, timeout)
+        (None for blocks it did not accept) and publishes the good ones; ``digests``:
+        the writer's device digests, kept with the blocks for same-host readers."""
+        msg: dict[str, Any] = {"op": "commit", "seq": seq, "xxh3": list(sums)}
+        if digests is not None:
+            msg["digest"] = list(digests)
+        reply = await self._call(addr, msg, timeout)
         accepted = sum(1 for x in sums if x is not None)
         stored = int(reply.get("stored", 0))
         return PutOutcome(stored=stored, skipped=len(sums) - accepted, failed=accepted - stored)

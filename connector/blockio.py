@@ -41,6 +41,8 @@ from . import tilecopy
 
 _DEV_STAGING_BLOCKS = 64
 """blocks per device staging chunk of the DMA path"""
+_DIGEST_MUL = 0x9E3779B97F4A7C15 - (1 << 64)
+_DIGEST_ADD = 0x632BE59BD9B4E019
 
 
 def _natural_key(name: str) -> list[Any]:
@@ -103,6 +105,12 @@ class KVBlockIO:
             for layer, off in zip(self.layers, self._offsets, strict=True)
         )
         """whether the tile kernel can serve this cache (tiles, 16-byte alignment)"""
+        self.can_digest = all(
+            layer.raw is not None and layer.tile_bytes % 8 == 0 and off % 8 == 0
+            for layer, off in zip(self.layers, self._offsets, strict=True)
+        )
+        """whether :meth:`digest` works for this cache (tile layouts)"""
+        self._weights: torch.Tensor | None = None
 
     @staticmethod
     def _layer(name: str, t: torch.Tensor, num_blocks: int) -> _Layer:
@@ -411,6 +419,64 @@ class KVBlockIO:
                     if start + m < n:  # the staging chunk is reused: let it drain first
                         self._save_stream.synchronize()
             self._save_stream.synchronize()
+
+    def digest(
+        self,
+        block_ids: Sequence[int],
+        *,
+        stream: str = "load",
+        after: Any = None,
+        expect: Sequence[int] | None = None,
+    ) -> Any:
+        """A 64-bit digest of each block, computed where the KV cache lives.
+
+        The digest is a position-weighted sum of the block's 64-bit words, modulo 2**64
+        (weights odd and distinct per position), over the block's bytes in stored order.
+        It detects any changed word and any moved words, and costs a few milliseconds
+        for a 10k-token prefix on a GPU, where recomputing the xxh3 on host costs tens
+        of milliseconds of CPU.  Not a defence against deliberate forgery (the pool file
+        is trusted to the same host anyway): it catches bugs and memory corruption.
+
+        Returns an int64 tensor on the cache's device (with ``expect``: a bool tensor,
+        whether each block's digest equals it).  On CUDA it is queued on the load stream
+        (``stream="load"``, after the copies queued there) or the save stream
+        (``stream="save"``, after ``after``); :meth:`stream_event` marks its end.
+        """
+        if not self.can_digest:
+            raise ValueError("digests need a tile layout")
+        self._check_ids(block_ids)
+        if self._weights is None:
+            w = torch.arange(self.block_bytes // 8, dtype=torch.int64, device=self.device)
+            self._weights = (w * _DIGEST_MUL + _DIGEST_ADD) | 1
+        if self.is_cpu:
+            return self._digest(block_ids, expect)
+        st = self._stream if stream == "load" else self._save_stream
+        with torch.cuda.stream(st):
+            if after is not None:
+                st.wait_event(after)
+            return self._digest(block_ids, expect)
+
+    def stream_event(self, stream: str = "load") -> Any:
+        """An event after the work queued so far on the load or save stream (None on CPU)."""
+        if self.is_cpu:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self._stream if stream == "load" else self._save_stream)
+        return ev
+
+    def _digest(self, block_ids: Sequence[int], expect: Sequence[int] | None) -> torch.Tensor:
+        assert self._weights is not None
+        idx = torch.tensor(list(block_ids), dtype=torch.long).to(self.device, non_blocking=True)
+        total = torch.zeros(len(block_ids), dtype=torch.int64, device=self.device)
+        for layer, off in zip(self.layers, self._offsets, strict=True):
+            assert layer.raw is not None
+            words = layer.raw.index_select(0, idx).view(torch.int64)
+            w = self._weights[off // 8 : (off + layer.tile_bytes) // 8]
+            total += (words * w).sum(dim=1)
+        if expect is None:
+            return total
+        want = torch.tensor(list(expect), dtype=torch.int64).to(self.device, non_blocking=True)
+        return total == want
 
 
 class Transfer:

@@ -248,10 +248,13 @@ class PegaKVConnector(KVConnectorBase_V1):
             self._worker.wait_for_copies(plan.preempted)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Start this step's loads in the background (requests waiting for remote KV).
+        """Start this step's loads.
 
-        Loads are asynchronous: their requests are not scheduled until
-        :meth:`get_finished` reports them, so nothing here blocks the forward pass.
+        Asynchronous loads (requests waiting for remote KV) run in the background and
+        their requests are not scheduled until :meth:`get_finished` reports them.
+        Layer-wise loads (hits held by this host's node; their requests run in this
+        very step) are queued on the connector's CUDA stream here, one event per layer,
+        and checked before :meth:`get_block_ids_with_load_errors` answers.
 
         Args:
             forward_context: vLLM's forward context (unused).
@@ -262,12 +265,18 @@ class PegaKVConnector(KVConnectorBase_V1):
             self._worker.start_step(self._plan(), idle=idle)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """No-op: whole requests are loaded before vLLM schedules them.
+        """Make this layer wait for its blocks of the step's layer-wise loads.
+
+        Layer-wise loads (hits held by the node on this host) are copied during the
+        forward pass; the layer's attention stream waits on the device for an event
+        recorded after that layer's copies, so the CPU never blocks here.  Asynchronous
+        loads were finished before vLLM scheduled their requests: nothing to wait for.
 
         Args:
             layer_name: the layer about to run.
         """
-        return
+        if self._worker is not None:
+            self._worker.wait_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

@@ -3,13 +3,16 @@ and the pool file of the storage node on this host, with no UCX hop.
 
 Loads: ``locate`` pins the blocks on the node and says where they are in its pool file;
 the copies into the KV cache are queued (one kernel per layer from pinned memory, or
-DMA); meanwhile the xxh3 of every block is recomputed from the file on CPU threads
-(xxhash releases the GIL); a block counts as loaded only when its checksum matches the
-one the node committed.  The pin is released once the copies are done, so the slots
+DMA).  Then every block is verified: on the device, by the digest of what landed in the
+KV cache against the digest the writer computed from its own KV cache (cheap, and it
+checks the bytes vLLM will use); or, for blocks without one, by recomputing the xxh3
+from the file on CPU threads (xxhash releases the GIL).  A block counts as loaded only
+when its check passes.  The pin is released once the copies are done, so the slots
 cannot be evicted and reused while they are read.
 
 Saves: a local ``reserve`` gives slot offsets; the KV blocks are copied into them; the
-node verifies each slot's xxh3 against the writer's before it commits and publishes.
+node verifies each slot's xxh3 against the writer's before it commits and publishes, and
+keeps the device digest the writer computed from the KV cache.
 
 Anything that goes wrong makes the blocks misses (loads) or failures (saves), exactly
 like the UCX path: the caller falls back or recomputes.
@@ -115,13 +118,21 @@ class LocalPath:
                 [block_ids[i] for i in idx],
                 mapped=pool.registered and self.use_kernel,
             )
+            if self.io.can_digest and all(where[i].digest is not None for i in idx):
+                # verify what landed in the KV cache, on the device, after the copies
+                match = self.io.digest(
+                    [block_ids[i] for i in idx], expect=[where[i].digest for i in idx]
+                )
+                check: Any = (match, self.io.stream_event())
+            else:  # no device digest (e.g. written before a node restart): xxh3 on host
+                check = [
+                    (where[i].xxh3, self._verify.submit(checksum, pool.view(where[i].offset, bb)))
+                    for i in idx
+                ]
         except BaseException:
             self._unpin(client, pin)
             raise
-        sums = [self._verify.submit(checksum, pool.view(where[i].offset, bb)) for i in idx]
-        return PendingLoad(
-            self, client, pin, len(hashes), idx, [where[i].xxh3 for i in idx], sums, xfer
-        )
+        return PendingLoad(self, client, pin, len(hashes), idx, check, xfer)
 
     def _unpin(self, client: Any, pin: int) -> None:
         try:
@@ -151,9 +162,13 @@ class LocalPath:
             self.timeout,
         )
         idx = [i for i, o in enumerate(offsets) if o is not None]
+        ids = [block_ids[i] for i in idx]
         try:
+            digests = (
+                self.io.digest(ids, stream="save", after=after) if self.io.can_digest else None
+            )
             self.io.copy_out(
-                [block_ids[i] for i in idx],
+                ids,
                 pool.tensor,
                 [offsets[i] for i in idx],  # type: ignore[misc]
                 mapped=pool.registered and self.use_kernel,
@@ -167,10 +182,15 @@ class LocalPath:
                 pass  # the reservation expires on the node
             raise
         sums: list[int | None] = [None] * len(hashes)
+        digs: list[int | None] | None = None
         for i, s in zip(idx, got, strict=True):
             sums[i] = s
+        if digests is not None:  # copy_out synchronized the save stream: they are done
+            digs = [None] * len(hashes)
+            for i, d in zip(idx, digests.tolist(), strict=True):
+                digs[i] = int(d)
         return client.call(
-            lambda c: c.commit_local(self.node_id, seq, sums, self.timeout), self.timeout
+            lambda c: c.commit_local(self.node_id, seq, sums, self.timeout, digs), self.timeout
         )
 
     def close(self) -> None:
@@ -182,7 +202,12 @@ class LocalPath:
 
 
 class PendingLoad:
-    """A local load whose copies and checksum checks are under way."""
+    """A local load whose copies and checks are under way.
+
+    ``check`` is either ``(match, event)``, a device bool tensor saying per block
+    whether the digest of what landed in the KV cache equals the writer's, done at
+    ``event``; or a list of ``(wanted xxh3, future of the recomputed xxh3)``.
+    """
 
     def __init__(
         self,
@@ -191,8 +216,7 @@ class PendingLoad:
         pin: int,
         n: int,
         idx: list[int],
-        want: list[int],
-        sums: list[concurrent.futures.Future[int]],
+        check: Any,
         xfer: Transfer,
     ) -> None:
         self._path = path
@@ -200,22 +224,32 @@ class PendingLoad:
         self._pin = pin
         self._n = n
         self._idx = idx
-        self._want = want
-        self._sums = sums
+        self._check = check
         self.transfer = xfer
+        self.on_device = isinstance(check, tuple)
+        """whether the blocks are verified on the device (digest) rather than on host"""
 
     def finish(self) -> list[bool]:
         """Wait for the copies and checks; per block, whether its verified bytes are in."""
         ok = [False] * self._n
         try:
             self.transfer.synchronize()
-            for i, want, fut in zip(self._idx, self._want, self._sums, strict=True):
-                try:
-                    ok[i] = fut.result(self._path.timeout) == want
-                except Exception:
-                    ok[i] = False
-                if not ok[i]:
-                    logger.warning("PegaFlow: checksum mismatch in the local pool: a miss")
+            if self.on_device:
+                match, event = self._check
+                if event is not None:
+                    event.synchronize()
+                good = match.cpu().tolist()
+            else:
+                good = []
+                for want, fut in self._check:
+                    try:
+                        good.append(fut.result(self._path.timeout) == want)
+                    except Exception:
+                        good.append(False)
+            for i, g in zip(self._idx, good, strict=True):
+                ok[i] = bool(g)
+                if not g:
+                    logger.warning("PegaFlow: a block from the local pool failed its check: a miss")
         finally:
             self._path._unpin(self._client, self._pin)
         return ok

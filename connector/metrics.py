@@ -38,6 +38,7 @@ COUNTERS: dict[str, str] = {
     "load_jobs": "requests whose blocks were loaded",
     "load_blocks": "blocks loaded into the KV cache",
     "load_bytes": "bytes loaded into the KV cache",
+    "layerwise_load_jobs": "loads done during the forward pass, layer by layer (same host)",
     "local_load_blocks": "blocks loaded straight from this host's node pool (no UCX hop)",
     "load_failed_blocks": "blocks that could not be loaded (reported to vLLM, recomputed)",
     "load_seconds": "wall time of load jobs, from start to last block",

@@ -126,6 +126,7 @@ class _Lookup:
     n_hashes: int
     hits: int
     nodes: list[list[str]]
+    sync: bool = False
 
 
 @dataclass
@@ -268,7 +269,21 @@ class SchedulerSide:
                 return 0, False
         if lk.hits <= 0:
             return 0, False
+        if self._all_local(lk):
+            # layer-wise: loaded during the step that computes the rest, so vLLM must
+            # have at least one token left to compute
+            tokens = min(lk.hits * bs, (request.num_tokens - 1) // bs * bs - num_computed_tokens)
+            lk.sync = tokens > 0
+            return (tokens, False) if tokens > 0 else (0, False)
+        lk.sync = False
         return lk.hits * bs, True
+
+    def _all_local(self, lk: _Lookup) -> bool:
+        s = self.settings
+        local = s.local_node
+        if not (s.layerwise and s.same_host_shortcut and local):
+            return False
+        return all(node == local for row in lk.nodes for node in row)
 
     def _lookup(self, st: _ReqState, ns: str, hashes: Sequence[Any], start: int) -> _Lookup | None:
         if not self.lookup_breaker.allow():
@@ -350,12 +365,13 @@ class SchedulerSide:
             hashes=[block_hash_bytes(h) for h in hashes[start : start + n_load]],
             nodes=nodes,
             first_block=start,
+            sync=lk is not None and lk.sync,
         )
         if len(job.block_ids) != n_load or len(job.hashes) != n_load:
             job.nodes = [[] for _ in job.block_ids]
             job.hashes = (job.hashes + [b"\0"] * len(job.block_ids))[: len(job.block_ids)]
         self._pending_loads.append(job)
-        st.loading = True
+        st.loading = not job.sync
         self.counters.add("hit_tokens", num_external_tokens)
 
     def build_plan(self, scheduler_output: Any) -> StepPlan:

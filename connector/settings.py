@@ -75,6 +75,11 @@ class ConnectorSettings:
         "copy blocks straight between the KV cache and local_node's pool file when that "
         "node runs on this host (no UCX hop); off: always UCX",
     )
+    layerwise: bool = _f(
+        True,
+        "hits held wholly by local_node (same host) load during the forward pass, each "
+        "layer waited for on its own; off: every load is asynchronous",
+    )
     verify_threads: int = _f(
         0, "CPU threads that check checksums of same-host loads (0: min(16, cpus))"
     )

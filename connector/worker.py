@@ -145,6 +145,7 @@ class WorkerSide:
         self._pending_gathers: dict[str, int] = {}
         self._delay_free: set[str] = set()
         self._load_errors: set[int] = set()
+        self._sync_loads: list[tuple[LoadJob, Any, float]] = []
         self._report = WorkerReport()
         self.save_breaker = CircuitBreaker(
             settings.failures_to_backoff, settings.backoff_s, settings.backoff_max_s
@@ -206,12 +207,84 @@ class WorkerSide:
         ``idle``: the step runs no forward pass (vLLM only polls for transfers).
         """
         self._idle = idle
+        async_loads = [j for j in plan.loads if not j.sync]
         with self._lock:
             self._delay_free.update(plan.delay_free)
-            for job in plan.loads:
+            for job in async_loads:
                 self._loading[job.req_id] = self._loading.get(job.req_id, 0) + 1
-        for job in plan.loads:
+        for job in async_loads:
             self._load_pool.submit(self._run_load_safe, plan.namespace, job)
+        for job in plan.loads:
+            if job.sync:
+                self._start_sync_load(plan.namespace, job)
+
+    # ---- layer-wise (synchronous) loads ----------------------------------------------
+
+    def _start_sync_load(self, ns: str, job: LoadJob) -> None:
+        """Queue the copies of a load that this step's forward pass waits for, layer by
+        layer (:meth:`wait_layer`); verified and reported by :meth:`finish_sync_loads`."""
+        t0 = time.monotonic()
+        n = len(job.block_ids)
+        local, client = self._local, self._get_client()
+        if (
+            local is not None
+            and client is not None
+            and self.io is not None
+            and ns
+            and all(self._node_of(job, i) == local.node_id for i in range(n))
+            and local.attach(client)
+        ):
+            try:
+                pending = local.start_load(client, ns, job.hashes, self.shard, job.block_ids)
+                self._sync_loads.append((job, pending, t0))
+                return
+            except Exception as e:
+                logger.warning("PegaFlow: layer-wise load of %s failed: %s", job.req_id, e)
+                self._sync_loads.append((job, [False] * n, t0))
+                return
+        # no local pool here after all: load now, whole, before the forward runs
+        ok = [False] * n
+        try:
+            self._run_load(ns, job, ok)
+        except Exception:
+            logger.exception("PegaFlow: load of %s failed", job.req_id)
+        self._sync_loads.append((job, ok, t0))
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Make the forward pass (its CUDA stream) wait until ``layer_name``'s blocks
+        of this step's layer-wise loads are in; never blocks the CPU."""
+        if not self._sync_loads or self.io is None:
+            return
+        idx = self.io.layer_of.get(layer_name)
+        for _job, pending, _t0 in self._sync_loads:
+            if isinstance(pending, list):
+                continue
+            if idx is None:
+                pending.transfer.wait_all()
+            else:
+                pending.transfer.wait_layer(idx)
+
+    def finish_sync_loads(self) -> None:
+        """Verify and account this step's layer-wise loads; failed blocks are reported
+        by the next :meth:`take_load_errors` (vLLM then recomputes them)."""
+        loads, self._sync_loads = self._sync_loads, []
+        for job, pending, t0 in loads:
+            if isinstance(pending, list):
+                ok = pending
+            else:
+                try:
+                    ok = pending.finish()
+                    self.counters.add("local_load_blocks", sum(ok))
+                except Exception as e:
+                    logger.warning("PegaFlow: layer-wise load of %s failed: %s", job.req_id, e)
+                    ok = [False] * len(job.block_ids)
+            failed, first = self._account_load(job, ok, t0)
+            self.counters.add("layerwise_load_jobs")
+            with self._lock:
+                self._load_errors.update(failed)
+                if first is not None:
+                    prev = self._report.load_failed.get(job.req_id, first)
+                    self._report.load_failed[job.req_id] = min(prev, first)
 
     def submit_saves(self, plan: StepPlan) -> None:
         """Queue the copy-out of this step's newly full blocks (returns at once)."""
@@ -248,6 +321,7 @@ class WorkerSide:
         to land instead of returning at once: vLLM would otherwise spin through empty
         steps, taking the CPU the transfer needs (2-core hosts) for nothing.
         """
+        self.finish_sync_loads()
         with self._lock:
             if self._idle and self._loading and not self._done_loads:
                 self._lock.wait_for(lambda: bool(self._done_loads), self.settings.idle_wait_s)
@@ -263,6 +337,7 @@ class WorkerSide:
 
     def take_load_errors(self) -> set[int]:
         """Block ids whose load failed, reported once (vLLM recomputes them)."""
+        self.finish_sync_loads()
         with self._lock:
             errs, self._load_errors = self._load_errors, set()
         return errs
@@ -293,6 +368,25 @@ class WorkerSide:
                 self._run_load(ns, job, ok)
         except Exception:
             logger.exception("PegaFlow: load of %s failed", job.req_id)
+        failed, first = self._account_load(job, ok, t0)
+        with self._lock:
+            left = self._loading.get(job.req_id, 1) - 1
+            if left > 0:
+                self._loading[job.req_id] = left
+            else:
+                self._loading.pop(job.req_id, None)
+            prev = self._done_loads.get(job.req_id)
+            if prev is not None:
+                failed = prev[0] + failed
+                first = min(x for x in (prev[1], first) if x is not None) if failed else None
+            self._done_loads[job.req_id] = (failed, first)
+            self._lock.notify_all()
+
+    def _account_load(
+        self, job: LoadJob, ok: list[bool], t0: float
+    ) -> tuple[list[int], int | None]:
+        """Count a finished load; returns (failed block ids, first failed index)."""
+        n = len(job.block_ids)
         failed = [job.block_ids[i] for i in range(n) if not ok[i]]
         first = next((job.first_block + i for i in range(n) if not ok[i]), None)
         loaded = n - len(failed)
@@ -309,18 +403,7 @@ class WorkerSide:
                 n,
                 job.req_id,
             )
-        with self._lock:
-            left = self._loading.get(job.req_id, 1) - 1
-            if left > 0:
-                self._loading[job.req_id] = left
-            else:
-                self._loading.pop(job.req_id, None)
-            prev = self._done_loads.get(job.req_id)
-            if prev is not None:
-                failed = prev[0] + failed
-                first = min(x for x in (prev[1], first) if x is not None) if failed else None
-            self._done_loads[job.req_id] = (failed, first)
-            self._lock.notify_all()
+        return failed, first
 
     def _run_load(self, ns: str, job: LoadJob, ok: list[bool]) -> None:
         io, staging = self.io, self._load_staging

@@ -12,8 +12,10 @@ writing the pinned, mapped pool directly) and ``dma`` (copy engine, 1 DMA per bl
 scatter on the device).
 
 A load is the whole connector path: locate (pins the blocks on the node), the copies,
-the xxh3 check of every block on CPU threads, unpin.  A save: local reserve, copies,
-xxh3, commit (the node re-checks every slot's xxh3 before publishing).  ``*_copy_*``
+the check of every block (the device digest of what landed in the KV cache against the
+writer's; ``verify: host`` when blocks have none and xxh3 is recomputed on CPU threads),
+unpin.  A save: device digests, local reserve, copies, xxh3 on CPU threads, commit (the
+node re-checks every slot's xxh3 before publishing).  ``*_copy_*``
 figures time the device copies alone.  Every load is checked byte for byte.
 
     python3 scripts/bench_gpu_path.py [--tokens 10000] [--rounds 5]
@@ -176,8 +178,10 @@ def run_point(
             t1 = time.perf_counter()
             assert out.stored == n, out
             t2 = time.perf_counter()
-            ok = path.start_load(client, ns, hashes, 0, dst_ids).finish()
+            pending = path.start_load(client, ns, hashes, 0, dst_ids)
+            ok = pending.finish()
             t3 = time.perf_counter()
+            verify = "device" if pending.on_device else "host"
             assert all(ok), f"{ok.count(False)} blocks failed"
             for t in kv.values():  # bit patterns (random bits include NaNs)
                 bits = t.view(torch.int16)
@@ -209,6 +213,7 @@ def run_point(
         "layout": layout,
         "block_tokens": block_tokens,
         "mode": mode,
+        "verify": verify,
         "blocks": n,
         "bytes": nbytes,
         "load_ms": round(med(loads) * 1000, 2),

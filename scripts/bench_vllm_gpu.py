@@ -12,7 +12,10 @@ straight into the paged KV cache, every block's xxh3 checked).
 2. **plain**: vLLM without a connector: start time (to ready), cold TTFT, and its own
    GPU prefix-cache hit on the same prompts (the floor).
 3. **engine 2**, a new process (a restarted engine, empty GPU cache): start time, then
-   per prompt the warm TTFT from the cluster and vLLM's own prefix-cache hit.
+   per prompt the warm TTFT from the cluster (loaded layer by layer during the forward
+   pass) and vLLM's own prefix-cache hit.
+4. **engine 3**, the same with ``layerwise: false``: every load asynchronous, before
+   the request is scheduled (the effect of layer-wise loading on TTFT).
 
 First tokens of cold and warm runs are compared (dummy weights are seeded: equal
 engines give equal tokens).  Last line: one JSON object with ``ttft_cold_ms``,
@@ -161,11 +164,25 @@ def main() -> None:
             e.stop()
             lines = [x for x in e.log if "PegaFlow" in x]
             print("\n".join(lines[-15:]), file=sys.stderr)
+
+        # engine 3: the same restart with layer-wise loading off (every load async)
+        s3 = str(work / "engine3")
+        conn3 = {"coordinators": coordinator, "local_node": node, "stats_path": s3,
+                 "layerwise": False}  # fmt: skip
+        e, _ = start("engine3", connector=conn3)
+        try:
+            e.generate(warm_up, 1)
+            warm_async = [timed(e, p) for p in ps]
+        finally:
+            e.stop()
     finally:
         server.terminate()
         if args.log_dir:
             for e in engines:
                 Path(args.log_dir, f"{e.name}.log").write_text("\n".join(e.log))
+    out["warm_async_ms"] = [round(t, 1) for t, _, _ in warm_async]
+    out["ttft_warm_async_ms"] = round(med(out["warm_async_ms"]), 1)
+    out["warm_async_tokens_match_cold"] = [o for _, _, o in warm_async] == ref_tokens
     out["warm_ms"] = [round(t, 1) for t, _, _ in warm]
     out["warm_cached_tokens"] = [c for _, c, _ in warm]
     out["local_hit_ms"] = [round(t, 1) for t, _, _ in hit]

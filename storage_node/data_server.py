@@ -32,7 +32,11 @@ GPU connector copying straight between the pool and its device):
   eviction while the reader copies them out of the file and checks their xxh3);
 * ``unpin {id, pin}`` releases such a pin (or one taken by ``pin``) early;
 * ``reserve`` with ``local: true`` posts no receives and answers ``offsets`` too: the
-  writer fills the slots through the file, then ``commit`` verifies as usual.
+  writer fills the slots through the file, then ``commit`` verifies as usual;
+* ``commit`` may carry ``digest: [int | None]``, a signed 64-bit digest per block that
+  the writer computed on its device (see ``KVBlockIO.digest``); the node keeps it with
+  the block (not journaled) and ``locate`` returns it as a fifth field, so a GPU reader
+  can verify what landed in its KV cache on the device instead of hashing on the CPU.
 """
 
 from __future__ import annotations
@@ -373,7 +377,9 @@ class DataServer:
         self.metrics.get_blocks.labels(result="hit").inc(sum(e is not None for e in found))
         return {
             "pin": pin,
-            "blocks": [None if e is None else [e.offset, e.size, e.gen, e.xxh3] for e in found],
+            "blocks": [
+                None if e is None else [e.offset, e.size, e.gen, e.xxh3, e.digest] for e in found
+            ],
         }
 
     def _pin_blocks(self, msg: dict[str, Any]) -> tuple[int, list[Any]]:
@@ -453,9 +459,12 @@ class DataServer:
         res = self._reservations.get(seq)
         if res is None or res.conn is not conn:
             raise BadRequest(f"no reservation {seq} on this connection (expired or aborted?)")
-        if len(sums) != len(res.entries):
+        digests = msg.get("digest")
+        if len(sums) != len(res.entries) or (
+            digests is not None and (not isinstance(digests, list) or len(digests) != len(sums))
+        ):
             self._abort(seq)
-            raise BadRequest("commit must carry one checksum per reserved block")
+            raise BadRequest("commit must carry one checksum (and digest) per reserved block")
         try:
             await asyncio.shield(res.recv_done)
         except PegaError as e:
@@ -483,6 +492,10 @@ class DataServer:
                 failed.append(i)
                 continue
             loc = self.pool.commit(e, got)
+            if digests is not None:
+                d = digests[i]
+                ok = isinstance(d, int) and not isinstance(d, bool) and -(2**63) <= d < 2**63
+                e.digest = d if ok else None
             self.sink.publish(e.key[0], e.key[1], e.key[2], loc)
             stored += 1
             nbytes += e.size

@@ -49,6 +49,9 @@ class Entry:
     committed: bool = False
     pins: int = 0
     reserve_deadline: float = 0.0
+    digest: int | None = None
+    """the writer's device digest of the block (same-host GPU readers check it on the
+    device); kept in memory only: after a restart readers fall back to the xxh3"""
 
     def location(self, node_id: str) -> BlockLocation:
         return BlockLocation(node_id, self.offset, self.gen, self.size, self.xxh3)

@@ -198,6 +198,14 @@ def test_two_engines_at_once_share_blocks(
     r = e2.generate(D, MAX_TOKENS)  # e3 is still running
     assert r["outputs"] == reference["D"]
     assert r["cached"] == [288, 288]
+    # A's blocks are on n1, e3's own node: loaded layer by layer through the pool file
+    # during the forward pass (the same-host shortcut), checked, same outputs
+    r = e3.generate(A, MAX_TOKENS)
+    assert r["outputs"] == reference["A"]
+    assert all(c >= 160 for c in r["cached"]), r["cached"]
+    st = wait_stats(s3, lambda s: s.get("layerwise_load_jobs", 0) >= 3)
+    assert st.get("local_load_blocks", 0) >= 3 * 5
+    assert st.get("load_failed_blocks", 0) == 0
 
 
 def test_node_lost_after_lookup_recomputes(

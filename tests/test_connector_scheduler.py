@@ -100,6 +100,24 @@ def test_hit_plans_async_load_of_exactly_the_hit_blocks() -> None:
     assert c.totals()["save_known_blocks"] == 3
 
 
+def test_hits_on_the_local_node_load_layer_wise_and_leave_a_token() -> None:
+    side, cl, _ = make(local_node="n1")
+    req = FakeRequest("r1", toks(16), BS)  # exactly 4 full blocks, all stored on n1
+    store(cl, req, 4)
+    # synchronous (layer-wise) load; vLLM must still compute one token: 3 blocks
+    assert side.get_num_new_matched_tokens(req, 0) == (12, False)
+    side.update_state_after_alloc(req, ([10, 11, 12, 13],), 12)
+    (job,) = side.build_plan(sched_output()).loads
+    assert job.sync and job.block_ids == [10, 11, 12]
+    # a hit on another node, or layer-wise off: asynchronous as before
+    other, cl2, _ = make(local_node="n2")
+    store(cl2, req, 4)
+    assert other.get_num_new_matched_tokens(req, 0) == (16, True)
+    off, cl3, _ = make(local_node="n1", layerwise=False)
+    store(cl3, req, 4)
+    assert off.get_num_new_matched_tokens(req, 0) == (16, True)
+
+
 def test_lookup_starts_after_local_prefix_hit() -> None:
     side, cl, _ = make()
     req = FakeRequest("r1", toks(20), BS)

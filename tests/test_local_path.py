@@ -64,8 +64,9 @@ def test_save_then_load_into_other_blocks_is_byte_identical(server: Proc) -> Non
         again = writer.save(c, NS, hashes[:4], 0, [3, 4, 5, 6])
         assert again.skipped == 4  # already stored: nothing rewritten
         targets = list(range(20, 30))
-        ok = reader.start_load(c, NS, hashes, 0, targets).finish()
-        assert ok == [True] * 10
+        pending = reader.start_load(c, NS, hashes, 0, targets)
+        assert pending.on_device  # the writer's digests came back with locate
+        assert pending.finish() == [True] * 10
         for name in src_kv:
             assert torch.equal(dst_kv[name][20:30], src_kv[name][3:13])
         # a block the node does not have is a miss, the others still load
@@ -98,6 +99,28 @@ def test_a_corrupted_slot_is_never_loaded(server: Proc) -> None:
             assert torch.equal(kv[name][5], before[name][0])
     finally:
         path.close()
+        c.close()
+
+
+def test_blocks_without_a_digest_are_checked_by_xxh3(server: Proc) -> None:
+    node = server.ready["node"]
+    c = _client(server)
+    src_kv, dst_kv = _kv(8, 4), _kv(8, 5)
+    src, dst = KVBlockIO(src_kv, 8), KVBlockIO(dst_kv, 8)
+    src.can_digest = False  # e.g. a block written before a node restart
+    writer, reader = LocalPath(src, node, 5.0), LocalPath(dst, node, 5.0)
+    try:
+        assert writer.attach(c) and reader.attach(c)
+        hashes = [b"x" * 15 + bytes([i]) for i in range(3)]
+        assert writer.save(c, NS, hashes, 0, [0, 1, 2]).stored == 3
+        pending = reader.start_load(c, NS, hashes, 0, [5, 6, 7])
+        assert not pending.on_device
+        assert pending.finish() == [True] * 3
+        for name in src_kv:
+            assert torch.equal(dst_kv[name][5:8], src_kv[name][0:3])
+    finally:
+        writer.close()
+        reader.close()
         c.close()
 
 
