@@ -360,6 +360,12 @@ class SyncPegaClient:
         plus a second) for its result; for the async API's less common calls."""
         return self._run(fn(self._client), timeout)
 
+    def submit(
+        self, fn: Callable[[PegaClient], Coroutine[Any, Any, T]]
+    ) -> concurrent.futures.Future[T]:
+        """:meth:`call` without waiting (the coroutine keeps its own deadline)."""
+        return self._submit(fn(self._client))
+
     def lookup(
         self,
         ns: str,

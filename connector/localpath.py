@@ -135,9 +135,12 @@ class LocalPath:
         return PendingLoad(self, client, pin, len(hashes), idx, check, xfer)
 
     def _unpin(self, client: Any, pin: int) -> None:
+        """Release a pin without waiting for the answer (the copies are done; a lost
+        unpin only keeps the blocks from eviction until the pin expires on the node)."""
         try:
-            client.call(lambda c: c.unpin(self.node_id, pin, self.timeout), self.timeout)
-        except Exception as e:  # the pin expires on the node by itself
+            fut = client.submit(lambda c: c.unpin(self.node_id, pin, self.timeout))
+            fut.add_done_callback(_log_unpin_failure)
+        except Exception as e:
             logger.debug("PegaFlow: unpin failed: %s", e)
 
     # ---- saves ---------------------------------------------------------------------
@@ -199,6 +202,11 @@ class LocalPath:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+
+def _log_unpin_failure(fut: concurrent.futures.Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        logger.debug("PegaFlow: unpin failed: %s", fut.exception())
 
 
 class PendingLoad:

@@ -1,0 +1,95 @@
+"""The worker's layer-wise (synchronous) loads through the same-host shortcut, against a
+real ``pegaflow-server``: saved by one worker, loaded by another during a "forward
+pass" that waits for each layer, byte-identical; misses reported as load errors.
+
+Runs on the CPU here and, where there is one, on a CUDA device too (then the copies are
+the tile kernel reading the pinned pool, and each layer waits on its own event).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from pegaflow.client import SyncPegaClient
+from pegaflow.connector.metadata import LoadJob, SaveJob, StepPlan
+from pegaflow.connector.metrics import Counters
+from pegaflow.connector.settings import ConnectorSettings
+from pegaflow.connector.worker import WorkerSide
+
+from pegaflow.config import ClientConfig
+from pegaflow.devcluster import Proc, start_server
+
+NS = "test-layerwise"
+NB = 16
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Proc]:
+    p = start_server(extra=["--node-pool-bytes", "64MiB", "--node-slab-bytes", "4MiB"])
+    try:
+        yield p
+    finally:
+        p.terminate()
+
+
+def _kv(device: str, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {  # vLLM 0.26 FlashAttention per-layer layout (B, H, N, 2D)
+        f"model.layers.{i}.self_attn.attn": torch.randn(NB, 2, 16, 64, generator=g)
+        .to(torch.bfloat16)
+        .to(device)
+        for i in range(4)
+    }
+
+
+def _worker(server: Proc, kv: dict[str, torch.Tensor]) -> tuple[WorkerSide, Counters]:
+    coord, node = server.ready["coordinator"], server.ready["node"]
+    s = ConnectorSettings.load({"coordinators": coord, "local_node": node}, env={})
+    c = Counters()
+    w = WorkerSide(s, 0, c, lambda: SyncPegaClient(ClientConfig(coordinators=[coord])))
+    w.register_kv_caches(kv, NB)
+    return w, c
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_wise_load_from_the_local_pool(server: Proc, device: str) -> None:
+    node = server.ready["node"]
+    src, dst = _kv(device, 1), _kv(device, 2)
+    before = {k: v.clone() for k, v in dst.items()}
+    w1, c1 = _worker(server, src)
+    w2, c2 = _worker(server, dst)
+    hashes = [device.encode() + bytes([i]) * 15 for i in range(4)]
+    try:
+        w1.submit_saves(StepPlan(NS, saves=[SaveJob("a", [1, 2, 3], hashes[:3])]))
+        w1.wait_for_copies(["a"])
+        deadline = time.monotonic() + 10
+        while c1.totals().get("save_blocks", 0) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c1.totals().get("save_blocks", 0) == 3
+
+        # one step: the load is queued at its start; each layer waits for its blocks
+        job = LoadJob("b", [9, 10, 11, 12], hashes, [[node]] * 4, sync=True)
+        w2.start_step(StepPlan(NS, loads=[job]))
+        for name in dst:
+            w2.wait_layer(name)
+        errors = w2.take_load_errors()
+        assert errors == {12}  # the 4th block was never stored: vLLM recomputes it
+        report = w2.take_report()
+        assert report is not None and report.load_failed == {"b": 3}
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for name in src:
+            assert torch.equal(dst[name][9:12].view(torch.int16), src[name][1:4].view(torch.int16))
+            assert torch.equal(dst[name][:9], before[name][:9])
+        t = c2.totals()
+        assert t["layerwise_load_jobs"] == 1 and t["local_load_blocks"] == 3
+        assert t["load_failed_blocks"] == 1
+        # a layer-wise load is not an async one: nothing to report as received
+        assert w2.get_finished(set()) == (None, None)
+    finally:
+        w1.shutdown()
+        w2.shutdown()
