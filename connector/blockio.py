@@ -105,6 +105,8 @@ class KVBlockIO:
             for layer, off in zip(self.layers, self._offsets, strict=True)
         )
         """whether the tile kernel can serve this cache (tiles, 16-byte alignment)"""
+        if self.kernel_ok:
+            self._warm_up_kernel()
         self.can_digest = all(
             layer.raw is not None and layer.tile_bytes % 8 == 0 and off % 8 == 0
             for layer, off in zip(self.layers, self._offsets, strict=True)
@@ -142,6 +144,15 @@ class KVBlockIO:
             ).view(torch.uint8)
         tile_bytes = split * tile_elems * itemsize
         return _Layer(name, raw, moved, tile_bytes, split)
+
+    def _warm_up_kernel(self) -> None:
+        """Compile the tile kernel now (engine start), not on the first load."""
+        tb = self.layers[0].tile_bytes
+        with torch.cuda.stream(self._stream):
+            buf = torch.zeros(2 * tb, dtype=torch.uint8, device=self.device)
+            offs = torch.tensor([0], dtype=torch.int64, device=self.device)
+            tilecopy.copy_tiles(buf, offs, buf, offs + tb, tb)
+        self._stream.synchronize()
 
     def describe(self) -> str:
         """Human-readable layout summary (for logs)."""

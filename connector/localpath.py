@@ -98,9 +98,11 @@ class LocalPath:
         hashes: Sequence[bytes],
         shard: int,
         block_ids: Sequence[int],
+        gens: Sequence[int | None] | None = None,
     ) -> PendingLoad:
-        """Pin, queue the copies and the checksum checks; :meth:`PendingLoad.finish`
-        waits for both and says which blocks are good."""
+        """Pin, queue the copies and the checks; :meth:`PendingLoad.finish` waits for
+        both and says which blocks are good.  ``gens``: the generation each block had at
+        lookup (None: any); a slot holding another generation now is a miss (fencing)."""
         pool = self.pool
         assert pool is not None
         pin, where = client.call(
@@ -110,7 +112,13 @@ class LocalPath:
             self.timeout,
         )
         bb = self.io.block_bytes
-        idx = [i for i, w in enumerate(where) if w is not None and w.size == bb]
+        idx = [
+            i
+            for i, w in enumerate(where)
+            if w is not None
+            and w.size == bb
+            and (gens is None or gens[i] is None or gens[i] == w.gen)
+        ]
         try:
             xfer = self.io.copy_in(
                 pool.tensor,

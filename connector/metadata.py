@@ -20,6 +20,9 @@ class LoadJob:
     """per block, the node id holding each shard (index = shard)"""
     first_block: int = 0
     """index of ``block_ids[0]`` within the request (for logs)"""
+    gens: list[list[int]] = field(default_factory=list)
+    """per block, the generation of each shard the lookup saw (empty: unknown); a
+    node whose slot now holds another generation answers a miss (fencing)"""
     sync: bool = False
     """loaded during this step's forward pass, layer by layer (vLLM schedules the
     request at once); else asynchronously, before vLLM schedules it"""

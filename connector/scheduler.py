@@ -37,6 +37,7 @@ class LookupClient(Protocol):
         hashes: Sequence[bytes],
         shards: Sequence[int] = (0,),
         timeout: float | None = None,
+        generations: bool = False,
     ) -> Any: ...
 
 
@@ -127,6 +128,8 @@ class _Lookup:
     hits: int
     nodes: list[list[str]]
     sync: bool = False
+    gens: list[list[int]] = field(default_factory=list)
+    """per hit block, the generation of each shard when the lookup saw it (fencing)"""
 
 
 @dataclass
@@ -302,9 +305,12 @@ class SchedulerSide:
                 {"pegaflow.blocks": len(asked)} if telemetry.tracing else None,
                 parent=telemetry.request_context(st.request.request_id),
             ):
-                res = client.lookup(ns, asked, self.shards, timeout=self.settings.lookup_timeout_s)
+                res = client.lookup(
+                    ns, asked, self.shards, timeout=self.settings.lookup_timeout_s, generations=True
+                )
             hits = max(0, min(int(res.hits), len(asked)))
             blocks = list(res.blocks or [])
+            gens = list(getattr(res, "generations", None) or [])
         except Exception as e:
             self.counters.add("lookup_errors")
             if self.lookup_breaker.failure():
@@ -331,6 +337,10 @@ class SchedulerSide:
         for h in asked[hits:]:
             self.known.discard(h)
         lk = _Lookup(self._clock(), start, len(hashes), hits, [list(b) for b in blocks[:hits]])
+        if len(gens) >= hits and all(
+            isinstance(g, list | tuple) and len(g) == self.world_size for g in gens[:hits]
+        ):
+            lk.gens = [list(g) for g in gens[:hits]]
         st.lookup = lk
         return lk
 
@@ -356,9 +366,11 @@ class SchedulerSide:
                 request.request_id,
             )
             nodes: list[list[str]] = [[] for _ in range(n_load)]
+            gens: list[list[int]] = []
         else:
             start = lk.start
             nodes = lk.nodes[:n_load]
+            gens = lk.gens[:n_load]
         job = LoadJob(
             req_id=request.request_id,
             block_ids=list(ids[start : start + n_load]),
@@ -366,6 +378,7 @@ class SchedulerSide:
             nodes=nodes,
             first_block=start,
             sync=lk is not None and lk.sync,
+            gens=gens,
         )
         if len(job.block_ids) != n_load or len(job.hashes) != n_load:
             job.nodes = [[] for _ in job.block_ids]

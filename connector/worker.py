@@ -235,7 +235,14 @@ class WorkerSide:
             and local.attach(client)
         ):
             try:
-                pending = local.start_load(client, ns, job.hashes, self.shard, job.block_ids)
+                pending = local.start_load(
+                    client,
+                    ns,
+                    job.hashes,
+                    self.shard,
+                    job.block_ids,
+                    [self._gen_of(job, i) for i in range(n)],
+                )
                 self._sync_loads.append((job, pending, t0))
                 return
             except Exception as e:
@@ -427,7 +434,15 @@ class WorkerSide:
                     continue
                 items.append((node, job.hashes[i], self.shard, buf[1][i - rows.start]))
                 idx.append(i)
-            fut = client.submit_get_blocks(ns, items, timeout=timeout) if items else None
+            if not items:
+                return idx, None
+            gens = [self._gen_of(job, i) for i in idx]
+            fut = client.submit_get_blocks(
+                ns,
+                items,
+                timeout=timeout,
+                generations=gens if any(g is not None for g in gens) else None,
+            )
             return idx, fut
 
         def outcome(idx: list[int], fut: Any) -> tuple[list[int], list[int]]:
@@ -490,6 +505,10 @@ class WorkerSide:
         client = self._get_client()
         if client is not None and self._local is not None:
             self._local.attach(client)
+
+    def _gen_of(self, job: LoadJob, i: int) -> int | None:
+        gens = job.gens[i] if i < len(job.gens) else []
+        return gens[self.shard] if self.shard < len(gens) else None
 
     def _node_of(self, job: LoadJob, i: int) -> str:
         nodes = job.nodes[i] if i < len(job.nodes) else []

@@ -86,6 +86,7 @@ class FakeLookup:
     hits: int
     blocks: list[list[str]] = field(default_factory=list)
     nodes: dict[str, Any] = field(default_factory=dict)
+    generations: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -110,15 +111,28 @@ class FakeCluster:
         self.puts = 0
         self.lock = threading.Lock()
         self.put_gate: threading.Event | None = None
+        self.gens: dict[tuple[str, bytes, int], int] = {}
+        """generation of each block (bumped when a test re-stores it: see restore)"""
+
+    def restore(self, ns: str, h: bytes, shard: int = 0) -> None:
+        """The block was evicted and stored again: same bytes, a new generation."""
+        key = (ns, h, shard)
+        self.gens[key] = self.gens.get(key, 0) + 1
 
     # lookup ---------------------------------------------------------------------------
     def lookup(
-        self, ns: str, hashes: Any, shards: Any = (0,), timeout: float | None = None
+        self,
+        ns: str,
+        hashes: Any,
+        shards: Any = (0,),
+        timeout: float | None = None,
+        generations: bool = False,
     ) -> FakeLookup:
         self.lookups += 1
         if self.lookup_error is not None:
             raise self.lookup_error
         blocks: list[list[str]] = []
+        gens: list[list[int]] = []
         for h in hashes:
             row = []
             for s in shards:
@@ -129,14 +143,21 @@ class FakeCluster:
             if len(row) != len(list(shards)):
                 break
             blocks.append(row)
-        return FakeLookup(len(blocks), blocks)
+            gens.append([self.gens.get((ns, h, s), 0) for s in shards])
+        return FakeLookup(len(blocks), blocks, generations=gens if generations else [])
 
     # data -----------------------------------------------------------------------------
-    def get_blocks(self, ns: str, items: Any, timeout: float | None = None) -> list[bool]:
+    def get_blocks(
+        self, ns: str, items: Any, timeout: float | None = None, generations: Any = None
+    ) -> list[bool]:
         self.gets += 1
         ok = []
-        for node, h, shard, buf in items:
+        for i, (node, h, shard, buf) in enumerate(items):
             loc = self.blocks.get((ns, h, shard))
+            want = None if generations is None else generations[i]
+            if want is not None and self.gens.get((ns, h, shard), 0) != want:
+                ok.append(False)  # fenced: the slot holds another generation now
+                continue
             arr = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
             if loc is None or node in self.dead_nodes or loc[0] != node or len(loc[1]) != arr.size:
                 ok.append(False)
@@ -168,11 +189,11 @@ class FakeCluster:
         return res
 
     def submit_get_blocks(
-        self, ns: str, items: Any, timeout: float | None = None
+        self, ns: str, items: Any, timeout: float | None = None, generations: Any = None
     ) -> concurrent.futures.Future[list[bool]]:
         f: concurrent.futures.Future[list[bool]] = concurrent.futures.Future()
         try:
-            f.set_result(self.get_blocks(ns, items, timeout))
+            f.set_result(self.get_blocks(ns, items, timeout, generations))
         except Exception as e:
             f.set_exception(e)
         return f

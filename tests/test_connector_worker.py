@@ -107,7 +107,7 @@ def test_save_then_load_into_another_engine_is_bit_exact() -> None:
     w2.shutdown()
 
 
-@pytest.mark.parametrize("failure", ["dead_node", "corrupt", "missing", "no_node"])
+@pytest.mark.parametrize("failure", ["dead_node", "corrupt", "missing", "no_node", "regenerated"])
 def test_failed_blocks_are_reported_with_the_request_and_never_written(failure: str) -> None:
     cluster = FakeCluster()
     src = kv(2)
@@ -120,19 +120,24 @@ def test_failed_blocks_are_reported_with_the_request_and_never_written(failure: 
         cluster.corrupt.add(h(2))
     elif failure == "missing":
         del cluster.blocks[(NS, h(3), 0)]
-    else:
+    elif failure == "no_node":
         nodes = [["n1"], [], ["n1"], ["n1"]]
+    # the generations the lookup saw; "regenerated": block 1 was evicted and stored again
+    # between lookup and get, so its slot holds another generation: fenced, a miss
+    gens = [[0]] * 4
+    if failure == "regenerated":
+        cluster.restore(NS, h(1))
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
     w2, c2 = worker(cluster, dst)
-    w2.start_step(
-        StepPlan(NS, loads=[LoadJob("r", [5, 6, 7, 8], [h(i) for i in range(4)], nodes, 0)])
-    )
+    job = LoadJob("r", [5, 6, 7, 8], [h(i) for i in range(4)], nodes, 0, gens=gens)
+    w2.start_step(StepPlan(NS, loads=[job]))
     errors, _ = finish_loads(w2, "r")
     bad = {
         "dead_node": {5, 6, 7, 8},
         "corrupt": {7},
         "missing": {8},
         "no_node": {6},
+        "regenerated": {6},
     }[failure]
     assert errors == bad
     for name in src:
@@ -169,9 +174,9 @@ def test_retry_once_under_fail_policy() -> None:
     calls = {"n": 0}
     real = cluster.get_blocks
 
-    def flaky(ns, items, timeout=None):  # type: ignore[no-untyped-def]
+    def flaky(ns, items, timeout=None, generations=None):  # type: ignore[no-untyped-def]
         calls["n"] += 1
-        return [False] * len(items) if calls["n"] == 1 else real(ns, items, timeout)
+        return [False] * len(items) if calls["n"] == 1 else real(ns, items, timeout, generations)
 
     cluster.get_blocks = flaky  # type: ignore[method-assign]
     s = ConnectorSettings.load({}, env={})
