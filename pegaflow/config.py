@@ -107,7 +107,11 @@ class NodeConfig:
     """A storage node: a shared-memory block pool served over UCX."""
 
     node_id: str = opt("", "unique node name (empty: <hostname>-<ucx port>)")
-    host: str = opt("127.0.0.1", "address clients use to reach this node's UCX listener")
+    host: str = opt(
+        "127.0.0.1",
+        "interface this node's data plane binds to (its UCX handshake socket; UCX's own "
+        "transports follow ucx_net_devices) and the address clients use to reach it",
+    )
     ucx_port: int = opt(7800, "UCX listener port (0: any free port)")
     ucx_net_devices: str = opt(
         "auto",

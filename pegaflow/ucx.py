@@ -225,25 +225,61 @@ class UcxWorker:
                 k.cancel()
         self._pending = [e for e in self._pending if id(e[2]) not in drop]
 
-    def listen(self, port: int, on_endpoint: Callable[[Any], None]) -> Any:
-        """Listen for connections on ``port``; ``on_endpoint(ep)`` is called for each."""
+    async def serve(
+        self, host: str, port: int, on_endpoint: Callable[[Any], None]
+    ) -> asyncio.Server:
+        """Accept connections on ``host:port`` (a TCP socket bound there, nowhere else);
+        ``on_endpoint(ep)`` is called for each.
 
-        def _cb(conn_request: Any) -> None:
+        ucxx's own connection listener binds every interface (it takes a port only), so
+        endpoints are set up by exchanging UCX worker addresses over this socket
+        instead: the peer sends its address, we create an endpoint to it and answer
+        with ours (see :meth:`connect`).  Payloads then flow over UCX's transports,
+        which ``UCX_NET_DEVICES`` restricts to the configured interface.
+        """
+
+        async def handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
-                ep = listener.create_endpoint_from_conn_request(conn_request, False)
-            except Exception:
-                log.warning("failed to accept a UCX connection", exc_info=True)
+                async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                    peer = await _read_address(reader)
+                    ep = ucx_api.UCXEndpoint.create_from_worker_address(
+                        self.worker, ucx_api.UCXAddress.create_from_buffer(peer), False
+                    )
+                    writer.write(_frame(self.address))
+                    await writer.drain()
+            except Exception as e:  # a bad or slow peer: drop it, keep serving
+                log.info("UCX handshake from %s failed: %s", writer.get_extra_info("peername"), e)
+                writer.close()
                 return
+            writer.close()
+            self.kick()
             on_endpoint(ep)
 
-        listener = ucx_api.UCXListener.create(worker=self.worker, port=port, cb_func=_cb)
+        server = await asyncio.start_server(handshake, host, port, reuse_address=True)
         self.kick()
-        return listener
+        return server
+
+    @property
+    def address(self) -> bytes:
+        """This worker's UCX address (what a peer needs to reach it)."""
+        return bytes(self.worker.address.tobytes())
 
     async def connect(self, host: str, port: int, timeout: float) -> Any:
-        """An endpoint to ``host:port`` (connection completes lazily on first use)."""
+        """An endpoint to the worker serving ``host:port`` (see :meth:`serve`)."""
         try:
-            ep = ucx_api.UCXEndpoint.create(self.worker, host, port, False)
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(host, port)
+                try:
+                    writer.write(_frame(self.address))
+                    await writer.drain()
+                    peer = await _read_address(reader)
+                finally:
+                    writer.close()
+            ep = ucx_api.UCXEndpoint.create_from_worker_address(
+                self.worker, ucx_api.UCXAddress.create_from_buffer(peer), False
+            )
+        except TimeoutError:
+            raise Unavailable(f"UCX handshake with {host}:{port} timed out") from None
         except Exception as e:
             raise Unavailable(f"cannot connect to UCX {host}:{port}: {e}") from None
         self.kick()
@@ -285,6 +321,21 @@ class UcxWorker:
             self.worker.cancel_inflight_requests(period=0, max_attempts=1)
         except Exception:
             pass
+
+
+HANDSHAKE_TIMEOUT_S = 5.0
+MAX_ADDRESS_BYTES = 64 << 10
+
+
+def _frame(address: bytes) -> bytes:
+    return len(address).to_bytes(4, "big") + address
+
+
+async def _read_address(reader: asyncio.StreamReader) -> bytes:
+    n = int.from_bytes(await reader.readexactly(4), "big")
+    if not 0 < n <= MAX_ADDRESS_BYTES:
+        raise ValueError(f"bad UCX address length {n}")
+    return await reader.readexactly(n)
 
 
 def close_endpoint(ep: Any) -> None:

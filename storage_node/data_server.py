@@ -124,7 +124,7 @@ class DataServer:
         self._auth = auth if auth is not None else Authenticator()
         self._on_change = on_change
         self._worker: UcxWorker | None = None
-        self._listener: Any = None
+        self._listener: asyncio.Server | None = None
         self._conns: set[_Conn] = set()
         self._reservations: dict[int, _Reservation] = {}
         self._sweeper: asyncio.Task[None] | None = None
@@ -135,7 +135,8 @@ class DataServer:
 
     @property
     def port(self) -> int:
-        return int(self._listener.port)
+        assert self._listener is not None
+        return int(self._listener.sockets[0].getsockname()[1])
 
     async def start(self) -> None:
         """Create the UCX worker (on the devices of ``[node] ucx_net_devices``) and
@@ -144,7 +145,7 @@ class DataServer:
         if devices:
             log.info("UCX network devices: %s", devices)
         self._worker = UcxWorker({"NET_DEVICES": devices} if devices else None)
-        self._listener = self._worker.listen(self.cfg.ucx_port, self._accept)
+        self._listener = await self._worker.serve(self.cfg.host, self.cfg.ucx_port, self._accept)
         self._sweeper = asyncio.create_task(self._sweep())
 
     async def close(self) -> None:
@@ -155,6 +156,8 @@ class DataServer:
             self._close_conn(conn)
         for pin in list(self._pins):
             self._release_pin(pin)
+        if self._listener is not None:
+            self._listener.close()
         self._listener = None
         if self._worker is not None:
             self._worker.close()

@@ -212,11 +212,10 @@ def _listening(pid: int) -> set[tuple[str, int]]:
 async def test_services_listen_on_the_configured_interface_only(
     etcd_config: EtcdConfig,
 ) -> None:
-    """With default settings (loopback), the coordinator's control protocol and HTTP
-    and the node's HTTP listen on 127.0.0.1 only; the node's UCX transport listens on
-    the loopback only, and the one listener ucxx cannot bind (the UCX connection
-    listener on [node] ucx_port, 0.0.0.0) rejects connections that arrive through
-    another interface."""
+    """With default settings (loopback), every listening socket of the coordinator and
+    the node is bound to 127.0.0.1: control protocol, HTTP, the node's UCX handshake
+    socket ([node] ucx_port) and UCX's own transport sockets; a connection attempt
+    through another interface of the host is refused."""
     from pegaflow.storage_node.netdev import ipv4_addresses
 
     etcd, prefix = etcd_config.endpoints[0], etcd_config.prefix
@@ -231,16 +230,14 @@ async def test_services_listen_on_the_configured_interface_only(
         ucx_port = int(node.ready["ucx"].rsplit(":", 1)[1])
         node_sockets = _listening(node.pid)
         assert ("127.0.0.1", int(node.ready["http"])) in node_sockets
-        # ucxx offers no bind address for its connection listener (docs/reliability.md)
-        assert ("0.0.0.0", ucx_port) in node_sockets
-        others = {a for a, p in node_sockets if p != ucx_port}
-        assert others == {"127.0.0.1"}, node_sockets  # UCX transport: loopback only
+        assert ("127.0.0.1", ucx_port) in node_sockets
+        assert {a for a, _p in node_sockets} == {"127.0.0.1"}, node_sockets
 
         c = PegaClient(ClientConfig(coordinators=["127.0.0.1:1"]))
         try:
             assert await c._data.node_id(f"127.0.0.1:{ucx_port}", 5) == "b1"
             outside = [a for a in ipv4_addresses().values() if not a.startswith("127.")]
-            if outside:  # through another interface of this host: refused by UCX
+            if outside:  # through another interface of this host: nothing listens there
                 with pytest.raises(PegaError):
                     await c._data.node_id(f"{outside[0]}:{ucx_port}", 5)
         finally:
