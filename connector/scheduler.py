@@ -341,8 +341,26 @@ class SchedulerSide:
             isinstance(g, list | tuple) and len(g) == self.world_size for g in gens[:hits]
         ):
             lk.gens = [list(g) for g in gens[:hits]]
+        if hits and self.settings.read_pin_s > 0:
+            self._pin(client, ns, asked[:hits], lk.nodes)
         st.lookup = lk
         return lk
+
+    def _pin(self, client: Any, ns: str, hashes: Sequence[bytes], nodes: list[list[str]]) -> None:
+        """Read pins: ask the nodes to keep the hit blocks from eviction until the load
+        (fire and forget; a lost pin only means a possible miss, never wrong bytes)."""
+        submit = getattr(client, "submit_pin_blocks", None)
+        if submit is None:
+            return
+        items = [
+            (node, h, shard)
+            for h, row in zip(hashes, nodes, strict=True)
+            for shard, node in enumerate(row)
+        ]
+        try:
+            submit(ns, items, self.settings.read_pin_s)
+        except Exception as e:
+            self._log_error("read pin failed", e)
 
     def update_state_after_alloc(
         self, request: Any, block_ids: Any, num_external_tokens: int

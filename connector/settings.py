@@ -70,6 +70,11 @@ class ConnectorSettings:
     max_staging_bytes: int = _f(
         1 << 30, "host staging memory for transfers; saves beyond it are dropped, loads wait"
     )
+    read_pin_s: float = _f(
+        5.0,
+        "after a hit, ask the nodes to keep the blocks from eviction this long (until the "
+        "load); 0: no read pins",
+    )
     same_host_shortcut: bool = _f(
         True,
         "copy blocks straight between the KV cache and local_node's pool file when that "

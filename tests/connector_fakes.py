@@ -111,6 +111,7 @@ class FakeCluster:
         self.puts = 0
         self.lock = threading.Lock()
         self.put_gate: threading.Event | None = None
+        self.pins: list[tuple[str, list[Any], float]] = []
         self.gens: dict[tuple[str, bytes, int], int] = {}
         """generation of each block (bumped when a test re-stores it: see restore)"""
 
@@ -187,6 +188,14 @@ class FakeCluster:
                 self.blocks[key] = (node_id or self.node, bytes(memoryview(buf).cast("B")))
                 res.stored += 1
         return res
+
+    def submit_pin_blocks(
+        self, ns: str, items: Any, ttl_s: float = 5.0
+    ) -> concurrent.futures.Future[list[bool]]:
+        self.pins.append((ns, list(items), ttl_s))
+        f: concurrent.futures.Future[list[bool]] = concurrent.futures.Future()
+        f.set_result([(ns, h, s) in self.blocks for _n, h, s in items])
+        return f
 
     def submit_get_blocks(
         self, ns: str, items: Any, timeout: float | None = None, generations: Any = None

@@ -91,6 +91,8 @@ def test_hit_plans_async_load_of_exactly_the_hit_blocks() -> None:
     assert job.req_id == "r1" and job.block_ids == [10, 11, 12]
     assert job.hashes == req.block_hashes[:3] and job.nodes == [["n1"]] * 3
     assert job.gens == [[0]] * 3  # the generations the lookup saw: the get is fenced
+    # the hit blocks were pinned on their node right after the lookup, once
+    assert cl.pins == [(NS, [("n1", hh, 0) for hh in req.block_hashes[:3]], 5.0)]
     assert side.request_finished(req) is False  # loading: vLLM holds the blocks itself
     # after the load the request is scheduled: only the missing 4th block is saved
     plan = side.build_plan(
