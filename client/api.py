@@ -309,15 +309,16 @@ class PegaClient:
         self,
         node_id: str,
         seq: int,
-        sums: Sequence[int | None],
+        accepted: Sequence[bool],
         timeout: float | None = None,
         digests: Sequence[int | None] | None = None,
     ) -> PutResult:
-        """Commit a :meth:`reserve_local` reservation; the node verifies every slot
-        (``digests``: optional device digests kept with the blocks)."""
+        """Commit a :meth:`reserve_local` reservation (``accepted``: which blocks it
+        reserved); the node hashes every slot (``digests``: optional device digests
+        kept with the blocks)."""
         budget = self.cfg.transfer_timeout_s if timeout is None else timeout
         rec = await self._node(node_id, budget)
-        return await self._data.commit(rec.ucx_address, seq, sums, budget, digests)
+        return await self._data.commit(rec.ucx_address, seq, accepted, budget, digests)
 
     async def abort_local(self, node_id: str, seq: int, timeout: float | None = None) -> None:
         """Drop a :meth:`reserve_local` reservation."""

@@ -500,20 +500,22 @@ class DataClient:
         self,
         addr: str,
         seq: int,
-        sums: Sequence[int | None],
+        accepted: Sequence[bool],
         timeout: float,
         digests: Sequence[int | None] | None = None,
     ) -> PutOutcome:
-        """Commit a local reservation: the node checks each written slot against ``sums``
-        (None for blocks it did not accept) and publishes the good ones; ``digests``:
-        the writer's device digests, kept with the blocks for same-host readers."""
-        msg: dict[str, Any] = {"op": "commit", "seq": seq, "xxh3": list(sums)}
+        """Commit a local reservation (``accepted``: which blocks it reserved): the node
+        hashes each written slot, keeps that xxh3 as the block's checksum and publishes
+        it; ``digests``: the writer's device digests, kept with the blocks."""
+        msg: dict[str, Any] = {"op": "commit", "seq": seq, "xxh3": [None] * len(accepted)}
         if digests is not None:
             msg["digest"] = list(digests)
         reply = await self._call(addr, msg, timeout)
-        accepted = sum(1 for x in sums if x is not None)
+        n_accepted = sum(1 for a in accepted if a)
         stored = int(reply.get("stored", 0))
-        return PutOutcome(stored=stored, skipped=len(sums) - accepted, failed=accepted - stored)
+        return PutOutcome(
+            stored=stored, skipped=len(accepted) - n_accepted, failed=n_accepted - stored
+        )
 
     async def abort(self, addr: str, seq: int, timeout: float) -> None:
         """Drop a reservation (its slots go back to the pool)."""

@@ -180,82 +180,61 @@ class KVBlockIO:
 
     # ---- copies --------------------------------------------------------------------
 
-    def _ids(self, block_ids: Sequence[int], split: int) -> list[int]:
-        if split == 1:
-            return list(block_ids)
-        return [b * split + k for b in block_ids for k in range(split)]
-
     def gather(self, block_ids: Sequence[int], out: torch.Tensor, after: Any = None) -> None:
         """Copy blocks ``block_ids`` of every layer into ``out[:len(block_ids)]``."""
+        self._check_ids(block_ids)
         n = len(block_ids)
         if n == 0:
             return
-        for bid in block_ids:
-            if not 0 <= bid < self.num_blocks:
-                raise IndexError(f"block id {bid} out of range")
         if self.is_cpu:
-            idx = torch.tensor(list(block_ids), dtype=torch.long)
-            for layer, off in zip(self.layers, self._offsets, strict=True):
-                dst = out[:n, off : off + layer.tile_bytes]
-                if layer.raw is not None:
-                    torch.index_select(layer.raw, 0, idx, out=dst)
-                else:
-                    src = layer.moved.index_select(0, self._split_idx(idx, layer.split))
-                    dst.copy_(src.contiguous().view(n, -1).view(torch.uint8))
+            self._gather_rows(torch.tensor(list(block_ids), dtype=torch.long), out[:n])
             return
         with torch.cuda.stream(self._stream):
             if after is not None:
                 self._stream.wait_event(after)
             idx = torch.tensor(list(block_ids), dtype=torch.long).to(self.device)
-            parts = []
-            for layer in self.layers:
-                if layer.raw is not None:
-                    parts.append(layer.raw.index_select(0, idx))
-                else:
-                    src = layer.moved.index_select(0, self._split_idx(idx, layer.split))
-                    parts.append(src.contiguous().view(n, -1).view(torch.uint8))
-            out[:n].copy_(torch.cat(parts, dim=1), non_blocking=True)
+            rows = torch.empty((n, self.block_bytes), dtype=torch.uint8, device=self.device)
+            self._gather_rows(idx, rows)
+            out[:n].copy_(rows, non_blocking=True)
             self._stream.synchronize()
 
     def scatter(self, block_ids: Sequence[int], src: torch.Tensor, rows: Sequence[int]) -> None:
         """Copy ``src[rows[i]]`` into block ``block_ids[i]`` of every layer."""
+        self._check_ids(block_ids)
         n = len(block_ids)
         if n == 0:
             return
-        for bid in block_ids:
-            if not 0 <= bid < self.num_blocks:
-                raise IndexError(f"block id {bid} out of range")
         rows_l = list(rows)
+        first = rows_l[0]
+        picked = src[first : first + n] if rows_l == list(range(first, first + n)) else src[rows_l]
         if self.is_cpu:
-            ids = np.asarray(list(block_ids), dtype=np.int64)
-            src_np = src.numpy()
-            contiguous_rows = rows_l == list(range(rows_l[0], rows_l[0] + n))
-            for layer, off in zip(self.layers, self._offsets, strict=True):
-                part = (
-                    src_np[rows_l[0] : rows_l[0] + n, off : off + layer.tile_bytes]
-                    if contiguous_rows
-                    else src_np[rows_l, off : off + layer.tile_bytes]
-                )
-                if layer.raw is not None:
-                    layer.raw.numpy()[ids] = part
-                else:
-                    self._scatter_strided(layer, ids, torch.from_numpy(np.ascontiguousarray(part)))
+            self._scatter_rows(torch.tensor(list(block_ids), dtype=torch.long), picked)
             return
         with torch.cuda.stream(self._stream):
-            host = (
-                src[rows_l]
-                if rows_l != list(range(rows_l[0], rows_l[0] + n))
-                else src[rows_l[0] : rows_l[0] + n]
-            )
-            dev = host.to(self.device, non_blocking=True)
-            idx = torch.tensor(list(block_ids), dtype=torch.long).to(self.device)
-            for layer, off in zip(self.layers, self._offsets, strict=True):
-                part = dev[:, off : off + layer.tile_bytes]
-                if layer.raw is not None:
-                    layer.raw.index_copy_(0, idx, part.contiguous())
-                else:
-                    self._scatter_strided(layer, idx, part.contiguous())
+            dev = picked.to(self.device, non_blocking=True)
+            self._scatter_rows(torch.tensor(list(block_ids), dtype=torch.long).to(self.device), dev)
             self._stream.synchronize()
+
+    def _gather_rows(self, idx: torch.Tensor, out: torch.Tensor) -> None:
+        """Blocks ``idx`` (on the cache's device) of every layer into the rows of ``out``
+        (``(len(idx), block_bytes)`` uint8, same device), in stored byte order."""
+        n = len(idx)
+        for layer, off in zip(self.layers, self._offsets, strict=True):
+            dst = out[:, off : off + layer.tile_bytes]
+            if layer.raw is not None:
+                torch.index_select(layer.raw, 0, idx, out=dst)
+            else:
+                src = layer.moved.index_select(0, self._split_idx(idx, layer.split))
+                dst.copy_(src.contiguous().view(n, -1).view(torch.uint8))
+
+    def _scatter_rows(self, idx: torch.Tensor, rows: torch.Tensor) -> None:
+        """The rows of ``rows`` (stored byte order, cache's device) into blocks ``idx``."""
+        for layer, off in zip(self.layers, self._offsets, strict=True):
+            part = rows[:, off : off + layer.tile_bytes].contiguous()
+            if layer.raw is not None:
+                layer.raw.index_copy_(0, idx, part)
+            else:
+                self._scatter_strided(layer, idx, part)
 
     @staticmethod
     def _split_idx(idx: torch.Tensor, split: int) -> torch.Tensor:
@@ -264,10 +243,8 @@ class KVBlockIO:
         k = torch.arange(split, device=idx.device)
         return (idx[:, None] * split + k[None, :]).reshape(-1)
 
-    def _scatter_strided(self, layer: _Layer, idx: Any, part: torch.Tensor) -> None:
+    def _scatter_strided(self, layer: _Layer, idx: torch.Tensor, part: torch.Tensor) -> None:
         m = layer.moved
-        if isinstance(idx, np.ndarray):
-            idx = torch.from_numpy(idx)
         idx = self._split_idx(idx.to(m.device), layer.split)
         vals = part.reshape(-1).view(m.dtype).view(len(idx), *m.shape[1:])
         m[idx] = vals.to(m.device)
@@ -309,7 +286,9 @@ class KVBlockIO:
         n = len(block_ids)
         if n == 0 or self.is_cpu:
             if n:
-                self._copy_in_cpu(host.numpy(), offsets, block_ids)
+                bb = self.block_bytes
+                rows = torch.stack([host[o : o + bb] for o in offsets])
+                self._scatter_rows(torch.tensor(list(block_ids), dtype=torch.long), rows)
             return Transfer([], None)
         events: list[Any] = []
         with torch.cuda.stream(self._stream):
@@ -347,27 +326,7 @@ class KVBlockIO:
             for j, off in enumerate(offsets[start : start + len(ids)]):
                 stage[j].copy_(host[off : off + bb], non_blocking=True)
             idx = torch.tensor(list(ids), dtype=torch.long).to(self.device, non_blocking=True)
-            for layer, loff in zip(self.layers, self._offsets, strict=True):
-                part = stage[: len(ids), loff : loff + layer.tile_bytes]
-                if layer.raw is not None:
-                    layer.raw.index_copy_(0, idx, part)
-                else:
-                    self._scatter_strided(layer, idx, part.contiguous())
-
-    def _copy_in_cpu(
-        self, host: np.ndarray, offsets: Sequence[int], block_ids: Sequence[int]
-    ) -> None:
-        for layer, loff in zip(self.layers, self._offsets, strict=True):
-            tb = layer.tile_bytes
-            if layer.raw is not None:
-                raw = layer.raw.numpy()
-                for off, bid in zip(offsets, block_ids, strict=True):
-                    raw[bid] = host[off + loff : off + loff + tb]
-            else:
-                part = np.stack([host[o + loff : o + loff + tb] for o in offsets])
-                self._scatter_strided(
-                    layer, np.asarray(list(block_ids), dtype=np.int64), torch.from_numpy(part)
-                )
+            self._scatter_rows(idx, stage[: len(ids)])
 
     def copy_out(
         self,
@@ -385,19 +344,12 @@ class KVBlockIO:
         n = len(block_ids)
         if n == 0:
             return
+        bb = self.block_bytes
         if self.is_cpu:
-            h = host.numpy()
-            for layer, loff in zip(self.layers, self._offsets, strict=True):
-                tb = layer.tile_bytes
-                if layer.raw is not None:
-                    raw = layer.raw.numpy()
-                    for off, bid in zip(offsets, block_ids, strict=True):
-                        h[off + loff : off + loff + tb] = raw[bid]
-                else:
-                    idx = self._split_idx(torch.tensor(list(block_ids)), layer.split)
-                    tiles = layer.moved.index_select(0, idx).contiguous().view(n, -1)
-                    for j, off in enumerate(offsets):
-                        h[off + loff : off + loff + tb] = tiles[j].view(torch.uint8).numpy()
+            rows = torch.empty((n, bb), dtype=torch.uint8)
+            self._gather_rows(torch.tensor(list(block_ids), dtype=torch.long), rows)
+            for j, off in enumerate(offsets):
+                host[off : off + bb].copy_(rows[j])
             return
         with torch.cuda.stream(self._save_stream):
             if after is not None:
@@ -412,23 +364,15 @@ class KVBlockIO:
                         layer.raw, ids * layer.tile_bytes, dst, dst_off + off, layer.tile_bytes
                     )
             else:
-                bb = self.block_bytes
                 stage = self._dev_stage()
                 for start in range(0, n, _DEV_STAGING_BLOCKS):
                     ids_l = list(block_ids[start : start + _DEV_STAGING_BLOCKS])
-                    idx = torch.tensor(ids_l, dtype=torch.long).to(self.device)
                     m = len(ids_l)
-                    for layer, loff in zip(self.layers, self._offsets, strict=True):
-                        dst_part = stage[:m, loff : loff + layer.tile_bytes]
-                        if layer.raw is not None:
-                            torch.index_select(layer.raw, 0, idx, out=dst_part)
-                        else:
-                            src = layer.moved.index_select(0, self._split_idx(idx, layer.split))
-                            dst_part.copy_(src.contiguous().view(m, -1).view(torch.uint8))
+                    idx = torch.tensor(ids_l, dtype=torch.long).to(self.device)
+                    self._gather_rows(idx, stage[:m])
+                    # same stream: the next chunk's gather waits for these copies
                     for j, off in enumerate(offsets[start : start + m]):
                         host[off : off + bb].copy_(stage[j], non_blocking=True)
-                    if start + m < n:  # the staging chunk is reused: let it drain first
-                        self._save_stream.synchronize()
             self._save_stream.synchronize()
 
     def digest(

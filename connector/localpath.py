@@ -11,8 +11,9 @@ when its check passes.  The pin is released once the copies are done, so the slo
 cannot be evicted and reused while they are read.
 
 Saves: a local ``reserve`` gives slot offsets; the KV blocks are copied into them; the
-node verifies each slot's xxh3 against the writer's before it commits and publishes, and
-keeps the device digest the writer computed from the KV cache.
+node hashes each slot (its xxh3 becomes the block's checksum, for UCX readers and
+restarts) and keeps the device digest the writer computed from its KV cache, which
+same-host readers check against what lands in their own KV cache.
 
 Anything that goes wrong makes the blocks misses (loads) or failures (saves), exactly
 like the UCX path: the caller falls back or recomputes.
@@ -185,23 +186,22 @@ class LocalPath:
                 mapped=pool.registered and self.use_kernel,
                 after=after,
             )
-            got = list(self._verify.map(lambda i: checksum(pool.view(offsets[i], bb)), idx))
         except BaseException:
             try:
                 client.call(lambda c: c.abort_local(self.node_id, seq, self.timeout), self.timeout)
             except Exception:
                 pass  # the reservation expires on the node
             raise
-        sums: list[int | None] = [None] * len(hashes)
         digs: list[int | None] | None = None
-        for i, s in zip(idx, got, strict=True):
-            sums[i] = s
         if digests is not None:  # copy_out synchronized the save stream: they are done
             digs = [None] * len(hashes)
             for i, d in zip(idx, digests.tolist(), strict=True):
                 digs[i] = int(d)
         return client.call(
-            lambda c: c.commit_local(self.node_id, seq, sums, self.timeout, digs), self.timeout
+            lambda c: c.commit_local(
+                self.node_id, seq, [o is not None for o in offsets], self.timeout, digs
+            ),
+            self.timeout,
         )
 
     def close(self) -> None:

@@ -14,8 +14,8 @@ scatter on the device).
 A load is the whole connector path: locate (pins the blocks on the node), the copies,
 the check of every block (the device digest of what landed in the KV cache against the
 writer's; ``verify: host`` when blocks have none and xxh3 is recomputed on CPU threads),
-unpin.  A save: device digests, local reserve, copies, xxh3 on CPU threads, commit (the
-node re-checks every slot's xxh3 before publishing).  ``*_copy_*``
+unpin.  A save: device digests, local reserve, copies, commit (the node hashes every
+slot before publishing).  ``*_copy_*``
 figures time the device copies alone.  Every load is checked byte for byte.
 
     python3 scripts/bench_gpu_path.py [--tokens 10000] [--rounds 5]
