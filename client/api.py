@@ -437,12 +437,20 @@ class SyncPegaClient:
         t = self.cfg.rpc_timeout_s if timeout is None else timeout
         return self._run(self._client.nodes(t), t)
 
+    async def _shutdown(self) -> None:
+        await self._client.close()
+        # calls still in flight (fire-and-forget unpins, say) end here, not in the GC
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in rest:
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+
     def close(self) -> None:
         """Close the client and stop its thread."""
         if not self._loop.is_running():
             return
         try:
-            self._run(self._client.close(), 5.0)
+            self._run(self._shutdown(), 5.0)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
