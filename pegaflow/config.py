@@ -137,6 +137,11 @@ class NodeConfig:
         "let clients on this host with cluster-wide access (not tenants) read and write the "
         "pool file directly (same-host shortcut; they also need OS permission on the file)",
     )
+    hash_threads: int = opt(
+        0,
+        "threads that hash committed blocks (xxh3 releases the GIL); 0: min(8, CPUs). "
+        "Same-host writes of large prefixes are bound by this hashing",
+    )
     coordinators: list[str] = opt([], "coordinator addresses (informational for status)")
 
 

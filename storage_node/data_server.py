@@ -135,7 +135,8 @@ class DataServer:
         self._pins: dict[int, tuple[list[Any], asyncio.TimerHandle]] = {}
         self._pin_ids = itertools.count(1)
         # xxh3 releases the GIL: verify puts off the loop thread
-        self._hasher = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pegaflow-xxh3")
+        threads = cfg.hash_threads or min(8, os.cpu_count() or 1)
+        self._hasher = concurrent.futures.ThreadPoolExecutor(threads, "pegaflow-xxh3")
 
     @property
     def port(self) -> int:
