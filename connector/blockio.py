@@ -273,6 +273,7 @@ class KVBlockIO:
         block_ids: Sequence[int],
         *,
         mapped: bool = False,
+        digest: bool = False,
     ) -> Transfer:
         """Copy block ``i`` from ``host[offsets[i]:][:block_bytes]`` into KV block
         ``block_ids[i]`` of every layer.
@@ -280,7 +281,9 @@ class KVBlockIO:
         ``host`` is a flat uint8 CPU tensor; ``mapped``: it is pinned and visible to the
         device (then the tile kernel is used where the layout allows).  On CUDA the
         copies are queued on the connector's stream and the returned :class:`Transfer`
-        has an event per layer; on the CPU they are done on return.
+        has an event per layer; on the CPU they are done on return.  ``digest``: also
+        compute each block's :meth:`digest` (``Transfer.digests``; by the tile kernel
+        from the words it stores, else by reading the blocks back after the copies).
         """
         self._check_ids(block_ids)
         n = len(block_ids)
@@ -289,27 +292,45 @@ class KVBlockIO:
                 bb = self.block_bytes
                 rows = torch.stack([host[o : o + bb] for o in offsets])
                 self._scatter_rows(torch.tensor(list(block_ids), dtype=torch.long), rows)
-            return Transfer([], None)
+            sums = self.digest(block_ids) if digest and n else None
+            return Transfer([], None, sums)
         events: list[Any] = []
+        sums = None
         with torch.cuda.stream(self._stream):
             if self._use_kernel(host, offsets, mapped):
                 src = tilecopy.RawPointer(host.data_ptr())
                 src_off = tilecopy.offsets_tensor(offsets, self.device)
                 ids = torch.tensor(list(block_ids), dtype=torch.int64).to(self.device)
+                if digest:
+                    sums = torch.zeros(n, dtype=torch.int64, device=self.device)
                 for layer, off in zip(self.layers, self._offsets, strict=True):
                     assert layer.raw is not None
                     tilecopy.copy_tiles(
-                        src, src_off + off, layer.raw, ids * layer.tile_bytes, layer.tile_bytes
+                        src,
+                        src_off + off,
+                        layer.raw,
+                        ids * layer.tile_bytes,
+                        layer.tile_bytes,
+                        self._digest_args(off, layer.tile_bytes, sums),
                     )
                     ev = torch.cuda.Event()
                     ev.record(self._stream)
                     events.append(ev)
             else:
                 self._copy_in_dma(host, offsets, block_ids)
+                if digest:
+                    sums = self._digest(block_ids, None)
                 ev = torch.cuda.Event()
                 ev.record(self._stream)
                 events = [ev] * len(self.layers)
-        return Transfer(events, self._stream)
+        return Transfer(events, self._stream, sums)
+
+    def _digest_args(
+        self, off: int, tile_bytes: int, sums: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if sums is None:
+            return None
+        return self._digest_weights()[off // 8 : (off + tile_bytes) // 8], sums
 
     def _copy_in_dma(
         self, host: torch.Tensor, offsets: Sequence[int], block_ids: Sequence[int]
@@ -336,21 +357,24 @@ class KVBlockIO:
         *,
         mapped: bool = False,
         after: Any = None,
-    ) -> None:
+        digest: bool = False,
+    ) -> torch.Tensor | None:
         """Copy KV block ``block_ids[i]`` of every layer to ``host[offsets[i]:]``; returns
         when the bytes are in host memory.  ``after``: a :meth:`record_step` marker the
-        copy must follow (the forward pass that wrote the blocks)."""
+        copy must follow (the forward pass that wrote the blocks).  ``digest``: also
+        return each block's :meth:`digest` (an int64 tensor on the cache's device)."""
         self._check_ids(block_ids)
         n = len(block_ids)
         if n == 0:
-            return
+            return torch.zeros(0, dtype=torch.int64) if digest else None
         bb = self.block_bytes
         if self.is_cpu:
             rows = torch.empty((n, bb), dtype=torch.uint8)
             self._gather_rows(torch.tensor(list(block_ids), dtype=torch.long), rows)
             for j, off in enumerate(offsets):
                 host[off : off + bb].copy_(rows[j])
-            return
+            return self.digest(block_ids) if digest else None
+        sums = None
         with torch.cuda.stream(self._save_stream):
             if after is not None:
                 self._save_stream.wait_event(after)
@@ -358,12 +382,21 @@ class KVBlockIO:
                 dst = tilecopy.RawPointer(host.data_ptr())
                 dst_off = tilecopy.offsets_tensor(offsets, self.device)
                 ids = torch.tensor(list(block_ids), dtype=torch.int64).to(self.device)
+                if digest:
+                    sums = torch.zeros(n, dtype=torch.int64, device=self.device)
                 for layer, off in zip(self.layers, self._offsets, strict=True):
                     assert layer.raw is not None
                     tilecopy.copy_tiles(
-                        layer.raw, ids * layer.tile_bytes, dst, dst_off + off, layer.tile_bytes
+                        layer.raw,
+                        ids * layer.tile_bytes,
+                        dst,
+                        dst_off + off,
+                        layer.tile_bytes,
+                        self._digest_args(off, layer.tile_bytes, sums),
                     )
             else:
+                if digest:
+                    sums = self._digest(block_ids, None)
                 stage = self._dev_stage()
                 for start in range(0, n, _DEV_STAGING_BLOCKS):
                     ids_l = list(block_ids[start : start + _DEV_STAGING_BLOCKS])
@@ -374,6 +407,7 @@ class KVBlockIO:
                     for j, off in enumerate(offsets[start : start + m]):
                         host[off : off + bb].copy_(stage[j], non_blocking=True)
             self._save_stream.synchronize()
+        return sums
 
     def digest(
         self,
@@ -397,12 +431,7 @@ class KVBlockIO:
         (``stream="load"``, after the copies queued there) or the save stream
         (``stream="save"``, after ``after``); :meth:`stream_event` marks its end.
         """
-        if not self.can_digest:
-            raise ValueError("digests need a tile layout")
         self._check_ids(block_ids)
-        if self._weights is None:
-            w = torch.arange(self.block_bytes // 8, dtype=torch.int64, device=self.device)
-            self._weights = (w * _DIGEST_MUL + _DIGEST_ADD) | 1
         if self.is_cpu:
             return self._digest(block_ids, expect)
         st = self._stream if stream == "load" else self._save_stream
@@ -419,14 +448,22 @@ class KVBlockIO:
         ev.record(self._stream if stream == "load" else self._save_stream)
         return ev
 
+    def _digest_weights(self) -> torch.Tensor:
+        if not self.can_digest:
+            raise ValueError("digests need a tile layout")
+        if self._weights is None:
+            w = torch.arange(self.block_bytes // 8, dtype=torch.int64, device=self.device)
+            self._weights = (w * _DIGEST_MUL + _DIGEST_ADD) | 1
+        return self._weights
+
     def _digest(self, block_ids: Sequence[int], expect: Sequence[int] | None) -> torch.Tensor:
-        assert self._weights is not None
+        weights = self._digest_weights()
         idx = torch.tensor(list(block_ids), dtype=torch.long).to(self.device, non_blocking=True)
         total = torch.zeros(len(block_ids), dtype=torch.int64, device=self.device)
         for layer, off in zip(self.layers, self._offsets, strict=True):
             assert layer.raw is not None
             words = layer.raw.index_select(0, idx).view(torch.int64)
-            w = self._weights[off // 8 : (off + layer.tile_bytes) // 8]
+            w = weights[off // 8 : (off + layer.tile_bytes) // 8]
             total += (words * w).sum(dim=1)
         if expect is None:
             return total
@@ -435,11 +472,13 @@ class KVBlockIO:
 
 
 class Transfer:
-    """Copies queued on a CUDA stream, with one completion event per layer."""
+    """Copies queued on a CUDA stream, with one completion event per layer, and the
+    digests of the copied blocks when they were asked for (done with the last event)."""
 
-    def __init__(self, events: list[Any], stream: Any) -> None:
+    def __init__(self, events: list[Any], stream: Any, digests: torch.Tensor | None = None) -> None:
         self.events = events
         self.stream = stream
+        self.digests = digests
 
     def wait_layer(self, i: int) -> None:
         """Make the current stream wait (on the device, not the CPU) for layer ``i``."""

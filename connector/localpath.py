@@ -28,14 +28,15 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from pegaflow.client.data import LocatedBlock
+
 from pegaflow.checksum import checksum
 
 from .blockio import KVBlockIO, Transfer
 from .hostpool import MappedPool
+from .scheduler import LOCATE_PIN_S, MAX_LOCATE
 
 logger = logging.getLogger("pegaflow.connector")
-
-_PIN_TTL_S = 10.0
 
 
 class LocalPath:
@@ -100,18 +101,16 @@ class LocalPath:
         shard: int,
         block_ids: Sequence[int],
         gens: Sequence[int | None] | None = None,
+        located: tuple[list[int], Sequence[LocatedBlock | None]] | None = None,
     ) -> PendingLoad:
         """Pin, queue the copies and the checks; :meth:`PendingLoad.finish` waits for
         both and says which blocks are good.  ``gens``: the generation each block had at
-        lookup (None: any); a slot holding another generation now is a miss (fencing)."""
+        lookup (None: any); a slot holding another generation now is a miss (fencing).
+        ``located``: ``(pins, where)`` from a ``locate`` made earlier (by the scheduler,
+        while it looked the blocks up), whose pins this load takes over and releases."""
         pool = self.pool
         assert pool is not None
-        pin, where = client.call(
-            lambda c: c.locate(
-                ns, self.node_id, [(h, shard) for h in hashes], _PIN_TTL_S, self.timeout
-            ),
-            self.timeout,
-        )
+        pins, where = located if located is not None else self._locate(client, ns, hashes, shard)
         bb = self.io.block_bytes
         idx = [
             i
@@ -121,36 +120,59 @@ class LocalPath:
             and (gens is None or gens[i] is None or gens[i] == w.gen)
         ]
         try:
+            on_device = self.io.can_digest and all(where[i].digest is not None for i in idx)  # type: ignore[union-attr]
             xfer = self.io.copy_in(
                 pool.tensor,
-                [where[i].offset for i in idx],
+                [where[i].offset for i in idx],  # type: ignore[union-attr]
                 [block_ids[i] for i in idx],
                 mapped=pool.registered and self.use_kernel,
+                digest=on_device,
             )
-            if self.io.can_digest and all(where[i].digest is not None for i in idx):
-                # verify what landed in the KV cache, on the device, after the copies
-                match = self.io.digest(
-                    [block_ids[i] for i in idx], expect=[where[i].digest for i in idx]
-                )
-                check: Any = (match, self.io.stream_event())
+            if on_device:  # what landed in the KV cache against the writer's digests
+                assert xfer.digests is not None
+                want = [where[i].digest for i in idx]  # type: ignore[union-attr]
+                check: Any = (xfer.digests, want)
             else:  # no device digest (e.g. written before a node restart): xxh3 on host
                 check = [
-                    (where[i].xxh3, self._verify.submit(checksum, pool.view(where[i].offset, bb)))
+                    (where[i].xxh3, self._verify.submit(checksum, pool.view(where[i].offset, bb)))  # type: ignore[union-attr]
                     for i in idx
                 ]
         except BaseException:
-            self._unpin(client, pin)
+            self._unpin(client, pins)
             raise
-        return PendingLoad(self, client, pin, len(hashes), idx, check, xfer)
+        return PendingLoad(self, client, pins, len(hashes), idx, check, xfer)
 
-    def _unpin(self, client: Any, pin: int) -> None:
-        """Release a pin without waiting for the answer (the copies are done; a lost
-        unpin only keeps the blocks from eviction until the pin expires on the node)."""
+    def _locate(
+        self, client: Any, ns: str, hashes: Sequence[bytes], shard: int
+    ) -> tuple[list[int], list[LocatedBlock | None]]:
+        """Pin the blocks and learn where they are (in calls of at most MAX_LOCATE)."""
+        pins: list[int] = []
+        where: list[LocatedBlock | None] = []
         try:
-            fut = client.submit(lambda c: c.unpin(self.node_id, pin, self.timeout))
-            fut.add_done_callback(_log_unpin_failure)
-        except Exception as e:
-            logger.debug("PegaFlow: unpin failed: %s", e)
+            for i in range(0, len(hashes), MAX_LOCATE):
+                part = [(h, shard) for h in hashes[i : i + MAX_LOCATE]]
+                pin, got = client.call(
+                    lambda c, part=part: c.locate(
+                        ns, self.node_id, part, LOCATE_PIN_S, self.timeout
+                    ),
+                    self.timeout,
+                )
+                pins.append(pin)
+                where.extend(got)
+        except BaseException:
+            self._unpin(client, pins)
+            raise
+        return pins, where
+
+    def _unpin(self, client: Any, pins: Sequence[int]) -> None:
+        """Release pins without waiting for the answer (the copies are done; a lost
+        unpin only keeps the blocks from eviction until the pin expires on the node)."""
+        for pin in pins:
+            try:
+                fut = client.submit(lambda c, pin=pin: c.unpin(self.node_id, pin, self.timeout))
+                fut.add_done_callback(_log_unpin_failure)
+            except Exception as e:
+                logger.debug("PegaFlow: unpin failed: %s", e)
 
     # ---- saves ---------------------------------------------------------------------
 
@@ -162,8 +184,10 @@ class LocalPath:
         shard: int,
         block_ids: Sequence[int],
         after: Any = None,
-    ) -> Any:
-        """Store KV blocks through the pool file; returns the node's put outcome."""
+    ) -> concurrent.futures.Future[Any]:
+        """Store KV blocks through the pool file.  Returns when the blocks are copied out
+        of the KV cache (vLLM may reuse them), with a future of the node's put outcome
+        (the node hashes and publishes them meanwhile)."""
         pool = self.pool
         assert pool is not None
         bb = self.io.block_bytes
@@ -176,15 +200,13 @@ class LocalPath:
         idx = [i for i, o in enumerate(offsets) if o is not None]
         ids = [block_ids[i] for i in idx]
         try:
-            digests = (
-                self.io.digest(ids, stream="save", after=after) if self.io.can_digest else None
-            )
-            self.io.copy_out(
+            digests = self.io.copy_out(
                 ids,
                 pool.tensor,
                 [offsets[i] for i in idx],  # type: ignore[misc]
                 mapped=pool.registered and self.use_kernel,
                 after=after,
+                digest=self.io.can_digest,
             )
         except BaseException:
             try:
@@ -197,11 +219,10 @@ class LocalPath:
             digs = [None] * len(hashes)
             for i, d in zip(idx, digests.tolist(), strict=True):
                 digs[i] = int(d)
-        return client.call(
+        return client.submit(
             lambda c: c.commit_local(
                 self.node_id, seq, [o is not None for o in offsets], self.timeout, digs
-            ),
-            self.timeout,
+            )
         )
 
     def close(self) -> None:
@@ -220,16 +241,16 @@ def _log_unpin_failure(fut: concurrent.futures.Future[Any]) -> None:
 class PendingLoad:
     """A local load whose copies and checks are under way.
 
-    ``check`` is either ``(match, event)``, a device bool tensor saying per block
-    whether the digest of what landed in the KV cache equals the writer's, done at
-    ``event``; or a list of ``(wanted xxh3, future of the recomputed xxh3)``.
+    ``check`` is either ``(digests, wanted)``: a device int64 tensor of the digests of
+    what landed in the KV cache (done with the transfer's last event) and the writer's
+    digests; or a list of ``(wanted xxh3, future of the recomputed xxh3)``.
     """
 
     def __init__(
         self,
         path: LocalPath,
         client: Any,
-        pin: int,
+        pins: list[int],
         n: int,
         idx: list[int],
         check: Any,
@@ -237,7 +258,7 @@ class PendingLoad:
     ) -> None:
         self._path = path
         self._client = client
-        self._pin = pin
+        self._pins = pins
         self._n = n
         self._idx = idx
         self._check = check
@@ -251,10 +272,8 @@ class PendingLoad:
         try:
             self.transfer.synchronize()
             if self.on_device:
-                match, event = self._check
-                if event is not None:
-                    event.synchronize()
-                good = match.cpu().tolist()
+                digests, want = self._check
+                good = [int(d) == w for d, w in zip(digests.tolist(), want, strict=True)]
             else:
                 good = []
                 for want, fut in self._check:
@@ -267,5 +286,5 @@ class PendingLoad:
                 if not g:
                     logger.warning("PegaFlow: a block from the local pool failed its check: a miss")
         finally:
-            self._path._unpin(self._client, self._pin)
+            self._path._unpin(self._client, self._pins)
         return ok

@@ -26,6 +26,14 @@ class LoadJob:
     sync: bool = False
     """loaded during this step's forward pass, layer by layer (vLLM schedules the
     request at once); else asynchronously, before vLLM schedules it"""
+    located: list[list[list[int | None]]] = field(default_factory=list)
+    """per shard, per block: ``[offset, size, gen, xxh3, digest]`` of the block in the
+    pool file of this host's node, located (and pinned) by the scheduler; empty when
+    not located: the worker then locates them itself"""
+    pins: list[int] = field(default_factory=list)
+    """per shard, the node's pin on the located blocks (the worker releases it)"""
+    located_at: float = 0.0
+    """``time.monotonic()`` of the locate (the pin lasts ``LOCATE_PIN_S``)"""
 
 
 @dataclass

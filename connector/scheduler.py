@@ -27,6 +27,11 @@ from .settings import ConnectorSettings
 
 logger = logging.getLogger("pegaflow.connector")
 
+MAX_LOCATE = 4096
+"""most blocks in one ``locate`` call (a node's default ``max_batch``)"""
+LOCATE_PIN_S = 10.0
+"""how long a ``locate`` pins its blocks; the loader unpins them when its copies are done"""
+
 
 class LookupClient(Protocol):
     """The part of :class:`pegaflow.client.SyncPegaClient` the scheduler uses."""
@@ -130,6 +135,12 @@ class _Lookup:
     sync: bool = False
     gens: list[list[int]] = field(default_factory=list)
     """per hit block, the generation of each shard when the lookup saw it (fencing)"""
+    located: list[list[list[int | None]]] = field(default_factory=list)
+    """per shard, per hit block: where it is in the local node's pool file (see
+    :attr:`LoadJob.located`); empty when the blocks were not located"""
+    pins: list[int] = field(default_factory=list)
+    """per shard, the local node's pin on the located blocks"""
+    located_at: float = 0.0
 
 
 @dataclass
@@ -299,6 +310,7 @@ class SchedulerSide:
             return None
         asked = [block_hash_bytes(h) for h in hashes[start:]]
         t0 = self._clock()
+        locating = self._start_locate(client, ns, asked)
         try:
             with telemetry.span(
                 "pegaflow.connector.lookup",
@@ -341,10 +353,69 @@ class SchedulerSide:
             isinstance(g, list | tuple) and len(g) == self.world_size for g in gens[:hits]
         ):
             lk.gens = [list(g) for g in gens[:hits]]
-        if hits and self.settings.read_pin_s > 0:
+        if locating is not None:
+            self._finish_locate(lk, locating)
+        if hits and self.settings.read_pin_s > 0 and not lk.located:
             self._pin(client, ns, asked[:hits], lk.nodes)
         st.lookup = lk
         return lk
+
+    def _start_locate(self, client: Any, ns: str, asked: list[bytes]) -> list[Any] | None:
+        """With layer-wise loads from this host's node: ask the node where the blocks
+        are (and pin them) while the coordinator answers the lookup, one call per shard,
+        so the workers can start copying without a round trip of their own."""
+        s = self.settings
+        submit = getattr(client, "submit", None)
+        if not (s.layerwise and s.same_host_shortcut and s.local_node and submit is not None):
+            return None
+        n = min(len(asked), MAX_LOCATE // max(1, self.world_size))
+        futs = []
+        try:
+            for shard in self.shards:
+                items = [(h, shard) for h in asked[:n]]
+                futs.append(
+                    submit(
+                        lambda c, items=items: c.locate(
+                            ns, s.local_node, items, LOCATE_PIN_S, s.lookup_timeout_s
+                        )
+                    )
+                )
+        except Exception as e:
+            self._log_error("locate failed", e)
+            return None
+        return futs
+
+    def _finish_locate(self, lk: _Lookup, futs: list[Any]) -> None:
+        """Keep the locations when every hit is on this host's node; the hits shrink to
+        the prefix the node located with the generations the lookup saw."""
+        try:
+            got = [f.result(self.settings.lookup_timeout_s) for f in futs]
+        except Exception as e:
+            self._log_error("locate failed", e)
+            return
+        local = self.settings.local_node
+        if not lk.hits or not all(node == local for row in lk.nodes for node in row):
+            return  # not a layer-wise load: the pins expire on their own
+        located: list[list[list[int | None]]] = []
+        n = lk.hits
+        for shard, (_pin, where) in enumerate(got):
+            rows: list[list[int | None]] = []
+            for i in range(min(n, len(where))):
+                w = where[i]
+                gen = lk.gens[i][shard] if i < len(lk.gens) else None
+                if w is None or (gen is not None and gen != w.gen):
+                    break
+                rows.append([w.offset, w.size, w.gen, w.xxh3, w.digest])
+            n = min(n, len(rows))
+            located.append(rows)
+        if n <= 0:
+            return
+        lk.hits = n
+        lk.nodes = lk.nodes[:n]
+        lk.gens = lk.gens[:n]
+        lk.located = [rows[:n] for rows in located]
+        lk.pins = [int(pin) for pin, _ in got]
+        lk.located_at = time.monotonic()
 
     def _pin(self, client: Any, ns: str, hashes: Sequence[bytes], nodes: list[list[str]]) -> None:
         """Read pins: ask the nodes to keep the hit blocks from eviction until the load
@@ -385,10 +456,12 @@ class SchedulerSide:
             )
             nodes: list[list[str]] = [[] for _ in range(n_load)]
             gens: list[list[int]] = []
+            located: list[list[list[int | None]]] = []
         else:
             start = lk.start
             nodes = lk.nodes[:n_load]
             gens = lk.gens[:n_load]
+            located = [rows[:n_load] for rows in lk.located]
         job = LoadJob(
             req_id=request.request_id,
             block_ids=list(ids[start : start + n_load]),
@@ -397,6 +470,9 @@ class SchedulerSide:
             first_block=start,
             sync=lk is not None and lk.sync,
             gens=gens,
+            located=located,
+            pins=list(lk.pins) if lk is not None and located else [],
+            located_at=lk.located_at if lk is not None else 0.0,
         )
         if len(job.block_ids) != n_load or len(job.hashes) != n_load:
             job.nodes = [[] for _ in job.block_ids]

@@ -31,6 +31,8 @@ _ELEM = 8
 """bytes per element moved (tiles and offsets must be multiples of it)"""
 _BLOCK = 1024
 """elements per program: 8 KiB"""
+_WARPS = 4
+"""warps per program"""
 
 
 class RawPointer:
@@ -47,7 +49,9 @@ class RawPointer:
 if triton is not None:
 
     @triton.jit
-    def _copy_tiles_kernel(src, src_off, dst, dst_off, tile_elems, BLOCK: tl.constexpr):
+    def _copy_tiles_kernel(
+        src, src_off, dst, dst_off, tile_elems, wts, dig, BLOCK: tl.constexpr, DIGEST: tl.constexpr
+    ):
         t = tl.program_id(0)
         c = tl.program_id(1)
         # offsets are multiples of 16 bytes: lets the compiler use 128-bit accesses
@@ -55,8 +59,11 @@ if triton is not None:
         d0 = tl.multiple_of(tl.load(dst_off + t), 2)
         offs = c * BLOCK + tl.arange(0, BLOCK)
         mask = offs < tile_elems
-        v = tl.load(src + s0 + offs, mask=mask)
+        v = tl.load(src + s0 + offs, mask=mask, other=0)
         tl.store(dst + d0 + offs, v, mask=mask)
+        if DIGEST:  # the words just stored, position-weighted, summed modulo 2**64
+            w = tl.load(wts + offs, mask=mask, other=0)
+            tl.atomic_add(dig + t, tl.sum(v * w, axis=0))
 
 
 def available(device: torch.device) -> bool:
@@ -75,12 +82,17 @@ def copy_tiles(
     dst: Any,
     dst_offsets: torch.Tensor,
     tile_bytes: int,
+    digest: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Copy ``len(src_offsets)`` tiles of ``tile_bytes``: ``src + src_offsets[i]`` to
     ``dst + dst_offsets[i]``, on the current CUDA stream.
 
     ``src``/``dst``: CUDA tensors or :class:`RawPointer` (any device-visible address);
     offsets: int64 CUDA tensors of *byte* offsets, all multiples of 16.
+    ``digest``: ``(weights, sums)``, int64 CUDA tensors: ``sums[i]`` is increased by the
+    sum over the tile's 64-bit words ``j`` of ``word[j] * weights[j]`` (modulo 2**64),
+    computed from the words as they are stored, so a caller gets each block's digest
+    without reading the blocks again.
     """
     n = int(src_offsets.numel())
     if n == 0:
@@ -89,13 +101,18 @@ def copy_tiles(
         raise RuntimeError("triton is not installed")
     elems = tile_bytes // _ELEM
     grid = (n, triton.cdiv(elems, _BLOCK))
+    wts, sums = digest if digest is not None else (src_offsets, src_offsets)
     _copy_tiles_kernel[grid](
         _as_i64(src),
         src_offsets // _ELEM,
         _as_i64(dst),
         dst_offsets // _ELEM,
         elems,
+        wts,
+        sums,
         BLOCK=_BLOCK,
+        DIGEST=digest is not None,
+        num_warps=_WARPS,
     )
 
 

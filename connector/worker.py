@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from pegaflow.client.data import LocatedBlock
 
 from pegaflow import telemetry
 
@@ -39,7 +40,7 @@ from .blockio import KVBlockIO
 from .localpath import LocalPath
 from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport
 from .metrics import Counters
-from .scheduler import CircuitBreaker
+from .scheduler import LOCATE_PIN_S, CircuitBreaker
 from .settings import ConnectorSettings
 
 logger = logging.getLogger("pegaflow.connector")
@@ -152,6 +153,8 @@ class WorkerSide:
         )
         self._closed = False
         self._idle = False
+        self._commits = 0
+        """same-host saves copied out and not yet committed by the node"""
 
     # ---- setup ---------------------------------------------------------------------
 
@@ -235,6 +238,7 @@ class WorkerSide:
             and local.attach(client)
         ):
             try:
+                located = self._located(job)
                 pending = local.start_load(
                     client,
                     ns,
@@ -242,8 +246,11 @@ class WorkerSide:
                     self.shard,
                     job.block_ids,
                     [self._gen_of(job, i) for i in range(n)],
+                    located,
                 )
                 self._sync_loads.append((job, pending, t0))
+                self.counters.add("located_load_jobs", located is not None)
+                self.counters.add("layerwise_start_seconds", time.monotonic() - t0)
                 return
             except Exception as e:
                 logger.warning("PegaFlow: layer-wise load of %s failed: %s", job.req_id, e)
@@ -256,6 +263,20 @@ class WorkerSide:
         except Exception:
             logger.exception("PegaFlow: load of %s failed", job.req_id)
         self._sync_loads.append((job, ok, t0))
+
+    def _located(self, job: LoadJob) -> tuple[list[int], list[LocatedBlock | None]] | None:
+        """The scheduler's locations of this shard's blocks, if they are still pinned
+        for long enough (else None: the worker locates them itself)."""
+        rows = job.located[self.shard] if self.shard < len(job.located) else None
+        if not rows or len(rows) != len(job.block_ids) or self.shard >= len(job.pins):
+            return None
+        if time.monotonic() - job.located_at > LOCATE_PIN_S / 2:
+            return None  # pins about to lapse; they expire on the node
+        where: list[LocatedBlock | None] = []
+        for r in rows:
+            ok = len(r) == 5 and all(isinstance(x, int) for x in r[:4])
+            where.append(LocatedBlock(*r) if ok else None)  # type: ignore[arg-type]
+        return [job.pins[self.shard]], where
 
     def wait_layer(self, layer_name: str) -> None:
         """Make the forward pass (its CUDA stream) wait until ``layer_name``'s blocks
@@ -280,7 +301,9 @@ class WorkerSide:
                 ok = pending
             else:
                 try:
+                    t1 = time.monotonic()
                     ok = pending.finish()
+                    self.counters.add("layerwise_wait_seconds", time.monotonic() - t1)
                     self.counters.add("local_load_blocks", sum(ok))
                 except Exception as e:
                     logger.warning("PegaFlow: layer-wise load of %s failed: %s", job.req_id, e)
@@ -615,22 +638,29 @@ class WorkerSide:
                 self._drop([SaveJob(job.req_id, [], job.hashes[rows.start :])])
                 return
             t0 = time.monotonic()
-            fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
             try:
-                fut.set_result(
-                    local.save(
-                        client,
-                        ns,
-                        hashes,
-                        self.shard,
-                        job.block_ids[rows.start : rows.stop],
-                        marker,
-                    )
+                fut = local.save(
+                    client, ns, hashes, self.shard, job.block_ids[rows.start : rows.stop], marker
                 )
             except Exception as e:
+                fut = concurrent.futures.Future()
                 fut.set_exception(e)
             self.counters.add("copy_seconds", time.monotonic() - t0)
-            self._record_put(fut, hashes, t0)
+            with self._lock:
+                self._commits += 1
+            fut.add_done_callback(
+                lambda f, hashes=hashes, t0=t0: self._local_commit_done(f, hashes, t0)
+            )
+
+    def _local_commit_done(
+        self, fut: concurrent.futures.Future[Any], hashes: list[bytes], started: float
+    ) -> None:
+        try:
+            self._record_put(fut, hashes, started)
+        finally:
+            with self._lock:
+                self._commits -= 1
+                self._lock.notify_all()
 
     def _put_done(
         self, fut: concurrent.futures.Future[Any], buf: _Buf, hashes: list[bytes], started: float
@@ -674,8 +704,11 @@ class WorkerSide:
         self._closed = True
         self._load_pool.shutdown(wait=True, cancel_futures=True)
         self._save_pool.shutdown(wait=True)
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            while self._commits and time.monotonic() < deadline:
+                self._lock.wait(max(0.0, deadline - time.monotonic()))
         if self._save_staging is not None:
-            deadline = time.monotonic() + wait_s
             st = self._save_staging
             while time.monotonic() < deadline:
                 with st._cond:

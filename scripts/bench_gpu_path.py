@@ -14,9 +14,12 @@ scatter on the device).
 A load is the whole connector path: locate (pins the blocks on the node), the copies,
 the check of every block (the device digest of what landed in the KV cache against the
 writer's; ``verify: host`` when blocks have none and xxh3 is recomputed on CPU threads),
-unpin.  A save: device digests, local reserve, copies, commit (the node hashes every
-slot before publishing).  ``*_copy_*``
-figures time the device copies alone.  Every load is checked byte for byte.
+unpin.  ``load_located_*``: the same without the locate, which the scheduler makes
+while it looks the blocks up (the worker's part of a layer-wise load).  A save: local
+reserve, copies with device digests, commit (the node hashes every slot before
+publishing); ``save_free_*``: until the copies are done and vLLM may reuse the blocks
+(the commit goes on without the engine).  ``*_copy_*`` figures time the device copies
+alone.  Every load is checked byte for byte.
 
     python3 scripts/bench_gpu_path.py [--tokens 10000] [--rounds 5]
 
@@ -142,9 +145,13 @@ def main() -> None:
                 "load_ms": best_load["load_ms"],
                 "load_ratio": best_load["load_ratio"],
                 "load_mode": best_load["mode"],
+                "load_located_ms": best_load["load_located_ms"],
+                "load_located_ratio": round(best_load["load_located_gbps"] / h2d, 3),
                 "save_gbps": best_save["save_gbps"],
                 "save_ratio": best_save["save_ratio"],
                 "save_mode": best_save["mode"],
+                "save_free_ms": best_save["save_free_ms"],
+                "save_free_ratio": round(best_save["save_free_gbps"] / d2h, 3),
                 "points": points,
             }
         )
@@ -166,7 +173,7 @@ def run_point(
     assert pool is not None
     path.use_kernel = mode == "kernel"  # dma: copy-engine path (the pool stays pinned)
     kernel = mode == "kernel"
-    loads, saves, load_copy, save_copy = [], [], [], []
+    loads, saves, load_copy, save_copy, located, frees = [], [], [], [], [], []
     src_ids, dst_ids = list(range(n)), list(range(n + 8, 2 * n + 8))
     try:
         for r in range(args.rounds + 1):  # round 0 warms up (kernel compile, first touch)
@@ -174,7 +181,9 @@ def run_point(
             hashes = [r.to_bytes(4, "big") + i.to_bytes(12, "big") for i in range(n)]
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = path.save(client, ns, hashes, 0, src_ids)
+            fut = path.save(client, ns, hashes, 0, src_ids)
+            t_free = time.perf_counter()  # copied out: vLLM may reuse the blocks
+            out = fut.result(60)
             t1 = time.perf_counter()
             assert out.stored == n, out
             t2 = time.perf_counter()
@@ -199,12 +208,17 @@ def run_point(
             t5 = time.perf_counter()
             io.copy_out(src_ids, pool.tensor, offs, mapped=kernel)
             t6 = time.perf_counter()
-            client.call(lambda c, pin=pin: c.unpin(path.node_id, pin), 10.0)
+            # the worker's part when the scheduler located the blocks during its lookup
+            pending = path.start_load(client, ns, hashes, 0, dst_ids, located=([pin], where))
+            assert all(pending.finish())
+            t7 = time.perf_counter()
             if r:
                 saves.append(t1 - t0)
+                frees.append(t_free - t0)
                 loads.append(t3 - t2)
                 load_copy.append(t5 - t4)
                 save_copy.append(t6 - t5)
+                located.append(t7 - t6)
     finally:
         path.use_kernel = True
     nbytes = n * io.block_bytes
@@ -219,9 +233,13 @@ def run_point(
         "load_ms": round(med(loads) * 1000, 2),
         "load_gbps": round(nbytes / med(loads) / 1e9, 2),
         "load_copy_gbps": round(nbytes / med(load_copy) / 1e9, 2),
+        "load_located_ms": round(med(located) * 1000, 2),
+        "load_located_gbps": round(nbytes / med(located) / 1e9, 2),
         "save_ms": round(med(saves) * 1000, 2),
         "save_gbps": round(nbytes / med(saves) / 1e9, 2),
         "save_copy_gbps": round(nbytes / med(save_copy) / 1e9, 2),
+        "save_free_ms": round(med(frees) * 1000, 2),
+        "save_free_gbps": round(nbytes / med(frees) / 1e9, 2),
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import hashlib
 import threading
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+from pegaflow.client.data import LocatedBlock
 
 from pegaflow.errors import DeadlineExceeded, Unavailable
 
@@ -114,6 +116,9 @@ class FakeCluster:
         self.pins: list[tuple[str, list[Any], float]] = []
         self.gens: dict[tuple[str, bytes, int], int] = {}
         """generation of each block (bumped when a test re-stores it: see restore)"""
+        self.locates: list[tuple[str, list[Any], float]] = []
+        self.unlocatable: set[bytes] = set()
+        """blocks ``locate`` does not find (evicted between lookup and locate)"""
 
     def restore(self, ns: str, h: bytes, shard: int = 0) -> None:
         """The block was evicted and stored again: same bytes, a new generation."""
@@ -223,8 +228,39 @@ class FakeCluster:
         threading.Thread(target=run, daemon=True).start()
         return f
 
+    def submit(self, fn: Any) -> concurrent.futures.Future[Any]:
+        """``SyncPegaClient.submit``: ``fn`` of the async client, run to completion."""
+        f: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            f.set_result(asyncio.run(fn(_AsyncFace(self))))
+        except Exception as e:
+            f.set_exception(e)
+        return f
+
     def close(self) -> None:
         pass
+
+
+class _AsyncFace:
+    """The async client calls the fakes support (``locate`` on the pool of a node)."""
+
+    def __init__(self, cluster: FakeCluster) -> None:
+        self.c = cluster
+
+    async def locate(
+        self, ns: str, node: str, items: Any, ttl_s: float, timeout: float | None = None
+    ) -> tuple[int, list[Any]]:
+        c = self.c
+        c.locates.append((node, list(items), ttl_s))
+        where: list[Any] = []
+        for k, (h, shard) in enumerate(items):
+            loc = c.blocks.get((ns, h, shard))
+            if loc is None or loc[0] != node or h in c.unlocatable:
+                where.append(None)
+                continue
+            gen = c.gens.get((ns, h, shard), 0)
+            where.append(LocatedBlock(k * len(loc[1]), len(loc[1]), gen, 0, None))
+        return len(c.locates), where
 
 
 DEADLINE = DeadlineExceeded("lookup deadline")

@@ -121,6 +121,29 @@ def test_hits_on_the_local_node_load_layer_wise_and_leave_a_token() -> None:
     assert off.get_num_new_matched_tokens(req, 0) == (16, True)
 
 
+def test_layer_wise_hits_are_located_while_looked_up() -> None:
+    side, cl, _ = make(local_node="n1")
+    req = FakeRequest("r1", toks(24), BS)  # 6 full blocks
+    store(cl, req, 5)
+    cl.unlocatable.add(req.block_hashes[4])  # evicted between the lookup and locate
+    # the node located 4 of the 5 hits: the hit shrinks to them
+    assert side.get_num_new_matched_tokens(req, 0) == (16, False)
+    assert len(cl.locates) == 1 and not cl.pins  # locate pinned them: no second pin
+    side.update_state_after_alloc(req, ([10, 11, 12, 13, 14, 15],), 16)
+    (job,) = side.build_plan(sched_output()).loads
+    assert job.sync and job.block_ids == [10, 11, 12, 13]
+    assert [r[2] for r in job.located[0]] == [0, 0, 0, 0] and job.pins == [1]
+    assert job.located_at > 0
+    # hits on another node: no locations, read pins as before
+    other, cl2, _ = make(local_node="n1")
+    for h in req.block_hashes[:3]:
+        cl2.blocks[(NS, h, 0)] = ("n2", b"x")
+    assert other.get_num_new_matched_tokens(req, 0) == (12, True)
+    other.update_state_after_alloc(req, ([10, 11, 12],), 12)
+    (job2,) = other.build_plan(sched_output()).loads
+    assert not job2.sync and job2.located == [] and cl2.pins
+
+
 def test_lookup_starts_after_local_prefix_hit() -> None:
     side, cl, _ = make()
     req = FakeRequest("r1", toks(20), BS)

@@ -64,7 +64,7 @@ def test_gpu_save_then_load_into_other_blocks(server: Proc, layout: str, mode: s
         ns = f"gpu-{layout}-{mode}"
         hashes = [bytes([i]) * 16 for i in range(70)]  # > one device staging chunk
         ids = list(range(5, 75))
-        out = writer.save(client, ns, hashes, 0, ids)
+        out = writer.save(client, ns, hashes, 0, ids).result(30)
         assert (out.stored, out.failed) == (70, 0)
         targets = [95 - i for i in range(70)]  # other ids, reversed order
         pending = reader.start_load(client, ns, hashes, 0, targets)

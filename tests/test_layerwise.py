@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 from pegaflow.client import SyncPegaClient
 from pegaflow.connector.metadata import LoadJob, SaveJob, StepPlan
 from pegaflow.connector.metrics import Counters
+from pegaflow.connector.scheduler import SchedulerSide
 from pegaflow.connector.settings import ConnectorSettings
 from pegaflow.connector.worker import WorkerSide
 
 from pegaflow.config import ClientConfig
 from pegaflow.devcluster import Proc, start_server
+from tests.connector_fakes import FakeRequest, new_req, sched_output
 
 NS = "test-layerwise"
 NB = 16
@@ -93,3 +96,70 @@ def test_layer_wise_load_from_the_local_pool(server: Proc, device: str) -> None:
     finally:
         w1.shutdown()
         w2.shutdown()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scheduler_locates_so_the_worker_copies_at_once(server: Proc, device: str) -> None:
+    """The scheduler locates (and pins) local hits while the coordinator answers its
+    lookup; the worker copies from those locations with no round trip of its own, and
+    falls back to its own locate when they are too old."""
+    coord, node = server.ready["coordinator"], server.ready["node"]
+    ns = f"{NS}-sched-{device}"
+    src = _kv(device, 3)
+    w1, c1 = _worker(server, src)
+    req = FakeRequest("r1", list(range(4 * 16 + 1)), 16)
+    hashes = req.block_hashes
+    settings = ConnectorSettings.load({"coordinators": coord, "local_node": node}, env={})
+    client = SyncPegaClient(ClientConfig(coordinators=[coord]))
+    sched = SchedulerSide(settings, 16, 1, namespace=lambda: ns, counters=Counters(),
+                          client=client)  # fmt: skip
+    try:
+        w1.submit_saves(StepPlan(ns, saves=[SaveJob("a", [1, 2, 3], hashes[:3])]))
+        w1.wait_for_copies(["a"])
+        deadline = time.monotonic() + 10
+        while c1.totals().get("save_blocks", 0) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # the index learns of the blocks through etcd-less publishing: wait for a hit
+        while time.monotonic() < deadline:
+            if client.lookup(ns, hashes[:3]).hits == 3:
+                break
+            time.sleep(0.05)
+
+        assert sched.get_num_new_matched_tokens(req, 0) == (48, False)  # layer-wise
+        sched.update_state_after_alloc(req, ([9, 10, 11, 12, 13],), 48)
+        plan = sched.build_plan(sched_output(new=[new_req("r1", [9, 10, 11, 12, 13], 0)]))
+        (job,) = plan.loads
+        assert job.sync and len(job.located[0]) == 3 and job.pins[0] > 0
+
+        for stale in (False, True):
+            dst = _kv(device, 4)
+            w2, c2 = _worker(server, dst)
+            assert w2._local is not None
+            w2._local.attach(w2._get_client())
+            own_locates: list[int] = []
+            real_locate = w2._local._locate
+
+            def counting(*a: Any, real: Any = real_locate, seen: list[int] = own_locates) -> Any:
+                seen.append(1)
+                return real(*a)
+
+            w2._local._locate = counting  # type: ignore[method-assign]
+            if stale:
+                job.located_at = time.monotonic() - 60
+            try:
+                w2.start_step(StepPlan(ns, loads=[job]))
+                for name in dst:
+                    w2.wait_layer(name)
+                assert w2.take_load_errors() == set()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                for name in src:
+                    got = dst[name][9:12].view(torch.int16)
+                    assert torch.equal(got, src[name][1:4].view(torch.int16))
+                assert c2.totals()["local_load_blocks"] == 3
+                assert own_locates == ([1] if stale else [])
+            finally:
+                w2.shutdown()
+    finally:
+        w1.shutdown()
+        sched.close()

@@ -58,10 +58,10 @@ def test_save_then_load_into_other_blocks_is_byte_identical(server: Proc) -> Non
     try:
         assert writer.attach(c) and reader.attach(c)
         hashes = [bytes([i]) * 16 for i in range(10)]
-        out = writer.save(c, NS, hashes, 0, list(range(3, 13)))
+        out = writer.save(c, NS, hashes, 0, list(range(3, 13))).result(30)
         assert (out.stored, out.failed) == (10, 0)
         assert c.lookup(NS, hashes).hits == 10
-        again = writer.save(c, NS, hashes[:4], 0, [3, 4, 5, 6])
+        again = writer.save(c, NS, hashes[:4], 0, [3, 4, 5, 6]).result(30)
         assert again.skipped == 4  # already stored: nothing rewritten
         targets = list(range(20, 30))
         pending = reader.start_load(c, NS, hashes, 0, targets)
@@ -87,7 +87,7 @@ def test_a_corrupted_slot_is_never_loaded(server: Proc) -> None:
     try:
         assert path.attach(c)
         hashes = [b"c" * 15 + bytes([i]) for i in range(2)]
-        assert path.save(c, NS, hashes, 0, [0, 1]).stored == 2
+        assert path.save(c, NS, hashes, 0, [0, 1]).result(30).stored == 2
         pin, where = c.call(lambda a: a.locate(NS, node, [(hashes[1], 0)], 5.0), 5.0)
         assert where[0] is not None and path.pool is not None
         path.pool.view(where[0].offset, 64)[:] ^= 0xFF  # flip bits in the stored slot
@@ -112,7 +112,7 @@ def test_blocks_without_a_digest_are_checked_by_xxh3(server: Proc) -> None:
     try:
         assert writer.attach(c) and reader.attach(c)
         hashes = [b"x" * 15 + bytes([i]) for i in range(3)]
-        assert writer.save(c, NS, hashes, 0, [0, 1, 2]).stored == 3
+        assert writer.save(c, NS, hashes, 0, [0, 1, 2]).result(30).stored == 3
         pending = reader.start_load(c, NS, hashes, 0, [5, 6, 7])
         assert not pending.on_device
         assert pending.finish() == [True] * 3
