@@ -82,6 +82,8 @@ class PegaKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.settings = ConnectorSettings.load(extra)
+        if self.settings.log_level:
+            _set_log_level(self.settings.log_level)
         self.geometry = engine_geometry(vllm_config, kv_cache_config)
         if self.geometry.groups != 1 and self.settings.mode != "off":
             logger.error(
@@ -444,3 +446,17 @@ class PegaKVConnector(KVConnectorBase_V1):
             per_engine_labelvalues: label values per engine index.
         """
         return PegaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _set_log_level(level: str) -> None:
+    """Apply the ``log_level`` setting to the ``pegaflow`` loggers of this process."""
+    log = logging.getLogger("pegaflow")
+    try:
+        log.setLevel(level.upper())
+    except ValueError:
+        logger.warning("PegaFlow: unknown log_level %r ignored", level)
+        return
+    if not log.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)

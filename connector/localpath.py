@@ -265,6 +265,10 @@ class PendingLoad:
         self.transfer = xfer
         self.on_device = isinstance(check, tuple)
         """whether the blocks are verified on the device (digest) rather than on host"""
+        self.queued_s = 0.0
+        """CPU time it took to queue (set by the worker, for its log)"""
+        self.located_here = True
+        """whether the loader located the blocks itself (else the scheduler did)"""
 
     def finish(self) -> list[bool]:
         """Wait for the copies and checks; per block, whether its verified bytes are in."""

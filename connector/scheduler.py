@@ -354,7 +354,21 @@ class SchedulerSide:
         ):
             lk.gens = [list(g) for g in gens[:hits]]
         if locating is not None:
+            t1 = self._clock()
             self._finish_locate(lk, locating)
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug(
+                    "PegaFlow: lookup of %d blocks for %s: %d hits (%s) in %.2f ms, then "
+                    "%.2f ms waiting for the locate",
+                    len(asked), st.request.request_id, lk.hits,
+                    "located" if lk.located else "not located",
+                    (t1 - t0) * 1e3, (self._clock() - t1) * 1e3,
+                )  # fmt: skip
+        elif logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "PegaFlow: lookup of %d blocks for %s: %d hits in %.2f ms",
+                len(asked), st.request.request_id, hits, (self._clock() - t0) * 1e3,
+            )  # fmt: skip
         if hits and self.settings.read_pin_s > 0 and not lk.located:
             self._pin(client, ns, asked[:hits], lk.nodes)
         st.lookup = lk

@@ -97,6 +97,11 @@ class ConnectorSettings:
     stats_path: str = _f(
         "", "write connector counters as JSON to <path>.<role><rank>.json (tests, debugging)"
     )
+    log_level: str = _f(
+        "",
+        "level of the connector's log ('debug': one line per lookup and per layer-wise load, "
+        "with timings); empty: as the engine sets it",
+    )
 
     # ---- derived -------------------------------------------------------------------
 

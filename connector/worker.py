@@ -251,6 +251,8 @@ class WorkerSide:
                 self._sync_loads.append((job, pending, t0))
                 self.counters.add("located_load_jobs", located is not None)
                 self.counters.add("layerwise_start_seconds", time.monotonic() - t0)
+                pending.queued_s = time.monotonic() - t0
+                pending.located_here = located is None
                 return
             except Exception as e:
                 logger.warning("PegaFlow: layer-wise load of %s failed: %s", job.req_id, e)
@@ -303,8 +305,18 @@ class WorkerSide:
                 try:
                     t1 = time.monotonic()
                     ok = pending.finish()
-                    self.counters.add("layerwise_wait_seconds", time.monotonic() - t1)
+                    t2 = time.monotonic()
+                    self.counters.add("layerwise_wait_seconds", t2 - t1)
                     self.counters.add("local_load_blocks", sum(ok))
+                    if logger.isEnabledFor(logging.DEBUG):
+                        logger.debug(
+                            "PegaFlow: layer-wise load of %s: %d of %d blocks, located %s, "
+                            "queued in %.2f ms, forward pass %.2f ms, then waited %.2f ms",
+                            job.req_id, sum(ok), len(ok),
+                            "here" if pending.located_here else "by the scheduler",
+                            pending.queued_s * 1e3, (t1 - t0 - pending.queued_s) * 1e3,
+                            (t2 - t1) * 1e3,
+                        )  # fmt: skip
                 except Exception as e:
                     logger.warning("PegaFlow: layer-wise load of %s failed: %s", job.req_id, e)
                     ok = [False] * len(job.block_ids)
