@@ -23,7 +23,7 @@ from pegaflow.errors import PegaError, Unavailable
 from pegaflow.keys import NodeRecord
 from pegaflow.rpc import RpcClient
 
-from .data import DataClient, LocatedBlock, PoolFile, PutOutcome
+from .data import DataClient, LocatedBlocks, PoolFile, PutOutcome
 
 T = TypeVar("T")
 
@@ -275,16 +275,17 @@ class PegaClient:
         self,
         ns: str,
         node_id: str,
-        blocks: Sequence[tuple[bytes, int]],
+        hashes: Sequence[bytes],
+        shard: int = 0,
         ttl_s: float = 5.0,
         timeout: float | None = None,
-    ) -> tuple[int, list[LocatedBlock | None]]:
-        """Pin ``(hash, shard)`` blocks on ``node_id`` for ``ttl_s``; returns (pin id,
-        where each block is in the pool file, None when absent).  See
-        :meth:`DataClient.locate`; release with :meth:`unpin`."""
+    ) -> tuple[int, LocatedBlocks]:
+        """Pin blocks ``(h, shard)`` on ``node_id`` for ``ttl_s``; returns (pin id,
+        where each block is in the pool file).  See :meth:`DataClient.locate`; release
+        with :meth:`unpin`."""
         budget = self.cfg.rpc_timeout_s if timeout is None else timeout
         rec = await self._node(node_id, budget)
-        return await self._data.locate(rec.ucx_address, ns, blocks, ttl_s, budget)
+        return await self._data.locate(rec.ucx_address, ns, hashes, shard, ttl_s, budget)
 
     async def unpin(self, node_id: str, pin: int, timeout: float | None = None) -> None:
         """Release a pin of :meth:`locate` early."""

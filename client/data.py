@@ -24,7 +24,7 @@ from pegaflow.checksum import checksum
 from pegaflow.errors import BadRequest, PegaError, Unavailable, error_from_wire
 from pegaflow.rpc import parse_address
 from pegaflow.ucx import UcxWorker, close_endpoint, make_tag
-from pegaflow.wire import PROTOCOL_VERSION, pack, unpack
+from pegaflow.wire import PROTOCOL_VERSION, LocatedBlocks, pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -58,18 +58,6 @@ class PoolFile:
             return cls(str(d["path"]), int(d["dev"]), int(d["ino"]), int(d["bytes"]))
         except (KeyError, TypeError, ValueError):
             return None
-
-
-@dataclass(frozen=True)
-class LocatedBlock:
-    """A pinned block of a node's pool file: where it is and what it must hash to."""
-
-    offset: int
-    size: int
-    gen: int
-    xxh3: int
-    digest: int | None = None
-    """the writer's device digest, when it gave one (see ``KVBlockIO.digest``)"""
 
 
 @dataclass
@@ -455,29 +443,34 @@ class DataClient:
         self,
         addr: str,
         ns: str,
-        blocks: Sequence[tuple[bytes, int]],
+        hashes: Sequence[bytes],
+        shard: int,
         ttl_s: float,
         timeout: float,
-    ) -> tuple[int, list[LocatedBlock | None]]:
-        """Pin blocks for ``ttl_s`` and return (pin id, where each one is in the pool file).
+    ) -> tuple[int, LocatedBlocks]:
+        """Pin blocks ``(h, shard)`` for ``ttl_s`` and return (pin id, where each one is
+        in the pool file).  The hashes must all have the same length.
 
         The caller copies the bytes out of its own mapping of the file, checks each
-        block's xxh3 and then releases the pin with :meth:`unpin`.
+        block's digest or xxh3 and then releases the pin with :meth:`unpin`.
         """
-        reply = await self._call(addr, _pin_msg("locate", ns, blocks, ttl_s), timeout)
-        got = reply.get("blocks")
-        if not isinstance(got, list) or len(got) != len(blocks):
-            raise Unavailable("malformed locate reply")
-        out: list[LocatedBlock | None] = []
-        for b in got:
-            ok = (
-                isinstance(b, list)
-                and len(b) in (4, 5)
-                and all(isinstance(x, int) for x in b[:4])
-                and (len(b) == 4 or b[4] is None or isinstance(b[4], int))
-            )
-            out.append(LocatedBlock(*b) if ok else None)
-        return int(reply.get("pin", 0)), out
+        hl = len(hashes[0]) if hashes else 32
+        if any(len(h) != hl for h in hashes):
+            raise BadRequest("locate: every hash must have the same length")
+        msg = {
+            "op": "locate",
+            "ns": ns,
+            "ttl_ms": max(1, int(ttl_s * 1000)),
+            "shard": shard,
+            "hash_len": hl,
+            "hashes": b"".join(hashes),
+        }
+        reply = await self._call(addr, msg, timeout)
+        try:
+            where = LocatedBlocks.from_wire(reply, len(hashes))
+        except BadRequest as e:
+            raise Unavailable(f"malformed locate reply: {e}") from None
+        return int(reply.get("pin", 0)), where
 
     async def unpin(self, addr: str, pin: int, timeout: float) -> None:
         """Release a pin taken by :meth:`locate` or :meth:`pin` (idempotent)."""

@@ -150,8 +150,11 @@ class KVBlockIO:
         tb = self.layers[0].tile_bytes
         with torch.cuda.stream(self._stream):
             buf = torch.zeros(2 * tb, dtype=torch.uint8, device=self.device)
-            offs = torch.tensor([0], dtype=torch.int64, device=self.device)
-            tilecopy.copy_tiles(buf, offs, buf, offs + tb, tb)
+            offs = tilecopy.offsets_tensor([0], self.device)
+            sums = torch.zeros(1, dtype=torch.int64, device=self.device)
+            wts = torch.ones(tb // 8, dtype=torch.int64, device=self.device)
+            for digest in (None, (wts, sums)):  # both variants: loads and saves use both
+                tilecopy.copy_tiles(buf, offs, buf, offs, tb, digest, dst_shift=tb)
         self._stream.synchronize()
 
     def describe(self) -> str:
@@ -300,18 +303,19 @@ class KVBlockIO:
             if self._use_kernel(host, offsets, mapped):
                 src = tilecopy.RawPointer(host.data_ptr())
                 src_off = tilecopy.offsets_tensor(offsets, self.device)
-                ids = torch.tensor(list(block_ids), dtype=torch.int64).to(self.device)
+                dst_off = self._tile_offsets(block_ids)
                 if digest:
                     sums = torch.zeros(n, dtype=torch.int64, device=self.device)
                 for layer, off in zip(self.layers, self._offsets, strict=True):
                     assert layer.raw is not None
                     tilecopy.copy_tiles(
                         src,
-                        src_off + off,
+                        src_off,
                         layer.raw,
-                        ids * layer.tile_bytes,
+                        dst_off[layer.tile_bytes],
                         layer.tile_bytes,
                         self._digest_args(off, layer.tile_bytes, sums),
+                        src_shift=off,
                     )
                     ev = torch.cuda.Event()
                     ev.record(self._stream)
@@ -324,6 +328,11 @@ class KVBlockIO:
                 ev.record(self._stream)
                 events = [ev] * len(self.layers)
         return Transfer(events, self._stream, sums)
+
+    def _tile_offsets(self, block_ids: Sequence[int]) -> dict[int, torch.Tensor]:
+        """Per tile size of the layers: the kernel's offsets of blocks ``block_ids``."""
+        sizes = {layer.tile_bytes for layer in self.layers}
+        return {tb: tilecopy.offsets_tensor(block_ids, self.device, tb) for tb in sizes}
 
     def _digest_args(
         self, off: int, tile_bytes: int, sums: torch.Tensor | None
@@ -381,18 +390,19 @@ class KVBlockIO:
             if self._use_kernel(host, offsets, mapped):
                 dst = tilecopy.RawPointer(host.data_ptr())
                 dst_off = tilecopy.offsets_tensor(offsets, self.device)
-                ids = torch.tensor(list(block_ids), dtype=torch.int64).to(self.device)
+                src_off = self._tile_offsets(block_ids)
                 if digest:
                     sums = torch.zeros(n, dtype=torch.int64, device=self.device)
                 for layer, off in zip(self.layers, self._offsets, strict=True):
                     assert layer.raw is not None
                     tilecopy.copy_tiles(
                         layer.raw,
-                        ids * layer.tile_bytes,
+                        src_off[layer.tile_bytes],
                         dst,
-                        dst_off + off,
+                        dst_off,
                         layer.tile_bytes,
                         self._digest_args(off, layer.tile_bytes, sums),
+                        dst_shift=off,
                     )
             else:
                 if digest:

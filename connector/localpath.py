@@ -28,9 +28,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from pegaflow.client.data import LocatedBlock
+import numpy as np
 
 from pegaflow.checksum import checksum
+from pegaflow.wire import LocatedBlocks
 
 from .blockio import KVBlockIO, Transfer
 from .hostpool import MappedPool
@@ -101,7 +102,7 @@ class LocalPath:
         shard: int,
         block_ids: Sequence[int],
         gens: Sequence[int | None] | None = None,
-        located: tuple[list[int], Sequence[LocatedBlock | None]] | None = None,
+        located: tuple[list[int], LocatedBlocks] | None = None,
     ) -> PendingLoad:
         """Pin, queue the copies and the checks; :meth:`PendingLoad.finish` waits for
         both and says which blocks are good.  ``gens``: the generation each block had at
@@ -111,31 +112,33 @@ class LocalPath:
         pool = self.pool
         assert pool is not None
         pins, where = located if located is not None else self._locate(client, ns, hashes, shard)
-        bb = self.io.block_bytes
-        idx = [
-            i
-            for i, w in enumerate(where)
-            if w is not None
-            and w.size == bb
-            and (gens is None or gens[i] is None or gens[i] == w.gen)
-        ]
         try:
-            on_device = self.io.can_digest and all(where[i].digest is not None for i in idx)  # type: ignore[union-attr]
+            ok = where.found & (where.column("size") == self.io.block_bytes)
+            if gens is not None:
+                known = np.array([g is not None for g in gens], dtype=bool)
+                want = np.array([g or 0 for g in gens], dtype=np.uint64)
+                ok &= ~known | (where.column("gen") == want)
+            sel = np.flatnonzero(ok)
+            idx = sel.tolist()
+            on_device = self.io.can_digest and bool(where.has_digest[sel].all())
+            offsets = where.column("offset")[sel].tolist()
             xfer = self.io.copy_in(
                 pool.tensor,
-                [where[i].offset for i in idx],  # type: ignore[union-attr]
+                offsets,
                 [block_ids[i] for i in idx],
                 mapped=pool.registered and self.use_kernel,
                 digest=on_device,
             )
             if on_device:  # what landed in the KV cache against the writer's digests
                 assert xfer.digests is not None
-                want = [where[i].digest for i in idx]  # type: ignore[union-attr]
-                check: Any = (xfer.digests, want)
+                check: Any = (xfer.digests, where.column("digest")[sel])
             else:  # no device digest (e.g. written before a node restart): xxh3 on host
+                bb = self.io.block_bytes
                 check = [
-                    (where[i].xxh3, self._verify.submit(checksum, pool.view(where[i].offset, bb)))  # type: ignore[union-attr]
-                    for i in idx
+                    (want_sum, self._verify.submit(checksum, pool.view(off, bb)))
+                    for want_sum, off in zip(
+                        where.column("xxh3")[sel].tolist(), offsets, strict=True
+                    )
                 ]
         except BaseException:
             self._unpin(client, pins)
@@ -144,25 +147,25 @@ class LocalPath:
 
     def _locate(
         self, client: Any, ns: str, hashes: Sequence[bytes], shard: int
-    ) -> tuple[list[int], list[LocatedBlock | None]]:
+    ) -> tuple[list[int], LocatedBlocks]:
         """Pin the blocks and learn where they are (in calls of at most MAX_LOCATE)."""
         pins: list[int] = []
-        where: list[LocatedBlock | None] = []
+        parts: list[LocatedBlocks] = []
         try:
             for i in range(0, len(hashes), MAX_LOCATE):
-                part = [(h, shard) for h in hashes[i : i + MAX_LOCATE]]
+                part = hashes[i : i + MAX_LOCATE]
                 pin, got = client.call(
                     lambda c, part=part: c.locate(
-                        ns, self.node_id, part, LOCATE_PIN_S, self.timeout
+                        ns, self.node_id, part, shard, LOCATE_PIN_S, self.timeout
                     ),
                     self.timeout,
                 )
                 pins.append(pin)
-                where.extend(got)
+                parts.append(got)
         except BaseException:
             self._unpin(client, pins)
             raise
-        return pins, where
+        return pins, LocatedBlocks.concat(parts)
 
     def _unpin(self, client: Any, pins: Sequence[int]) -> None:
         """Release pins without waiting for the answer (the copies are done; a lost
@@ -242,8 +245,8 @@ class PendingLoad:
     """A local load whose copies and checks are under way.
 
     ``check`` is either ``(digests, wanted)``: a device int64 tensor of the digests of
-    what landed in the KV cache (done with the transfer's last event) and the writer's
-    digests; or a list of ``(wanted xxh3, future of the recomputed xxh3)``.
+    what landed in the KV cache (done with the transfer's last event) and a numpy
+    array of the writer's; or a list of ``(wanted xxh3, future of the recomputed xxh3)``.
     """
 
     def __init__(
@@ -277,7 +280,7 @@ class PendingLoad:
             self.transfer.synchronize()
             if self.on_device:
                 digests, want = self._check
-                good = [int(d) == w for d, w in zip(digests.tolist(), want, strict=True)]
+                good = (digests.cpu().numpy() == want).tolist()
             else:
                 good = []
                 for want, fut in self._check:

@@ -1,12 +1,15 @@
 """What the scheduler-side connector tells the workers each step, and what they answer.
 
-Plain dataclasses of builtins: vLLM moves them between its own processes (scheduler to
-workers and back), never over PegaFlow's network.  Pure module: no vLLM import.
+Plain dataclasses of builtins (and the numpy columns of block locations): vLLM moves
+them between its own processes (scheduler to workers and back), never over PegaFlow's
+network.  Pure module: no vLLM import.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from pegaflow.wire import LocatedBlocks
 
 
 @dataclass
@@ -26,10 +29,10 @@ class LoadJob:
     sync: bool = False
     """loaded during this step's forward pass, layer by layer (vLLM schedules the
     request at once); else asynchronously, before vLLM schedules it"""
-    located: list[list[list[int | None]]] = field(default_factory=list)
-    """per shard, per block: ``[offset, size, gen, xxh3, digest]`` of the block in the
-    pool file of this host's node, located (and pinned) by the scheduler; empty when
-    not located: the worker then locates them itself"""
+    located: list[LocatedBlocks] = field(default_factory=list)
+    """per shard: where the blocks are in the pool file of this host's node, located
+    (and pinned) by the scheduler; empty when not located: the worker then locates
+    them itself"""
     pins: list[int] = field(default_factory=list)
     """per shard, the node's pin on the located blocks (the worker releases it)"""
     located_at: float = 0.0

@@ -18,7 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from pegaflow import telemetry
+from pegaflow.wire import LocatedBlocks
 
 from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport
 from .metrics import Counters
@@ -135,8 +138,8 @@ class _Lookup:
     sync: bool = False
     gens: list[list[int]] = field(default_factory=list)
     """per hit block, the generation of each shard when the lookup saw it (fencing)"""
-    located: list[list[list[int | None]]] = field(default_factory=list)
-    """per shard, per hit block: where it is in the local node's pool file (see
+    located: list[LocatedBlocks] = field(default_factory=list)
+    """per shard: where the hit blocks are in the local node's pool file (see
     :attr:`LoadJob.located`); empty when the blocks were not located"""
     pins: list[int] = field(default_factory=list)
     """per shard, the local node's pin on the located blocks"""
@@ -382,15 +385,14 @@ class SchedulerSide:
         submit = getattr(client, "submit", None)
         if not (s.layerwise and s.same_host_shortcut and s.local_node and submit is not None):
             return None
-        n = min(len(asked), MAX_LOCATE // max(1, self.world_size))
+        part = asked[:MAX_LOCATE]
         futs = []
         try:
             for shard in self.shards:
-                items = [(h, shard) for h in asked[:n]]
                 futs.append(
                     submit(
-                        lambda c, items=items: c.locate(
-                            ns, s.local_node, items, LOCATE_PIN_S, s.lookup_timeout_s
+                        lambda c, shard=shard: c.locate(
+                            ns, s.local_node, part, shard, LOCATE_PIN_S, s.lookup_timeout_s
                         )
                     )
                 )
@@ -410,25 +412,22 @@ class SchedulerSide:
         local = self.settings.local_node
         if not lk.hits or not all(node == local for row in lk.nodes for node in row):
             return  # not a layer-wise load: the pins expire on their own
-        located: list[list[list[int | None]]] = []
         n = lk.hits
         for shard, (_pin, where) in enumerate(got):
-            rows: list[list[int | None]] = []
-            for i in range(min(n, len(where))):
-                w = where[i]
-                gen = lk.gens[i][shard] if i < len(lk.gens) else None
-                if w is None or (gen is not None and gen != w.gen):
-                    break
-                rows.append([w.offset, w.size, w.gen, w.xxh3, w.digest])
-            n = min(n, len(rows))
-            located.append(rows)
+            m = min(n, len(where))
+            ok = where.found[:m]
+            if len(lk.gens) >= m:
+                want = np.array([g[shard] for g in lk.gens[:m]], dtype=np.uint64)
+                ok = ok & (where.column("gen")[:m] == want)
+            bad = np.flatnonzero(~ok)
+            n = int(bad[0]) if len(bad) else m
         if n <= 0:
             return
         lk.hits = n
         lk.nodes = lk.nodes[:n]
         lk.gens = lk.gens[:n]
-        lk.located = [rows[:n] for rows in located]
-        lk.pins = [int(pin) for pin, _ in got]
+        lk.located = [where[:n] for _pin, where in got]
+        lk.pins = [int(pin) for pin, _where in got]
         lk.located_at = time.monotonic()
 
     def _pin(self, client: Any, ns: str, hashes: Sequence[bytes], nodes: list[list[str]]) -> None:
@@ -470,12 +469,12 @@ class SchedulerSide:
             )
             nodes: list[list[str]] = [[] for _ in range(n_load)]
             gens: list[list[int]] = []
-            located: list[list[list[int | None]]] = []
+            located: list[LocatedBlocks] = []
         else:
             start = lk.start
             nodes = lk.nodes[:n_load]
             gens = lk.gens[:n_load]
-            located = [rows[:n_load] for rows in lk.located]
+            located = [where[:n_load] for where in lk.located]
         job = LoadJob(
             req_id=request.request_id,
             block_ids=list(ids[start : start + n_load]),

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs may lack it
@@ -50,13 +51,23 @@ if triton is not None:
 
     @triton.jit
     def _copy_tiles_kernel(
-        src, src_off, dst, dst_off, tile_elems, wts, dig, BLOCK: tl.constexpr, DIGEST: tl.constexpr
+        src,
+        src_off,
+        src_shift,
+        dst,
+        dst_off,
+        dst_shift,
+        tile_elems,
+        wts,
+        dig,
+        BLOCK: tl.constexpr,
+        DIGEST: tl.constexpr,
     ):
         t = tl.program_id(0)
         c = tl.program_id(1)
         # offsets are multiples of 16 bytes: lets the compiler use 128-bit accesses
-        s0 = tl.multiple_of(tl.load(src_off + t), 2)
-        d0 = tl.multiple_of(tl.load(dst_off + t), 2)
+        s0 = tl.multiple_of(tl.load(src_off + t) + src_shift, 2)
+        d0 = tl.multiple_of(tl.load(dst_off + t) + dst_shift, 2)
         offs = c * BLOCK + tl.arange(0, BLOCK)
         mask = offs < tile_elems
         v = tl.load(src + s0 + offs, mask=mask, other=0)
@@ -83,12 +94,15 @@ def copy_tiles(
     dst_offsets: torch.Tensor,
     tile_bytes: int,
     digest: tuple[torch.Tensor, torch.Tensor] | None = None,
+    src_shift: int = 0,
+    dst_shift: int = 0,
 ) -> None:
-    """Copy ``len(src_offsets)`` tiles of ``tile_bytes``: ``src + src_offsets[i]`` to
-    ``dst + dst_offsets[i]``, on the current CUDA stream.
+    """Copy ``len(src_offsets)`` tiles of ``tile_bytes``: ``src + src_offsets[i] +
+    src_shift`` to ``dst + dst_offsets[i] + dst_shift``, on the current CUDA stream.
 
     ``src``/``dst``: CUDA tensors or :class:`RawPointer` (any device-visible address);
-    offsets: int64 CUDA tensors of *byte* offsets, all multiples of 16.
+    offsets: int64 CUDA tensors of *byte* offsets (in elements of 8 bytes: see
+    :func:`offsets_tensor`), shifts in bytes; all multiples of 16.
     ``digest``: ``(weights, sums)``, int64 CUDA tensors: ``sums[i]`` is increased by the
     sum over the tile's 64-bit words ``j`` of ``word[j] * weights[j]`` (modulo 2**64),
     computed from the words as they are stored, so a caller gets each block's digest
@@ -104,9 +118,11 @@ def copy_tiles(
     wts, sums = digest if digest is not None else (src_offsets, src_offsets)
     _copy_tiles_kernel[grid](
         _as_i64(src),
-        src_offsets // _ELEM,
+        src_offsets,
+        src_shift // _ELEM,
         _as_i64(dst),
-        dst_offsets // _ELEM,
+        dst_offsets,
+        dst_shift // _ELEM,
         elems,
         wts,
         sums,
@@ -122,6 +138,8 @@ def _as_i64(x: Any) -> Any:
     return x
 
 
-def offsets_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Byte offsets as an int64 tensor on ``device`` (one small host-to-device copy)."""
-    return torch.tensor(list(values), dtype=torch.int64).to(device, non_blocking=True)
+def offsets_tensor(values: Sequence[int], device: torch.device, scale: int = 1) -> torch.Tensor:
+    """Byte offsets ``values[i] * scale`` (multiples of 8) as the int64 tensor of element
+    offsets :func:`copy_tiles` takes, on ``device`` (one small host-to-device copy)."""
+    arr = np.asarray(values, dtype=np.int64) * scale // _ELEM
+    return torch.from_numpy(arr).to(device, non_blocking=True)

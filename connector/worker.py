@@ -32,9 +32,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from pegaflow.client.data import LocatedBlock
 
 from pegaflow import telemetry
+from pegaflow.wire import LocatedBlocks
 
 from .blockio import KVBlockIO
 from .localpath import LocalPath
@@ -266,18 +266,14 @@ class WorkerSide:
             logger.exception("PegaFlow: load of %s failed", job.req_id)
         self._sync_loads.append((job, ok, t0))
 
-    def _located(self, job: LoadJob) -> tuple[list[int], list[LocatedBlock | None]] | None:
+    def _located(self, job: LoadJob) -> tuple[list[int], LocatedBlocks] | None:
         """The scheduler's locations of this shard's blocks, if they are still pinned
         for long enough (else None: the worker locates them itself)."""
-        rows = job.located[self.shard] if self.shard < len(job.located) else None
-        if not rows or len(rows) != len(job.block_ids) or self.shard >= len(job.pins):
+        where = job.located[self.shard] if self.shard < len(job.located) else None
+        if where is None or len(where) != len(job.block_ids) or self.shard >= len(job.pins):
             return None
         if time.monotonic() - job.located_at > LOCATE_PIN_S / 2:
             return None  # pins about to lapse; they expire on the node
-        where: list[LocatedBlock | None] = []
-        for r in rows:
-            ok = len(r) == 5 and all(isinstance(x, int) for x in r[:4])
-            where.append(LocatedBlock(*r) if ok else None)  # type: ignore[arg-type]
         return [job.pins[self.shard]], where
 
     def wait_layer(self, layer_name: str) -> None:

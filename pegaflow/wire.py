@@ -8,9 +8,12 @@ pickle) and then checked field by field with the ``req_*`` helpers, which raise
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, overload
 
 import msgpack
+import numpy as np
 
 from pegaflow.errors import BadRequest, TooLarge
 
@@ -127,3 +130,109 @@ def check_shards(msg: dict[str, Any], key: str = "shards") -> list[int]:
     if len(set(shards)) != len(shards):
         raise BadRequest("shards must be distinct")
     return shards
+
+
+# ---- block locations (the node's ``locate`` reply) --------------------------------------
+
+_FOUND, _HAS_DIGEST = 1, 2
+_U64 = (1 << 64) - 1
+
+
+@dataclass
+class LocatedBlock:
+    """A pinned block of a node's pool file: where it is and what it must hash to."""
+
+    offset: int
+    size: int
+    gen: int
+    xxh3: int
+    digest: int | None = None
+    """the writer's device digest, when it gave one (see ``KVBlockIO.digest``)"""
+
+
+class LocatedBlocks(Sequence["LocatedBlock | None"]):
+    """Where a ``locate`` found each asked block, as columns (one row per block).
+
+    On the wire: ``flags``, one byte per block (1: found, 2: has a device digest), and
+    ``cols``, five little-endian uint64 per block (offset, size, generation, xxh3,
+    digest as two's complement), so thousands of locations cost two buffers, not
+    thousands of msgpack lists.  Indexing gives a :class:`LocatedBlock` or None.
+    """
+
+    __slots__ = ("cols", "flags")
+
+    def __init__(self, flags: np.ndarray, cols: np.ndarray) -> None:
+        if flags.ndim != 1 or cols.shape != (len(flags), 5):
+            raise BadRequest("malformed block locations")
+        self.flags = flags
+        self.cols = cols
+
+    @classmethod
+    def build(cls, rows: Sequence[tuple[int, int, int, int, int | None] | None]) -> LocatedBlocks:
+        """From ``(offset, size, gen, xxh3, digest)`` per block (None: not found)."""
+        flags = np.zeros(len(rows), dtype=np.uint8)
+        cols = np.zeros((len(rows), 5), dtype=np.uint64)
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
+            flags[i] = _FOUND | (_HAS_DIGEST if r[4] is not None else 0)
+            cols[i] = (r[0], r[1], r[2], r[3], (r[4] or 0) & _U64)
+        return cls(flags, cols)
+
+    def to_wire(self) -> dict[str, bytes]:
+        """The ``flags`` and ``cols`` fields of a locate reply."""
+        return {"flags": self.flags.tobytes(), "cols": self.cols.astype("<u8").tobytes()}
+
+    @classmethod
+    def from_wire(cls, msg: dict[str, Any], n: int) -> LocatedBlocks:
+        """Decode and check the locations of ``n`` blocks from a locate reply."""
+        flags, cols = msg.get("flags"), msg.get("cols")
+        if not isinstance(flags, bytes) or not isinstance(cols, bytes):
+            raise BadRequest("locate reply without flags and cols")
+        if len(flags) != n or len(cols) != 40 * n:
+            raise BadRequest("locate reply of the wrong length")
+        f = np.frombuffer(flags, dtype=np.uint8).copy()
+        c = np.frombuffer(cols, dtype="<u8").astype(np.uint64).reshape(n, 5)
+        return cls(f, c)
+
+    @property
+    def found(self) -> np.ndarray:
+        """Bool per block: whether the node has it (and pinned it)."""
+        return (self.flags & _FOUND) != 0
+
+    @property
+    def has_digest(self) -> np.ndarray:
+        """Bool per block: whether its writer gave a device digest."""
+        return (self.flags & _HAS_DIGEST) != 0
+
+    def column(self, name: str) -> np.ndarray:
+        """``offset``, ``size``, ``gen``, ``xxh3`` (uint64) or ``digest`` (int64)."""
+        i = ("offset", "size", "gen", "xxh3", "digest").index(name)
+        col = self.cols[:, i]
+        return col.view(np.int64) if name == "digest" else col
+
+    def __len__(self) -> int:
+        return len(self.flags)
+
+    @overload
+    def __getitem__(self, i: int) -> LocatedBlock | None: ...
+    @overload
+    def __getitem__(self, i: slice) -> LocatedBlocks: ...
+    def __getitem__(self, i: int | slice) -> LocatedBlock | LocatedBlocks | None:
+        if isinstance(i, slice):
+            return LocatedBlocks(self.flags[i], self.cols[i])
+        f = int(self.flags[i])
+        if not f & _FOUND:
+            return None
+        o, s, g, x, d = (int(v) for v in self.cols[i])
+        digest = (d - (1 << 64) if d >= 1 << 63 else d) if f & _HAS_DIGEST else None
+        return LocatedBlock(o, s, g, x, digest)
+
+    @staticmethod
+    def concat(parts: Sequence[LocatedBlocks]) -> LocatedBlocks:
+        """One table of several locates' answers, in order."""
+        if not parts:
+            return LocatedBlocks(np.zeros(0, np.uint8), np.zeros((0, 5), np.uint64))
+        return LocatedBlocks(
+            np.concatenate([p.flags for p in parts]), np.concatenate([p.cols for p in parts])
+        )

@@ -198,10 +198,10 @@ def run_point(
                 assert torch.equal(bits[dst_ids[-1]], bits[src_ids[-1]])
             # device copies alone, blocks already located
             pin, where = client.call(
-                lambda c, ns=ns, h=hashes: c.locate(ns, path.node_id, [(x, 0) for x in h], 5.0),
+                lambda c, ns=ns, h=hashes: c.locate(ns, path.node_id, h, 0, 5.0),
                 10.0,
             )
-            offs = [w.offset for w in where]  # type: ignore[union-attr]
+            offs = where.column("offset").tolist()
             torch.cuda.synchronize()
             t4 = time.perf_counter()
             io.copy_in(pool.tensor, offs, dst_ids, mapped=kernel).synchronize()

@@ -27,9 +27,11 @@ GPU connector copying straight between the pool and its device):
 
 * the ``hello`` reply carries ``pool {path, dev, ino, bytes}`` (only to connections with
   cluster-wide access, never to a tenant's: the file holds every tenant's blocks);
-* ``locate {id, ns, ttl_ms, blocks: [[hash, shard], ...]}`` -> ``{pin, blocks:
-  [[offset, size, gen, xxh3] | None, ...]}`` pins the present blocks for ``ttl_ms`` (no
-  eviction while the reader copies them out of the file and checks their xxh3);
+* ``locate {id, ns, ttl_ms, shard, hash_len, hashes: bytes}`` -> ``{pin, flags, cols}``
+  pins the present blocks for ``ttl_ms`` (no eviction while the reader copies them out
+  of the file and checks them) and says where they are: per block a flag byte and five
+  uint64 (offset, size, gen, xxh3, digest), packed (:class:`~pegaflow.wire.LocatedBlocks`)
+  because a 10k-token prefix is hundreds of blocks;
 * ``unpin {id, pin}`` releases such a pin (or one taken by ``pin``) early;
 * ``reserve`` with ``local: true`` posts no receives and answers ``offsets`` too: the
   writer fills the slots through the file, then ``commit``; its ``xxh3`` entries may be
@@ -61,11 +63,20 @@ from pegaflow import telemetry
 from pegaflow.auth import Authenticator, check_access
 from pegaflow.checksum import checksum
 from pegaflow.config import NodeConfig
-from pegaflow.errors import BadRequest, DeadlineExceeded, PegaError, ProtocolError, Unauthorized
+from pegaflow.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    PegaError,
+    ProtocolError,
+    TooLarge,
+    Unauthorized,
+)
 from pegaflow.inventory import InventorySink
 from pegaflow.ucx import UcxWorker, close_endpoint, make_tag
 from pegaflow.wire import (
+    MAX_HASH_BYTES,
     PROTOCOL_VERSION,
+    LocatedBlocks,
     check_hash,
     check_namespace,
     pack,
@@ -380,28 +391,41 @@ class DataServer:
         return {"pinned": [e is not None for e in found], "pin": pin}
 
     def _locate(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Same-host reads: pin the named blocks and say where they lie in the pool file."""
-        pin, found = self._pin_blocks(msg)
+        """Same-host reads: pin the named blocks and say where they lie in the pool file
+        (``hashes``: ``hash_len``-byte hashes back to back, all of one ``shard``)."""
+        ns = check_namespace(msg.get("ns"))
+        ttl_ms = req_int(msg, "ttl_ms", 1, MAX_PIN_MS)
+        shard = req_int(msg, "shard", 0, 65535)
+        hl = req_int(msg, "hash_len", 1, MAX_HASH_BYTES)
+        blob = msg.get("hashes")
+        if not isinstance(blob, bytes) or len(blob) % hl:
+            raise BadRequest("hashes must be bytes, a multiple of hash_len long")
+        n = len(blob) // hl
+        if n > self.cfg.max_batch:
+            raise TooLarge(f"{n} blocks in one locate; the limit is {self.cfg.max_batch}")
+        get = self.pool.get
+        found = [get((ns, blob[i * hl : (i + 1) * hl], shard)) for i in range(n)]
+        pin = self._hold(found, ttl_ms)
         self.metrics.get_blocks.labels(result="hit").inc(sum(e is not None for e in found))
-        return {
-            "pin": pin,
-            "blocks": [
-                None if e is None else [e.offset, e.size, e.gen, e.xxh3, e.digest] for e in found
-            ],
-        }
+        rows = [None if e is None else (e.offset, e.size, e.gen, e.xxh3, e.digest) for e in found]
+        return {"pin": pin, **LocatedBlocks.build(rows).to_wire()}
 
     def _pin_blocks(self, msg: dict[str, Any]) -> tuple[int, list[Any]]:
         ns = check_namespace(msg.get("ns"))
         ttl_ms = req_int(msg, "ttl_ms", 1, MAX_PIN_MS)
         keys = [_block_ref(ns, b) for b in req_list(msg, "blocks", self.cfg.max_batch)]
         found = [self.pool.get(k) for k in keys]
+        return self._hold(found, ttl_ms), found
+
+    def _hold(self, found: list[Any], ttl_ms: int) -> int:
+        """Pin the entries found until the pin is released or ``ttl_ms`` passes."""
         pinned = [e for e in found if e is not None]
         for e in pinned:
             self.pool.pin(e)
         pin = next(self._pin_ids)
         timer = asyncio.get_running_loop().call_later(ttl_ms / 1000, self._release_pin, pin)
         self._pins[pin] = (pinned, timer)
-        return pin, found
+        return pin
 
     def _release_pin(self, pin: int) -> None:
         held = self._pins.pop(pin, None)

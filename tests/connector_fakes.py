@@ -11,9 +11,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-from pegaflow.client.data import LocatedBlock
 
 from pegaflow.errors import DeadlineExceeded, Unavailable
+from pegaflow.wire import LocatedBlocks
 
 
 def chain_hashes(tokens: list[int], block_size: int, seed: bytes = b"root") -> list[bytes]:
@@ -248,19 +248,25 @@ class _AsyncFace:
         self.c = cluster
 
     async def locate(
-        self, ns: str, node: str, items: Any, ttl_s: float, timeout: float | None = None
-    ) -> tuple[int, list[Any]]:
+        self,
+        ns: str,
+        node: str,
+        hashes: Any,
+        shard: int = 0,
+        ttl_s: float = 5.0,
+        timeout: float | None = None,
+    ) -> tuple[int, LocatedBlocks]:
         c = self.c
-        c.locates.append((node, list(items), ttl_s))
-        where: list[Any] = []
-        for k, (h, shard) in enumerate(items):
+        c.locates.append((node, [(h, shard) for h in hashes], ttl_s))
+        rows: list[Any] = []
+        for k, h in enumerate(hashes):
             loc = c.blocks.get((ns, h, shard))
             if loc is None or loc[0] != node or h in c.unlocatable:
-                where.append(None)
+                rows.append(None)
                 continue
             gen = c.gens.get((ns, h, shard), 0)
-            where.append(LocatedBlock(k * len(loc[1]), len(loc[1]), gen, 0, None))
-        return len(c.locates), where
+            rows.append((k * len(loc[1]), len(loc[1]), gen, 0, None))
+        return len(c.locates), LocatedBlocks.build(rows)
 
 
 DEADLINE = DeadlineExceeded("lookup deadline")

@@ -132,7 +132,8 @@ def test_layer_wise_hits_are_located_while_looked_up() -> None:
     side.update_state_after_alloc(req, ([10, 11, 12, 13, 14, 15],), 16)
     (job,) = side.build_plan(sched_output()).loads
     assert job.sync and job.block_ids == [10, 11, 12, 13]
-    assert [r[2] for r in job.located[0]] == [0, 0, 0, 0] and job.pins == [1]
+    assert job.located[0].column("gen").tolist() == [0, 0, 0, 0] and job.pins == [1]
+    assert len(job.located[0]) == 4 and job.located[0].found.all()
     assert job.located_at > 0
     # hits on another node: no locations, read pins as before
     other, cl2, _ = make(local_node="n1")

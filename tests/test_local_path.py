@@ -15,7 +15,8 @@ from pegaflow.connector.localpath import LocalPath
 
 from pegaflow.config import ClientConfig
 from pegaflow.devcluster import Proc, start_server
-from pegaflow.errors import Unauthorized
+from pegaflow.errors import BadRequest, TooLarge, Unauthorized
+from pegaflow.wire import LocatedBlock, LocatedBlocks
 
 NS = "test-local"
 
@@ -88,7 +89,7 @@ def test_a_corrupted_slot_is_never_loaded(server: Proc) -> None:
         assert path.attach(c)
         hashes = [b"c" * 15 + bytes([i]) for i in range(2)]
         assert path.save(c, NS, hashes, 0, [0, 1]).result(30).stored == 2
-        pin, where = c.call(lambda a: a.locate(NS, node, [(hashes[1], 0)], 5.0), 5.0)
+        pin, where = c.call(lambda a: a.locate(NS, node, [hashes[1]], 0, 5.0), 5.0)
         assert where[0] is not None and path.pool is not None
         path.pool.view(where[0].offset, 64)[:] ^= 0xFF  # flip bits in the stored slot
         c.call(lambda a: a.unpin(node, pin), 5.0)
@@ -149,3 +150,37 @@ def test_mapped_pool_refuses_a_different_file(server: Proc, tmp_path: object) ->
             MappedPool(replace(info, ino=info.ino + 1))
     finally:
         c.close()
+
+
+def test_malformed_locates_get_typed_errors_and_the_node_keeps_serving(server: Proc) -> None:
+    node = server.ready["node"]
+    c = _client(server)
+    try:
+        addr = c.call(lambda a: a._node(node, 5.0), 5.0).ucx_address
+        base = {"op": "locate", "ns": NS, "ttl_ms": 1000, "shard": 0, "hash_len": 16}
+        bad = [
+            {**base, "hashes": b"x" * 17},  # not a multiple of hash_len
+            {**base, "hashes": [b"x" * 16]},  # not bytes
+            {**base, "hash_len": 0, "hashes": b""},
+            {**base, "shard": -1, "hashes": b"x" * 16},
+            {**base, "hashes": b"x" * 16 * 5000},  # more than max_batch
+        ]
+        for msg in bad:
+            with pytest.raises((BadRequest, TooLarge)):
+                c.call(lambda a, msg=msg: a._data._call(addr, msg, 5.0), 5.0)
+        pin, where = c.call(lambda a: a.locate(NS, node, [b"y" * 16], 0, 1.0), 5.0)
+        assert len(where) == 1 and where[0] is None and pin > 0
+    finally:
+        c.close()
+
+
+def test_located_blocks_round_trip_the_wire() -> None:
+    rows = [(4096, 2048, 7, (1 << 64) - 5, -3), None, (0, 2048, 1, 9, None)]
+    where = LocatedBlocks.build(rows)
+    back = LocatedBlocks.from_wire(where.to_wire(), 3)
+    assert back[0] == LocatedBlock(4096, 2048, 7, (1 << 64) - 5, -3)
+    assert back[1] is None and back[2] == LocatedBlock(0, 2048, 1, 9, None)
+    assert back.found.tolist() == [True, False, True]
+    assert back[1:].column("offset").tolist() == [0, 0]
+    with pytest.raises(BadRequest):
+        LocatedBlocks.from_wire(where.to_wire(), 4)
