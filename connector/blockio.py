@@ -67,9 +67,12 @@ class KVBlockIO:
     Args:
         kv_caches: vLLM's per-layer KV cache tensors, as given to ``register_kv_caches``.
         num_blocks: vLLM's number of KV blocks (``kv_cache_config.num_blocks``).
+        warm_up: compile the tile kernel now (else call :meth:`warm_up` later).
     """
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+    def __init__(
+        self, kv_caches: dict[str, torch.Tensor], num_blocks: int, warm_up: bool = True
+    ) -> None:
         if not kv_caches:
             raise ValueError("no KV cache tensors to register")
         self.num_blocks = num_blocks
@@ -105,8 +108,8 @@ class KVBlockIO:
             for layer, off in zip(self.layers, self._offsets, strict=True)
         )
         """whether the tile kernel can serve this cache (tiles, 16-byte alignment)"""
-        if self.kernel_ok:
-            self._warm_up_kernel()
+        if self.kernel_ok and warm_up:
+            self.warm_up()
         self.can_digest = all(
             layer.raw is not None and layer.tile_bytes % 8 == 0 and off % 8 == 0
             for layer, off in zip(self.layers, self._offsets, strict=True)
@@ -145,8 +148,10 @@ class KVBlockIO:
         tile_bytes = split * tile_elems * itemsize
         return _Layer(name, raw, moved, tile_bytes, split)
 
-    def _warm_up_kernel(self) -> None:
-        """Compile the tile kernel now (engine start), not on the first load."""
+    def warm_up(self) -> None:
+        """Compile the tile kernel's variants now, not on the first load."""
+        if not self.kernel_ok:
+            return
         tb = self.layers[0].tile_bytes
         with torch.cuda.stream(self._stream):
             buf = torch.zeros(2 * tb, dtype=torch.uint8, device=self.device)

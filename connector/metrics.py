@@ -26,6 +26,7 @@ from typing import Any
 COUNTERS: dict[str, str] = {
     # scheduler side
     "lookups": "lookups sent to the coordinator",
+    "lookups_local": "lookups answered by this host's node alone (it held every block)",
     "lookup_errors": "lookups that failed or timed out (answered as 0 hits)",
     "lookup_skipped": "lookups skipped while the circuit breaker was open",
     "lookup_hit_blocks": "blocks found in the cluster by lookups",

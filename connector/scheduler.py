@@ -314,15 +314,28 @@ class SchedulerSide:
         asked = [block_hash_bytes(h) for h in hashes[start:]]
         t0 = self._clock()
         locating = self._start_locate(client, ns, asked)
+        timeout = self.settings.lookup_timeout_s
         try:
             with telemetry.span(
                 "pegaflow.connector.lookup",
                 {"pegaflow.blocks": len(asked)} if telemetry.tracing else None,
                 parent=telemetry.request_context(st.request.request_id),
             ):
-                res = client.lookup(
-                    ns, asked, self.shards, timeout=self.settings.lookup_timeout_s, generations=True
-                )
+                if locating is None:
+                    res = client.lookup(ns, asked, self.shards, timeout=timeout, generations=True)
+                else:
+                    asking = client.submit(  # type: ignore[attr-defined]
+                        lambda c: c.lookup(ns, asked, self.shards, timeout, generations=True)
+                    )
+                    local = self._answer_locally(start, len(hashes), asked, locating)
+                    if local is not None:  # the coordinator cannot add to a whole hit
+                        asking.add_done_callback(_discard)
+                        self.lookup_breaker.success()
+                        self._account(asked, local.hits, "lookups_local")
+                        self._debug_lookup(st, asked, local, t0, "answered by the local node")
+                        st.lookup = local
+                        return local
+                    res = asking.result(timeout + 1.0)
             hits = max(0, min(int(res.hits), len(asked)))
             blocks = list(res.blocks or [])
             gens = list(getattr(res, "generations", None) or [])
@@ -344,37 +357,58 @@ class SchedulerSide:
                 break
             valid += 1
         hits = valid
-        self.counters.add("lookups")
-        self.counters.add("lookup_hit_blocks", hits)
-        self.counters.add("lookup_miss_blocks", len(asked) - hits)
-        for h in asked[:hits]:
-            self.known.add(h)
-        for h in asked[hits:]:
-            self.known.discard(h)
+        self._account(asked, hits, "lookups")
         lk = _Lookup(self._clock(), start, len(hashes), hits, [list(b) for b in blocks[:hits]])
         if len(gens) >= hits and all(
             isinstance(g, list | tuple) and len(g) == self.world_size for g in gens[:hits]
         ):
             lk.gens = [list(g) for g in gens[:hits]]
         if locating is not None:
-            t1 = self._clock()
             self._finish_locate(lk, locating)
-            if logger.isEnabledFor(logging.DEBUG):
-                logger.debug(
-                    "PegaFlow: lookup of %d blocks for %s: %d hits (%s) in %.2f ms, then "
-                    "%.2f ms waiting for the locate",
-                    len(asked), st.request.request_id, lk.hits,
-                    "located" if lk.located else "not located",
-                    (t1 - t0) * 1e3, (self._clock() - t1) * 1e3,
-                )  # fmt: skip
-        elif logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "PegaFlow: lookup of %d blocks for %s: %d hits in %.2f ms",
-                len(asked), st.request.request_id, hits, (self._clock() - t0) * 1e3,
-            )  # fmt: skip
+        self._debug_lookup(st, asked, lk, t0, "coordinator")
         if hits and self.settings.read_pin_s > 0 and not lk.located:
             self._pin(client, ns, asked[:hits], lk.nodes)
         st.lookup = lk
+        return lk
+
+    def _account(self, asked: list[bytes], hits: int, kind: str) -> None:
+        self.counters.add(kind)
+        self.counters.add("lookup_hit_blocks", hits)
+        self.counters.add("lookup_miss_blocks", len(asked) - hits)
+        for h in asked[:hits]:
+            self.known.add(h)
+        for h in asked[hits:]:
+            self.known.discard(h)
+
+    def _debug_lookup(
+        self, st: _ReqState, asked: list[bytes], lk: _Lookup, t0: float, how: str
+    ) -> None:
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "PegaFlow: lookup of %d blocks for %s: %d hits (%s, %s) in %.2f ms",
+                len(asked), st.request.request_id, lk.hits, how,
+                "located" if lk.located else "not located", (self._clock() - t0) * 1e3,
+            )  # fmt: skip
+
+    def _answer_locally(
+        self, start: int, n_hashes: int, asked: list[bytes], futs: list[Any]
+    ) -> _Lookup | None:
+        """A lookup answered by the local node alone: when its locates found every asked
+        block of every shard (else None: the coordinator's answer is needed)."""
+        try:
+            got = [f.result(self.settings.lookup_timeout_s) for f in futs]
+        except Exception:
+            return None  # _finish_locate reports it
+        if not asked or any(len(w) != len(asked) or not w.found.all() for _p, w in got):
+            return None
+        local = self.settings.local_node
+        lk = _Lookup(self._clock(), start, n_hashes, len(asked), [[local] * self.world_size
+                     for _ in asked])  # fmt: skip
+        gen_cols = [w.column("gen").tolist() for _p, w in got]
+        lk.gens = [list(g) for g in zip(*gen_cols, strict=True)]
+        lk.located = [w for _p, w in got]
+        lk.pins = [int(p) for p, _w in got]
+        lk.located_at = time.monotonic()
         return lk
 
     def _start_locate(self, client: Any, ns: str, asked: list[bytes]) -> list[Any] | None:
@@ -611,3 +645,9 @@ class SchedulerSide:
                 close()
             except Exception:
                 pass
+
+
+def _discard(fut: Any) -> None:
+    """Collect a call's outcome that nobody needs (so no error is left unretrieved)."""
+    if not fut.cancelled():
+        fut.exception()

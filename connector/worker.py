@@ -161,7 +161,7 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         """Adopt vLLM's KV cache tensors; on an unsupported layout the connector goes inert."""
         try:
-            io = KVBlockIO(kv_caches, num_blocks)
+            io = KVBlockIO(kv_caches, num_blocks, warm_up=False)
         except Exception as e:
             logger.error("PegaFlow: cannot use this KV cache layout (%s); connector inert", e)
             return
@@ -174,6 +174,7 @@ class WorkerSide:
         if self.settings.can_save:
             self._save_staging.prefill(1)
         self.io = io
+        self._load_pool.submit(self._warm_up)  # kernel compiles off the engine's start path
         if self.settings.local_node and self.settings.same_host_shortcut:
             self._local = LocalPath(
                 io,
@@ -531,6 +532,13 @@ class WorkerSide:
                     except Exception:
                         pass
                 staging.release(b)
+
+    def _warm_up(self) -> None:
+        try:
+            if self.io is not None:
+                self.io.warm_up()
+        except Exception as e:  # the first copy then compiles it
+            logger.warning("PegaFlow: tile kernel warm-up failed: %s", e)
 
     def _attach_local(self) -> None:
         client = self._get_client()

@@ -247,6 +247,16 @@ class _AsyncFace:
     def __init__(self, cluster: FakeCluster) -> None:
         self.c = cluster
 
+    async def lookup(
+        self,
+        ns: str,
+        hashes: Any,
+        shards: Any = (0,),
+        timeout: float | None = None,
+        generations: bool = False,
+    ) -> FakeLookup:
+        return self.c.lookup(ns, hashes, shards, timeout, generations)
+
     async def locate(
         self,
         ns: str,

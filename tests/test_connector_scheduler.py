@@ -135,6 +135,14 @@ def test_layer_wise_hits_are_located_while_looked_up() -> None:
     assert job.located[0].column("gen").tolist() == [0, 0, 0, 0] and job.pins == [1]
     assert len(job.located[0]) == 4 and job.located[0].found.all()
     assert job.located_at > 0
+    # every block on the local node: the node's answer is the whole hit
+    whole, cl3, c3 = make(local_node="n1")
+    store(cl3, req, 6)
+    assert whole.get_num_new_matched_tokens(req, 0) == (20, False)  # one token left
+    assert c3.totals().get("lookups_local") == 1 and not c3.totals().get("lookups")
+    whole.update_state_after_alloc(req, ([20, 21, 22, 23, 24, 25],), 20)
+    (job3,) = whole.build_plan(sched_output()).loads
+    assert job3.sync and len(job3.located[0]) == 5 and job3.gens == [[0]] * 5
     # hits on another node: no locations, read pins as before
     other, cl2, _ = make(local_node="n1")
     for h in req.block_hashes[:3]:
