@@ -41,6 +41,8 @@ from . import tilecopy
 
 _DEV_STAGING_BLOCKS = 64
 """blocks per device staging chunk of the DMA path"""
+_MIN_RUN = 4
+"""shortest average run of consecutive blocks for which loads go by 2-D copies"""
 _DIGEST_MUL = 0x9E3779B97F4A7C15 - (1 << 64)
 _DIGEST_ADD = 0x632BE59BD9B4E019
 
@@ -99,10 +101,12 @@ class KVBlockIO:
             off += layer.tile_bytes
         self._stream: Any = None
         self._save_stream: Any = None
+        self._check_stream: Any = None
         self._dev_staging: torch.Tensor | None = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)
             self._save_stream = torch.cuda.Stream(device=self.device)
+            self._check_stream = torch.cuda.Stream(device=self.device)
         self.kernel_ok = tilecopy.available(self.device) and all(
             layer.raw is not None and tilecopy.aligned(layer.tile_bytes, layer.raw.data_ptr(), off)
             for layer, off in zip(self.layers, self._offsets, strict=True)
@@ -158,8 +162,9 @@ class KVBlockIO:
             offs = tilecopy.offsets_tensor([0], self.device)
             sums = torch.zeros(1, dtype=torch.int64, device=self.device)
             wts = torch.ones(tb // 8, dtype=torch.int64, device=self.device)
-            for digest in (None, (wts, sums)):  # both variants: loads and saves use both
+            for digest in (None, (wts, sums)):  # every variant loads and saves use
                 tilecopy.copy_tiles(buf, offs, buf, offs, tb, digest, dst_shift=tb)
+            tilecopy.copy_tiles(buf, offs, buf, offs, tb, (wts, sums), store=False)
         self._stream.synchronize()
 
     def describe(self) -> str:
@@ -282,16 +287,24 @@ class KVBlockIO:
         *,
         mapped: bool = False,
         digest: bool = False,
+        mode: str = "auto",
     ) -> Transfer:
         """Copy block ``i`` from ``host[offsets[i]:][:block_bytes]`` into KV block
         ``block_ids[i]`` of every layer.
 
         ``host`` is a flat uint8 CPU tensor; ``mapped``: it is pinned and visible to the
-        device (then the tile kernel is used where the layout allows).  On CUDA the
-        copies are queued on the connector's stream and the returned :class:`Transfer`
-        has an event per layer; on the CPU they are done on return.  ``digest``: also
-        compute each block's :meth:`digest` (``Transfer.digests``; by the tile kernel
-        from the words it stores, else by reading the blocks back after the copies).
+        device.  On CUDA the copies are queued on the connector's stream and the
+        returned :class:`Transfer` has an event per layer; on the CPU they are done on
+        return.  ``digest``: also compute each block's :meth:`digest`
+        (``Transfer.digests``).
+
+        ``mode`` (pinned memory, tile layouts): ``dma2d`` moves each layer's tiles with
+        the copy engines, one 2-D copy per run of blocks that are consecutive both in
+        ``host`` and in the cache (a prefix saved at once usually is), and a read-only
+        kernel computes the digests behind them; ``kernel`` has the SMs copy every tile
+        and sum the digests on the way; ``auto`` takes ``dma2d`` when runs average at
+        least :data:`_MIN_RUN` blocks, else ``kernel``.  Otherwise (or ``mode="dma"``)
+        blocks go through a device staging buffer.
         """
         self._check_ids(block_ids)
         n = len(block_ids)
@@ -304,8 +317,16 @@ class KVBlockIO:
             return Transfer([], None, sums)
         events: list[Any] = []
         sums = None
+        runs = (
+            self._runs(offsets, block_ids)
+            if mode in ("auto", "dma2d") and self._use_kernel(host, offsets, mapped)
+            and tilecopy.dma2d_available()
+            else None
+        )  # fmt: skip
+        if runs is not None and (mode == "dma2d" or len(runs) * _MIN_RUN <= n):
+            return self._copy_in_2d(host, offsets, block_ids, runs, digest)
         with torch.cuda.stream(self._stream):
-            if self._use_kernel(host, offsets, mapped):
+            if mode != "dma" and self._use_kernel(host, offsets, mapped):
                 src = tilecopy.RawPointer(host.data_ptr())
                 src_off = tilecopy.offsets_tensor(offsets, self.device)
                 dst_off = self._tile_offsets(block_ids)
@@ -333,6 +354,73 @@ class KVBlockIO:
                 ev.record(self._stream)
                 events = [ev] * len(self.layers)
         return Transfer(events, self._stream, sums)
+
+    @staticmethod
+    def _runs(offsets: Sequence[int], block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        """``(first index, length, host pitch)`` of the runs of blocks that lie at equal
+        steps in host memory and have consecutive ids in the cache."""
+        runs: list[tuple[int, int, int]] = []
+        i, n = 0, len(offsets)
+        while i < n:
+            j = i + 1
+            pitch = offsets[j] - offsets[i] if j < n else 0
+            while (
+                j < n
+                and pitch > 0
+                and offsets[j] - offsets[j - 1] == pitch
+                and block_ids[j] == block_ids[j - 1] + 1
+            ):
+                j += 1
+            runs.append((i, j - i, pitch if j - i > 1 else 0))
+            i = j
+        return runs
+
+    def _copy_in_2d(
+        self,
+        host: torch.Tensor,
+        offsets: Sequence[int],
+        block_ids: Sequence[int],
+        runs: list[tuple[int, int, int]],
+        digest: bool,
+    ) -> Transfer:
+        """:meth:`copy_in` by the copy engines: per layer, one 2-D copy per run, an
+        event, and (``digest``) a read-only digest kernel on a second stream behind it."""
+        n = len(block_ids)
+        base = host.data_ptr()
+        handle = self._stream.cuda_stream
+        events: list[Any] = []
+        sums = None
+        with torch.cuda.stream(self._stream):
+            if digest:
+                dst_off = self._tile_offsets(block_ids)
+                sums = torch.zeros(n, dtype=torch.int64, device=self.device)
+                for t in (sums, *dst_off.values()):
+                    t.record_stream(self._check_stream)
+            for layer, off in zip(self.layers, self._offsets, strict=True):
+                assert layer.raw is not None
+                tb = layer.tile_bytes
+                dst0 = layer.raw.data_ptr()
+                for i, m, pitch in runs:
+                    tilecopy.copy_2d(
+                        dst0 + block_ids[i] * tb, tb, base + offsets[i] + off, pitch or tb, tb,
+                        m, handle,
+                    )  # fmt: skip
+                ev = torch.cuda.Event()
+                ev.record(self._stream)
+                events.append(ev)
+                if digest:
+                    with torch.cuda.stream(self._check_stream):
+                        self._check_stream.wait_event(ev)
+                        ids = dst_off[tb]
+                        tilecopy.copy_tiles(
+                            layer.raw, ids, layer.raw, ids, tb,
+                            self._digest_args(off, tb, sums), store=False,
+                        )  # fmt: skip
+        tail = None
+        if digest:
+            tail = torch.cuda.Event()
+            tail.record(self._check_stream)
+        return Transfer(events, self._stream, sums, tail)
 
     def _tile_offsets(self, block_ids: Sequence[int]) -> dict[int, torch.Tensor]:
         """Per tile size of the layers: the kernel's offsets of blocks ``block_ids``."""
@@ -490,10 +578,18 @@ class Transfer:
     """Copies queued on a CUDA stream, with one completion event per layer, and the
     digests of the copied blocks when they were asked for (done with the last event)."""
 
-    def __init__(self, events: list[Any], stream: Any, digests: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        events: list[Any],
+        stream: Any,
+        digests: torch.Tensor | None = None,
+        tail: Any = None,
+    ) -> None:
         self.events = events
         self.stream = stream
         self.digests = digests
+        self.tail = tail
+        """event after the digests, when they are computed behind the copies"""
 
     def wait_layer(self, i: int) -> None:
         """Make the current stream wait (on the device, not the CPU) for layer ``i``."""
@@ -509,3 +605,5 @@ class Transfer:
         """Block the calling thread until every copy is done."""
         if self.events:
             self.events[-1].synchronize()
+        if self.tail is not None:
+            self.tail.synchronize()

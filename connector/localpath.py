@@ -59,8 +59,9 @@ class LocalPath:
         n = verify_threads or min(16, os.cpu_count() or 1)
         self._verify = concurrent.futures.ThreadPoolExecutor(n, "pegaflow-verify")
         self.pool: MappedPool | None = None
-        self.use_kernel = True
-        """copy with the tile kernel where possible (False: always the copy engines)"""
+        self.copy_mode = "auto"
+        """how loads copy (see :meth:`KVBlockIO.copy_in`); ``dma`` also keeps saves off
+        the tile kernel"""
         self._failed = False
         self._attach_lock = threading.Lock()
 
@@ -126,8 +127,9 @@ class LocalPath:
                 pool.tensor,
                 offsets,
                 [block_ids[i] for i in idx],
-                mapped=pool.registered and self.use_kernel,
+                mapped=pool.registered,
                 digest=on_device,
+                mode=self.copy_mode,
             )
             if on_device:  # what landed in the KV cache against the writer's digests
                 assert xfer.digests is not None
@@ -207,7 +209,7 @@ class LocalPath:
                 ids,
                 pool.tensor,
                 [offsets[i] for i in idx],  # type: ignore[misc]
-                mapped=pool.registered and self.use_kernel,
+                mapped=pool.registered and self.copy_mode != "dma",
                 after=after,
                 digest=self.io.can_digest,
             )

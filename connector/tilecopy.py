@@ -62,6 +62,7 @@ if triton is not None:
         dig,
         BLOCK: tl.constexpr,
         DIGEST: tl.constexpr,
+        STORE: tl.constexpr,
     ):
         t = tl.program_id(0)
         c = tl.program_id(1)
@@ -71,7 +72,8 @@ if triton is not None:
         offs = c * BLOCK + tl.arange(0, BLOCK)
         mask = offs < tile_elems
         v = tl.load(src + s0 + offs, mask=mask, other=0)
-        tl.store(dst + d0 + offs, v, mask=mask)
+        if STORE:
+            tl.store(dst + d0 + offs, v, mask=mask)
         if DIGEST:  # the words just stored, position-weighted, summed modulo 2**64
             w = tl.load(wts + offs, mask=mask, other=0)
             tl.atomic_add(dig + t, tl.sum(v * w, axis=0))
@@ -96,6 +98,7 @@ def copy_tiles(
     digest: tuple[torch.Tensor, torch.Tensor] | None = None,
     src_shift: int = 0,
     dst_shift: int = 0,
+    store: bool = True,
 ) -> None:
     """Copy ``len(src_offsets)`` tiles of ``tile_bytes``: ``src + src_offsets[i] +
     src_shift`` to ``dst + dst_offsets[i] + dst_shift``, on the current CUDA stream.
@@ -106,7 +109,8 @@ def copy_tiles(
     ``digest``: ``(weights, sums)``, int64 CUDA tensors: ``sums[i]`` is increased by the
     sum over the tile's 64-bit words ``j`` of ``word[j] * weights[j]`` (modulo 2**64),
     computed from the words as they are stored, so a caller gets each block's digest
-    without reading the blocks again.
+    without reading the blocks again.  ``store=False``: only the digests (the tiles at
+    ``src`` are read, nothing is written).
     """
     n = int(src_offsets.numel())
     if n == 0:
@@ -128,6 +132,7 @@ def copy_tiles(
         sums,
         BLOCK=_BLOCK,
         DIGEST=digest is not None,
+        STORE=store,
         num_warps=_WARPS,
     )
 
@@ -143,3 +148,29 @@ def offsets_tensor(values: Sequence[int], device: torch.device, scale: int = 1) 
     offsets :func:`copy_tiles` takes, on ``device`` (one small host-to-device copy)."""
     arr = np.asarray(values, dtype=np.int64) * scale // _ELEM
     return torch.from_numpy(arr).to(device, non_blocking=True)
+
+
+try:  # the CUDA runtime's 2-D copy, for copy-engine loads of whole runs of tiles
+    from cuda.bindings import runtime as _cudart
+except Exception:  # pragma: no cover - CPU installs, or an older cuda-python
+    _cudart = None
+
+
+def dma2d_available() -> bool:
+    """Whether :func:`copy_2d` can run here (cuda-python present)."""
+    return _cudart is not None
+
+
+def copy_2d(
+    dst: int, dpitch: int, src: int, spitch: int, width: int, rows: int, stream: int
+) -> None:
+    """Queue one 2-D host-to-device copy on ``stream`` (a raw CUDA stream handle):
+    ``rows`` rows of ``width`` bytes, ``spitch`` apart at ``src``, ``dpitch`` apart at
+    ``dst``.  The copy engines move such rows at full PCIe speed when they are large
+    (a layer of a KV block is tens of KiB), where one copy per tile would not."""
+    assert _cudart is not None
+    (err,) = _cudart.cudaMemcpy2DAsync(
+        dst, dpitch, src, spitch, width, rows, _cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, stream
+    )
+    if err != _cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaMemcpy2DAsync failed: {err}")

@@ -8,8 +8,10 @@ Shape: 32 layers, 8 KV heads, head size 128, bf16, so 128 KiB of KV per token; a
 10,000-token prefix is 1.31 GB.  Layouts: vLLM 0.26's per-layer FlashAttention cache
 ``(blocks, heads, block_size, 2*head)`` and its cross-layer cache (one tensor, every
 layer of a block contiguous).  Copy modes: ``kernel`` (one kernel per layer reading or
-writing the pinned, mapped pool directly) and ``dma`` (copy engine, 1 DMA per block,
-scatter on the device).
+writing the pinned, mapped pool directly), ``dma2d`` (loads: the copy engines, one 2-D
+copy per layer and run of consecutive blocks, digests by a read-only kernel behind
+them; saves as ``kernel``) and ``dma`` (copy engine, 1 DMA per block, scatter on the
+device).
 
 A load is the whole connector path: locate (pins the blocks on the node), the copies,
 the check of every block (the device digest of what landed in the KV cache against the
@@ -117,7 +119,9 @@ def main() -> None:
                 path = LocalPath(io, node, timeout=60.0, verify_threads=args.verify_threads)
                 assert path.attach(client) and path.pool is not None
                 path.pool.wait_registered()
-                modes = ["kernel", "dma"] if io.kernel_ok and path.pool.registered else ["dma"]
+                modes = (
+                    ["kernel", "dma2d", "dma"] if io.kernel_ok and path.pool.registered else ["dma"]
+                )
                 for mode in modes:
                     p = run_point(args, client, path, io, kv, layout, block_tokens, n, mode)
                     p["load_ratio"] = round(p["load_gbps"] / h2d, 3)
@@ -171,8 +175,7 @@ def run_point(
 ) -> dict[str, object]:
     pool = path.pool
     assert pool is not None
-    path.use_kernel = mode == "kernel"  # dma: copy-engine path (the pool stays pinned)
-    kernel = mode == "kernel"
+    path.copy_mode = mode  # the pool stays pinned in every mode
     loads, saves, load_copy, save_copy, located, frees = [], [], [], [], [], []
     src_ids, dst_ids = list(range(n)), list(range(n + 8, 2 * n + 8))
     try:
@@ -204,9 +207,9 @@ def run_point(
             offs = where.column("offset").tolist()
             torch.cuda.synchronize()
             t4 = time.perf_counter()
-            io.copy_in(pool.tensor, offs, dst_ids, mapped=kernel).synchronize()
+            io.copy_in(pool.tensor, offs, dst_ids, mapped=True, mode=mode).synchronize()
             t5 = time.perf_counter()
-            io.copy_out(src_ids, pool.tensor, offs, mapped=kernel)
+            io.copy_out(src_ids, pool.tensor, offs, mapped=mode != "dma")
             t6 = time.perf_counter()
             # the worker's part when the scheduler located the blocks during its lookup
             pending = path.start_load(client, ns, hashes, 0, dst_ids, located=([pin], where))
@@ -220,7 +223,7 @@ def run_point(
                 save_copy.append(t6 - t5)
                 located.append(t7 - t6)
     finally:
-        path.use_kernel = True
+        path.copy_mode = "auto"
     nbytes = n * io.block_bytes
     med = statistics.median
     return {

@@ -48,7 +48,7 @@ def _caches(layout: str, blocks: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("layout", ["per_layer", "cross_layer", "mla"])
-@pytest.mark.parametrize("mode", ["kernel", "dma"])
+@pytest.mark.parametrize("mode", ["kernel", "dma2d", "dma"])
 def test_gpu_save_then_load_into_other_blocks(server: Proc, layout: str, mode: str) -> None:
     node = server.ready["node"]
     client = SyncPegaClient(ClientConfig(coordinators=[server.ready["coordinator"]]))
@@ -59,23 +59,26 @@ def test_gpu_save_then_load_into_other_blocks(server: Proc, layout: str, mode: s
         assert writer.attach(client) and reader.attach(client)
         for path in (writer, reader):
             assert path.pool is not None and path.pool.wait_registered(60)
-            path.use_kernel = mode == "kernel"
+            path.copy_mode = mode
         assert src.kernel_ok
         ns = f"gpu-{layout}-{mode}"
         hashes = [bytes([i]) * 16 for i in range(70)]  # > one device staging chunk
         ids = list(range(5, 75))
         out = writer.save(client, ns, hashes, 0, ids).result(30)
         assert (out.stored, out.failed) == (70, 0)
-        targets = [95 - i for i in range(70)]  # other ids, reversed order
-        pending = reader.start_load(client, ns, hashes, 0, targets)
-        ok = pending.finish()
-        assert ok == [True] * 70
-        for name in src_kv:
-            want = src_kv[name][ids]
-            got = dst_kv[name][targets]
-            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
-        # per-layer events exist for layer-wise waiting
-        assert len(pending.transfer.events) == len(dst.layers)
+        # other ids, reversed (runs of one block), then consecutive (long runs)
+        for targets in ([95 - i for i in range(70)], list(range(10, 80))):
+            for t in dst_kv.values():
+                t.zero_()
+            pending = reader.start_load(client, ns, hashes, 0, targets)
+            ok = pending.finish()
+            assert ok == [True] * 70
+            for name in src_kv:
+                want = src_kv[name][ids]
+                got = dst_kv[name][targets]
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
+            # per-layer events exist for layer-wise waiting
+            assert len(pending.transfer.events) == len(dst.layers)
     finally:
         writer.close()
         reader.close()
