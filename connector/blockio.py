@@ -41,8 +41,9 @@ from . import tilecopy
 
 _DEV_STAGING_BLOCKS = 64
 """blocks per device staging chunk of the DMA path"""
-_MIN_RUN = 4
-"""shortest average run of consecutive blocks for which loads go by 2-D copies"""
+_MAX_PITCH = 1 << 24
+"""largest step between blocks of a run (2-D copies refuse pitches past about 2 GiB;
+neighbouring slots of a pool are one slot apart)"""
 _DIGEST_MUL = 0x9E3779B97F4A7C15 - (1 << 64)
 _DIGEST_ADD = 0x632BE59BD9B4E019
 
@@ -288,6 +289,7 @@ class KVBlockIO:
         mapped: bool = False,
         digest: bool = False,
         mode: str = "auto",
+        piece: int = 0,
     ) -> Transfer:
         """Copy block ``i`` from ``host[offsets[i]:][:block_bytes]`` into KV block
         ``block_ids[i]`` of every layer.
@@ -301,10 +303,11 @@ class KVBlockIO:
         ``mode`` (pinned memory, tile layouts): ``dma2d`` moves each layer's tiles with
         the copy engines, one 2-D copy per run of blocks that are consecutive both in
         ``host`` and in the cache (a prefix saved at once usually is), and a read-only
-        kernel computes the digests behind them; ``kernel`` has the SMs copy every tile
-        and sum the digests on the way; ``auto`` takes ``dma2d`` when runs average at
-        least :data:`_MIN_RUN` blocks, else ``kernel``.  Otherwise (or ``mode="dma"``)
-        blocks go through a device staging buffer.
+        kernel computes the digests behind them (experimental: not chosen by ``auto``);
+        ``kernel`` (and ``auto``) has the SMs copy every tile and sum the digests on the
+        way.  Otherwise (or ``mode="dma"``)
+        blocks go through a device staging buffer.  ``piece``: ``host`` was pinned in
+        pieces of this many bytes (0: whole); a 2-D copy never spans two.
         """
         self._check_ids(block_ids)
         n = len(block_ids)
@@ -318,12 +321,12 @@ class KVBlockIO:
         events: list[Any] = []
         sums = None
         runs = (
-            self._runs(offsets, block_ids)
-            if mode in ("auto", "dma2d") and self._use_kernel(host, offsets, mapped)
+            self._runs(offsets, block_ids, piece)
+            if mode == "dma2d" and self._use_kernel(host, offsets, mapped)
             and tilecopy.dma2d_available()
             else None
         )  # fmt: skip
-        if runs is not None and (mode == "dma2d" or len(runs) * _MIN_RUN <= n):
+        if runs is not None and mode == "dma2d":
             return self._copy_in_2d(host, offsets, block_ids, runs, digest)
         with torch.cuda.stream(self._stream):
             if mode != "dma" and self._use_kernel(host, offsets, mapped):
@@ -356,9 +359,12 @@ class KVBlockIO:
         return Transfer(events, self._stream, sums)
 
     @staticmethod
-    def _runs(offsets: Sequence[int], block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    def _runs(
+        offsets: Sequence[int], block_ids: Sequence[int], piece: int = 0
+    ) -> list[tuple[int, int, int]]:
         """``(first index, length, host pitch)`` of the runs of blocks that lie at equal
-        steps in host memory and have consecutive ids in the cache."""
+        steps in host memory, within one pinned piece, and have consecutive ids in the
+        cache."""
         runs: list[tuple[int, int, int]] = []
         i, n = 0, len(offsets)
         while i < n:
@@ -366,9 +372,10 @@ class KVBlockIO:
             pitch = offsets[j] - offsets[i] if j < n else 0
             while (
                 j < n
-                and pitch > 0
+                and 0 < pitch <= _MAX_PITCH
                 and offsets[j] - offsets[j - 1] == pitch
                 and block_ids[j] == block_ids[j - 1] + 1
+                and (not piece or offsets[j] // piece == offsets[i] // piece)
             ):
                 j += 1
             runs.append((i, j - i, pitch if j - i > 1 else 0))

@@ -58,6 +58,8 @@ class MappedPool:
         self.ptr = int(self.array.ctypes.data)
         self._registered = False
         self._pieces: list[int] = []
+        self.piece = _REGISTER_CHUNK
+        """the pool is pinned in pieces of this many bytes (one registration each)"""
         self._register_thread: threading.Thread | None = None
         self.register_seconds = 0.0
         if device is not None and device.type == "cuda":

@@ -130,6 +130,7 @@ class LocalPath:
                 mapped=pool.registered,
                 digest=on_device,
                 mode=self.copy_mode,
+                piece=pool.piece,
             )
             if on_device:  # what landed in the KV cache against the writer's digests
                 assert xfer.digests is not None

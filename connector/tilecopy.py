@@ -173,4 +173,7 @@ def copy_2d(
         dst, dpitch, src, spitch, width, rows, _cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, stream
     )
     if err != _cudart.cudaError_t.cudaSuccess:
-        raise RuntimeError(f"cudaMemcpy2DAsync failed: {err}")
+        raise RuntimeError(
+            f"cudaMemcpy2DAsync(dst={dst:#x}, dpitch={dpitch}, src={src:#x}, spitch={spitch},"
+            f" width={width}, rows={rows}) failed: {err}"
+        )

@@ -123,7 +123,14 @@ def main() -> None:
                     ["kernel", "dma2d", "dma"] if io.kernel_ok and path.pool.registered else ["dma"]
                 )
                 for mode in modes:
-                    p = run_point(args, client, path, io, kv, layout, block_tokens, n, mode)
+                    try:
+                        p = run_point(args, client, path, io, kv, layout, block_tokens, n, mode)
+                    except Exception as e:  # report the mode's failure, measure the rest
+                        torch.cuda.synchronize()
+                        points.append({"layout": layout, "block_tokens": block_tokens,
+                                       "mode": mode, "error": str(e)[:500]})  # fmt: skip
+                        print(json.dumps(points[-1]), flush=True)
+                        continue
                     p["load_ratio"] = round(p["load_gbps"] / h2d, 3)
                     p["save_ratio"] = round(p["save_gbps"] / d2h, 3)
                     p["register_s"] = round(path.pool.register_seconds, 2)
@@ -135,7 +142,11 @@ def main() -> None:
     finally:
         client.close()
         server.terminate()
-    main_pts = [p for p in points if p["layout"] == "per_layer" and p["block_tokens"] == 16]
+    main_pts = [
+        p
+        for p in points
+        if p["layout"] == "per_layer" and p["block_tokens"] == 16 and "error" not in p
+    ]
     best_load = max(main_pts, key=lambda p: p["load_gbps"])
     best_save = max(main_pts, key=lambda p: p["save_gbps"])
     print(
