@@ -29,6 +29,7 @@ Two families of copies:
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,8 +40,12 @@ import torch
 
 from . import tilecopy
 
+logger = logging.getLogger("pegaflow.connector")
+
 _DEV_STAGING_BLOCKS = 64
 """blocks per device staging chunk of the DMA path"""
+_MIN_RUN = 4
+"""shortest average run of consecutive blocks for which ``auto`` loads by 2-D copies"""
 _MAX_PITCH = 1 << 24
 """largest step between blocks of a run (2-D copies refuse pitches past about 2 GiB;
 neighbouring slots of a pool are one slot apart)"""
@@ -103,6 +108,7 @@ class KVBlockIO:
         self._stream: Any = None
         self._save_stream: Any = None
         self._check_stream: Any = None
+        self._dma2d_ok = True
         self._dev_staging: torch.Tensor | None = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)
@@ -303,9 +309,10 @@ class KVBlockIO:
         ``mode`` (pinned memory, tile layouts): ``dma2d`` moves each layer's tiles with
         the copy engines, one 2-D copy per run of blocks that are consecutive both in
         ``host`` and in the cache (a prefix saved at once usually is), and a read-only
-        kernel computes the digests behind them (experimental: not chosen by ``auto``);
-        ``kernel`` (and ``auto``) has the SMs copy every tile and sum the digests on the
-        way.  Otherwise (or ``mode="dma"``)
+        kernel computes the digests behind them; ``kernel`` has the SMs copy every tile
+        and sum the digests on the way; ``auto`` takes ``dma2d`` when runs average at
+        least :data:`_MIN_RUN` blocks (falling back to the kernel for good if a 2-D copy
+        is refused), else ``kernel``.  Otherwise (or ``mode="dma"``)
         blocks go through a device staging buffer.  ``piece``: ``host`` was pinned in
         pieces of this many bytes (0: whole); a 2-D copy never spans two.
         """
@@ -322,12 +329,19 @@ class KVBlockIO:
         sums = None
         runs = (
             self._runs(offsets, block_ids, piece)
-            if mode == "dma2d" and self._use_kernel(host, offsets, mapped)
+            if (mode == "dma2d" or (mode == "auto" and self._dma2d_ok))
+            and self._use_kernel(host, offsets, mapped)
             and tilecopy.dma2d_available()
             else None
         )  # fmt: skip
-        if runs is not None and mode == "dma2d":
-            return self._copy_in_2d(host, offsets, block_ids, runs, digest)
+        if runs is not None and (mode == "dma2d" or len(runs) * _MIN_RUN <= n):
+            try:
+                return self._copy_in_2d(host, offsets, block_ids, runs, digest)
+            except RuntimeError as e:  # the copies queued so far are redone below
+                if mode == "dma2d":
+                    raise
+                self._dma2d_ok = False
+                logger.warning("PegaFlow: 2-D copies failed (%s); loads use the tile kernel", e)
         with torch.cuda.stream(self._stream):
             if mode != "dma" and self._use_kernel(host, offsets, mapped):
                 src = tilecopy.RawPointer(host.data_ptr())

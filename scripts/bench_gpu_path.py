@@ -218,7 +218,9 @@ def run_point(
             offs = where.column("offset").tolist()
             torch.cuda.synchronize()
             t4 = time.perf_counter()
-            io.copy_in(pool.tensor, offs, dst_ids, mapped=True, mode=mode).synchronize()
+            io.copy_in(
+                pool.tensor, offs, dst_ids, mapped=True, mode=mode, piece=pool.piece
+            ).synchronize()
             t5 = time.perf_counter()
             io.copy_out(src_ids, pool.tensor, offs, mapped=mode != "dma")
             t6 = time.perf_counter()
