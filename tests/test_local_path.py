@@ -184,3 +184,17 @@ def test_located_blocks_round_trip_the_wire() -> None:
     assert back[1:].column("offset").tolist() == [0, 0]
     with pytest.raises(BadRequest):
         LocatedBlocks.from_wire(where.to_wire(), 4)
+
+
+def test_runs_of_consecutive_blocks_for_2d_copies() -> None:
+    mib = 1 << 20
+    offsets = [0, 2 * mib, 4 * mib, 6 * mib, 40 * mib, 42 * mib, 44 * mib]
+    ids = [10, 11, 12, 20, 21, 22, 23]
+    # a break where the cache ids jump, where the host step changes, never across a piece
+    assert KVBlockIO._runs(offsets, ids) == [(0, 3, 2 * mib), (3, 1, 0), (4, 3, 2 * mib)]
+    assert KVBlockIO._runs(offsets, ids, piece=4 * mib) == [
+        (0, 2, 2 * mib), (2, 1, 0), (3, 1, 0), (4, 2, 2 * mib), (6, 1, 0),
+    ]  # fmt: skip
+    far = [0, 1 << 30]  # a step too large for a 2-D copy's pitch
+    assert KVBlockIO._runs(far, [1, 2]) == [(0, 1, 0), (1, 1, 0)]
+    assert KVBlockIO._runs([], []) == []
