@@ -268,7 +268,9 @@ class SchedulerSide:
         hashes = request.block_hashes
         n = len(hashes)
         start = num_computed_tokens // bs
-        if start >= n:
+        if start >= n or (request.num_tokens - 1) // bs <= start:
+            # no full block is left before the last token (which vLLM computes anyway):
+            # e.g. vLLM's own prefix cache served the rest; no lookup to pay for
             return 0, False
         ns = self.namespace
         if not ns:

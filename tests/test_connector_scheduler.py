@@ -165,6 +165,16 @@ def test_lookup_starts_after_local_prefix_hit() -> None:
     assert job.hashes == req.block_hashes[2:4]
 
 
+def test_no_lookup_when_only_the_last_tokens_block_is_left() -> None:
+    side, cl, _ = make()
+    req = FakeRequest("r1", toks(16), BS)  # 4 full blocks; vLLM's own hit stops at 3
+    store(cl, req, 4)
+    assert side.get_num_new_matched_tokens(req, 12) == (0, False)
+    assert cl.lookups == 0  # the last token is computed anyway: nothing worth a lookup
+    assert side.get_num_new_matched_tokens(req, 8) == (8, True)
+    assert cl.lookups == 1
+
+
 def test_unaligned_local_hit_and_no_full_block_are_misses() -> None:
     side, cl, _ = make()
     req = FakeRequest("r1", toks(7), BS)
