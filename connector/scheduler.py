@@ -12,6 +12,7 @@ bookkeeping is unit-tested with fakes.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -213,6 +214,8 @@ class SchedulerSide:
         self._pending_loads: list[LoadJob] = []
         self._delay_free: list[str] = []
         self._last_error_log = -1e9
+        self._client_lock = threading.Lock()
+        self._closed = False
 
     # ---- helpers -------------------------------------------------------------------
 
@@ -239,13 +242,35 @@ class SchedulerSide:
         return st
 
     def _client_or_none(self) -> LookupClient | None:
-        if self._client is None and self._client_factory is not None:
-            try:
-                self._client = self._client_factory()
-            except Exception as e:
-                self._log_error("cannot create the cluster client", e)
+        with self._client_lock:
+            if self._closed:
                 return None
-        return self._client
+            if self._client is None and self._client_factory is not None:
+                try:
+                    self._client = self._client_factory()
+                except Exception as e:
+                    self._log_error("cannot create the cluster client", e)
+                    return None
+            return self._client
+
+    def warm_up(self) -> None:
+        """Connect to the coordinator and to ``local_node`` now (engine start, on a
+        background thread): the first lookup would otherwise pay for the connections,
+        and past ``lookup_timeout_s`` its request would miss the cache."""
+        if not self.settings.can_load:
+            return
+        client = self._client_or_none()
+        call = getattr(client, "call", None)
+        if call is None:
+            return
+        node, timeout = self.settings.local_node, self.settings.rpc_timeout_s
+        try:
+            if node:  # a no-op unpin: fetches the node records, opens the data plane
+                call(lambda c: c.unpin(node, 0, timeout), timeout)
+            else:
+                call(lambda c: c.nodes(timeout), timeout)
+        except Exception as e:
+            logger.info("PegaFlow: could not connect ahead of the first lookup: %s", e)
 
     def _log_error(self, what: str, e: BaseException) -> None:
         now = self._clock()
@@ -640,7 +665,9 @@ class SchedulerSide:
 
     def close(self) -> None:
         """Close the lookup client."""
-        c, self._client = self._client, None
+        with self._client_lock:
+            self._closed = True
+            c, self._client = self._client, None
         close = getattr(c, "close", None)
         if close is not None:
             try:

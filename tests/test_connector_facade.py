@@ -9,6 +9,7 @@ from __future__ import annotations
 import pickle
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -67,7 +68,9 @@ def _hash_root() -> None:
 
 
 def scheduler(cluster: FakeCluster, **kw: Any) -> PegaKVConnector:
-    c = PegaKVConnector(vllm_config(**kw), KVConnectorRole.SCHEDULER, kv_cache_config())
+    # patched on the class: the connector starts connecting (warm_up) as it is built
+    with mock.patch.object(PegaKVConnector, "_make_client", lambda self: cluster):
+        c = PegaKVConnector(vllm_config(**kw), KVConnectorRole.SCHEDULER, kv_cache_config())
     c._make_client = lambda: cluster  # type: ignore[method-assign]
     c._scheduler._client_factory = lambda: cluster  # type: ignore[union-attr]
     return c

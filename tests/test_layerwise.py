@@ -125,7 +125,9 @@ def test_scheduler_locates_so_the_worker_copies_at_once(server: Proc, device: st
                 break
             time.sleep(0.05)
 
+        sched.warm_up()  # what the connector runs at engine start: connections made
         assert sched.get_num_new_matched_tokens(req, 0) == (48, False)  # layer-wise
+        assert not sched.counters.totals().get("lookup_errors")
         sched.update_state_after_alloc(req, ([9, 10, 11, 12, 13],), 48)
         plan = sched.build_plan(sched_output(new=[new_req("r1", [9, 10, 11, 12, 13], 0)]))
         (job,) = plan.loads
