@@ -160,11 +160,12 @@ class KVBlockIO:
         return _Layer(name, raw, moved, tile_bytes, split)
 
     def warm_up(self) -> None:
-        """Compile the tile kernel's variants now, not on the first load."""
+        """Compile the tile kernel's variants now, not on the first load (may run on a
+        background thread: the cache's device is made current explicitly)."""
         if not self.kernel_ok:
             return
         tb = self.layers[0].tile_bytes
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             buf = torch.zeros(2 * tb, dtype=torch.uint8, device=self.device)
             offs = tilecopy.offsets_tensor([0], self.device)
             sums = torch.zeros(1, dtype=torch.int64, device=self.device)
