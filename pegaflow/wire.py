@@ -170,13 +170,16 @@ class LocatedBlocks(Sequence["LocatedBlock | None"]):
     @classmethod
     def build(cls, rows: Sequence[tuple[int, int, int, int, int | None] | None]) -> LocatedBlocks:
         """From ``(offset, size, gen, xxh3, digest)`` per block (None: not found)."""
-        flags = np.zeros(len(rows), dtype=np.uint8)
-        cols = np.zeros((len(rows), 5), dtype=np.uint64)
-        for i, r in enumerate(rows):
-            if r is None:
-                continue
-            flags[i] = _FOUND | (_HAS_DIGEST if r[4] is not None else 0)
-            cols[i] = (r[0], r[1], r[2], r[3], (r[4] or 0) & _U64)
+        n = len(rows)
+        flags = np.fromiter(
+            (0 if r is None else _FOUND | (_HAS_DIGEST if r[4] is not None else 0) for r in rows),
+            np.uint8,
+            n,
+        )
+        cols = np.array(
+            [(0,) * 5 if r is None else (r[0], r[1], r[2], r[3], (r[4] or 0) & _U64) for r in rows],
+            dtype=np.uint64,
+        ).reshape(n, 5)
         return cls(flags, cols)
 
     def to_wire(self) -> dict[str, bytes]:
