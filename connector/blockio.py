@@ -367,7 +367,7 @@ class KVBlockIO:
             else:
                 self._copy_in_dma(host, offsets, block_ids)
                 if digest:
-                    sums = self._digest(block_ids, None)
+                    sums = self._digest(block_ids)
                 ev = torch.cuda.Event()
                 ev.record(self._stream)
                 events = [ev] * len(self.layers)
@@ -521,7 +521,7 @@ class KVBlockIO:
                     )
             else:
                 if digest:
-                    sums = self._digest(block_ids, None)
+                    sums = self._digest(block_ids)
                 stage = self._dev_stage()
                 for start in range(0, n, _DEV_STAGING_BLOCKS):
                     ids_l = list(block_ids[start : start + _DEV_STAGING_BLOCKS])
@@ -534,44 +534,25 @@ class KVBlockIO:
             self._save_stream.synchronize()
         return sums
 
-    def digest(
-        self,
-        block_ids: Sequence[int],
-        *,
-        stream: str = "load",
-        after: Any = None,
-        expect: Sequence[int] | None = None,
-    ) -> Any:
+    def digest(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A 64-bit digest of each block, computed where the KV cache lives.
 
         The digest is a position-weighted sum of the block's 64-bit words, modulo 2**64
         (weights odd and distinct per position), over the block's bytes in stored order.
-        It detects any changed word and any moved words, and costs a few milliseconds
-        for a 10k-token prefix on a GPU, where recomputing the xxh3 on host costs tens
-        of milliseconds of CPU.  Not a defence against deliberate forgery (the pool file
-        is trusted to the same host anyway): it catches bugs and memory corruption.
+        It detects any changed word and any moved words; on a GPU the copies compute it
+        on the way (``copy_in``/``copy_out`` with ``digest=True``), where recomputing the
+        xxh3 on host costs tens of milliseconds of CPU for a 10k-token prefix.  Not a
+        defence against deliberate forgery (the pool file is trusted to the same host
+        anyway): it catches bugs and memory corruption.
 
-        Returns an int64 tensor on the cache's device (with ``expect``: a bool tensor,
-        whether each block's digest equals it).  On CUDA it is queued on the load stream
-        (``stream="load"``, after the copies queued there) or the save stream
-        (``stream="save"``, after ``after``); :meth:`stream_event` marks its end.
+        Returns an int64 tensor on the cache's device (on CUDA, queued on the load
+        stream after the copies queued there).
         """
         self._check_ids(block_ids)
         if self.is_cpu:
-            return self._digest(block_ids, expect)
-        st = self._stream if stream == "load" else self._save_stream
-        with torch.cuda.stream(st):
-            if after is not None:
-                st.wait_event(after)
-            return self._digest(block_ids, expect)
-
-    def stream_event(self, stream: str = "load") -> Any:
-        """An event after the work queued so far on the load or save stream (None on CPU)."""
-        if self.is_cpu:
-            return None
-        ev = torch.cuda.Event()
-        ev.record(self._stream if stream == "load" else self._save_stream)
-        return ev
+            return self._digest(block_ids)
+        with torch.cuda.stream(self._stream):
+            return self._digest(block_ids)
 
     def _digest_weights(self) -> torch.Tensor:
         if not self.can_digest:
@@ -581,7 +562,7 @@ class KVBlockIO:
             self._weights = (w * _DIGEST_MUL + _DIGEST_ADD) | 1
         return self._weights
 
-    def _digest(self, block_ids: Sequence[int], expect: Sequence[int] | None) -> torch.Tensor:
+    def _digest(self, block_ids: Sequence[int]) -> torch.Tensor:
         weights = self._digest_weights()
         idx = torch.tensor(list(block_ids), dtype=torch.long).to(self.device, non_blocking=True)
         total = torch.zeros(len(block_ids), dtype=torch.int64, device=self.device)
@@ -590,10 +571,7 @@ class KVBlockIO:
             words = layer.raw.index_select(0, idx).view(torch.int64)
             w = weights[off // 8 : (off + layer.tile_bytes) // 8]
             total += (words * w).sum(dim=1)
-        if expect is None:
-            return total
-        want = torch.tensor(list(expect), dtype=torch.int64).to(self.device, non_blocking=True)
-        return total == want
+        return total
 
 
 class Transfer:

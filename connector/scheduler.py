@@ -422,20 +422,14 @@ class SchedulerSide:
     ) -> _Lookup | None:
         """A lookup answered by the local node alone: when its locates found every asked
         block of every shard (else None: the coordinator's answer is needed)."""
-        try:
-            got = [f.result(self.settings.lookup_timeout_s) for f in futs]
-        except Exception:
-            return None  # _finish_locate reports it
-        if not asked or any(len(w) != len(asked) or not w.found.all() for _p, w in got):
-            return None
         local = self.settings.local_node
         lk = _Lookup(self._clock(), start, n_hashes, len(asked), [[local] * self.world_size
                      for _ in asked])  # fmt: skip
-        gen_cols = [w.column("gen").tolist() for _p, w in got]
+        self._finish_locate(lk, futs)
+        if not lk.located or lk.hits != len(asked):
+            return None
+        gen_cols = [where.column("gen").tolist() for where in lk.located]
         lk.gens = [list(g) for g in zip(*gen_cols, strict=True)]
-        lk.located = [w for _p, w in got]
-        lk.pins = [int(p) for p, _w in got]
-        lk.located_at = time.monotonic()
         return lk
 
     def _start_locate(self, client: Any, ns: str, asked: list[bytes]) -> list[Any] | None:

@@ -387,7 +387,11 @@ class DataServer:
     def _pin(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Read pins: keep the named blocks from eviction for ``ttl_ms`` (between a
         reader's lookup and its get), so a hit is not lost to a racing writer."""
-        pin, found = self._pin_blocks(msg)
+        ns = check_namespace(msg.get("ns"))
+        ttl_ms = req_int(msg, "ttl_ms", 1, MAX_PIN_MS)
+        keys = [_block_ref(ns, b) for b in req_list(msg, "blocks", self.cfg.max_batch)]
+        found = [self.pool.get(k) for k in keys]
+        pin = self._hold(found, ttl_ms)
         return {"pinned": [e is not None for e in found], "pin": pin}
 
     def _locate(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -409,13 +413,6 @@ class DataServer:
         self.metrics.get_blocks.labels(result="hit").inc(sum(e is not None for e in found))
         rows = [None if e is None else (e.offset, e.size, e.gen, e.xxh3, e.digest) for e in found]
         return {"pin": pin, **LocatedBlocks.build(rows).to_wire()}
-
-    def _pin_blocks(self, msg: dict[str, Any]) -> tuple[int, list[Any]]:
-        ns = check_namespace(msg.get("ns"))
-        ttl_ms = req_int(msg, "ttl_ms", 1, MAX_PIN_MS)
-        keys = [_block_ref(ns, b) for b in req_list(msg, "blocks", self.cfg.max_batch)]
-        found = [self.pool.get(k) for k in keys]
-        return self._hold(found, ttl_ms), found
 
     def _hold(self, found: list[Any], ttl_ms: int) -> int:
         """Pin the entries found until the pin is released or ``ttl_ms`` passes."""

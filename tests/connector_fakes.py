@@ -247,15 +247,8 @@ class _AsyncFace:
     def __init__(self, cluster: FakeCluster) -> None:
         self.c = cluster
 
-    async def lookup(
-        self,
-        ns: str,
-        hashes: Any,
-        shards: Any = (0,),
-        timeout: float | None = None,
-        generations: bool = False,
-    ) -> FakeLookup:
-        return self.c.lookup(ns, hashes, shards, timeout, generations)
+    async def lookup(self, *args: Any, **kwargs: Any) -> FakeLookup:
+        return self.c.lookup(*args, **kwargs)
 
     async def locate(
         self,

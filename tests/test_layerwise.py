@@ -58,6 +58,17 @@ def _worker(server: Proc, kv: dict[str, torch.Tensor]) -> tuple[WorkerSide, Coun
     return w, c
 
 
+def _save_blocks_1_to_3(w: WorkerSide, c: Counters, ns: str, hashes: list[bytes]) -> float:
+    """Save KV blocks 1-3 under ``hashes[:3]``; the worker's stored-block count after
+    waiting (up to 10 s) for the node to commit them."""
+    w.submit_saves(StepPlan(ns, saves=[SaveJob("a", [1, 2, 3], hashes[:3])]))
+    w.wait_for_copies(["a"])
+    deadline = time.monotonic() + 10
+    while c.totals().get("save_blocks", 0) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return c.totals().get("save_blocks", 0)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_layer_wise_load_from_the_local_pool(server: Proc, device: str) -> None:
     node = server.ready["node"]
@@ -67,12 +78,7 @@ def test_layer_wise_load_from_the_local_pool(server: Proc, device: str) -> None:
     w2, c2 = _worker(server, dst)
     hashes = [device.encode() + bytes([i]) * 15 for i in range(4)]
     try:
-        w1.submit_saves(StepPlan(NS, saves=[SaveJob("a", [1, 2, 3], hashes[:3])]))
-        w1.wait_for_copies(["a"])
-        deadline = time.monotonic() + 10
-        while c1.totals().get("save_blocks", 0) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert c1.totals().get("save_blocks", 0) == 3
+        assert _save_blocks_1_to_3(w1, c1, NS, hashes) == 3
 
         # one step: the load is queued at its start; each layer waits for its blocks
         job = LoadJob("b", [9, 10, 11, 12], hashes, [[node]] * 4, sync=True)
@@ -114,11 +120,8 @@ def test_scheduler_locates_so_the_worker_copies_at_once(server: Proc, device: st
     sched = SchedulerSide(settings, 16, 1, namespace=lambda: ns, counters=Counters(),
                           client=client)  # fmt: skip
     try:
-        w1.submit_saves(StepPlan(ns, saves=[SaveJob("a", [1, 2, 3], hashes[:3])]))
-        w1.wait_for_copies(["a"])
+        _save_blocks_1_to_3(w1, c1, ns, hashes)
         deadline = time.monotonic() + 10
-        while c1.totals().get("save_blocks", 0) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
         # the index learns of the blocks through etcd-less publishing: wait for a hit
         while time.monotonic() < deadline:
             if client.lookup(ns, hashes[:3]).hits == 3:
