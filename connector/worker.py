@@ -151,6 +151,8 @@ class WorkerSide:
         self.save_breaker = CircuitBreaker(
             settings.failures_to_backoff, settings.backoff_s, settings.backoff_max_s
         )
+        self._save_failing = False
+        """whether the last save failed (its reason was logged once)"""
         self._closed = False
         self._idle = False
         self._commits = 0
@@ -694,12 +696,20 @@ class WorkerSide:
             res = fut.result()
         except Exception as e:
             if self.save_breaker.failure():
-                logger.warning("PegaFlow: saves failing (%s); pausing them", e)
+                logger.warning("PegaFlow: saves failing (%r); pausing them", e)
+            elif not self._save_failing:
+                logger.warning(
+                    "PegaFlow: a save of %d blocks failed (%r); they are recomputed when needed",
+                    len(hashes),
+                    e,
+                )
+            self._save_failing = True
             with self._lock:
                 self._report.save_failed.extend(hashes)
             self.counters.add("save_failed_blocks", len(hashes))
             return
         self.save_breaker.success()
+        self._save_failing = False
         stored = int(getattr(res, "stored", 0))
         present = int(getattr(res, "skipped", 0))
         failed = int(getattr(res, "failed", 0))
