@@ -22,7 +22,7 @@ from typing import Any
 from pegaflow import telemetry
 from pegaflow.checksum import checksum
 from pegaflow.errors import BadRequest, PegaError, Unavailable, error_from_wire
-from pegaflow.rpc import parse_address
+from pegaflow.rpc import UNIX_PREFIX, RpcClient, parse_address
 from pegaflow.ucx import UcxWorker, close_endpoint, make_tag
 from pegaflow.wire import PROTOCOL_VERSION, LocatedBlocks, pack, unpack
 
@@ -49,13 +49,22 @@ class PoolFile:
     dev: int
     ino: int
     size: int
+    control: str | None = None
+    """the node's same-host control socket (``locate``/``unpin``), when it serves one"""
 
     @classmethod
     def from_wire(cls, d: Any) -> PoolFile | None:
         if not isinstance(d, dict):
             return None
         try:
-            return cls(str(d["path"]), int(d["dev"]), int(d["ino"]), int(d["bytes"]))
+            control = d.get("control")
+            return cls(
+                str(d["path"]),
+                int(d["dev"]),
+                int(d["ino"]),
+                int(d["bytes"]),
+                control if isinstance(control, str) and control else None,
+            )
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -66,6 +75,8 @@ class _NodeConn:
     ep: Any
     node_id: str = ""
     pool: PoolFile | None = None
+    control: RpcClient | None = None
+    """the node's same-host control socket, while it works"""
     pending: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
     reader: asyncio.Task[None] | None = None
     closed: bool = False
@@ -108,10 +119,17 @@ def _byte_view(buf: Any) -> memoryview:
 
 
 class DataClient:
-    """Batched get/put against storage nodes over UCX."""
+    """Batched get/put against storage nodes over UCX.
 
-    def __init__(self, *, token: str | None = None, connect_timeout: float = 2.0) -> None:
+    ``local_control``: send same-host requests (``locate``, ``unpin``) over the node's
+    Unix control socket when it offers one (:mod:`pegaflow.storage_node.local_control`).
+    """
+
+    def __init__(
+        self, *, token: str | None = None, connect_timeout: float = 2.0, local_control: bool = True
+    ) -> None:
         self._token = token or None
+        self._local_control = local_control
         self._connect_timeout = connect_timeout
         self._worker: UcxWorker | None = None
         self._conns: dict[str, _NodeConn] = {}
@@ -143,6 +161,9 @@ class DataClient:
         if conn.closed:
             return
         conn.closed = True
+        if conn.control is not None:
+            conn.control.close_now()
+            conn.control = None
         if self._conns.get(conn.addr) is conn:
             del self._conns[conn.addr]
         for fut in conn.pending.values():
@@ -198,6 +219,12 @@ class DataClient:
             raise
         conn.node_id = str(hello.get("node_id", ""))
         conn.pool = PoolFile.from_wire(hello.get("pool"))
+        if self._local_control and conn.pool is not None and conn.pool.control is not None:
+            conn.control = RpcClient(
+                [UNIX_PREFIX + conn.pool.control],
+                token=self._token,
+                connect_timeout=self._connect_timeout,
+            )
         self._conns[addr] = conn
         return conn
 
@@ -401,6 +428,23 @@ class DataClient:
         conn = await self._connection(addr, deadline)
         return await self._request(conn, msg, max(0.001, deadline - time.monotonic()))
 
+    async def _ask_local(self, addr: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """A same-host request (``locate``, ``unpin``): over the node's control socket
+        when it serves one and this process can reach it, else like :meth:`_call`."""
+        deadline = time.monotonic() + timeout
+        conn = await self._connection(addr, deadline)
+        rpc = conn.control
+        if rpc is not None:
+            args = {k: v for k, v in msg.items() if k != "op"}
+            try:
+                return await rpc.call(msg["op"], args, max(0.001, deadline - time.monotonic()))
+            except Unavailable as e:  # not this host after all, or the socket went away
+                if conn.control is rpc:
+                    conn.control = None
+                    rpc.close_now()
+                    log.info("node %s: control socket unusable (%s); asking over UCX", addr, e)
+        return await self._request(conn, msg, max(0.001, deadline - time.monotonic()))
+
     async def check(
         self,
         addr: str,
@@ -465,7 +509,7 @@ class DataClient:
             "hash_len": hl,
             "hashes": b"".join(hashes),
         }
-        reply = await self._call(addr, msg, timeout)
+        reply = await self._ask_local(addr, msg, timeout)
         try:
             where = LocatedBlocks.from_wire(reply, len(hashes))
         except BadRequest as e:
@@ -474,7 +518,7 @@ class DataClient:
 
     async def unpin(self, addr: str, pin: int, timeout: float) -> None:
         """Release a pin taken by :meth:`locate` or :meth:`pin` (idempotent)."""
-        await self._call(addr, {"op": "unpin", "pin": pin}, timeout)
+        await self._ask_local(addr, {"op": "unpin", "pin": pin}, timeout)
 
     async def reserve_local(
         self, addr: str, ns: str, blocks: Sequence[tuple[bytes, int, int]], timeout: float

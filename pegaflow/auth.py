@@ -30,6 +30,10 @@ class Authenticator:
                 raise ValueError(f"tenant token {tenant!r} must look like 'tenant=secret'")
             self._tenants.append((tenant, secret))
 
+    def cluster_only(self) -> Authenticator:
+        """The same check admitting the cluster token alone (no tenant)."""
+        return Authenticator(self._token)
+
     @property
     def required(self) -> bool:
         """Whether connections must present a token at all."""

@@ -155,6 +155,9 @@ class ClientConfig:
     lookup_timeout_s: float = opt(0.05, "hard deadline of one lookup")
     rpc_timeout_s: float = opt(5.0, "deadline of other control calls")
     transfer_timeout_s: float = opt(10.0, "deadline of one batched get or put")
+    local_control: bool = opt(
+        True, "ask a same-host node where blocks lie over its Unix control socket (else UCX)"
+    )
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The control protocol: msgpack frames over TCP with request ids, deadlines, typed errors.
+"""The control protocol: msgpack frames over TCP (or a Unix socket) with request ids,
+deadlines, typed errors.
 
 Framing: every frame is a 4-byte big-endian length followed by one msgpack map.
 
@@ -26,6 +27,7 @@ import contextlib
 import inspect
 import itertools
 import logging
+import os
 import struct
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -48,6 +50,8 @@ from pegaflow.wire import PROTOCOL_VERSION, pack, req_int, req_map, req_str, unp
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
+UNIX_PREFIX = "unix:"
+"""an address ``unix:<path>`` names a Unix socket (see :meth:`RpcServer.start_unix`)"""
 DEFAULT_MAX_FRAME = 16 << 20
 MAX_DEADLINE_MS = 600_000
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -156,6 +160,7 @@ class RpcServer:
         self._max_inflight = max(1, max_inflight_per_conn)
         self._on_request = on_request
         self._server: asyncio.base_events.Server | None = None
+        self._path: str | None = None
         self._conns: set[_ServerConnection] = set()
         self._hello_ok = encode_frame({"ok": True, "version": PROTOCOL_VERSION, "server": name})
 
@@ -164,6 +169,19 @@ class RpcServer:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _ServerConnection(self), host, port)
         return self._server.sockets[0].getsockname()[1]
+
+    async def start_unix(self, path: str) -> None:
+        """Listen on a Unix socket at ``path`` (replacing a stale one), which only this
+        process's user may connect to; clients dial it as ``unix:<path>``."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        loop = asyncio.get_running_loop()
+        old = os.umask(0o077)
+        try:
+            self._server = await loop.create_unix_server(lambda: _ServerConnection(self), path)
+        finally:
+            os.umask(old)
+        self._path = path
 
     async def close(self) -> None:
         """Stop listening and drop every connection."""
@@ -176,6 +194,10 @@ class RpcServer:
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2)
+        if self._path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._path)
+            self._path = None
 
     def _check_hello(self, hello: Any) -> str | None:
         """Validate the handshake; returns the connection's tenant (None: all access)."""
@@ -647,6 +669,10 @@ class RpcClient:
 
     async def close(self) -> None:
         """Close the connection; pending calls fail with ``Unavailable``."""
+        self.close_now()
+
+    def close_now(self) -> None:
+        """:meth:`close`, callable outside a coroutine (on the loop's thread)."""
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.drop(Unavailable("client closed"))
@@ -656,11 +682,14 @@ class RpcClient:
             self._conn = None
 
     async def _open(self, addr: str, timeout: float) -> _ClientConnection:
-        host, port = parse_address(addr)
         loop = asyncio.get_running_loop()
         conn = _ClientConnection(self, addr)
         async with asyncio.timeout(timeout):
-            await loop.create_connection(lambda: conn, host, port)
+            if addr.startswith(UNIX_PREFIX):
+                await loop.create_unix_connection(lambda: conn, addr[len(UNIX_PREFIX) :])
+            else:
+                host, port = parse_address(addr)
+                await loop.create_connection(lambda: conn, host, port)
             try:
                 hello = {"op": "hello", "version": PROTOCOL_VERSION, "token": self._token}
                 conn.send(encode_frame(hello))

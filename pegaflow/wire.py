@@ -8,6 +8,7 @@ pickle) and then checked field by field with the ``req_*`` helpers, which raise
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, overload
@@ -166,6 +167,26 @@ class LocatedBlocks(Sequence["LocatedBlock | None"]):
             raise BadRequest("malformed block locations")
         self.flags = flags
         self.cols = cols
+
+    ROW = struct.Struct("<5Q")
+    """one block of ``cols`` on the wire"""
+    _MISS = (0, bytes(ROW.size))
+
+    @classmethod
+    def wire_row(
+        cls, offset: int, size: int, gen: int, xxh3: int, digest: int | None
+    ) -> tuple[int, bytes]:
+        """One found block as it goes on the wire: its flag and its packed row (a node
+        computes this once per committed block, see :meth:`wire_rows`)."""
+        flag = _FOUND | (_HAS_DIGEST if digest is not None else 0)
+        return flag, cls.ROW.pack(offset, size, gen, xxh3, (digest or 0) & _U64)
+
+    @classmethod
+    def wire_rows(cls, rows: Sequence[tuple[int, bytes] | None]) -> dict[str, bytes]:
+        """The ``flags`` and ``cols`` fields of a locate reply from :meth:`wire_row`
+        results (None: not found), without building the columns."""
+        full = [cls._MISS if r is None else r for r in rows]
+        return {"flags": bytes([f for f, _ in full]), "cols": b"".join([c for _, c in full])}
 
     @classmethod
     def build(cls, rows: Sequence[tuple[int, int, int, int, int | None] | None]) -> LocatedBlocks:

@@ -25,8 +25,10 @@ request, matched by ``id``; payloads are tagged messages, see :mod:`pegaflow.ucx
 Same-host shortcut (a client on the node's own host that can open the pool file, e.g. a
 GPU connector copying straight between the pool and its device):
 
-* the ``hello`` reply carries ``pool {path, dev, ino, bytes}`` (only to connections with
-  cluster-wide access, never to a tenant's: the file holds every tenant's blocks);
+* the ``hello`` reply carries ``pool {path, dev, ino, bytes, control}`` (only to
+  connections with cluster-wide access, never to a tenant's: the file holds every
+  tenant's blocks); ``control`` is the node's Unix socket that answers ``locate`` and
+  ``unpin`` faster than UCX does on loopback (:mod:`~pegaflow.storage_node.local_control`);
 * ``locate {id, ns, ttl_ms, shard, hash_len, hashes: bytes}`` -> ``{pin, flags, cols}``
   pins the present blocks for ``ttl_ms`` (no eviction while the reader copies them out
   of the file and checks them) and says where they are: per block a flag byte and five
@@ -56,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from pegaflow.storage_node.local_control import SOCKET_SUFFIX, LocalControl
 from pegaflow.storage_node.metrics import NodeMetrics
 from pegaflow.storage_node.netdev import ucx_net_devices
 
@@ -140,6 +143,7 @@ class DataServer:
         self._on_change = on_change
         self._worker: UcxWorker | None = None
         self._listener: asyncio.Server | None = None
+        self._control: LocalControl | None = None
         self._conns: set[_Conn] = set()
         self._reservations: dict[int, _Reservation] = {}
         self._sweeper: asyncio.Task[None] | None = None
@@ -163,6 +167,16 @@ class DataServer:
         self._worker = UcxWorker({"NET_DEVICES": devices} if devices else None)
         self._listener = await self._worker.serve(self.cfg.host, self.cfg.ucx_port, self._accept)
         self._sweeper = asyncio.create_task(self._sweep())
+        if self.cfg.local_access:
+            control = LocalControl(
+                str(self.pool.path) + SOCKET_SUFFIX,
+                {"locate": self._locate, "unpin": self._unpin},
+                self._auth.cluster_only(),
+                self.cfg.max_request_bytes,
+                self._observe_local,
+            )
+            if await control.start():
+                self._control = control
 
     async def close(self) -> None:
         """Close every connection and the worker."""
@@ -172,6 +186,9 @@ class DataServer:
             self._close_conn(conn)
         for pin in list(self._pins):
             self._release_pin(pin)
+        if self._control is not None:
+            await self._control.close()
+            self._control = None
         if self._listener is not None:
             self._listener.close()
         self._listener = None
@@ -273,8 +290,7 @@ class DataServer:
             elif op == "locate":
                 result = self._locate(msg)
             elif op == "unpin":
-                self._release_pin(req_int(msg, "pin"))
-                result = {}
+                result = self._unpin(msg)
             elif op == "stats":
                 result = vars(self.pool.stats())
             else:
@@ -308,6 +324,8 @@ class DataServer:
                 "ino": st.st_ino,
                 "bytes": self.pool.capacity,
             }
+            if self._control is not None:
+                reply["pool"]["control"] = self._control.path
         return reply
 
     # ---- get -----------------------------------------------------------------------
@@ -407,22 +425,29 @@ class DataServer:
         n = len(blob) // hl
         if n > self.cfg.max_batch:
             raise TooLarge(f"{n} blocks in one locate; the limit is {self.cfg.max_batch}")
-        get = self.pool.get
-        found = [get((ns, blob[i * hl : (i + 1) * hl], shard)) for i in range(n)]
+        found = self.pool.get_many(ns, [blob[i : i + hl] for i in range(0, len(blob), hl)], shard)
         pin = self._hold(found, ttl_ms)
-        self.metrics.get_blocks.labels(result="hit").inc(sum(e is not None for e in found))
-        rows = [None if e is None else (e.offset, e.size, e.gen, e.xxh3, e.digest) for e in found]
-        return {"pin": pin, **LocatedBlocks.build(rows).to_wire()}
+        self.metrics.get_blocks.labels(result="hit").inc(len(found) - found.count(None))
+        return {"pin": pin, **LocatedBlocks.wire_rows([e and _wire(e) for e in found])}
 
     def _hold(self, found: list[Any], ttl_ms: int) -> int:
         """Pin the entries found until the pin is released or ``ttl_ms`` passes."""
         pinned = [e for e in found if e is not None]
-        for e in pinned:
-            self.pool.pin(e)
+        self.pool.pin_many(pinned)
         pin = next(self._pin_ids)
         timer = asyncio.get_running_loop().call_later(ttl_ms / 1000, self._release_pin, pin)
         self._pins[pin] = (pinned, timer)
         return pin
+
+    def _unpin(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self._release_pin(req_int(msg, "pin"))
+        return {}
+
+    def _observe_local(self, op: str, seconds: float, error: str | None) -> None:
+        """Metrics of a request on the same-host control socket (as for UCX ones)."""
+        self.metrics.request_seconds.labels(op=op).observe(seconds)
+        if error is not None:
+            self.metrics.request_errors.labels(op=op, code=error).inc()
 
     def _release_pin(self, pin: int) -> None:
         held = self._pins.pop(pin, None)
@@ -430,8 +455,7 @@ class DataServer:
             return  # expired already, or never existed: releasing is idempotent
         entries, timer = held
         timer.cancel()
-        for e in entries:
-            self.pool.unpin(e)
+        self.pool.unpin_many(entries)
 
     # ---- put -----------------------------------------------------------------------
 
@@ -522,11 +546,9 @@ class DataServer:
                 self.pool.abort(e)
                 failed.append(i)
                 continue
-            loc = self.pool.commit(e, got)
-            if digests is not None:
-                d = digests[i]
-                ok = isinstance(d, int) and not isinstance(d, bool) and -(2**63) <= d < 2**63
-                e.digest = d if ok else None
+            d = None if digests is None else digests[i]
+            ok = isinstance(d, int) and not isinstance(d, bool) and -(2**63) <= d < 2**63
+            loc = self.pool.commit(e, got, d if ok else None)
             self.sink.publish(e.key[0], e.key[1], e.key[2], loc)
             stored += 1
             nbytes += e.size
@@ -556,6 +578,13 @@ class DataServer:
                     log.info("reservation %d expired; reclaiming its slots", seq)
                     self._abort(seq)
             self.pool.reclaim_expired(now)
+
+
+def _wire(e: Any) -> tuple[int, bytes]:
+    """A committed entry's ``locate`` answer, computed once."""
+    if e.wire is None:
+        e.wire = LocatedBlocks.wire_row(e.offset, e.size, e.gen, e.xxh3, e.digest)
+    return e.wire
 
 
 def _wanted_gens(items: list[Any]) -> list[int | None] | None:

@@ -18,7 +18,7 @@ import mmap
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +52,8 @@ class Entry:
     digest: int | None = None
     """the writer's device digest of the block (same-host GPU readers check it on the
     device); kept in memory only: after a restart readers fall back to the xxh3"""
+    wire: tuple[int, bytes] | None = None
+    """its ``locate`` answer once computed (a committed block never changes)"""
 
     def location(self, node_id: str) -> BlockLocation:
         return BlockLocation(node_id, self.offset, self.gen, self.size, self.xxh3)
@@ -206,6 +208,14 @@ class BlockPool:
         e = self._blocks.get(key)
         return e if e is not None and e.committed else None
 
+    def get_many(self, ns: str, hashes: Sequence[bytes], shard: int) -> list[Entry | None]:
+        """:meth:`get` of ``(ns, h, shard)`` for each hash."""
+        blocks = self._blocks
+        return [
+            e if (e := blocks.get((ns, h, shard))) is not None and e.committed else None
+            for h in hashes
+        ]
+
     def contains(self, key: BlockKey) -> bool:
         """Whether ``key`` is committed or being written."""
         return key in self._blocks
@@ -244,6 +254,21 @@ class BlockPool:
         if e.pins == 0 and e.committed and self._blocks.get(e.key) is e:
             self._classes[e.stride].lru[e.key] = e
 
+    def pin_many(self, entries: Sequence[Entry]) -> None:
+        """:meth:`pin` each entry (a locate of a long prefix pins hundreds)."""
+        classes = self._classes
+        for e in entries:
+            e.pins += 1
+            classes[e.stride].lru.pop(e.key, None)
+
+    def unpin_many(self, entries: Sequence[Entry]) -> None:
+        """:meth:`unpin` each entry."""
+        blocks, classes = self._blocks, self._classes
+        for e in entries:
+            e.pins -= 1
+            if e.pins == 0 and e.committed and blocks.get(e.key) is e:
+                classes[e.stride].lru[e.key] = e
+
     # ---- writes --------------------------------------------------------------------
 
     def reserve(self, key: BlockKey, size: int, ttl_s: float) -> Entry | None:
@@ -264,11 +289,12 @@ class BlockPool:
         self.used_bytes += stride
         return e
 
-    def commit(self, e: Entry, xxh3: int) -> BlockLocation:
+    def commit(self, e: Entry, xxh3: int, digest: int | None = None) -> BlockLocation:
         """Make a reserved block visible and immutable; returns its location."""
         self._gen += 1
         e.gen = self._gen
         e.xxh3 = xxh3
+        e.digest = digest
         e.committed = True
         e.reserve_deadline = 0.0
         if e.pins == 0:

@@ -3,7 +3,12 @@ straight between a KV cache and the node's pool file, pinned while read, verifie
 
 from __future__ import annotations
 
+import asyncio
+import os
+import stat
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,6 +21,7 @@ from pegaflow.connector.localpath import LocalPath
 from pegaflow.config import ClientConfig
 from pegaflow.devcluster import Proc, start_server
 from pegaflow.errors import BadRequest, TooLarge, Unauthorized
+from pegaflow.rpc import UNIX_PREFIX, RpcClient
 from pegaflow.wire import LocatedBlock, LocatedBlocks
 
 NS = "test-local"
@@ -165,18 +171,91 @@ def test_malformed_locates_get_typed_errors_and_the_node_keeps_serving(server: P
             {**base, "shard": -1, "hashes": b"x" * 16},
             {**base, "hashes": b"x" * 16 * 5000},  # more than max_batch
         ]
-        for msg in bad:
+        for msg in bad:  # over UCX and over the control socket
             with pytest.raises((BadRequest, TooLarge)):
                 c.call(lambda a, msg=msg: a._data._call(addr, msg, 5.0), 5.0)
+            with pytest.raises((BadRequest, TooLarge)):
+                c.call(lambda a, msg=msg: a._data._ask_local(addr, dict(msg), 5.0), 5.0)
         pin, where = c.call(lambda a: a.locate(NS, node, [b"y" * 16], 0, 1.0), 5.0)
         assert len(where) == 1 and where[0] is None and pin > 0
     finally:
         c.close()
 
 
+def _stored(server: Proc, c: SyncPegaClient, seed: int) -> list[bytes]:
+    """Four blocks saved through the pool file; their hashes."""
+    kv = _kv(8, seed)
+    writer = LocalPath(KVBlockIO(kv, 8), server.ready["node"], 5.0)
+    try:
+        assert writer.attach(c)
+        hashes = [bytes([seed, i]) * 8 for i in range(4)]
+        assert writer.save(c, NS, hashes, 0, [0, 1, 2, 3]).result(30).failed == 0
+        return hashes
+    finally:
+        writer.close()
+
+
+def test_locate_goes_over_the_control_socket_and_falls_back_to_ucx(server: Proc) -> None:
+    node = server.ready["node"]
+    c = _client(server)
+    try:
+        hashes = _stored(server, c, 7)
+        pool = c.call(lambda a: a.local_pool(node), 5.0)
+        assert pool is not None and pool.control and os.path.exists(pool.control)
+        assert stat.S_IMODE(os.stat(pool.control).st_mode) & 0o077 == 0  # the node's user only
+        addr = c.call(lambda a: a._node(node, 5.0), 5.0).ucx_address
+        conn = c.call(lambda a: a._data._connection(addr, time.monotonic() + 5), 5.0)
+        # the socket cannot be reached (another host, say): the answer comes over UCX
+        moved = pool.control + ".away"
+        os.rename(pool.control, moved)
+        try:
+            pin, where = c.call(lambda a: a.locate(NS, node, hashes, 0, 5.0), 5.0)
+        finally:
+            os.rename(moved, pool.control)
+        assert where.found.all() and conn.control is None
+        c.call(lambda a: a.unpin(node, pin), 5.0)
+        # a new client asks over the socket: same answer
+        c2 = _client(server)
+        try:
+            pin2, where2 = c2.call(lambda a: a.locate(NS, node, hashes, 0, 5.0), 5.0)
+            conn2 = c2.call(lambda a: a._data._connection(addr, time.monotonic() + 5), 5.0)
+            assert conn2.control is not None and conn2.control._conn is not None
+            assert where2.to_wire() == where.to_wire()
+            c2.call(lambda a: a.unpin(node, pin2), 5.0)
+        finally:
+            c2.close()
+    finally:
+        c.close()
+
+
+def test_the_control_socket_admits_the_cluster_token_only(server: Proc) -> None:
+    node = server.ready["node"]
+    c = _client(server)
+    try:
+        path = c.call(lambda a: a.local_pool(node), 5.0).control
+    finally:
+        c.close()
+
+    async def locate(token: str | None) -> Any:
+        rpc = RpcClient([UNIX_PREFIX + path], token=token)
+        try:
+            args = {"ns": NS, "ttl_ms": 100, "shard": 0, "hash_len": 16, "hashes": b"z" * 16}
+            return await rpc.call("locate", args, timeout=5.0)
+        finally:
+            await rpc.close()
+
+    for token in ("a-secret", None, "wrong"):  # a tenant's, none, a wrong one
+        with pytest.raises(Unauthorized):
+            asyncio.run(locate(token))
+    assert asyncio.run(locate("admin"))["flags"] == b"\x00"
+
+
 def test_located_blocks_round_trip_the_wire() -> None:
     rows = [(4096, 2048, 7, (1 << 64) - 5, -3), None, (0, 2048, 1, 9, None)]
     where = LocatedBlocks.build(rows)
+    # what a node sends, from rows packed once per block, is the same
+    packed = [None if r is None else LocatedBlocks.wire_row(*r) for r in rows]
+    assert LocatedBlocks.wire_rows(packed) == where.to_wire()
     back = LocatedBlocks.from_wire(where.to_wire(), 3)
     assert back[0] == LocatedBlock(4096, 2048, 7, (1 << 64) - 5, -3)
     assert back[1] is None and back[2] == LocatedBlock(0, 2048, 1, 9, None)

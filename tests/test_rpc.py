@@ -141,3 +141,20 @@ async def test_oversized_frame_and_handshake_timeout(monkeypatch: pytest.MonkeyP
         writer.close()
     finally:
         await srv.close()
+
+
+async def test_unix_socket_server_and_client(tmp_path: Any) -> None:
+    path = str(tmp_path / "ctl.sock")
+    srv = RpcServer("t", {"echo": lambda a: a}, token="s")
+    await srv.start_unix(path)
+    c = RpcClient([rpc.UNIX_PREFIX + path], token="s")
+    try:
+        assert await c.call("echo", {"x": b"\x00" * 40_000}) == {"x": b"\x00" * 40_000}
+        with pytest.raises(BadRequest):
+            await c.call("nope", {})
+    finally:
+        await c.close()
+        await srv.close()
+    assert not (tmp_path / "ctl.sock").exists()  # the socket goes with its server
+    with pytest.raises(Unavailable):  # nothing listens there now: a typed error
+        await RpcClient([rpc.UNIX_PREFIX + path], connect_timeout=0.5).call("echo", timeout=1)

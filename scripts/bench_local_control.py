@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Same-host control round trips: what a layer-wise load's ``locate`` costs.
+
+A connector whose node shares its host asks the node where a prefix's blocks lie in the
+pool file (and pins them) while vLLM schedules the request, so this round trip is on the
+path of the first token.  This bench starts a ``pegaflow-server`` (coordinator + node),
+stores ``--blocks`` blocks, and times ``locate`` of 1 and of ``--blocks`` blocks the way
+the connector's scheduler makes it: from another thread through a
+:class:`~pegaflow.client.SyncPegaClient`.  Two clients take turns, round by round: one
+asks over the node's Unix control socket (the default), one over UCX active messages
+(``[client] local_control = false``).  Each locate is followed by its unpin (not timed).
+The coordinator's ``lookup`` of the same blocks is timed too, for scale.
+
+Ceiling, in the same run: a bare Unix-socket round trip between this process and a
+child process (blocking sockets, no framing, messages of a locate's request and reply
+sizes): what any control call on this machine costs at the least.  ``*_ratio`` is that
+ceiling over our figure.  The node's own time per locate comes from its
+``pegaflow_node_request_seconds`` metric.
+
+The last line printed is one JSON object.
+
+    .venv/bin/python scripts/bench_local_control.py [--blocks 625] [--rounds 6] [--calls 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+NS = "bench-local-control"
+BLOCK_BYTES = 4096
+
+
+def socket_ceiling(sizes: list[tuple[int, int]], calls: int) -> dict[int, float]:
+    """p50 ms of a bare Unix-socket round trip per (request, reply) size, keyed by
+    request size."""
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid = os.fork()
+    if pid == 0:  # the echo side: answer each request with a reply of the paired size
+        parent.close()
+        replies = dict(sizes)
+        try:
+            while True:
+                head = child.recv(8, socket.MSG_WAITALL)
+                if len(head) < 8:
+                    break
+                n = int.from_bytes(head, "big")
+                child.recv(n, socket.MSG_WAITALL)
+                child.sendall(bytes(replies[n]))
+        finally:
+            os._exit(0)
+    child.close()
+    out: dict[int, float] = {}
+    try:
+        for req, rep in sizes:
+            msg = req.to_bytes(8, "big") + bytes(req)
+            times = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                parent.sendall(msg)
+                parent.recv(rep, socket.MSG_WAITALL)
+                times.append(time.perf_counter() - t0)
+            out[req] = statistics.median(times) * 1e3
+    finally:
+        parent.close()
+        os.waitpid(pid, 0)
+    return out
+
+
+def node_locate_seconds(http: str) -> tuple[float, float]:
+    """(sum, count) of the node's ``locate`` request histogram."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=5).read().decode()
+    got = dict.fromkeys(("sum", "count"), 0.0)
+    for kind in got:
+        m = re.search(rf'pegaflow_node_request_seconds_{kind}\{{op="locate"\}} (\S+)', text)
+        if m:
+            got[kind] = float(m.group(1))
+    return got["sum"], got["count"]
+
+
+def timed(fn: Callable[[], Any], calls: int) -> list[float]:
+    out = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--blocks", type=int, default=625, help="a 10k-token prefix of 16-token blocks")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--calls", type=int, default=100, help="calls per size, transport and round")
+    args = ap.parse_args()
+
+    import numpy as np
+    from pegaflow.client import SyncPegaClient
+
+    from pegaflow.config import ClientConfig
+    from pegaflow.devcluster import start_server
+
+    n = args.blocks
+    server = start_server(extra=["--node-pool-bytes", "256MiB", "--node-slab-bytes", "16MiB"])
+    try:
+        node, http = server.ready["node"], server.ready["http"]
+        coord = [server.ready["coordinator"]]
+        clients = {
+            "socket": SyncPegaClient(ClientConfig(coordinators=coord, lookup_timeout_s=5)),
+            "ucx": SyncPegaClient(
+                ClientConfig(coordinators=coord, lookup_timeout_s=5, local_control=False)
+            ),
+        }
+        hashes = [i.to_bytes(16, "big") for i in range(n)]
+        buf = np.zeros(BLOCK_BYTES, np.uint8)
+        for k in range(0, n, 128):
+            clients["socket"].put_blocks(NS, [(h, 0, buf) for h in hashes[k : k + 128]], node)
+
+        def locate(c: SyncPegaClient, m: int) -> None:
+            pin, where = c.submit(lambda a: a.locate(NS, node, hashes[:m], 0, 10.0, 5.0)).result(5)
+            if not where.found.all():
+                raise SystemExit(f"locate found {int(where.found.sum())} of {m} blocks")
+            c.submit(lambda a: a.unpin(node, pin, 5.0))
+
+        def lookup(c: SyncPegaClient, m: int) -> None:
+            if c.lookup(NS, hashes[:m], timeout=5.0).hits != m:
+                raise SystemExit("lookup missed stored blocks")
+
+        times: dict[str, list[float]] = {}
+        node_ms: dict[str, list[float]] = {}
+        for c in clients.values():  # connect, warm up both paths
+            for m in (1, n):
+                timed(lambda c=c, m=m: locate(c, m), 20)
+        for _ in range(args.rounds):
+            for name, c in clients.items():
+                for m in (1, n):
+                    s0, k0 = node_locate_seconds(http)
+                    times.setdefault(f"{name}_{m}", []).extend(
+                        timed(lambda c=c, m=m: locate(c, m), args.calls)
+                    )
+                    s1, k1 = node_locate_seconds(http)
+                    node_ms.setdefault(f"{name}_{m}", []).append((s1 - s0) / (k1 - k0) * 1e3)
+            for m in (1, n):
+                times.setdefault(f"lookup_{m}", []).extend(
+                    timed(lambda m=m: lookup(clients["ucx"], m), args.calls)
+                )
+        for c in clients.values():
+            c.close()
+    finally:
+        server.terminate()
+
+    # a locate's request: the hashes plus ~80 bytes; its reply: 41 bytes a block plus ~40
+    ceiling = socket_ceiling([(16 + 80, 41 + 40), (16 * n + 80, 41 * n + 40)], 2000)
+
+    def pct(xs: list[float], q: float) -> float:
+        return round(sorted(xs)[min(len(xs) - 1, int(len(xs) * q))], 3)
+
+    out: dict[str, Any] = {"blocks": n, "rounds": args.rounds, "calls": args.calls}
+    for key, xs in times.items():
+        out[f"{key}_p50_ms"] = pct(xs, 0.5)
+        out[f"{key}_p90_ms"] = pct(xs, 0.9)
+    for key, xs in node_ms.items():
+        out[f"{key}_node_ms"] = round(statistics.median(xs), 3)
+    out["ceiling_1_ms"] = round(ceiling[16 + 80], 3)
+    out[f"ceiling_{n}_ms"] = round(ceiling[16 * n + 80], 3)
+    for m in (1, n):
+        out[f"socket_{m}_ratio"] = round(out[f"ceiling_{m}_ms"] / out[f"socket_{m}_p50_ms"], 3)
+        out[f"ucx_{m}_ratio"] = round(out[f"ceiling_{m}_ms"] / out[f"ucx_{m}_p50_ms"], 3)
+    for m in (1, n):
+        print(
+            f"locate of {m:4d} blocks: socket p50 {out[f'socket_{m}_p50_ms']:.3f} ms "
+            f"(node {out[f'socket_{m}_node_ms']:.3f}), UCX p50 {out[f'ucx_{m}_p50_ms']:.3f} ms "
+            f"(node {out[f'ucx_{m}_node_ms']:.3f}); coordinator lookup "
+            f"{out[f'lookup_{m}_p50_ms']:.3f} ms; bare socket round trip "
+            f"{out[f'ceiling_{m}_ms']:.3f} ms"
+        )
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

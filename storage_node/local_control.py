@@ -1,0 +1,78 @@
+"""The same-host control socket: ``locate`` and ``unpin`` over a Unix socket.
+
+A same-host reader (a GPU connector beside its node) asks the node where a prefix's
+blocks lie in the pool file before every load, on the critical path of a request's
+first token.  Over UCX on loopback that question costs a round trip of UCX active
+messages; the control protocol (:mod:`pegaflow.rpc`) on a Unix socket answers it in
+about half the time (docs/benchmarks.md, "Same-host control").  The socket lies beside
+the pool file, only the node's user may open it (as with the pool file itself), and it
+admits the cluster token only: a tenant may never see where blocks lie.
+
+The node advertises the socket in its UCX ``hello`` reply (``pool.control``), next to
+the pool file; the ops and their answers are those of the UCX protocol
+(:mod:`pegaflow.storage_node.data_server`), as the ``args`` and ``result`` of control
+requests.  Clients that cannot open the socket keep asking over UCX.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from pegaflow.auth import Authenticator
+from pegaflow.rpc import RpcServer
+
+log = logging.getLogger(__name__)
+
+SOCKET_SUFFIX = ".sock"
+MAX_PATH = 107
+"""longest Unix socket path Linux accepts (sun_path holds 108 bytes with the NUL)"""
+
+
+class LocalControl:
+    """Serves ``handlers`` (op -> plain function of the request's args) on a Unix socket
+    at ``path``; ``on_request(op, seconds, error code)`` sees every request."""
+
+    def __init__(
+        self,
+        path: str,
+        handlers: dict[str, Callable[[dict[str, Any]], Any]],
+        auth: Authenticator,
+        max_frame: int,
+        on_request: Callable[[str, float, str | None], None] | None = None,
+    ) -> None:
+        self.path = path
+        self._server = RpcServer(
+            "pegaflow-node-local",
+            dict(handlers),
+            auth=auth,
+            max_frame=max_frame,
+            on_request=on_request,
+        )
+        self.serving = False
+
+    async def start(self) -> bool:
+        """Listen; False (logged) when the socket cannot be made, clients then use UCX."""
+        if len(self.path.encode()) > MAX_PATH:
+            log.warning(
+                "same-host control socket not served: path %s is longer than %d bytes "
+                "(a shorter [node] shm_dir fixes it); same-host clients use UCX",
+                self.path, MAX_PATH,
+            )  # fmt: skip
+            return False
+        try:
+            await self._server.start_unix(self.path)
+        except OSError as e:
+            log.warning(
+                "same-host control socket %s not served (%s); same-host clients use UCX",
+                self.path, e,
+            )  # fmt: skip
+            return False
+        self.serving = True
+        return True
+
+    async def close(self) -> None:
+        """Stop listening, drop the connections and remove the socket."""
+        await self._server.close()
+        self.serving = False
