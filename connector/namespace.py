@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 _SLUG_RE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -98,6 +99,17 @@ def hash_stability(
         f"{why}; blocks saved by this engine can only be found by this same process. "
         "Set the same PYTHONHASHSEED for every replica (and restart) to share the cache.",
     )
+
+
+def block_hashes_bytes(hashes: Sequence[object]) -> list[bytes]:
+    """:func:`block_hash_bytes` of each hash; vLLM's own ``bytes`` of at most 64 bytes
+    pass as they are, checked in bulk (a 10k-token prefix is hundreds of blocks)."""
+    out = list(hashes)
+    if out and set(map(type, out)) == {bytes}:
+        lens = set(map(len, out))
+        if 0 < min(lens) and max(lens) <= 64:
+            return out  # type: ignore[return-value]
+    return [block_hash_bytes(h) for h in out]
 
 
 def block_hash_bytes(h: object) -> bytes:

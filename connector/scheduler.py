@@ -26,7 +26,7 @@ from pegaflow.wire import LocatedBlocks
 
 from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport
 from .metrics import Counters
-from .namespace import block_hash_bytes
+from .namespace import block_hash_bytes, block_hashes_bytes
 from .settings import ConnectorSettings
 
 logger = logging.getLogger("pegaflow.connector")
@@ -127,6 +127,24 @@ class KnownBlocks:
     def discard(self, h: bytes) -> None:
         """Forget ``h``."""
         self._d.pop(h, None)
+
+    def add_many(self, hs: Sequence[bytes]) -> None:
+        """Remember each of ``hs`` (those already known keep their place)."""
+        d = self._d
+        d.update(dict.fromkeys(hs))
+        for _ in range(len(d) - self._cap):
+            d.popitem(last=False)
+
+    def discard_many(self, hs: Sequence[bytes]) -> None:
+        """Forget each of ``hs``."""
+        pop = self._d.pop
+        for h in hs:
+            pop(h, None)
+
+
+def _on_node(nodes: list[list[str]], node: str, world_size: int) -> bool:
+    """Whether every shard of every block lies on ``node``."""
+    return nodes.count([node] * world_size) == len(nodes)
 
 
 @dataclass
@@ -327,7 +345,7 @@ class SchedulerSide:
         local = s.local_node
         if not (s.layerwise and s.same_host_shortcut and local):
             return False
-        return all(node == local for row in lk.nodes for node in row)
+        return _on_node(lk.nodes, local, self.world_size)
 
     def _lookup(self, st: _ReqState, ns: str, hashes: Sequence[Any], start: int) -> _Lookup | None:
         if not self.lookup_breaker.allow():
@@ -338,7 +356,7 @@ class SchedulerSide:
             self.lookup_breaker.failure()
             self.counters.add("lookup_errors")
             return None
-        asked = [block_hash_bytes(h) for h in hashes[start:]]
+        asked = block_hashes_bytes(hashes[start:])
         t0 = self._clock()
         locating = self._start_locate(client, ns, asked)
         timeout = self.settings.lookup_timeout_s
@@ -351,18 +369,14 @@ class SchedulerSide:
                 if locating is None:
                     res = client.lookup(ns, asked, self.shards, timeout=timeout, generations=True)
                 else:
-                    asking = client.submit(  # type: ignore[attr-defined]
-                        lambda c: c.lookup(ns, asked, self.shards, timeout, generations=True)
-                    )
                     local = self._answer_locally(start, len(hashes), asked, locating)
                     if local is not None:  # the coordinator cannot add to a whole hit
-                        asking.add_done_callback(_discard)
                         self.lookup_breaker.success()
                         self._account(asked, local.hits, "lookups_local")
                         self._debug_lookup(st, asked, local, t0, "answered by the local node")
                         st.lookup = local
                         return local
-                    res = asking.result(timeout + 1.0)
+                    res = client.lookup(ns, asked, self.shards, timeout=timeout, generations=True)
             hits = max(0, min(int(res.hits), len(asked)))
             blocks = list(res.blocks or [])
             gens = list(getattr(res, "generations", None) or [])
@@ -402,10 +416,8 @@ class SchedulerSide:
         self.counters.add(kind)
         self.counters.add("lookup_hit_blocks", hits)
         self.counters.add("lookup_miss_blocks", len(asked) - hits)
-        for h in asked[:hits]:
-            self.known.add(h)
-        for h in asked[hits:]:
-            self.known.discard(h)
+        self.known.add_many(asked[:hits])
+        self.known.discard_many(asked[hits:])
 
     def _debug_lookup(
         self, st: _ReqState, asked: list[bytes], lk: _Lookup, t0: float, how: str
@@ -434,8 +446,10 @@ class SchedulerSide:
 
     def _start_locate(self, client: Any, ns: str, asked: list[bytes]) -> list[Any] | None:
         """With layer-wise loads from this host's node: ask the node where the blocks
-        are (and pin them) while the coordinator answers the lookup, one call per shard,
-        so the workers can start copying without a round trip of their own."""
+        are (and pin them) first, one call per shard, so the workers can start copying
+        without a round trip of their own.  Only when the node lacks some is the
+        coordinator asked: a lookup sent alongside cost a whole hit about 0.8 ms more
+        (both answers share the client's loop; docs/benchmarks.md, "Same-host control")."""
         s = self.settings
         submit = getattr(client, "submit", None)
         if not (s.layerwise and s.same_host_shortcut and s.local_node and submit is not None):
@@ -464,8 +478,7 @@ class SchedulerSide:
         except Exception as e:
             self._log_error("locate failed", e)
             return
-        local = self.settings.local_node
-        if not lk.hits or not all(node == local for row in lk.nodes for node in row):
+        if not lk.hits or not _on_node(lk.nodes, self.settings.local_node, self.world_size):
             return  # not a layer-wise load: the pins expire on their own
         n = lk.hits
         for shard, (_pin, where) in enumerate(got):
@@ -533,7 +546,7 @@ class SchedulerSide:
         job = LoadJob(
             req_id=request.request_id,
             block_ids=list(ids[start : start + n_load]),
-            hashes=[block_hash_bytes(h) for h in hashes[start : start + n_load]],
+            hashes=block_hashes_bytes(hashes[start : start + n_load]),
             nodes=nodes,
             first_block=start,
             sync=lk is not None and lk.sync,
@@ -668,9 +681,3 @@ class SchedulerSide:
                 close()
             except Exception:
                 pass
-
-
-def _discard(fut: Any) -> None:
-    """Collect a call's outcome that nobody needs (so no error is left unretrieved)."""
-    if not fut.cancelled():
-        fut.exception()

@@ -9,7 +9,10 @@ the connector's scheduler makes it: from another thread through a
 :class:`~pegaflow.client.SyncPegaClient`.  Two clients take turns, round by round: one
 asks over the node's Unix control socket (the default), one over UCX active messages
 (``[client] local_control = false``).  Each locate is followed by its unpin (not timed).
-The coordinator's ``lookup`` of the same blocks is timed too, for scale.
+The coordinator's ``lookup`` of the same blocks is timed too, for scale, and so is the
+scheduler's whole answer to vLLM for a request whose blocks all lie on the local node
+(``get_num_new_matched_tokens``: the locate, the coordinator lookup it sends alongside,
+and the bookkeeping), over either transport.
 
 Ceiling, in the same run: a bare Unix-socket round trip between this process and a
 child process (blocking sockets, no framing, messages of a locate's request and reply
@@ -25,6 +28,7 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -35,6 +39,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,6 +96,34 @@ def node_locate_seconds(http: str) -> tuple[float, float]:
     return got["sum"], got["count"]
 
 
+class _Request:
+    """What the connector's scheduler reads of a ``vllm.v1.request.Request``."""
+
+    def __init__(self, request_id: str, hashes: list[bytes], block_size: int) -> None:
+        self.request_id = request_id
+        self.block_hashes = hashes
+        self.num_tokens = len(hashes) * block_size
+
+
+def wait_indexed(client: Any, hashes: list[bytes]) -> None:
+    """Until the coordinator's index holds every block (published asynchronously)."""
+    deadline = time.monotonic() + 30
+    while client.lookup(NS, hashes, timeout=5.0).hits < len(hashes):
+        if time.monotonic() > deadline:
+            raise SystemExit("the coordinator never indexed the stored blocks")
+        time.sleep(0.05)
+
+
+def scheduler(coord: list[str], node: str, client: Any, block_size: int) -> Any:
+    """The connector's scheduler side (layer-wise, same-host node) on ``client``."""
+    from pegaflow.connector.metrics import Counters
+    from pegaflow.connector.scheduler import SchedulerSide
+    from pegaflow.connector.settings import ConnectorSettings
+
+    settings = ConnectorSettings.load({"coordinators": ",".join(coord), "local_node": node}, {})
+    return SchedulerSide(settings, block_size, 1, lambda: NS, Counters(), client=client)
+
+
 def timed(fn: Callable[[], Any], calls: int) -> list[float]:
     out = []
     for _ in range(calls):
@@ -105,6 +138,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=625, help="a 10k-token prefix of 16-token blocks")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--calls", type=int, default=100, help="calls per size, transport and round")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per block (scheduler)")
     args = ap.parse_args()
 
     import numpy as np
@@ -139,6 +173,20 @@ def main() -> None:
             if c.lookup(NS, hashes[:m], timeout=5.0).hits != m:
                 raise SystemExit("lookup missed stored blocks")
 
+        wait_indexed(clients["ucx"], hashes)
+        schedulers = {
+            name: scheduler(coord, node, c, args.block_size) for name, c in clients.items()
+        }
+        ids = itertools.count()
+
+        def schedule(name: str) -> None:
+            req = _Request(f"r{next(ids)}", hashes, args.block_size)
+            got = schedulers[name].get_num_new_matched_tokens(req, 0)
+            if got != ((n - 1) * args.block_size, False):  # layer-wise, all but the last
+                raise SystemExit(f"the scheduler answered {got} for {n} stored blocks")
+            # the request ends (vLLM says so in a later step's output): its state goes
+            schedulers[name].build_plan(SimpleNamespace(finished_req_ids={req.request_id}))
+
         times: dict[str, list[float]] = {}
         node_ms: dict[str, list[float]] = {}
         for c in clients.values():  # connect, warm up both paths
@@ -156,6 +204,10 @@ def main() -> None:
             for m in (1, n):
                 times.setdefault(f"lookup_{m}", []).extend(
                     timed(lambda m=m: lookup(clients["ucx"], m), args.calls)
+                )
+            for name in clients:
+                times.setdefault(f"scheduler_{name}", []).extend(
+                    timed(lambda name=name: schedule(name), args.calls)
                 )
         for c in clients.values():
             c.close()
@@ -179,6 +231,11 @@ def main() -> None:
     for m in (1, n):
         out[f"socket_{m}_ratio"] = round(out[f"ceiling_{m}_ms"] / out[f"socket_{m}_p50_ms"], 3)
         out[f"ucx_{m}_ratio"] = round(out[f"ceiling_{m}_ms"] / out[f"ucx_{m}_p50_ms"], 3)
+    print(
+        f"the scheduler's whole lookup of a {n}-block local hit (get_num_new_matched_tokens): "
+        f"p50 {out['scheduler_socket_p50_ms']:.3f} ms over the socket, "
+        f"{out['scheduler_ucx_p50_ms']:.3f} ms over UCX"
+    )
     for m in (1, n):
         print(
             f"locate of {m:4d} blocks: socket p50 {out[f'socket_{m}_p50_ms']:.3f} ms "

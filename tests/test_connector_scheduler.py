@@ -121,7 +121,7 @@ def test_hits_on_the_local_node_load_layer_wise_and_leave_a_token() -> None:
     assert off.get_num_new_matched_tokens(req, 0) == (16, True)
 
 
-def test_layer_wise_hits_are_located_while_looked_up() -> None:
+def test_layer_wise_hits_are_located_before_the_coordinator_is_asked() -> None:
     side, cl, _ = make(local_node="n1")
     req = FakeRequest("r1", toks(24), BS)  # 6 full blocks
     store(cl, req, 5)
@@ -129,6 +129,7 @@ def test_layer_wise_hits_are_located_while_looked_up() -> None:
     # the node located 4 of the 5 hits: the hit shrinks to them
     assert side.get_num_new_matched_tokens(req, 0) == (16, False)
     assert len(cl.locates) == 1 and not cl.pins  # locate pinned them: no second pin
+    assert cl.lookups == 1  # the node lacked blocks: the coordinator was asked after it
     side.update_state_after_alloc(req, ([10, 11, 12, 13, 14, 15],), 16)
     (job,) = side.build_plan(sched_output()).loads
     assert job.sync and job.block_ids == [10, 11, 12, 13]
@@ -140,6 +141,7 @@ def test_layer_wise_hits_are_located_while_looked_up() -> None:
     store(cl3, req, 6)
     assert whole.get_num_new_matched_tokens(req, 0) == (20, False)  # one token left
     assert c3.totals().get("lookups_local") == 1 and not c3.totals().get("lookups")
+    assert cl3.lookups == 0  # nothing for the coordinator to add: not asked at all
     whole.update_state_after_alloc(req, ([20, 21, 22, 23, 24, 25],), 20)
     (job3,) = whole.build_plan(sched_output()).loads
     assert job3.sync and len(job3.located[0]) == 5 and job3.gens == [[0]] * 5
