@@ -448,8 +448,8 @@ class SchedulerSide:
         """With layer-wise loads from this host's node: ask the node where the blocks
         are (and pin them) first, one call per shard, so the workers can start copying
         without a round trip of their own.  Only when the node lacks some is the
-        coordinator asked: a lookup sent alongside cost a whole hit about 0.8 ms more
-        (both answers share the client's loop; docs/benchmarks.md, "Same-host control")."""
+        coordinator asked: a lookup sent alongside delayed every whole local hit (both
+        answers share the client's loop; docs/benchmarks.md, "Same-host control")."""
         s = self.settings
         submit = getattr(client, "submit", None)
         if not (s.layerwise and s.same_host_shortcut and s.local_node and submit is not None):
