@@ -227,6 +227,9 @@ class SchedulerSide:
         self.lookup_breaker = CircuitBreaker(
             settings.failures_to_backoff, settings.backoff_s, settings.backoff_max_s, clock
         )
+        self.locate_breaker = CircuitBreaker(
+            settings.failures_to_backoff, settings.backoff_s, settings.backoff_max_s, clock
+        )
         self.known = KnownBlocks(settings.known_blocks)
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[LoadJob] = []
@@ -358,7 +361,6 @@ class SchedulerSide:
             return None
         asked = block_hashes_bytes(hashes[start:])
         t0 = self._clock()
-        locating = self._start_locate(client, ns, asked)
         timeout = self.settings.lookup_timeout_s
         try:
             with telemetry.span(
@@ -366,17 +368,16 @@ class SchedulerSide:
                 {"pegaflow.blocks": len(asked)} if telemetry.tracing else None,
                 parent=telemetry.request_context(st.request.request_id),
             ):
-                if locating is None:
-                    res = client.lookup(ns, asked, self.shards, timeout=timeout, generations=True)
-                else:
-                    local = self._answer_locally(start, len(hashes), asked, locating)
+                located = self._locate(client, ns, asked)
+                if located is not None:
+                    local = self._answer_locally(start, len(hashes), asked, located)
                     if local is not None:  # the coordinator cannot add to a whole hit
                         self.lookup_breaker.success()
                         self._account(asked, local.hits, "lookups_local")
                         self._debug_lookup(st, asked, local, t0, "answered by the local node")
                         st.lookup = local
                         return local
-                    res = client.lookup(ns, asked, self.shards, timeout=timeout, generations=True)
+                res = client.lookup(ns, asked, self.shards, timeout=timeout, generations=True)
             hits = max(0, min(int(res.hits), len(asked)))
             blocks = list(res.blocks or [])
             gens = list(getattr(res, "generations", None) or [])
@@ -404,8 +405,8 @@ class SchedulerSide:
             isinstance(g, list | tuple) and len(g) == self.world_size for g in gens[:hits]
         ):
             lk.gens = [list(g) for g in gens[:hits]]
-        if locating is not None:
-            self._finish_locate(lk, locating)
+        if located is not None:
+            self._keep_located(lk, located)
         self._debug_lookup(st, asked, lk, t0, "coordinator")
         if hits and self.settings.read_pin_s > 0 and not lk.located:
             self._pin(client, ns, asked[:hits], lk.nodes)
@@ -430,54 +431,56 @@ class SchedulerSide:
             )  # fmt: skip
 
     def _answer_locally(
-        self, start: int, n_hashes: int, asked: list[bytes], futs: list[Any]
+        self, start: int, n_hashes: int, asked: list[bytes], located: list[Any]
     ) -> _Lookup | None:
         """A lookup answered by the local node alone: when its locates found every asked
         block of every shard (else None: the coordinator's answer is needed)."""
         local = self.settings.local_node
         lk = _Lookup(self._clock(), start, n_hashes, len(asked), [[local] * self.world_size
                      for _ in asked])  # fmt: skip
-        self._finish_locate(lk, futs)
+        self._keep_located(lk, located)
         if not lk.located or lk.hits != len(asked):
             return None
         gen_cols = [where.column("gen").tolist() for where in lk.located]
         lk.gens = [list(g) for g in zip(*gen_cols, strict=True)]
         return lk
 
-    def _start_locate(self, client: Any, ns: str, asked: list[bytes]) -> list[Any] | None:
+    def _locate(self, client: Any, ns: str, asked: list[bytes]) -> list[Any] | None:
         """With layer-wise loads from this host's node: ask the node where the blocks
         are (and pin them) first, one call per shard, so the workers can start copying
-        without a round trip of their own.  Only when the node lacks some is the
-        coordinator asked: a lookup sent alongside delayed every whole local hit (both
-        answers share the client's loop; docs/benchmarks.md, "Same-host control")."""
+        without a round trip of their own; per shard ``(pin, LocatedBlocks)``, or None
+        (not asked, or failed).  Only when the node lacks some is the coordinator asked:
+        a lookup sent alongside delayed every whole local hit (both answers share the
+        client's loop; docs/benchmarks.md, "Same-host control").  Failing locates pause
+        for a while (a breaker), so a sick node costs lookups no more than a deadline."""
         s = self.settings
         submit = getattr(client, "submit", None)
         if not (s.layerwise and s.same_host_shortcut and s.local_node and submit is not None):
             return None
+        if not self.locate_breaker.allow():
+            return None
         part = asked[:MAX_LOCATE]
-        futs = []
         try:
-            for shard in self.shards:
-                futs.append(
-                    submit(
-                        lambda c, shard=shard: c.locate(
-                            ns, s.local_node, part, shard, LOCATE_PIN_S, s.lookup_timeout_s
-                        )
+            futs = [
+                submit(
+                    lambda c, shard=shard: c.locate(
+                        ns, s.local_node, part, shard, LOCATE_PIN_S, s.lookup_timeout_s
                     )
                 )
+                for shard in self.shards
+            ]
+            deadline = time.monotonic() + s.lookup_timeout_s
+            got = [f.result(max(0.0, deadline - time.monotonic())) for f in futs]
         except Exception as e:
+            self.locate_breaker.failure()
             self._log_error("locate failed", e)
             return None
-        return futs
+        self.locate_breaker.success()
+        return got
 
-    def _finish_locate(self, lk: _Lookup, futs: list[Any]) -> None:
+    def _keep_located(self, lk: _Lookup, got: list[Any]) -> None:
         """Keep the locations when every hit is on this host's node; the hits shrink to
         the prefix the node located with the generations the lookup saw."""
-        try:
-            got = [f.result(self.settings.lookup_timeout_s) for f in futs]
-        except Exception as e:
-            self._log_error("locate failed", e)
-            return
         if not lk.hits or not _on_node(lk.nodes, self.settings.local_node, self.world_size):
             return  # not a layer-wise load: the pins expire on their own
         n = lk.hits

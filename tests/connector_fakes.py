@@ -109,6 +109,7 @@ class FakeCluster:
         self.corrupt: set[bytes] = set()
         self.put_error: Exception | None = None
         self.lookups = 0
+        self.locate_error: Exception | None = None
         self.gets = 0
         self.puts = 0
         self.lock = threading.Lock()
@@ -261,6 +262,8 @@ class _AsyncFace:
     ) -> tuple[int, LocatedBlocks]:
         c = self.c
         c.locates.append((node, [(h, shard) for h in hashes], ttl_s))
+        if c.locate_error is not None:
+            raise c.locate_error
         rows: list[Any] = []
         for k, h in enumerate(hashes):
             loc = c.blocks.get((ns, h, shard))

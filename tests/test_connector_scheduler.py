@@ -155,6 +155,22 @@ def test_layer_wise_hits_are_located_before_the_coordinator_is_asked() -> None:
     assert not job2.sync and job2.located == [] and cl2.pins
 
 
+def test_a_failing_local_node_is_not_asked_for_a_while() -> None:
+    clock = Clock()
+    side, cl, c = make(local_node="n1", clock=clock, failures_to_backoff=2, backoff_s=5.0)
+    store(cl, FakeRequest("r0", toks(24), BS), 6)  # every block of the requests below
+    cl.locate_error = DOWN
+    for i in range(3):  # the coordinator still answers: layer-wise, the worker locates
+        req = FakeRequest(f"r{i}", toks(24), BS)
+        assert side.get_num_new_matched_tokens(req, 0) == (20, False)
+    assert len(cl.locates) == 2 and cl.lookups == 3  # two failures: no third locate
+    assert not c.totals().get("lookup_errors")
+    clock.t += 6  # the pause is over: a trial locate, which now succeeds
+    cl.locate_error = None
+    assert side.get_num_new_matched_tokens(FakeRequest("r9", toks(24), BS), 0) == (20, False)
+    assert len(cl.locates) == 3 and cl.lookups == 3  # the node answered the whole hit
+
+
 def test_lookup_starts_after_local_prefix_hit() -> None:
     side, cl, _ = make()
     req = FakeRequest("r1", toks(20), BS)
