@@ -20,6 +20,11 @@ sizes): what any control call on this machine costs at the least.  ``*_ratio`` i
 ceiling over our figure.  The node's own time per locate comes from its
 ``pegaflow_node_request_seconds`` metric.
 
+The save side too: the commit of a same-host save (``--save-blocks`` new blocks of
+``--save-bytes``, written through the pool file): the node hashes every slot (xxh3, on
+``[node] hash_threads``) before it publishes.  Its ceiling is xxh3 of as many bytes on
+as many threads in this process.
+
 The last line printed is one JSON object.
 
     .venv/bin/python scripts/bench_local_control.py [--blocks 625] [--rounds 6] [--calls 100]
@@ -124,6 +129,42 @@ def scheduler(coord: list[str], node: str, client: Any, block_size: int) -> Any:
     return SchedulerSide(settings, block_size, 1, lambda: NS, Counters(), client=client)
 
 
+def commits(client: Any, node: str, n: int, size: int, rounds: int) -> list[float]:
+    """ms of a same-host save's commit of ``n`` blocks of ``size`` bytes (the node hashes
+    every slot, then publishes), new blocks each round."""
+    out = []
+    for r in range(rounds + 1):  # the first round warms up
+        hashes = [f"save-{r}-{i}".encode().ljust(16, b".") for i in range(n)]
+        blocks = [(h, 0, size) for h in hashes]
+        seq, offsets = client.call(lambda a, b=blocks: a.reserve_local(NS, node, b, 30.0), 30.0)
+        accepted = [o is not None for o in offsets]
+        t0 = time.perf_counter()
+        res = client.call(lambda a, q=seq, k=accepted: a.commit_local(node, q, k, 30.0), 30.0)
+        if res.stored != n:
+            raise SystemExit(f"the node stored {res.stored} of {n} blocks")
+        if r:
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def hash_ceiling(n: int, size: int, threads: int) -> float:
+    """ms to xxh3 ``n`` buffers of ``size`` bytes on ``threads`` threads in this process,
+    each thread one contiguous share (the least the node's commit can take)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pegaflow.checksum import checksums
+
+    bufs = [memoryview(bytearray(os.urandom(1024)) * (size // 1024)) for _ in range(n)]
+    step = -(-n // threads)
+    with ThreadPoolExecutor(threads) as ex:
+        best = float("inf")
+        for _ in range(4):
+            t0 = time.perf_counter()
+            list(ex.map(checksums, [bufs[i : i + step] for i in range(0, n, step)]))
+            best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
 def timed(fn: Callable[[], Any], calls: int) -> list[float]:
     out = []
     for _ in range(calls):
@@ -139,6 +180,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--calls", type=int, default=100, help="calls per size, transport and round")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per block (scheduler)")
+    ap.add_argument("--save-blocks", type=int, default=625, help="blocks per timed commit")
+    ap.add_argument(
+        "--save-bytes", type=int, default=2 << 20, help="block size of the commits (Llama-8B)"
+    )
     args = ap.parse_args()
 
     import numpy as np
@@ -148,7 +193,16 @@ def main() -> None:
     from pegaflow.devcluster import start_server
 
     n = args.blocks
-    server = start_server(extra=["--node-pool-bytes", "256MiB", "--node-slab-bytes", "16MiB"])
+    pool = 2 * args.save_blocks * args.save_bytes + (256 << 20)
+    threads = min(8, os.cpu_count() or 1)  # the node's default [node] hash_threads
+    server = start_server(
+        extra=[
+            "--node-pool-bytes",
+            str(pool),
+            "--node-slab-bytes",
+            str(max(16 << 20, 8 * args.save_bytes)),
+        ]
+    )
     try:
         node, http = server.ready["node"], server.ready["http"]
         coord = [server.ready["coordinator"]]
@@ -209,11 +263,13 @@ def main() -> None:
                 times.setdefault(f"scheduler_{name}", []).extend(
                     timed(lambda name=name: schedule(name), args.calls)
                 )
+        saves = commits(clients["socket"], node, args.save_blocks, args.save_bytes, args.rounds)
         for c in clients.values():
             c.close()
     finally:
         server.terminate()
 
+    save_ceiling = hash_ceiling(args.save_blocks, args.save_bytes, threads)
     # a locate's request: the hashes plus ~80 bytes; its reply: 41 bytes a block plus ~40
     ceiling = socket_ceiling([(16 + 80, 41 + 40), (16 * n + 80, 41 * n + 40)], 2000)
 
@@ -226,6 +282,11 @@ def main() -> None:
         out[f"{key}_p90_ms"] = pct(xs, 0.9)
     for key, xs in node_ms.items():
         out[f"{key}_node_ms"] = round(statistics.median(xs), 3)
+    gb = args.save_blocks * args.save_bytes / 1e9
+    out["commit_ms"] = round(statistics.median(saves), 2)
+    out["commit_gbps"] = round(gb / out["commit_ms"] * 1e3, 2)
+    out["commit_hash_ceiling_ms"] = round(save_ceiling, 2)
+    out["commit_ratio"] = round(save_ceiling / out["commit_ms"], 3)
     out["ceiling_1_ms"] = round(ceiling[16 + 80], 3)
     out[f"ceiling_{n}_ms"] = round(ceiling[16 * n + 80], 3)
     for m in (1, n):
@@ -244,6 +305,11 @@ def main() -> None:
             f"{out[f'lookup_{m}_p50_ms']:.3f} ms; bare socket round trip "
             f"{out[f'ceiling_{m}_ms']:.3f} ms"
         )
+    print(
+        f"commit of a same-host save, {args.save_blocks} x {args.save_bytes} bytes: "
+        f"{out['commit_ms']:.1f} ms ({out['commit_gbps']:.1f} GB/s); xxh3 of the same bytes "
+        f"on {threads} threads here: {out['commit_hash_ceiling_ms']:.1f} ms"
+    )
     print(json.dumps(out))
 
 
