@@ -19,12 +19,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from pegaflow import telemetry
 from pegaflow.checksum import checksum
 from pegaflow.errors import BadRequest, PegaError, Unavailable, error_from_wire
 from pegaflow.rpc import UNIX_PREFIX, RpcClient, parse_address
 from pegaflow.ucx import UcxWorker, close_endpoint, make_tag
-from pegaflow.wire import PROTOCOL_VERSION, LocatedBlocks, pack, unpack
+from pegaflow.wire import NO_SLOT, PROTOCOL_VERSION, LocatedBlocks, pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -429,8 +431,10 @@ class DataClient:
         return await self._request(conn, msg, max(0.001, deadline - time.monotonic()))
 
     async def _ask_local(self, addr: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """A same-host request (``locate``, ``unpin``): over the node's control socket
-        when it serves one and this process can reach it, else like :meth:`_call`."""
+        """A same-host request (``locate``, ``unpin``, a local ``reserve`` and its
+        ``commit`` or ``abort``): over the node's control socket when it serves one and
+        this process can reach it, else like :meth:`_call`.  Once the socket failed, the
+        connection keeps to UCX (a reservation made on one transport is committed on it)."""
         deadline = time.monotonic() + timeout
         conn = await self._connection(addr, deadline)
         rpc = conn.control
@@ -526,8 +530,22 @@ class DataClient:
         """Reserve slots for ``(hash, shard, size)`` blocks that the caller writes through
         the pool file; returns (reservation, slot offset or None when already stored).
         Finish with :meth:`commit` (or :meth:`abort`)."""
+        hl = len(blocks[0][0]) if blocks else 0
+        if blocks and all(len(h) == hl and s == blocks[0][1] and z == blocks[0][2]
+                          for h, s, z in blocks):  # fmt: skip
+            # one shard and size (a connector's save): packed, as hundreds of blocks are
+            msg: dict[str, Any] = {
+                "op": "reserve", "ns": ns, "local": True, "shard": blocks[0][1],
+                "size": blocks[0][2], "hash_len": hl, "hashes": b"".join(h for h, _, _ in blocks),
+            }  # fmt: skip
+            reply = await self._ask_local(addr, msg, timeout)
+            raw = reply.get("offsets")
+            if not isinstance(raw, bytes) or len(raw) != 8 * len(blocks):
+                raise Unavailable("malformed reserve reply")
+            offs = np.frombuffer(raw, dtype="<u8").tolist()
+            return int(reply["seq"]), [None if o == NO_SLOT else o for o in offs]
         msg = {"op": "reserve", "ns": ns, "local": True, "blocks": [list(b) for b in blocks]}
-        reply = await self._call(addr, msg, timeout)
+        reply = await self._ask_local(addr, msg, timeout)
         offsets = reply.get("offsets")
         if not isinstance(offsets, list) or len(offsets) != len(blocks):
             raise Unavailable("malformed reserve reply")
@@ -547,7 +565,7 @@ class DataClient:
         msg: dict[str, Any] = {"op": "commit", "seq": seq, "xxh3": [None] * len(accepted)}
         if digests is not None:
             msg["digest"] = list(digests)
-        reply = await self._call(addr, msg, timeout)
+        reply = await self._ask_local(addr, msg, timeout)
         n_accepted = sum(1 for a in accepted if a)
         stored = int(reply.get("stored", 0))
         return PutOutcome(
@@ -555,8 +573,8 @@ class DataClient:
         )
 
     async def abort(self, addr: str, seq: int, timeout: float) -> None:
-        """Drop a reservation (its slots go back to the pool)."""
-        await self._call(addr, {"op": "abort", "seq": seq}, timeout)
+        """Drop a local reservation (its slots go back to the pool)."""
+        await self._ask_local(addr, {"op": "abort", "seq": seq}, timeout)
 
 
 def _pin_msg(op: str, ns: str, blocks: Sequence[tuple[bytes, int]], ttl_s: float) -> dict[str, Any]:

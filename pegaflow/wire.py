@@ -24,6 +24,8 @@ PROTOCOL_VERSION = 1
 MAX_LIST = 65536
 #: Longest block hash accepted (vLLM uses 32-byte sha256 digests).
 MAX_HASH_BYTES = 64
+NO_SLOT = (1 << 64) - 1
+"""a packed local ``reserve`` reply's offset for a block that is stored already"""
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._:=+,@-]{1,256}$")
 
 

@@ -20,7 +20,8 @@ sizes): what any control call on this machine costs at the least.  ``*_ratio`` i
 ceiling over our figure.  The node's own time per locate comes from its
 ``pegaflow_node_request_seconds`` metric.
 
-The save side too: the commit of a same-host save (``--save-blocks`` new blocks of
+The save side too: the ``reserve`` of a same-host save's slots (over either transport,
+like the locate), and the commit of a same-host save (``--save-blocks`` new blocks of
 ``--save-bytes``, written through the pool file): the node hashes every slot (xxh3, on
 ``[node] hash_threads``) before it publishes.  Its ceiling is xxh3 of as many bytes on
 as many threads in this process.
@@ -127,6 +128,18 @@ def scheduler(coord: list[str], node: str, client: Any, block_size: int) -> Any:
 
     settings = ConnectorSettings.load({"coordinators": ",".join(coord), "local_node": node}, {})
     return SchedulerSide(settings, block_size, 1, lambda: NS, Counters(), client=client)
+
+
+def reserve(client: Any, node: str, n: int, size: int, calls: int) -> list[float]:
+    """ms of a same-host save's ``reserve`` of ``n`` new blocks (aborted, not timed)."""
+    out = []
+    for _ in range(calls):
+        blocks = [(os.urandom(16), 0, size) for _ in range(n)]
+        t0 = time.perf_counter()
+        seq, _ = client.call(lambda a, b=blocks: a.reserve_local(NS, node, b, 30.0), 30.0)
+        out.append((time.perf_counter() - t0) * 1e3)
+        client.call(lambda a, q=seq: a.abort_local(node, q, 30.0), 30.0)
+    return out
 
 
 def commits(client: Any, node: str, n: int, size: int, rounds: int) -> list[float]:
@@ -263,6 +276,10 @@ def main() -> None:
                 times.setdefault(f"scheduler_{name}", []).extend(
                     timed(lambda name=name: schedule(name), args.calls)
                 )
+            for name, c in clients.items():
+                times.setdefault(f"reserve_{name}", []).extend(
+                    reserve(c, node, n, args.save_bytes, args.calls // 4)
+                )
         saves = commits(clients["socket"], node, args.save_blocks, args.save_bytes, args.rounds)
         for c in clients.values():
             c.close()
@@ -305,6 +322,10 @@ def main() -> None:
             f"{out[f'lookup_{m}_p50_ms']:.3f} ms; bare socket round trip "
             f"{out[f'ceiling_{m}_ms']:.3f} ms"
         )
+    print(
+        f"reserve of {n} blocks for a same-host save: p50 {out['reserve_socket_p50_ms']:.3f} ms"
+        f" over the socket, {out['reserve_ucx_p50_ms']:.3f} ms over UCX"
+    )
     print(
         f"commit of a same-host save, {args.save_blocks} x {args.save_bytes} bytes: "
         f"{out['commit_ms']:.1f} ms ({out['commit_gbps']:.1f} GB/s); xxh3 of the same bytes "

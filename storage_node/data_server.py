@@ -27,8 +27,9 @@ GPU connector copying straight between the pool and its device):
 
 * the ``hello`` reply carries ``pool {path, dev, ino, bytes, control}`` (only to
   connections with cluster-wide access, never to a tenant's: the file holds every
-  tenant's blocks); ``control`` is the node's Unix socket that answers ``locate`` and
-  ``unpin`` faster than UCX does on loopback (:mod:`~pegaflow.storage_node.local_control`);
+  tenant's blocks); ``control`` is the node's Unix socket that answers ``locate``,
+  ``unpin`` and local ``reserve``/``commit``/``abort`` faster than UCX does on loopback
+  (:mod:`~pegaflow.storage_node.local_control`; its reservations are its own);
 * ``locate {id, ns, ttl_ms, shard, hash_len, hashes: bytes}`` -> ``{pin, flags, cols}``
   pins the present blocks for ``ttl_ms`` (no eviction while the reader copies them out
   of the file and checks them) and says where they are: per block a flag byte and five
@@ -36,7 +37,10 @@ GPU connector copying straight between the pool and its device):
   because a 10k-token prefix is hundreds of blocks;
 * ``unpin {id, pin}`` releases such a pin (or one taken by ``pin``) early;
 * ``reserve`` with ``local: true`` posts no receives and answers ``offsets`` too: the
-  writer fills the slots through the file, then ``commit``; its ``xxh3`` entries may be
+  writer fills the slots through the file, then ``commit``; a writer whose blocks share
+  one shard and size may send them packed (``shard, size, hash_len, hashes: bytes``)
+  and gets ``{seq, offsets: bytes}``, a little-endian uint64 per block (``NO_SLOT``
+  where the block is stored already); its ``xxh3`` entries may be
   None, and the node's own hash of each slot becomes the block's checksum (no transport
   lies between writer and slot: hashing the same bytes twice would check nothing);
 * ``commit`` may carry ``digest: [int | None]``, a signed 64-bit digest per block that
@@ -78,6 +82,7 @@ from pegaflow.inventory import InventorySink
 from pegaflow.ucx import UcxWorker, close_endpoint, make_tag
 from pegaflow.wire import (
     MAX_HASH_BYTES,
+    NO_SLOT,
     PROTOCOL_VERSION,
     LocatedBlocks,
     check_hash,
@@ -103,7 +108,8 @@ class _Reservation:
     ns: str
     entries: list[Any]  # Entry | None per requested block
     recv_done: asyncio.Future[None]
-    conn: _Conn
+    conn: _Conn | None
+    """the UCX connection that made it; None: made on the same-host control socket"""
     deadline: float
     local: bool = False
     """written through the pool file (no transport between writer and slot)"""
@@ -170,7 +176,13 @@ class DataServer:
         if self.cfg.local_access:
             control = LocalControl(
                 str(self.pool.path) + SOCKET_SUFFIX,
-                {"locate": self._locate, "unpin": self._unpin},
+                {
+                    "locate": self._locate,
+                    "unpin": self._unpin,
+                    "reserve": self._reserve_here,
+                    "commit": self._commit_here,
+                    "abort": self._abort_here,
+                },
                 self._auth.cluster_only(),
                 self.cfg.max_request_bytes,
                 self._observe_local,
@@ -443,6 +455,19 @@ class DataServer:
         self._release_pin(req_int(msg, "pin"))
         return {}
 
+    def _reserve_here(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return self._reserve(None, msg)
+
+    async def _commit_here(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return await self._commit(None, msg)
+
+    def _abort_here(self, msg: dict[str, Any]) -> dict[str, Any]:
+        seq = req_int(msg, "seq")
+        res = self._reservations.get(seq)
+        if res is not None and res.conn is None:  # the socket's own reservations only
+            self._abort(seq)
+        return {}
+
     def _observe_local(self, op: str, seconds: float, error: str | None) -> None:
         """Metrics of a request on the same-host control socket (as for UCX ones)."""
         self.metrics.request_seconds.labels(op=op).observe(seconds)
@@ -459,23 +484,18 @@ class DataServer:
 
     # ---- put -----------------------------------------------------------------------
 
-    def _reserve(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
+    def _reserve(self, conn: _Conn | None, msg: dict[str, Any]) -> dict[str, Any]:
+        """``conn`` None: a same-host reservation asked on the control socket."""
         w = self._worker
         assert w is not None
         ns = check_namespace(msg.get("ns"))
-        items = req_list(msg, "blocks", self.cfg.max_batch)
         local = msg.get("local") is True
-        if local and (not self.cfg.local_access or conn.tenant is not None):
+        if conn is None and not local:
+            raise BadRequest("the control socket takes same-host (local) reservations only")
+        if local and (not self.cfg.local_access or (conn is not None and conn.tenant is not None)):
             raise Unauthorized("this connection may not write the pool file directly")
-        parsed = []
-        for b in items:
-            if not isinstance(b, list) or len(b) != 3:
-                raise BadRequest("each block must be [hash, shard, size]")
-            key = _block_ref(ns, b[:2])
-            size = b[2]
-            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-                raise BadRequest("block size must be a positive integer")
-            parsed.append((key, size))
+        packed = "hashes" in msg
+        parsed = self._packed_blocks(ns, msg) if packed else self._listed_blocks(ns, msg)
         seq = w.next_seq()
         entries: list[Any] = []
         reqs = []
@@ -483,7 +503,7 @@ class DataServer:
             for i, (key, size) in enumerate(parsed):
                 e = self.pool.reserve(key, size, self.cfg.reserve_timeout_s)
                 entries.append(e)
-                if e is not None and not local:
+                if e is not None and conn is not None and not local:
                     reqs.append(w.tag_recv(conn.ep, self.pool.view(e), make_tag(seq, i)))
         except PegaError:
             for e in entries:
@@ -498,17 +518,51 @@ class DataServer:
         self._reservations[seq] = res
 
         def _failed(f: asyncio.Future[None]) -> None:
-            if not f.cancelled() and f.exception() is not None and seq in self._reservations:
+            failed = not f.cancelled() and f.exception() is not None
+            if failed and conn is not None and seq in self._reservations:
                 # payloads never came: the connection's receives must die with it
                 self._close_conn(conn)
 
         done.add_done_callback(_failed)
+        if packed:  # offsets as little-endian uint64, NO_SLOT where already stored
+            offs = [NO_SLOT if e is None else e.offset for e in entries]
+            return {"seq": seq, "offsets": np.array(offs, dtype="<u8").tobytes()}
         reply: dict[str, Any] = {"seq": seq, "accept": [e is not None for e in entries]}
         if local:
             reply["offsets"] = [None if e is None else e.offset for e in entries]
         return reply
 
-    async def _commit(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
+    def _listed_blocks(self, ns: str, msg: dict[str, Any]) -> list[tuple[Any, int]]:
+        """``blocks: [[hash, shard, size], ...]`` -> ``[(key, size)]``."""
+        parsed = []
+        for b in req_list(msg, "blocks", self.cfg.max_batch):
+            if not isinstance(b, list) or len(b) != 3:
+                raise BadRequest("each block must be [hash, shard, size]")
+            key = _block_ref(ns, b[:2])
+            size = b[2]
+            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+                raise BadRequest("block size must be a positive integer")
+            parsed.append((key, size))
+        return parsed
+
+    def _packed_blocks(self, ns: str, msg: dict[str, Any]) -> list[tuple[Any, int]]:
+        """A local reservation of blocks of one shard and size, their hashes back to back
+        (``shard``, ``size``, ``hash_len``, ``hashes``) -> ``[(key, size)]``."""
+        if msg.get("local") is not True:
+            raise BadRequest("packed reservations are same-host (local) ones")
+        shard = req_int(msg, "shard", 0, 65535)
+        size = req_int(msg, "size", 1, 1 << 40)
+        hl = req_int(msg, "hash_len", 1, MAX_HASH_BYTES)
+        blob = msg.get("hashes")
+        if not isinstance(blob, bytes) or len(blob) % hl:
+            raise BadRequest("hashes must be bytes, a multiple of hash_len long")
+        if len(blob) // hl > self.cfg.max_batch:
+            raise TooLarge(
+                f"{len(blob) // hl} blocks in one reserve; the limit is {self.cfg.max_batch}"
+            )
+        return [((ns, blob[i : i + hl], shard), size) for i in range(0, len(blob), hl)]
+
+    async def _commit(self, conn: _Conn | None, msg: dict[str, Any]) -> dict[str, Any]:
         seq = req_int(msg, "seq")
         sums = req_list(msg, "xxh3", self.cfg.max_batch)
         res = self._reservations.get(seq)
@@ -570,7 +624,7 @@ class DataServer:
         res = self._reservations.pop(seq, None)
         if res is None:
             return
-        if not res.recv_done.done():
+        if not res.local and res.conn is not None and not res.recv_done.done():
             # receives may still land in these slots: the connection must close first
             self._close_conn(res.conn)
         for e in res.entries:

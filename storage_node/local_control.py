@@ -1,4 +1,4 @@
-"""The same-host control socket: ``locate`` and ``unpin`` over a Unix socket.
+"""The same-host control socket: ``locate``, ``unpin`` and local saves over a Unix socket.
 
 A same-host reader (a GPU connector beside its node) asks the node where a prefix's
 blocks lie in the pool file before every load, on the critical path of a request's
@@ -8,6 +8,9 @@ messages; the control protocol (:mod:`pegaflow.rpc`) on a Unix socket answers it
 docs/benchmarks.md, "Same-host control").  The socket lies beside
 the pool file, only the node's user may open it (as with the pool file itself), and it
 admits the cluster token only: a tenant may never see where blocks lie.
+
+A same-host save asks it too: ``reserve`` (local only) before the writer copies into
+the slots and ``commit`` after; a reservation made here is committed or aborted here.
 
 The node advertises the socket in its UCX ``hello`` reply (``pool.control``), next to
 the pool file; the ops and their answers are those of the UCX protocol

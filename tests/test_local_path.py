@@ -199,31 +199,82 @@ def test_locate_goes_over_the_control_socket_and_falls_back_to_ucx(server: Proc)
     node = server.ready["node"]
     c = _client(server)
     try:
-        hashes = _stored(server, c, 7)
+        hashes = _stored(server, c, 7)  # saved through the socket (reserve, commit)
         pool = c.call(lambda a: a.local_pool(node), 5.0)
         assert pool is not None and pool.control and os.path.exists(pool.control)
         assert stat.S_IMODE(os.stat(pool.control).st_mode) & 0o077 == 0  # the node's user only
         addr = c.call(lambda a: a._node(node, 5.0), 5.0).ucx_address
         conn = c.call(lambda a: a._data._connection(addr, time.monotonic() + 5), 5.0)
-        # the socket cannot be reached (another host, say): the answer comes over UCX
-        moved = pool.control + ".away"
+        assert conn.control is not None and conn.control._conn is not None
+        pin, where = c.call(lambda a: a.locate(NS, node, hashes, 0, 5.0), 5.0)
+        assert where.found.all()
+        c.call(lambda a: a.unpin(node, pin), 5.0)
+    finally:
+        c.close()
+    # a client that cannot reach the socket (another host, say) is answered over UCX,
+    # and keeps to UCX on that connection: its saves work too
+    c2 = _client(server)
+    moved = pool.control + ".away"
+    try:
+        assert c2.call(lambda a: a.local_pool(node), 5.0).control == pool.control
         os.rename(pool.control, moved)
         try:
-            pin, where = c.call(lambda a: a.locate(NS, node, hashes, 0, 5.0), 5.0)
+            pin2, where2 = c2.call(lambda a: a.locate(NS, node, hashes, 0, 5.0), 5.0)
         finally:
             os.rename(moved, pool.control)
-        assert where.found.all() and conn.control is None
-        c.call(lambda a: a.unpin(node, pin), 5.0)
-        # a new client asks over the socket: same answer
-        c2 = _client(server)
-        try:
-            pin2, where2 = c2.call(lambda a: a.locate(NS, node, hashes, 0, 5.0), 5.0)
-            conn2 = c2.call(lambda a: a._data._connection(addr, time.monotonic() + 5), 5.0)
-            assert conn2.control is not None and conn2.control._conn is not None
-            assert where2.to_wire() == where.to_wire()
-            c2.call(lambda a: a.unpin(node, pin2), 5.0)
-        finally:
-            c2.close()
+        conn2 = c2.call(lambda a: a._data._connection(addr, time.monotonic() + 5), 5.0)
+        assert conn2.control is None
+        assert where2.to_wire() == where.to_wire()
+        c2.call(lambda a: a.unpin(node, pin2), 5.0)
+        _stored(server, c2, 8)
+    finally:
+        c2.close()
+
+
+def test_packed_reservations_and_their_malformed_forms(server: Proc) -> None:
+    node = server.ready["node"]
+    c = _client(server)
+    try:
+        stored = _stored(server, c, 9)
+        addr = c.call(lambda a: a._node(node, 5.0), 5.0).ucx_address
+        fresh = [b"\xf1\xf2" * 8, b"\xf1\xf3" * 8]
+        blocks = [(h, 0, 4096) for h in [*stored[:2], *fresh]]  # one shard, one size: packed
+        seq, offsets = c.call(lambda a: a.reserve_local(NS, node, blocks, 5.0), 5.0)
+        assert offsets[:2] == [None, None] and None not in offsets[2:]  # stored: no slot
+        c.call(lambda a: a.abort_local(node, seq), 5.0)
+        base = {"op": "reserve", "ns": NS, "local": True, "shard": 0, "size": 4096}
+        bad = [
+            {**base, "hash_len": 16, "hashes": b"x" * 17},  # not a multiple of hash_len
+            {**base, "hash_len": 0, "hashes": b""},
+            {**base, "hash_len": 16, "size": 0, "hashes": b"x" * 16},
+            {**base, "hash_len": 16, "local": False, "hashes": b"x" * 16},  # UCX puts list
+            {**base, "hash_len": 16, "hashes": b"x" * 16 * 70000},  # more than max_batch
+        ]
+        for msg in bad:  # over UCX and over the control socket
+            with pytest.raises((BadRequest, TooLarge)):
+                c.call(lambda a, msg=msg: a._data._call(addr, dict(msg), 5.0), 5.0)
+            with pytest.raises((BadRequest, TooLarge)):
+                c.call(lambda a, msg=msg: a._data._ask_local(addr, dict(msg), 5.0), 5.0)
+        assert c.call(lambda a: a.locate(NS, node, stored, 0, 1.0), 5.0)[1].found.all()
+    finally:
+        c.close()
+
+
+def test_a_socket_reservation_is_committed_on_the_socket_only(server: Proc) -> None:
+    node = server.ready["node"]
+    c = _client(server)
+    try:
+        addr = c.call(lambda a: a._node(node, 5.0), 5.0).ucx_address
+        seq, offsets = c.call(
+            lambda a: a.reserve_local(NS, node, [(b"\x31" * 16, 0, 4096)], 5.0), 5.0
+        )
+        assert offsets[0] is not None
+        commit = {"op": "commit", "seq": seq, "xxh3": [None]}
+        with pytest.raises(BadRequest):  # over UCX: not that connection's reservation
+            c.call(lambda a: a._data._call(addr, dict(commit), 5.0), 5.0)
+        c.call(lambda a: a.abort_local(node, seq), 5.0)
+        with pytest.raises(BadRequest):  # aborted: gone
+            c.call(lambda a: a._data._ask_local(addr, dict(commit), 5.0), 5.0)
     finally:
         c.close()
 
