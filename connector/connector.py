@@ -20,7 +20,6 @@ Guarantees, whatever the cluster does:
 from __future__ import annotations
 
 import logging
-import threading
 from typing import TYPE_CHECKING, Any
 
 from .compat import (
@@ -122,9 +121,7 @@ class PegaKVConnector(KVConnectorBase_V1):
                 counters=self.counters,
                 client_factory=self._make_client,
             )
-            threading.Thread(
-                target=self._scheduler.warm_up, name="pegaflow-warm-up", daemon=True
-            ).start()
+            self._scheduler.start_warm_up()
             logger.info(
                 "PegaFlow connector (vLLM %s): mode=%s coordinators=%s local_node=%s",
                 VLLM_VERSION,

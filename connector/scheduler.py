@@ -31,6 +31,10 @@ from .settings import ConnectorSettings
 
 logger = logging.getLogger("pegaflow.connector")
 
+WARM_UP_NS = "pegaflow.warm-up"
+"""the namespace of the lookups made at engine start (it holds nothing)"""
+WARM_UP_WAIT_S = 1.0
+"""longest wait of an early lookup for the engine-start connections"""
 MAX_LOCATE = 4096
 """most blocks in one ``locate`` call (a node's default ``max_batch``)"""
 LOCATE_PIN_S = 10.0
@@ -237,6 +241,9 @@ class SchedulerSide:
         self._last_error_log = -1e9
         self._client_lock = threading.Lock()
         self._closed = False
+        self._connected = threading.Event()
+        """clear while :meth:`start_warm_up`'s connections are being made"""
+        self._connected.set()
 
     # ---- helpers -------------------------------------------------------------------
 
@@ -274,10 +281,24 @@ class SchedulerSide:
                     return None
             return self._client
 
+    def start_warm_up(self) -> None:
+        """:meth:`warm_up` on a background thread (engine start); lookups made before it
+        is done wait for it, up to ``WARM_UP_WAIT_S``, rather than miss."""
+        self._connected.clear()
+
+        def run() -> None:
+            try:
+                self.warm_up()
+            finally:
+                self._connected.set()
+
+        threading.Thread(target=run, name="pegaflow-warm-up", daemon=True).start()
+
     def warm_up(self) -> None:
-        """Connect to the coordinator and to ``local_node`` now (engine start, on a
-        background thread): the first lookup would otherwise pay for the connections,
-        and past ``lookup_timeout_s`` its request would miss the cache."""
+        """Connect to the coordinator and to ``local_node`` now, by a locate and a lookup
+        of a block nobody has (engine start, on a background thread): the first lookup
+        would otherwise pay for the connections and every first use on its path, and
+        past ``lookup_timeout_s`` its request would miss the cache."""
         if not self.settings.can_load:
             return
         client = self._client_or_none()
@@ -285,11 +306,13 @@ class SchedulerSide:
         if call is None:
             return
         node, timeout = self.settings.local_node, self.settings.rpc_timeout_s
+        probe = [bytes(32)]  # a block nobody stores, in a namespace of its own
         try:
-            if node:  # a no-op unpin: fetches the node records, opens the data plane
-                call(lambda c: c.unpin(node, 0, timeout), timeout)
-            else:
-                call(lambda c: c.nodes(timeout), timeout)
+            t0 = time.monotonic()
+            if node:  # fetches the node records, opens the data plane and control socket
+                call(lambda c: c.locate(WARM_UP_NS, node, probe, 0, 0.001, timeout), timeout)
+            call(lambda c: c.lookup(WARM_UP_NS, probe, self.shards, timeout), timeout)
+            logger.debug("PegaFlow: connected in %.1f ms", (time.monotonic() - t0) * 1e3)
         except Exception as e:
             logger.info("PegaFlow: could not connect ahead of the first lookup: %s", e)
 
@@ -359,6 +382,15 @@ class SchedulerSide:
             self.lookup_breaker.failure()
             self.counters.add("lookup_errors")
             return None
+        if not self._connected.is_set():
+            # the engine took a request before the connections were made (it reports
+            # ready right after creating the connector): waiting is cheaper than a miss
+            t = self._clock()
+            self._connected.wait(min(WARM_UP_WAIT_S, self.settings.rpc_timeout_s))
+            logger.debug(
+                "PegaFlow: %s waited %.1f ms for the engine-start connections",
+                st.request.request_id, (self._clock() - t) * 1e3,
+            )  # fmt: skip
         asked = block_hashes_bytes(hashes[start:])
         t0 = self._clock()
         timeout = self.settings.lookup_timeout_s

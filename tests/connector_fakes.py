@@ -110,6 +110,7 @@ class FakeCluster:
         self.put_error: Exception | None = None
         self.lookups = 0
         self.locate_error: Exception | None = None
+        self.connect_gate: threading.Event | None = None
         self.gets = 0
         self.puts = 0
         self.lock = threading.Lock()
@@ -228,6 +229,12 @@ class FakeCluster:
 
         threading.Thread(target=run, daemon=True).start()
         return f
+
+    def call(self, fn: Any, timeout: float) -> Any:
+        """``SyncPegaClient.call`` (after ``connect_gate``, when one is set)."""
+        if self.connect_gate is not None and not self.connect_gate.wait(timeout):
+            raise DeadlineExceeded("connect gate")
+        return self.submit(fn).result(timeout)
 
     def submit(self, fn: Any) -> concurrent.futures.Future[Any]:
         """``SyncPegaClient.submit``: ``fn`` of the async client, run to completion."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import threading
+from typing import Any
 
 import pytest
 from pegaflow.connector.metadata import StepPlan, WorkerReport
@@ -153,6 +155,24 @@ def test_layer_wise_hits_are_located_before_the_coordinator_is_asked() -> None:
     other.update_state_after_alloc(req, ([10, 11, 12],), 12)
     (job2,) = other.build_plan(sched_output()).loads
     assert not job2.sync and job2.located == [] and cl2.pins
+
+
+def test_lookups_during_the_engine_start_connections_wait_for_them() -> None:
+    side, cl, c = make(local_node="n1")
+    req = FakeRequest("r1", toks(24), BS)
+    store(cl, req, 6)
+    cl.connect_gate = threading.Event()  # the connections take their time
+    side.start_warm_up()
+    answer: list[Any] = []
+    asking = threading.Thread(target=lambda: answer.append(side.get_num_new_matched_tokens(req, 0)))
+    asking.start()
+    asking.join(0.2)
+    assert not answer and cl.lookups == 0  # waiting for the warm-up, not missing
+    cl.connect_gate.set()
+    asking.join(5)
+    assert answer == [(20, False)]  # a whole local hit, as without the wait
+    assert len(cl.locates) == 2 and cl.lookups == 1  # warm-up's locate and lookup, then ours
+    assert c.totals().get("lookups_local") == 1
 
 
 def test_a_failing_local_node_is_not_asked_for_a_while() -> None:
