@@ -35,8 +35,8 @@ MAX_PATH = 107
 
 
 class LocalControl:
-    """Serves ``handlers`` (op -> plain function of the request's args) on a Unix socket
-    at ``path``; ``on_request(op, seconds, error code)`` sees every request."""
+    """Serves ``handlers`` (op -> function of the request's args, plain or async) on a
+    Unix socket at ``path``; ``on_request(op, seconds, error code)`` sees every request."""
 
     def __init__(
         self,
@@ -54,7 +54,6 @@ class LocalControl:
             max_frame=max_frame,
             on_request=on_request,
         )
-        self.serving = False
 
     async def start(self) -> bool:
         """Listen; False (logged) when the socket cannot be made, clients then use UCX."""
@@ -73,10 +72,9 @@ class LocalControl:
                 self.path, e,
             )  # fmt: skip
             return False
-        self.serving = True
+        log.info("same-host control socket at %s", self.path)
         return True
 
     async def close(self) -> None:
         """Stop listening, drop the connections and remove the socket."""
         await self._server.close()
-        self.serving = False
