@@ -52,7 +52,7 @@ class PoolFile:
     ino: int
     size: int
     control: str | None = None
-    """the node's same-host control socket (``locate``/``unpin``), when it serves one"""
+    """the node's same-host control socket (see :meth:`DataClient._ask_local`), if any"""
 
     @classmethod
     def from_wire(cls, d: Any) -> PoolFile | None:
@@ -123,8 +123,9 @@ def _byte_view(buf: Any) -> memoryview:
 class DataClient:
     """Batched get/put against storage nodes over UCX.
 
-    ``local_control``: send same-host requests (``locate``, ``unpin``) over the node's
-    Unix control socket when it offers one (:mod:`pegaflow.storage_node.local_control`).
+    ``local_control``: send same-host requests (``locate``, ``unpin``, local ``reserve``,
+    ``commit``, ``abort``) over the node's Unix control socket when it offers one
+    (:mod:`pegaflow.storage_node.local_control`).
     """
 
     def __init__(
@@ -502,17 +503,11 @@ class DataClient:
         The caller copies the bytes out of its own mapping of the file, checks each
         block's digest or xxh3 and then releases the pin with :meth:`unpin`.
         """
-        hl = len(hashes[0]) if hashes else 32
-        if any(len(h) != hl for h in hashes):
+        packed = _packed(hashes)
+        if packed is None:
             raise BadRequest("locate: every hash must have the same length")
-        msg = {
-            "op": "locate",
-            "ns": ns,
-            "ttl_ms": max(1, int(ttl_s * 1000)),
-            "shard": shard,
-            "hash_len": hl,
-            "hashes": b"".join(hashes),
-        }
+        msg = {"op": "locate", "ns": ns, "ttl_ms": max(1, int(ttl_s * 1000)), "shard": shard}
+        msg.update(packed)
         reply = await self._ask_local(addr, msg, timeout)
         try:
             where = LocatedBlocks.from_wire(reply, len(hashes))
@@ -530,14 +525,18 @@ class DataClient:
         """Reserve slots for ``(hash, shard, size)`` blocks that the caller writes through
         the pool file; returns (reservation, slot offset or None when already stored).
         Finish with :meth:`commit` (or :meth:`abort`)."""
-        hl = len(blocks[0][0]) if blocks else 0
-        if blocks and all(len(h) == hl and s == blocks[0][1] and z == blocks[0][2]
-                          for h, s, z in blocks):  # fmt: skip
+        packed = _packed([h for h, _, _ in blocks]) if blocks else None
+        if packed is not None and len({(s, z) for _, s, z in blocks}) == 1:
             # one shard and size (a connector's save): packed, as hundreds of blocks are
+            _, shard, size = blocks[0]
             msg: dict[str, Any] = {
-                "op": "reserve", "ns": ns, "local": True, "shard": blocks[0][1],
-                "size": blocks[0][2], "hash_len": hl, "hashes": b"".join(h for h, _, _ in blocks),
-            }  # fmt: skip
+                "op": "reserve",
+                "ns": ns,
+                "local": True,
+                "shard": shard,
+                "size": size,
+            }
+            msg.update(packed)
             reply = await self._ask_local(addr, msg, timeout)
             raw = reply.get("offsets")
             if not isinstance(raw, bytes) or len(raw) != 8 * len(blocks):
@@ -575,6 +574,14 @@ class DataClient:
     async def abort(self, addr: str, seq: int, timeout: float) -> None:
         """Drop a local reservation (its slots go back to the pool)."""
         await self._ask_local(addr, {"op": "abort", "seq": seq}, timeout)
+
+
+def _packed(hashes: Sequence[bytes]) -> dict[str, Any] | None:
+    """``hash_len`` and ``hashes`` (back to back) of hashes of one length, else None."""
+    hl = len(hashes[0]) if hashes else 32
+    if any(len(h) != hl for h in hashes):
+        return None
+    return {"hash_len": hl, "hashes": b"".join(hashes)}
 
 
 def _pin_msg(op: str, ns: str, blocks: Sequence[tuple[bytes, int]], ttl_s: float) -> dict[str, Any]:

@@ -430,14 +430,7 @@ class DataServer:
         ns = check_namespace(msg.get("ns"))
         ttl_ms = req_int(msg, "ttl_ms", 1, MAX_PIN_MS)
         shard = req_int(msg, "shard", 0, 65535)
-        hl = req_int(msg, "hash_len", 1, MAX_HASH_BYTES)
-        blob = msg.get("hashes")
-        if not isinstance(blob, bytes) or len(blob) % hl:
-            raise BadRequest("hashes must be bytes, a multiple of hash_len long")
-        n = len(blob) // hl
-        if n > self.cfg.max_batch:
-            raise TooLarge(f"{n} blocks in one locate; the limit is {self.cfg.max_batch}")
-        found = self.pool.get_many(ns, [blob[i : i + hl] for i in range(0, len(blob), hl)], shard)
+        found = self.pool.get_many(ns, self._packed_hashes(msg), shard)
         pin = self._hold(found, ttl_ms)
         self.metrics.get_blocks.labels(result="hit").inc(len(found) - found.count(None))
         return {"pin": pin, **LocatedBlocks.wire_rows([e and _wire(e) for e in found])}
@@ -552,15 +545,19 @@ class DataServer:
             raise BadRequest("packed reservations are same-host (local) ones")
         shard = req_int(msg, "shard", 0, 65535)
         size = req_int(msg, "size", 1, 1 << 40)
+        return [((ns, h, shard), size) for h in self._packed_hashes(msg)]
+
+    def _packed_hashes(self, msg: dict[str, Any]) -> list[bytes]:
+        """The ``hash_len``-byte hashes packed back to back in ``hashes`` (at most
+        ``max_batch`` of them)."""
         hl = req_int(msg, "hash_len", 1, MAX_HASH_BYTES)
         blob = msg.get("hashes")
         if not isinstance(blob, bytes) or len(blob) % hl:
             raise BadRequest("hashes must be bytes, a multiple of hash_len long")
-        if len(blob) // hl > self.cfg.max_batch:
-            raise TooLarge(
-                f"{len(blob) // hl} blocks in one reserve; the limit is {self.cfg.max_batch}"
-            )
-        return [((ns, blob[i : i + hl], shard), size) for i in range(0, len(blob), hl)]
+        n = len(blob) // hl
+        if n > self.cfg.max_batch:
+            raise TooLarge(f"{n} blocks in one request; the limit is {self.cfg.max_batch}")
+        return [blob[i : i + hl] for i in range(0, len(blob), hl)]
 
     async def _commit(self, conn: _Conn | None, msg: dict[str, Any]) -> dict[str, Any]:
         seq = req_int(msg, "seq")

@@ -245,14 +245,10 @@ class BlockPool:
 
     def pin(self, e: Entry) -> None:
         """Keep ``e`` from eviction while it is being read; marks it recently used."""
-        e.pins += 1
-        cls = self._classes[e.stride]
-        cls.lru.pop(e.key, None)
+        self.pin_many((e,))
 
     def unpin(self, e: Entry) -> None:
-        e.pins -= 1
-        if e.pins == 0 and e.committed and self._blocks.get(e.key) is e:
-            self._classes[e.stride].lru[e.key] = e
+        self.unpin_many((e,))
 
     def pin_many(self, entries: Sequence[Entry]) -> None:
         """:meth:`pin` each entry (a locate of a long prefix pins hundreds)."""

@@ -45,6 +45,25 @@ def _client(server: Proc, token: str = "admin") -> SyncPegaClient:
     return SyncPegaClient(cfg, token=token)
 
 
+def _data_address(c: SyncPegaClient, node: str) -> str:
+    """The UCX address of ``node``."""
+    return c.call(lambda a: a._node(node, 5.0), 5.0).ucx_address
+
+
+def _connection(c: SyncPegaClient, addr: str) -> Any:
+    """``c``'s data-plane connection to the node at ``addr``."""
+    return c.call(lambda a: a._data._connection(addr, time.monotonic() + 5), 5.0)
+
+
+def _refused_on_both_transports(c: SyncPegaClient, addr: str, bad: list[dict[str, Any]]) -> None:
+    """Each malformed request gets a typed error over UCX and over the control socket."""
+    for msg in bad:
+        with pytest.raises((BadRequest, TooLarge)):
+            c.call(lambda a, msg=msg: a._data._call(addr, dict(msg), 5.0), 5.0)
+        with pytest.raises((BadRequest, TooLarge)):
+            c.call(lambda a, msg=msg: a._data._ask_local(addr, dict(msg), 5.0), 5.0)
+
+
 def _kv(num_blocks: int, seed: int) -> dict[str, torch.Tensor]:
     """Per-layer caches shaped like vLLM's FlashAttention layout: (blocks, H, N, 2*D)."""
     g = torch.Generator().manual_seed(seed)
@@ -162,7 +181,7 @@ def test_malformed_locates_get_typed_errors_and_the_node_keeps_serving(server: P
     node = server.ready["node"]
     c = _client(server)
     try:
-        addr = c.call(lambda a: a._node(node, 5.0), 5.0).ucx_address
+        addr = _data_address(c, node)
         base = {"op": "locate", "ns": NS, "ttl_ms": 1000, "shard": 0, "hash_len": 16}
         bad = [
             {**base, "hashes": b"x" * 17},  # not a multiple of hash_len
@@ -171,11 +190,7 @@ def test_malformed_locates_get_typed_errors_and_the_node_keeps_serving(server: P
             {**base, "shard": -1, "hashes": b"x" * 16},
             {**base, "hashes": b"x" * 16 * 5000},  # more than max_batch
         ]
-        for msg in bad:  # over UCX and over the control socket
-            with pytest.raises((BadRequest, TooLarge)):
-                c.call(lambda a, msg=msg: a._data._call(addr, msg, 5.0), 5.0)
-            with pytest.raises((BadRequest, TooLarge)):
-                c.call(lambda a, msg=msg: a._data._ask_local(addr, dict(msg), 5.0), 5.0)
+        _refused_on_both_transports(c, addr, bad)
         pin, where = c.call(lambda a: a.locate(NS, node, [b"y" * 16], 0, 1.0), 5.0)
         assert len(where) == 1 and where[0] is None and pin > 0
     finally:
@@ -203,8 +218,8 @@ def test_locate_goes_over_the_control_socket_and_falls_back_to_ucx(server: Proc)
         pool = c.call(lambda a: a.local_pool(node), 5.0)
         assert pool is not None and pool.control and os.path.exists(pool.control)
         assert stat.S_IMODE(os.stat(pool.control).st_mode) & 0o077 == 0  # the node's user only
-        addr = c.call(lambda a: a._node(node, 5.0), 5.0).ucx_address
-        conn = c.call(lambda a: a._data._connection(addr, time.monotonic() + 5), 5.0)
+        addr = _data_address(c, node)
+        conn = _connection(c, addr)
         assert conn.control is not None and conn.control._conn is not None
         pin, where = c.call(lambda a: a.locate(NS, node, hashes, 0, 5.0), 5.0)
         assert where.found.all()
@@ -222,7 +237,7 @@ def test_locate_goes_over_the_control_socket_and_falls_back_to_ucx(server: Proc)
             pin2, where2 = c2.call(lambda a: a.locate(NS, node, hashes, 0, 5.0), 5.0)
         finally:
             os.rename(moved, pool.control)
-        conn2 = c2.call(lambda a: a._data._connection(addr, time.monotonic() + 5), 5.0)
+        conn2 = _connection(c2, addr)
         assert conn2.control is None
         assert where2.to_wire() == where.to_wire()
         c2.call(lambda a: a.unpin(node, pin2), 5.0)
@@ -236,7 +251,7 @@ def test_packed_reservations_and_their_malformed_forms(server: Proc) -> None:
     c = _client(server)
     try:
         stored = _stored(server, c, 9)
-        addr = c.call(lambda a: a._node(node, 5.0), 5.0).ucx_address
+        addr = _data_address(c, node)
         fresh = [b"\xf1\xf2" * 8, b"\xf1\xf3" * 8]
         blocks = [(h, 0, 4096) for h in [*stored[:2], *fresh]]  # one shard, one size: packed
         seq, offsets = c.call(lambda a: a.reserve_local(NS, node, blocks, 5.0), 5.0)
@@ -250,11 +265,7 @@ def test_packed_reservations_and_their_malformed_forms(server: Proc) -> None:
             {**base, "hash_len": 16, "local": False, "hashes": b"x" * 16},  # UCX puts list
             {**base, "hash_len": 16, "hashes": b"x" * 16 * 70000},  # more than max_batch
         ]
-        for msg in bad:  # over UCX and over the control socket
-            with pytest.raises((BadRequest, TooLarge)):
-                c.call(lambda a, msg=msg: a._data._call(addr, dict(msg), 5.0), 5.0)
-            with pytest.raises((BadRequest, TooLarge)):
-                c.call(lambda a, msg=msg: a._data._ask_local(addr, dict(msg), 5.0), 5.0)
+        _refused_on_both_transports(c, addr, bad)
         assert c.call(lambda a: a.locate(NS, node, stored, 0, 1.0), 5.0)[1].found.all()
     finally:
         c.close()
@@ -264,7 +275,7 @@ def test_a_socket_reservation_is_committed_on_the_socket_only(server: Proc) -> N
     node = server.ready["node"]
     c = _client(server)
     try:
-        addr = c.call(lambda a: a._node(node, 5.0), 5.0).ucx_address
+        addr = _data_address(c, node)
         seq, offsets = c.call(
             lambda a: a.reserve_local(NS, node, [(b"\x31" * 16, 0, 4096)], 5.0), 5.0
         )
