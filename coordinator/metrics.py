@@ -18,6 +18,7 @@ under a microsecond for its metrics.
 ``pegaflow_etcd_watch_lag_revisions``           revisions behind the latest seen
 ``pegaflow_etcd_watch_events_total``            watch events applied
 ``pegaflow_etcd_full_syncs_total``              full reads of the index from etcd
+``pegaflow_etcd_reloads_total``                 of those, forced by another etcd or compaction
 ``pegaflow_etcd_watch_errors_total``            broken or failed watches
 ``pegaflow_coordinator_leader``                 1 while this one runs the singleton duties
 ``pegaflow_coordinator_gc_passes_total``        index GC passes run
@@ -156,6 +157,11 @@ class CoordinatorCollector(Collector):
             yield _counter("pegaflow_etcd_watch_events", "watch events applied", st["events"])
             yield _counter(
                 "pegaflow_etcd_full_syncs", "full reads of the index from etcd", st["full_syncs"]
+            )
+            yield _counter(
+                "pegaflow_etcd_reloads",
+                "full reloads forced by a rebuilt/restored etcd or by compaction",
+                st["reloads"],
             )
             yield _counter(
                 "pegaflow_etcd_watch_errors", "broken or failed etcd watches", st["watch_errors"]

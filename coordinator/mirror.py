@@ -1,12 +1,19 @@
 """Keeps a :class:`~pegaflow.coordinator.index.BlockIndex` equal to the index in etcd.
 
-Start: a paged range read of ``nodes/`` then ``blocks/``, both at one revision, into a
+Start: the cluster epoch (``epoch`` key, created if absent, see :mod:`pegaflow.keys`),
+then a paged range read of ``nodes/`` then ``blocks/``, both at one revision, into a
 fresh index that replaces the served one in one step.  Then a watch of the whole
 cluster prefix from the next revision.  When the watch breaks it is resumed from the
-last applied revision; only when that revision was compacted (or etcd was rebuilt and
-went back in revisions) does the mirror read everything again.  Meanwhile lookups keep
-being served from the last state, and ``connected``/``lag_revisions`` say how current
-it is.
+last applied revision, and the mirror checks that it still speaks to the etcd it loaded
+from: it reads everything again when the epoch changed or vanished, the revision went
+back, or the cluster id changed (etcd rebuilt from empty, restored from a backup, the
+prefix wiped), and when the revision to resume from was compacted.  An epoch change
+seen on the watch does the same.  Nodes republish their inventories into a rebuilt etcd
+by themselves (their leases are gone); the reload and then the watch pick that up.
+
+Meanwhile lookups keep being served from the last state (mostly still right: nodes keep
+their blocks through an etcd rebuild, and readers fence their gets by generation), and
+``connected``/``lag_revisions`` say how current it is.
 
 A block key's node is taken from its lease (the node record carries the same lease), or
 from its value when the lease is unknown; the value's generation goes into the index
@@ -28,7 +35,7 @@ from aetcd import rpc
 
 from pegaflow.errors import PegaError, Unavailable
 from pegaflow.etcd import PUT, EtcdClient, RevisionCompacted, Watch, prefix_range_end
-from pegaflow.keys import Keyspace, NodeRecord
+from pegaflow.keys import Keyspace, NodeRecord, new_cluster_epoch
 
 from .index import MAX_GEN, BlockIndex
 
@@ -37,6 +44,10 @@ log = logging.getLogger(__name__)
 _MAX_BACKOFF_S = 5.0
 _HEX = [bytes((c,)) for c in b"0123456789abcdef"]
 _unpackb = msgpack.unpackb
+
+
+class _OtherEtcd(Exception):
+    """The etcd answering is not the one the index was loaded from."""
 
 
 class EtcdMirror:
@@ -62,6 +73,7 @@ class EtcdMirror:
         self._blen = len(self._bprefix)
         self._nprefix = keys.nodes.encode()
         self._nlen = len(self._nprefix)
+        self._epoch_key = keys.epoch_key
         self._leases: dict[int, str] = {}
         self._ns_names: dict[bytes, str] = {}
         self._task: asyncio.Task[None] | None = None
@@ -77,6 +89,12 @@ class EtcdMirror:
         self.etcd_revision = 0
         self.events = 0
         self.full_syncs = 0
+        #: Cluster epoch of the etcd the index was loaded from ("" before the first load).
+        self.epoch = ""
+        #: Full reloads forced by another etcd or by compaction (not the first load).
+        self.reloads = 0
+        #: Why the last of those happened.
+        self.last_reload = ""
         self.watch_errors = 0
         self.bad_keys = 0
         self.last_sync_s = 0.0
@@ -126,6 +144,9 @@ class EtcdMirror:
             "lag_revisions": self.lag_revisions,
             "events": self.events,
             "full_syncs": self.full_syncs,
+            "epoch": self.epoch,
+            "reloads": self.reloads,
+            "last_reload": self.last_reload,
             "watch_errors": self.watch_errors,
             "disconnected_s": (
                 round(time.monotonic() - self.disconnected_since, 3)
@@ -138,6 +159,7 @@ class EtcdMirror:
 
     async def _run(self) -> None:
         failures = 0
+        streak = 0  # reloads in a row without a watch that followed
         full = True
         while True:
             try:
@@ -145,27 +167,32 @@ class EtcdMirror:
                     await self._full_sync()
                     full = False
                 watch = await self.client.watch(self._root, self.revision + 1)
-                if watch.created_revision < self.revision or (
-                    self._cluster_id and watch.cluster_id != self._cluster_id
-                ):
-                    log.warning(
-                        "etcd went back from revision %d to %d (rebuilt?); reading everything",
-                        self.revision,
-                        watch.created_revision,
-                    )
+                try:
+                    # After the watch is open: a later epoch change arrives on it.
+                    await self._check_same_etcd(watch)
+                except BaseException:
                     watch.cancel()
-                    full = True
-                    continue
+                    raise
                 self._cluster_id = watch.cluster_id
                 self._set_connected(True)
-                failures = 0
+                failures = streak = 0
                 await self._follow(watch)
             except asyncio.CancelledError:
                 raise
-            except RevisionCompacted as e:
-                log.warning("etcd history compacted past revision %d (%s); reading everything",
-                            self.revision, e)  # fmt: skip
+            except _OtherEtcd as e:
+                self._note_reload(
+                    f"etcd at {self.client.endpoint} is not the one the index was loaded from: {e}",
+                    "etcd rebuilt, restored or wiped? Nodes republish their blocks by themselves",
+                )
                 full = True
+                failures, streak = streak, streak + 1  # soon, not after an outage's backoff
+            except RevisionCompacted as e:
+                self._note_reload(
+                    f"etcd history compacted past revision {self.revision} ({e})",
+                    "the watch fell behind",
+                )
+                full = True
+                failures, streak = streak, streak + 1
             except PegaError as e:
                 self.watch_errors += 1
                 if self.connected or failures == 0:
@@ -185,6 +212,42 @@ class EtcdMirror:
             failures += 1
             await asyncio.sleep(min(_MAX_BACKOFF_S, 0.1 * 2 ** min(failures, 10)))
 
+    def _note_reload(self, what: str, hint: str) -> None:
+        self.reloads += 1
+        self.last_reload = what
+        log.warning(
+            "%s; reading the whole index again (%s); lookups are served from the last "
+            "state until it is loaded",
+            what,
+            hint,
+        )
+
+    async def _check_same_etcd(self, watch: Watch) -> None:
+        """Raise :class:`_OtherEtcd` unless ``watch`` is on the etcd the index came from."""
+        if watch.created_revision < self.revision:
+            raise _OtherEtcd(
+                f"its revision went back from {self.revision} to {watch.created_revision}"
+            )
+        if self._cluster_id and watch.cluster_id != self._cluster_id:
+            raise _OtherEtcd(
+                f"its cluster id changed from {self._cluster_id:x} to {watch.cluster_id:x}"
+            )
+        kv = await self.client.get(self._epoch_key)
+        if kv is None:
+            raise _OtherEtcd(f"its cluster epoch is missing (was {self.epoch})")
+        if kv.value.decode(errors="replace") != self.epoch:
+            raise _OtherEtcd(
+                f"its cluster epoch is {kv.value.decode(errors='replace')!r}, not {self.epoch!r}"
+            )
+
+    async def _load_epoch(self) -> str:
+        """The cluster epoch, created first if absent (every coordinator agrees)."""
+        value, created = await self.client.put_if_absent(self._epoch_key, new_cluster_epoch())
+        epoch = value.decode(errors="replace")
+        if created:
+            log.info("created the cluster epoch %s at %s", epoch, self.keys.prefix)
+        return epoch
+
     def _set_connected(self, up: bool) -> None:
         if up and not self.connected:
             if self.disconnected_since is not None and self.full_syncs and self.watch_errors:
@@ -201,6 +264,9 @@ class EtcdMirror:
 
     async def _full_sync(self) -> None:
         t0 = time.monotonic()
+        # Read before the range: an etcd swapped in between shows as a changed epoch
+        # when the watch opens.
+        epoch = await self._load_epoch()
         fresh = BlockIndex()
         leases: dict[int, str] = {}
         rev = 0
@@ -212,15 +278,19 @@ class EtcdMirror:
         self.index.replace_with(fresh)
         self._leases = leases
         self.revision = rev
-        self.etcd_revision = max(self.etcd_revision, rev)
+        self.etcd_revision = rev  # the current revision: not max(), etcd may have gone back
+        self.epoch = epoch
+        self._cluster_id = 0  # taken from the next watch
         self.full_syncs += 1
         self.last_sync_s = time.monotonic() - t0
         self._synced.set()
         log.info(
-            "index loaded from etcd: %d blocks, %d nodes at revision %d in %.2f s",
+            "index loaded from etcd: %d blocks, %d nodes at revision %d (cluster epoch %s) "
+            "in %.2f s",
             self.index.num_blocks,
             self.index.num_nodes,
             rev,
+            epoch,
             self.last_sync_s,
         )
 
@@ -336,6 +406,11 @@ class EtcdMirror:
                     for lease in [k for k, v in leases.items() if v == node_id]:
                         del leases[lease]
                     index.remove_node(node_id)
+            elif key == self._epoch_key:
+                value = kv.value.decode(errors="replace")
+                if ev.type != PUT or value != self.epoch:
+                    what = f"rewritten to {value!r}" if ev.type == PUT else "deleted"
+                    raise _OtherEtcd(f"its cluster epoch {self.epoch!r} was {what}")
         self.events += len(events)
         if not r.fragment:
             last = events[-1].kv.mod_revision

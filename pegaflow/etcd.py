@@ -396,6 +396,23 @@ class EtcdClient:
         req = rpc.TxnRequest(compare=compare, success=success, failure=failure)
         return await self.call(lambda s: s.kv.Txn, req, timeout)
 
+    async def put_if_absent(
+        self, key: bytes, value: bytes, timeout: float | None = None
+    ) -> tuple[bytes, bool]:
+        """Create ``key`` with ``value`` unless it exists, in one transaction; returns
+        ``(the value stored now, whether this call created it)``, so concurrent callers
+        all end up with the same value."""
+        absent = rpc.Compare(
+            key=key, target=rpc.Compare.CompareTarget.CREATE, result=rpc.Compare.EQUAL,
+            create_revision=0,
+        )  # fmt: skip
+        r = await self.txn(
+            [put_op(key, value)], compare=[absent], failure=[range_op(key)], timeout=timeout
+        )
+        if r.succeeded:
+            return value, True
+        return r.responses[0].response_range.kvs[0].value, False  # one txn: it exists
+
     async def write_batches(
         self,
         ops: Iterable[rpc.RequestOp],

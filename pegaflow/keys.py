@@ -6,12 +6,17 @@ Under the cluster prefix (``[etcd] prefix``, e.g. ``/pegaflow/default``):
 * ``blocks/<namespace>/<hash hex>/<shard>`` -> :class:`BlockLocation` (msgpack),
   attached to the owning node's lease, so a dead node's entries vanish by themselves.
 * ``election/<duty>``: election keys of singleton duties.
+* ``epoch`` -> the cluster epoch: a random id (ascii hex, :func:`new_cluster_epoch`)
+  created once by the first coordinator with a put-if-absent and never rewritten.  A
+  coordinator that finds it changed or missing is looking at another etcd (rebuilt from
+  empty, restored from a backup, or the prefix wiped) and reloads its index from scratch.
 
 A block of a namespace is a hit only when every shard asked for is present.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -55,6 +60,8 @@ class NodeRecord:
     blocks: int = 0
     started_at: float = 0.0
     version: str = ""
+    pool_id: str = ""
+    """the node's pool file's id (kept across restarts on the same pool file)"""
 
     @property
     def ucx_address(self) -> str:
@@ -86,6 +93,8 @@ class Keyspace:
         self.nodes = f"{self.prefix}/nodes/"
         self.blocks = f"{self.prefix}/blocks/"
         self.election = f"{self.prefix}/election/"
+        #: The cluster epoch key (see the module docstring).
+        self.epoch_key = f"{self.prefix}/epoch".encode()
 
     def node_key(self, node_id: str) -> bytes:
         return f"{self.nodes}{node_id}".encode()
@@ -109,6 +118,11 @@ class Keyspace:
         if not s.startswith(self.nodes):
             raise BadRequest(f"not a node key: {s!r}")
         return s[len(self.nodes) :]
+
+
+def new_cluster_epoch() -> bytes:
+    """A fresh random value for the cluster epoch key."""
+    return secrets.token_hex(16).encode()
 
 
 def node_http_url(rec: dict[str, Any]) -> str | None:
