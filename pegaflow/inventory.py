@@ -15,11 +15,17 @@ from typing import Protocol
 from pegaflow.keys import BlockLocation, NodeRecord
 
 
+class NodeIdInUse(Exception):
+    """Another live node is registered under this node's id (raised by
+    :meth:`InventorySink.start`)."""
+
+
 class InventorySink(Protocol):
     """Receives a node's membership and block inventory."""
 
     async def start(self, record: NodeRecord) -> None:
-        """Register the node (attach a lease, write its record)."""
+        """Register the node (attach a lease, write its record); raises
+        :class:`NodeIdInUse` when another live node holds the node id."""
 
     async def update_node(self, record: NodeRecord) -> None:
         """Refresh the node record (usage figures)."""

@@ -2,7 +2,9 @@
 
 With ``[etcd] endpoints`` set, the node joins the cluster (membership and inventory in
 etcd under its lease); without, it serves standalone (useful for benchmarks) and says so.
-Prints ``READY node=<id> ucx=<host:port> http=<port>`` once serving.
+Prints ``READY node=<id> ucx=<host:port> http=<port>`` once serving.  A start that
+fails (no room for the pool, a port taken, a bad address, a node id held by another
+live node) logs why and exits with status 2, leaving no file it created behind.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pegaflow.storage_node.node import NullSink, StorageNode
 
 from pegaflow import telemetry
 from pegaflow.config import ClusterConfig
-from pegaflow.inventory import InventorySink
+from pegaflow.inventory import InventorySink, NodeIdInUse
 from pegaflow.service import run_service
 
 log = logging.getLogger("pegaflow.node")
@@ -40,22 +42,38 @@ async def run(cfg: ClusterConfig) -> None:
     )
     node.sink = make_sink(cfg, node)
     telemetry.setup(cfg.telemetry, service="pegaflow-node", registry=node.registry)
+    loop = asyncio.get_running_loop()
+    starting = asyncio.current_task()
+    assert starting is not None
+    for sig in (signal.SIGINT, signal.SIGTERM):  # stopped while starting: clean up, exit
+        loop.add_signal_handler(sig, starting.cancel)
     try:
         await node.start()
-    except OSError as e:  # port taken, pool file in use, shm full
+    except (OSError, ValueError, NodeIdInUse) as e:  # port taken, pool file in use, shm full
         log.error("cannot start node: %s", e)
         raise SystemExit(2) from None
+    except asyncio.CancelledError:
+        log.info("stopped while starting")
+        raise SystemExit(1) from None
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     http = None
     if cfg.node.http_port >= 0:
         from pegaflow.http import start_http
 
-        http = await start_http(
-            cfg.node.http_host,
-            cfg.node.http_port,
-            status=node.status,
-            health=node.health,
-            registry=node.registry,
-        )
+        try:
+            http = await start_http(
+                cfg.node.http_host,
+                cfg.node.http_port,
+                status=node.status,
+                health=node.health,
+                registry=node.registry,
+            )
+        except OSError as e:
+            log.error("cannot start node: HTTP endpoint: %s (see --node-http-port)", e)
+            await node.close(unlink=node.pool_created)
+            raise SystemExit(2) from None
         node.http_address = f"{cfg.node.http_host}:{http.port}"
         await node.sink.update_node(node.record())
     assert node.data is not None
@@ -64,10 +82,6 @@ async def run(cfg: ClusterConfig) -> None:
         f"READY node={node.node_id} ucx={cfg.node.host}:{node.data.port} http={http_port}",
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("stopping node %s", node.node_id)
     if http is not None:

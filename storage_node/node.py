@@ -1,13 +1,29 @@
-"""A storage node: pool + data server + inventory publishing + HTTP, with one lifecycle."""
+"""A storage node: pool + data server + inventory publishing + HTTP, with one lifecycle.
+
+Start brings up the pool (created, or re-attached from an earlier process), the data
+server and membership, in this order.  A start that fails at any step (no space for
+the pool, a port taken, a bad address, a node id held by another live node) takes down
+what it brought up and removes the pool file and journal *this start created*; a pool
+file it found, and was re-attaching, is left for the next start.
+
+Health: the node is healthy while it can serve: pool mapped, data server listening,
+the pool file still at its path (every handshake and same-host client needs it: a file
+deleted under the node is reported, and logged once at ERROR), and its node id not
+refused by the cluster.  A degraded journal (see :mod:`~pegaflow.storage_node.journal`)
+keeps the node healthy, since it serves, but shows in ``/health``, ``/v1/status`` and
+the ``pegaflow_node_journal_*`` metrics.  A watchdog re-checks this every second and
+lets a degraded journal retry.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +31,8 @@ from pegaflow.storage_node.data_server import DataServer
 from pegaflow.storage_node.metrics import NodeMetrics
 from pegaflow.storage_node.pool import BlockPool, Entry
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from pegaflow import __version__
 from pegaflow.auth import Authenticator
@@ -23,6 +41,8 @@ from pegaflow.inventory import InventorySink
 from pegaflow.keys import BlockLocation, NodeRecord
 
 log = logging.getLogger(__name__)
+
+_WATCH_S = 1.0
 
 
 class NullSink:
@@ -74,8 +94,11 @@ class StorageNode:
         self.node_id = cfg.node_id
         self.started_at = time.time()
         self._refresh: asyncio.Task[None] | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self._reported: str | None = None  # the serving problem logged last
         self._dirty = asyncio.Event()
         self.http_address = ""
+        self.registry.register(JournalCollector(self))
 
     def record(self) -> NodeRecord:
         """This node as published in the index."""
@@ -91,6 +114,7 @@ class StorageNode:
             blocks=st.blocks,
             started_at=self.started_at,
             version=__version__,
+            pool_id=self.pool.pool_id,
         )
 
     def _on_evict(self, e: Entry) -> None:
@@ -104,7 +128,36 @@ class StorageNode:
             (e.key[0], e.key[1], e.key[2], e.location(self.node_id)) for e in self.pool.committed()
         ]
 
+    @property
+    def pool_created(self) -> bool:
+        """Whether this node's start created its pool file (so a failure removes it)."""
+        return self.pool is not None and self.pool.created
+
     async def start(self) -> None:
+        """Bring up pool, data server and membership; on failure, take down what came
+        up and remove a pool file this start created (see the module docstring)."""
+        try:
+            await self._start()
+        except BaseException:
+            await self._abort_start()
+            raise
+
+    async def _abort_start(self) -> None:
+        for task in (self._refresh, self._watch):
+            if task is not None:
+                task.cancel()
+        with contextlib.suppress(Exception):
+            await self.sink.close()
+        if self.data is not None:
+            with contextlib.suppress(Exception):
+                await self.data.close()
+        pool, self.pool, self.data = self.pool, None, None
+        if pool is not None:
+            pool.close(unlink=pool.created)
+            if pool.created:
+                log.info("start failed: removed %s, which it had created", pool.path)
+
+    async def _start(self) -> None:
         cfg = self.cfg
         self.data = None
         if not self.node_id:
@@ -135,6 +188,7 @@ class StorageNode:
             log.info("re-attached %d verified blocks from %s", len(self.pool.recovered), path)
             self.update_gauges()
         self._refresh = asyncio.create_task(self._refresh_loop())
+        self._watch = asyncio.create_task(self._watch_loop())
         log.info(
             "node %s serving %d MiB on UCX %s:%d",
             self.node_id,
@@ -154,6 +208,17 @@ class StorageNode:
                 log.warning("could not refresh the node record", exc_info=True)
             await asyncio.sleep(1.0)
 
+    async def _watch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_WATCH_S)
+            if self.pool is None:
+                continue
+            self.problem()
+            try:
+                self.pool.maintain_journal()
+            except Exception:
+                log.exception("journal maintenance failed")
+
     def update_gauges(self) -> None:
         assert self.pool is not None
         st = self.pool.stats()
@@ -163,21 +228,97 @@ class StorageNode:
         m.blocks.set(st.blocks)
         m.evictions.set(st.evictions)
 
+    def problem(self) -> str | None:
+        """Why this node cannot serve as it should (see the module docstring), else
+        None.  A new problem is logged once, at ERROR."""
+        problem: str | None
+        if self.pool is None or self.data is None:
+            problem = "not serving (starting or stopped)"
+        elif (why := self.pool.file_problem()) is not None:
+            problem = (
+                f"{why}: new connections cannot complete their handshake and same-host "
+                "clients cannot map the pool; restart the node (the blocks in the pool "
+                "are lost with the file)"
+            )
+        else:
+            problem = getattr(self.sink, "refused", None)
+        if problem is not None and problem != self._reported and self.data is not None:
+            log.error("node %s unhealthy: %s", self.node_id, problem)
+        self._reported = problem
+        return problem
+
+    def _journal_status(self) -> dict[str, Any] | None:
+        j = self.pool.journal if self.pool is not None else None
+        if j is None:
+            return None
+        return {
+            "degraded": j.degraded,
+            "bad_records": j.bad_records,
+            "torn_tail": j.torn_tail,
+            "write_errors": j.write_errors,
+            "unjournaled": j.unjournaled,
+        }
+
     async def status(self) -> dict[str, Any]:
         """The /v1/status document of this node."""
         assert self.pool is not None
-        return {"node": self.record().to_wire(), "pool": vars(self.pool.stats())}
+        problem = self.problem()
+        return {
+            "node": self.record().to_wire(),
+            "pool": vars(self.pool.stats()),
+            "journal": self._journal_status(),
+            "health": {"ok": problem is None, "reason": problem},
+        }
 
     async def health(self) -> tuple[bool, dict[str, Any]]:
-        """Healthy when the pool is mapped and the data server listens."""
-        ok = self.pool is not None and self.data is not None
-        return ok, {"node_id": self.node_id, "serving": ok}
+        """Healthy while the node can serve (see the module docstring); the body says
+        why not (``reason``) and whether the journal is degraded."""
+        problem = self.problem()
+        body: dict[str, Any] = {"node_id": self.node_id, "serving": problem is None}
+        if problem is not None:
+            body["reason"] = problem
+        journal = self._journal_status()
+        if journal is not None:
+            body["journal_degraded"] = journal["degraded"]
+        return problem is None, body
 
     async def close(self, unlink: bool = True) -> None:
-        if self._refresh is not None:
-            self._refresh.cancel()
+        """Stop; ``unlink`` also removes the pool file and its journal."""
+        for task in (self._refresh, self._watch):
+            if task is not None:
+                task.cancel()
         await self.sink.close()
         if self.data is not None:
             await self.data.close()
         if self.pool is not None:
             self.pool.close(unlink=unlink)
+
+
+class JournalCollector(Collector):
+    """The node's ``pegaflow_node_journal_*`` metrics (read at scrape time)."""
+
+    def __init__(self, node: StorageNode) -> None:
+        self.node = node
+
+    def collect(self) -> Iterator[Any]:
+        pool = self.node.pool
+        j = pool.journal if pool is not None else None
+        if j is None:
+            return
+        for name, doc, value in (
+            ("pegaflow_node_journal_degraded",
+             "1 while journal writes are off after a failed write (see the log)", j.degraded),
+            ("pegaflow_node_journal_bad_records",
+             "journal records skipped as invalid when the pool was re-attached", j.bad_records),
+        ):  # fmt: skip
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], int(value))
+            yield g
+        for name, doc, value in (
+            ("pegaflow_node_journal_write_errors", "failed journal writes", j.write_errors),
+            ("pegaflow_node_journal_unjournaled",
+             "commits and drops not journaled while it was degraded", j.unjournaled),
+        ):  # fmt: skip
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c

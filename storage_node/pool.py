@@ -3,33 +3,45 @@
 Memory layout: the pool file (``<shm_dir>/pegaflow-<node_id>.pool``) is split into
 ``slab_bytes`` slabs.  A slab serves one slot size (a block size rounded up to 4 KiB),
 memcached-style, so blocks of different models share one pool without fragmentation.
-A slot is named by its byte offset in the pool.
+A slot is named by its byte offset in the pool.  The whole file is allocated when the
+pool opens (``posix_fallocate``): a pool that does not fit its file system fails to
+open with ENOSPC instead of dying of SIGBUS later.  A pool that fails to open removes
+the files it created (pool file, journal), never a pool file it found and was going to
+re-attach.
 
 Block states: *reserved* (a put is writing it; invisible, never evicted; reclaimed when
 its reservation expires) and *committed* (immutable, has a generation and an xxh3
 checksum, visible in the index).  Committed blocks sit in an LRU; eviction takes the
 least recently used block of the size class that is not pinned by an in-flight read.
+
+Restarts: commits and drops are journaled (:mod:`~pegaflow.storage_node.journal`); a
+pool file left by an earlier process is re-attached, keeping each journaled block only
+if its bytes match its xxh3 (and its slot fits the slabs of the blocks kept before it).
+A journal that cannot be written (no space) is *degraded*: the pool keeps serving and
+committing, and :meth:`BlockPool.maintain_journal` rewrites it once there is room.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import mmap
 import os
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from pegaflow.storage_node.journal import Journal, SlotRecord
+from pegaflow.storage_node.journal import SLOT_ALIGN, Journal, SlotRecord
 
 from pegaflow.checksum import checksum
 from pegaflow.errors import NoSpace, TooLarge
 from pegaflow.keys import BlockLocation
 
-SLOT_ALIGN = 4096
 _MADV_POPULATE_WRITE = 23
 
 BlockKey = tuple[str, bytes, int]
@@ -78,6 +90,8 @@ class PoolStats:
     pinned: int
     evictions: int
     free_slabs: int
+    quarantined_bytes: int = 0
+    """slots held out of use because a failed put's receives may still write them"""
 
 
 class PoolInUse(OSError):
@@ -90,7 +104,8 @@ class BlockPool:
     With ``persist=True`` (the default) every commit and drop is journaled next to the
     pool file, and a pool file left by an earlier process of the same node is
     re-attached: each journaled block is checked against its xxh3 and kept only if it
-    matches (``recovered`` lists them, oldest first).
+    matches (``recovered`` lists them, oldest first).  ``created`` says whether this
+    pool made its file (so a failed start knows what to remove).
     """
 
     def __init__(
@@ -113,7 +128,7 @@ class BlockPool:
         self.slab_bytes = slab_bytes
         self.capacity = n_slabs * slab_bytes
         self._on_evict = on_evict
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd, self.created = _open_new_or_existing(self.path)
         try:  # one process per pool file: a second one would resize it under the first
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -122,9 +137,14 @@ class BlockPool:
                 f"pool file {self.path} is in use by another process: give each node its own "
                 "[node] node_id (or shm_dir)"
             ) from None
-        os.ftruncate(self._fd, self.capacity)
-        self._mmap = mmap.mmap(self._fd, self.capacity, mmap.MAP_SHARED)
-        self._prefault()
+        self.journal: Journal | None = None
+        if persist:
+            self.journal = Journal(self.path.with_suffix(".journal"), self.capacity, slab_bytes)
+        try:
+            self._map()
+        except BaseException:
+            self._close_files(unlink=self.created)
+            raise
         self.buf = np.frombuffer(self._mmap, dtype=np.uint8)
         self._free_slabs = list(range(n_slabs - 1, -1, -1))
         self._classes: dict[int, _SizeClass] = {}
@@ -133,13 +153,34 @@ class BlockPool:
         self._by_offset: dict[int, Entry] = {}
         self._gen = int(time.time() * 1000) << 16
         self.used_bytes = 0
+        self.quarantined_bytes = 0
         self.evictions = 0
         self.recovered: list[Entry] = []
-        self.journal: Journal | None = None
-        if persist:
-            self.journal = Journal(self.path.with_suffix(".journal"), self.capacity, slab_bytes)
+        #: This pool file's id, kept across re-attaches (in the journal's header).
+        self.pool_id = uuid.uuid4().hex
+        if self.journal is not None:
             self.recovered = self._recover(self.journal.replay())
+            self.pool_id = self.journal.pool_id
             self.journal.rewrite(self._record(e) for e in self.recovered)
+
+    def _map(self) -> None:
+        """Size the file, allocate all of it and map it."""
+        os.ftruncate(self._fd, self.capacity)
+        try:
+            os.posix_fallocate(self._fd, 0, self.capacity)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                st = os.statvfs(self.path.parent)
+                raise OSError(
+                    e.errno,
+                    f"pool file {self.path}: {self.capacity} bytes do not fit "
+                    f"({st.f_bavail * st.f_frsize} bytes free in {self.path.parent}); lower "
+                    "[node] pool_bytes or make room there",
+                ) from None
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise  # a file system that cannot preallocate: pages come at first touch
+        self._mmap = mmap.mmap(self._fd, self.capacity, mmap.MAP_SHARED)
+        self._prefault()
 
     def _prefault(self) -> None:
         """Back the whole pool with memory now, so puts never pay first-touch faults.
@@ -153,22 +194,15 @@ class BlockPool:
             pass
 
     def _recover(self, records: list[SlotRecord]) -> list[Entry]:
-        """Adopt the journaled blocks whose bytes still match their checksum."""
+        """Adopt the journaled blocks whose bytes still match their checksum (the
+        journal validated each record's slot against the pool's geometry)."""
         slab_stride: dict[int, int] = {}
         kept: list[Entry] = []
         for r in sorted(records, key=lambda r: r.gen):
-            slab, within = divmod(r.offset, self.slab_bytes)
+            slab = r.offset // self.slab_bytes
             key = (r.ns, r.block_hash, r.shard)
             if (
-                r.offset < 0
-                or r.stride <= 0
-                or r.stride % SLOT_ALIGN
-                or r.stride > self.slab_bytes
-                or not 0 < r.size <= r.stride
-                or within % r.stride
-                or within + r.stride > self.slab_bytes
-                or r.offset + r.stride > self.capacity
-                or slab_stride.get(slab, r.stride) != r.stride
+                slab_stride.get(slab, r.stride) != r.stride
                 or key in self._blocks
                 or r.offset in self._by_offset
                 or checksum(self.buf[r.offset : r.offset + r.size]) != r.xxh3
@@ -239,6 +273,7 @@ class BlockPool:
             pinned=pinned,
             evictions=self.evictions,
             free_slabs=len(self._free_slabs),
+            quarantined_bytes=self.quarantined_bytes,
         )
 
     # ---- reads ---------------------------------------------------------------------
@@ -297,14 +332,46 @@ class BlockPool:
             self._classes[e.stride].lru[e.key] = e
         if self.journal is not None:
             self.journal.committed(self._record(e))
-            if self.journal.needs_compaction():
-                self.journal.rewrite(self._record(x) for x in self.committed())
+            self.maintain_journal()
         return e.location(self.node_id)
+
+    def maintain_journal(self) -> None:
+        """Rewrite the journal compactly when it asks for it: dead records dominate, or
+        it is degraded (a write failed) and may fit again (cheap; called often)."""
+        j = self.journal
+        if j is not None and j.wants_rewrite(len(self._blocks)):
+            j.rewrite(self._record(x) for x in self.committed())
+
+    def file_problem(self) -> str | None:
+        """Why the pool file can no longer be shared (its path was deleted or now names
+        another file: same-host clients and handshakes need it), else None."""
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            return f"pool file {self.path} is gone ({e.strerror})"
+        mapped = os.fstat(self._fd)
+        if (st.st_dev, st.st_ino) != (mapped.st_dev, mapped.st_ino):
+            return f"pool file {self.path} was replaced by another file"
+        return None
 
     def abort(self, e: Entry) -> None:
         """Drop a reservation (the put failed or expired)."""
         if self._blocks.get(e.key) is e and not e.committed:
             self._release(e)
+
+    def quarantine(self, e: Entry) -> None:
+        """Take a reservation out of use while a transfer may still write its slot (UCX
+        cannot cancel a receive under way): its key is free for new puts at once, its
+        slot stays allocated until :meth:`release_quarantined`."""
+        if self._blocks.get(e.key) is e and not e.committed:
+            del self._blocks[e.key]
+            self.quarantined_bytes += e.stride
+
+    def release_quarantined(self, e: Entry) -> None:
+        """Give a quarantined slot back, once nothing can write it any more."""
+        if self._by_offset.get(e.offset) is e:
+            self._free_slot(e)
+            self.quarantined_bytes -= e.stride
 
     def drop(self, e: Entry) -> None:
         """Remove a committed block (invalid or evicted); reports it to ``on_evict``."""
@@ -330,6 +397,9 @@ class BlockPool:
 
     def _release(self, e: Entry) -> None:
         del self._blocks[e.key]
+        self._free_slot(e)
+
+    def _free_slot(self, e: Entry) -> None:
         self._by_offset.pop(e.offset, None)
         self.used_bytes -= e.stride
         self._classes[e.stride].free.append(e.offset)
@@ -389,12 +459,16 @@ class BlockPool:
         return None
 
     def close(self, unlink: bool = False) -> None:
-        """Unmap the pool (``unlink=True`` also deletes the shared-memory file)."""
+        """Unmap the pool (``unlink=True`` also deletes the shared-memory file and its
+        journal)."""
         self.buf = np.empty(0, dtype=np.uint8)
         try:
             self._mmap.close()
         except BufferError:
             pass  # views still alive (e.g. in-flight sends); the OS frees it at exit
+        self._close_files(unlink)
+
+    def _close_files(self, unlink: bool) -> None:
         os.close(self._fd)
         if self.journal is not None:
             self.journal.close()
@@ -402,3 +476,18 @@ class BlockPool:
             self.path.unlink(missing_ok=True)
             if self.journal is not None:
                 self.journal.path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    self.journal.path.with_suffix(".journal.tmp").unlink()
+
+
+def _open_new_or_existing(path: Path) -> tuple[int, bool]:
+    """An fd of the pool file, and whether this call created it."""
+    while True:
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), True
+        except FileExistsError:
+            pass
+        try:
+            return os.open(path, os.O_RDWR), False
+        except FileNotFoundError:
+            continue  # removed in between: try creating it again

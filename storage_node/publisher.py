@@ -18,6 +18,22 @@
   which deletes exactly the stale keys.  Lookups never see the inventory disappear.
 * An etcd outage never raises into the node: calls fail, get logged and counted, and
   are retried with backoff; the queue keeps absorbing writes up to its bound.
+* One node id, one live node.  Before its first registration the publisher reads
+  ``nodes/<id>``.  A record there under a live lease is either this node's own previous
+  process (killed without revoking its lease, which expires one TTL later) or another
+  live node that uses the same id.  The record's ``pool_id`` tells them apart: the pool
+  file's id is kept across restarts on the same pool file, and a process that holds
+  the pool file's lock knows the previous holder is dead; so the same pool id means
+  "take over now".  Any other pool id (another host, or this host after its pool file
+  was lost) means "wait": a dead node's lease runs out within its TTL, while a live
+  node keeps refreshing it; a refresh seen (its remaining TTL going up, or a new
+  lease) or a lease outliving its TTL means another live node, and :meth:`start`
+  raises :class:`~pegaflow.inventory.NodeIdInUse`.  The first registration is then
+  written only if the key was not written since the check (a compare on its
+  revision), so two nodes that start at the same moment cannot both win.  A check that
+  cannot reach etcd at start is made again before the first registration; a refusal
+  found then stops the publisher (:attr:`EtcdPublisher.refused`), which the node's
+  health reports.
 """
 
 from __future__ import annotations
@@ -30,13 +46,15 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import Any
 
+from aetcd import rpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pegaflow.config import EtcdConfig
-from pegaflow.errors import BadRequest, NotFound, PegaError, TooLarge
+from pegaflow.errors import BadRequest, NotFound, PegaError, TooLarge, Unavailable
 from pegaflow.etcd import EtcdClient, delete_if_lease_op, put_op
+from pegaflow.inventory import NodeIdInUse
 from pegaflow.keys import BlockLocation, Keyspace, NodeRecord
 
 log = logging.getLogger(__name__)
@@ -44,6 +62,7 @@ log = logging.getLogger(__name__)
 Inventory = Callable[[], Iterable[tuple[str, bytes, int, BlockLocation]]]
 
 _MAX_BACKOFF_S = 5.0
+_CLAIM_POLL_S = 0.5
 
 
 class _Delete:
@@ -112,6 +131,9 @@ class EtcdPublisher:
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self._down_since: float | None = None
+        self._claim_rev: int | None = None  # the node key's revision when found free
+        #: Why the node id was refused (another live node holds it), else None.
+        self.refused: str | None = None
 
         self.published = 0
         self.unpublished = 0
@@ -130,13 +152,24 @@ class EtcdPublisher:
     async def start(self, record: NodeRecord) -> None:
         """Start publishing as ``record``'s node.  Waits up to ``[etcd] timeout_s`` for
         the registration; if etcd is unreachable it logs and keeps trying in the
-        background (never raises for an outage)."""
+        background (never raises for an outage).  Raises
+        :class:`~pegaflow.inventory.NodeIdInUse` when another live node holds the node
+        id (this may first wait up to one lease TTL: see the module docstring)."""
         if self._tasks:
             raise RuntimeError("EtcdPublisher already started")
         self._record = record
         self._node_key = self.keys.node_key(record.node_id)
         if self._client is None:
             self._client = EtcdClient(self.cfg)
+        try:
+            await self._claim_node_id()
+        except PegaError as e:
+            log.warning(
+                "node %s: could not check in etcd that the node id is free (%s); checking "
+                "again before registering",
+                record.node_id,
+                e,
+            )
         self._tasks = [asyncio.create_task(self._supervise(), name="publisher-supervisor")]
         self._tasks += [
             asyncio.create_task(self._write_loop(), name=f"publisher-writer-{i}")
@@ -151,6 +184,8 @@ class EtcdPublisher:
                 record.node_id,
                 ", ".join(self.cfg.endpoints),
             )
+        if self.refused is not None:
+            raise NodeIdInUse(self.refused)
 
     async def update_node(self, record: NodeRecord) -> None:
         """Queue a new version of the node record (written with the next batch)."""
@@ -460,6 +495,11 @@ class EtcdPublisher:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(max(0.0, next_keepalive - time.monotonic())):
                         await self._wake.wait()
+            except NodeIdInUse as e:
+                self.refused = str(e)
+                log.error("%s; this node publishes nothing", e)
+                self._registered.set()
+                return
             except PegaError as e:
                 failures += 1
                 self._note_down(e)
@@ -486,13 +526,19 @@ class EtcdPublisher:
         self._lease_ok.clear()
         # Batches in flight under the old lease must land before the snapshot is taken.
         await self._drained.wait()
+        if self._claim_rev is None and not self.rotations:
+            await self._claim_node_id()
         lease = await self._client.grant(self._ttl)
         try:
-            await self._client.put(self._node_key, self._record.encode(), lease)
-        except PegaError:
+            if self._claim_rev is not None:
+                await self._put_claimed(lease)
+            else:
+                await self._client.put(self._node_key, self._record.encode(), lease)
+        except (PegaError, NodeIdInUse):
             with contextlib.suppress(PegaError):
                 await self._client.revoke(lease)
             raise
+        self._claim_rev = None
         snapshot = list(self._inventory())
         self._pending.clear()  # the snapshot supersedes everything queued so far
         self._snapshot = iter(snapshot)
@@ -516,6 +562,80 @@ class EtcdPublisher:
             len(snapshot),
         )
 
+    async def _claim_node_id(self) -> None:
+        """Make sure no other live node is registered under this node id (see the
+        module docstring); notes the node key's revision for the first registration.
+        Raises NodeIdInUse, or PegaError when etcd cannot be asked."""
+        assert self._client is not None and self._record is not None
+        node_id, ours = self._record.node_id, self._record.pool_id
+        seen: tuple[int, int] | None = None  # (lease, remaining TTL) last seen
+        deadline = 0.0
+        while True:
+            kv = await self._client.get(self._node_key)
+            if kv is None or not kv.lease:
+                self._claim_rev = kv.mod_revision if kv is not None else 0
+                return
+            other = _decode_record(kv.value)
+            if ours and other is not None and other.pool_id == ours:
+                log.info(
+                    "node %s: etcd still has this pool's previous process (lease %x, "
+                    "expiring): taking over",
+                    node_id,
+                    kv.lease,
+                )
+                self._claim_rev = kv.mod_revision
+                return
+            ttl = await self._lease_ttl(kv.lease)
+            if ttl <= 0:
+                self._claim_rev = kv.mod_revision
+                return
+            where = f"{other.host}:{other.ucx_port}" if other is not None else "unknown address"
+            if seen is None:
+                deadline = time.monotonic() + ttl + 1.0
+                log.info(
+                    "node %s: the node id is registered by a process of another pool (%s, "
+                    "lease %x, %d s left); waiting for it to expire (a restart after a "
+                    "crash), a live node keeps it and this one is refused",
+                    node_id,
+                    where,
+                    kv.lease,
+                    ttl,
+                )
+            elif kv.lease != seen[0] or ttl > seen[1] or time.monotonic() > deadline:
+                raise NodeIdInUse(
+                    f"node id {node_id} is in use by a live node ({where}, lease {kv.lease:x} "
+                    "kept alive): give each node its own [node] node_id"
+                )
+            seen = (kv.lease, ttl)
+            await asyncio.sleep(_CLAIM_POLL_S)
+
+    async def _lease_ttl(self, lease: int) -> int:
+        """Seconds left of ``lease`` (<= 0 once expired)."""
+        assert self._client is not None
+        req = rpc.LeaseTimeToLiveRequest(ID=lease)
+        try:
+            r = await self._client.call(lambda s: s.lease.LeaseTimeToLive, req)
+        except NotFound:
+            return -1
+        return int(r.TTL)
+
+    async def _put_claimed(self, lease: int) -> None:
+        """The first registration: written only if nobody wrote the node key since
+        :meth:`_claim_node_id` found it free; else checks again (raises PegaError to be
+        retried, or NodeIdInUse)."""
+        assert self._client is not None and self._record is not None
+        unchanged = rpc.Compare(
+            key=self._node_key, target=rpc.Compare.CompareTarget.MOD,
+            result=rpc.Compare.EQUAL, mod_revision=self._claim_rev or 0,
+        )  # fmt: skip
+        r = await self._client.txn(
+            [put_op(self._node_key, self._record.encode(), lease)], compare=[unchanged]
+        )
+        if not r.succeeded:
+            self._claim_rev = None
+            await self._claim_node_id()
+            raise Unavailable("the node key changed during registration; retrying")
+
     async def _revoke_old(self) -> None:
         assert self._client is not None
         old, self._old_lease = self._old_lease, 0
@@ -527,6 +647,13 @@ class EtcdPublisher:
             self._old_lease = old
             raise
         self._check_idle()
+
+
+def _decode_record(value: bytes) -> NodeRecord | None:
+    try:
+        return NodeRecord.decode(value)
+    except (PegaError, TypeError, ValueError):
+        return None
 
 
 class PublisherCollector(Collector):
