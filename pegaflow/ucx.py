@@ -6,13 +6,26 @@ copy-in/copy-out* rendezvous over TCP, about 0.5-1.2 GB/s for 2 MiB messages, wh
 ``ucx_perftest`` reaches 4-6 GB/s with *zero-copy put* rendezvous.  We therefore:
 
 * create endpoints without UCX peer error handling (dead peers are detected by our own
-  deadlines: a transfer past its deadline closes its endpoint), and
+  deadlines: a transfer past its deadline closes its endpoint, without waiting), and
 * set ``UCX_RNDV_SCHEME=put_zcopy`` unless the operator chose otherwise,
 
 and drive the worker from the event loop thread: the worker's epoll fd is registered
 with ``loop.add_reader``; every wake-up progresses the worker, runs the completion
 callbacks of finished requests (:meth:`UcxWorker.on_done`; a batch waits on one future)
 and re-arms.  One thread, no GIL ping-pong with a progress thread.
+
+Nothing here blocks the loop on a peer.  A hung peer (SIGSTOP, a partition, a host that
+lost power: the kernel keeps its TCP connection open) used to freeze the loop of the other
+side inside ucxx's ``closeBlocking``, which progresses the worker until the peer answers;
+endpoints are now closed without waiting (:func:`close_endpoint`).
+
+UCX cannot cancel a receive that already matched its sender's rendezvous: after a timeout
+its bytes may still land, up to hundreds of MiB and long after (as soon as a hung peer
+resumes; over shared memory and CMA the sender writes straight into the buffer, whatever
+the receiver does).  Closing the endpoint does not stop them either.  So a buffer is the
+caller's again only when UCX reports each of its requests finished:
+:meth:`UcxWorker.settle` calls back when that happens, and the data client and node hold
+such buffers and slots out of use until then.
 
 Message conventions used by the node and the client:
 
@@ -33,15 +46,20 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 TAG_INDEX_BITS = 20
-MAX_TAG_INDEX = (1 << TAG_INDEX_BITS) - 1
 _SEQ_MASK = (1 << (64 - TAG_INDEX_BITS)) - 1
-_SPIN_SLICE_S = 0.002
-_SPIN_IDLE_S = 0.0002
+_SETTLE_CHECK_S = 0.05
 
 
 def configure_ucx_env() -> None:
     """Set our UCX defaults in the environment; must run before ucxx is imported."""
     os.environ.setdefault("UCX_RNDV_SCHEME", "put_zcopy")
+    # No CMA (process_vm_readv/writev between processes of one host): without peer error
+    # handling (above), a peer that dies mid-transfer makes UCX abort this process on
+    # its failed process_vm_writev (seen with chaos.py: a killed engine took its node
+    # down).  Same-host gets then go through shared memory at 3.7 GiB/s instead of
+    # 5.8 (256 MiB, the CPU machine, 2026-12-01); a GPU or CPU connector beside its
+    # node copies through the pool file instead and does not use UCX for its data.
+    os.environ.setdefault("UCX_TLS", "^cma")
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
     # Closing an endpoint whose peer is gone is routine here (we own failure handling
@@ -58,6 +76,12 @@ import ucxx._lib.libucxx as ucx_api  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 
 from pegaflow.errors import DeadlineExceeded, Unavailable  # noqa: E402
+from pegaflow.ucx_address import (  # noqa: E402
+    MAX_ADDRESS_BYTES,
+    InvalidWorkerAddress,
+    check_peer_address,
+    peer_on_this_host,
+)
 
 _Done = Callable[[BaseException | None], None]
 """A completion callback: ``None`` on success, the (typed) error otherwise."""
@@ -105,6 +129,9 @@ class UcxWorker:
         self._loop.add_reader(self._fd, self._progress)
         self._seq = 0
         self._keep: dict[int, tuple[Any, Any]] = {}
+        # requests someone waits to see finished (see settle()), and the timer checking them
+        self._settling: list[tuple[list[Any], Callable[[], None]]] = []
+        self._settle_timer: asyncio.TimerHandle | None = None
 
     def next_seq(self) -> int:
         """A sequence number unique on this worker, for payload tags."""
@@ -184,9 +211,9 @@ class UcxWorker:
     async def wait_all(self, reqs: list[Any], timeout: float) -> None:
         """Wait for all requests, raising DeadlineExceeded when ``timeout`` passes.
 
-        ucxx cannot cancel a single request: after a timeout or error the caller must
-        close the endpoint (:func:`close_endpoint`), which cancels everything still in
-        flight on it, before it reuses or frees any buffer of those requests.
+        UCX cannot cancel a request that is under way: after a timeout or error the
+        caller closes the endpoint (:func:`close_endpoint`) and must not reuse or free
+        a buffer of those requests before :meth:`settle` says they finished.
         """
         if not reqs:
             return
@@ -225,6 +252,41 @@ class UcxWorker:
                 k.cancel()
         self._pending = [e for e in self._pending if id(e[2]) not in drop]
 
+    def settle(self, reqs: list[Any], then: Callable[[], None]) -> None:
+        """Call ``then()`` once every request in ``reqs`` has finished, done or failed
+        (and so nothing can touch its buffer any more), however long that takes.
+
+        For the buffers of requests given up on (a timeout, a closed endpoint): a
+        request UCX is still serving may write its buffer at any later time.  With a
+        peer that died, that may be never: the buffer then stays held for good (the
+        callers count such bytes).  Checked every 50 ms, not in the progress path.
+        """
+        left = [r for r in reqs if not r.completed]
+        if not left:
+            then()
+            return
+        self._settling.append((left, then))
+        if self._settle_timer is None and not self._closed:
+            self._settle_timer = self._loop.call_later(_SETTLE_CHECK_S, self._check_settling)
+
+    def _check_settling(self) -> None:
+        self._settle_timer = None
+        if self._closed:
+            return
+        still: list[tuple[list[Any], Callable[[], None]]] = []
+        for reqs, then in self._settling:
+            left = [r for r in reqs if not r.completed]
+            if left:
+                still.append((left, then))
+                continue
+            try:
+                then()
+            except Exception:  # a caller's bug must not stop the others settling
+                log.exception("settle callback failed")
+        self._settling = still
+        if still:
+            self._settle_timer = self._loop.call_later(_SETTLE_CHECK_S, self._check_settling)
+
     async def serve(
         self, host: str, port: int, on_endpoint: Callable[[Any], None]
     ) -> asyncio.Server:
@@ -241,7 +303,7 @@ class UcxWorker:
         async def handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
                 async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
-                    peer = await _read_address(reader)
+                    peer = await _read_address(reader, writer, self.address)
                     ep = ucx_api.UCXEndpoint.create_from_worker_address(
                         self.worker, ucx_api.UCXAddress.create_from_buffer(peer), False
                     )
@@ -272,7 +334,7 @@ class UcxWorker:
                 try:
                     writer.write(_frame(self.address))
                     await writer.drain()
-                    peer = await _read_address(reader)
+                    peer = await _read_address(reader, writer, self.address)
                 finally:
                     writer.close()
             ep = ucx_api.UCXEndpoint.create_from_worker_address(
@@ -313,6 +375,9 @@ class UcxWorker:
             return
         self._closed = True
         self._loop.remove_reader(self._fd)
+        if self._settle_timer is not None:
+            self._settle_timer.cancel()
+            self._settle_timer = None
         pending, self._pending = self._pending, []
         for _req, _done, key in pending:
             if isinstance(key, asyncio.Future) and not key.done():
@@ -324,23 +389,39 @@ class UcxWorker:
 
 
 HANDSHAKE_TIMEOUT_S = 5.0
-MAX_ADDRESS_BYTES = 64 << 10
 
 
 def _frame(address: bytes) -> bytes:
     return len(address).to_bytes(4, "big") + address
 
 
-async def _read_address(reader: asyncio.StreamReader) -> bytes:
+async def _read_address(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, own: bytes
+) -> bytes:
+    """The peer's worker address, once :mod:`pegaflow.ucx_address` found it one that
+    our worker (address ``own``) may take; ValueError otherwise."""
     n = int.from_bytes(await reader.readexactly(4), "big")
     if not 0 < n <= MAX_ADDRESS_BYTES:
-        raise ValueError(f"bad UCX address length {n}")
-    return await reader.readexactly(n)
+        raise InvalidWorkerAddress(f"bad UCX address length {n}")
+    peer = await reader.readexactly(n)
+    return check_peer_address(peer, own, from_this_host=peer_on_this_host(writer))
+
+
+_closing: list[Any] = []
+"""close requests still under way (kept referenced until they finish)"""
 
 
 def close_endpoint(ep: Any) -> None:
-    """Close an endpoint without waiting on a possibly dead peer."""
+    """Start closing an endpoint and return at once: never waits on the peer, which may be
+    hung (ucxx's ``close_blocking`` progresses the worker until the peer answers).
+
+    Requests still in flight on it are not thereby finished: see :meth:`UcxWorker.settle`.
+    """
+    _closing[:] = [r for r in _closing if not r.completed]
     try:
-        ep.close_blocking(period=10**8, max_attempts=1)
+        req = ep.close()
     except Exception:
         log.debug("endpoint close failed", exc_info=True)
+        return
+    if req is not None:
+        _closing.append(req)
