@@ -121,7 +121,12 @@ class NodeConfig:
     )
     http_host: str = opt("127.0.0.1", "interface of the HTTP endpoint")
     http_port: int = opt(7880, "HTTP port (0: any free port, -1: off)")
-    pool_bytes: int = opt(1 << 30, "size of the block pool in host memory", size=True)
+    pool_bytes: int = opt(
+        1 << 30,
+        "size of the block pool in host memory (pegaflow-server: 0, its default, or "
+        "'--pool-size auto' sizes it: min(25% of RAM, 50% of shm_dir's size, 64 GiB))",
+        size=True,
+    )
     slab_bytes: int = opt(
         64 << 20, "allocation unit of the pool; one block size per slab", size=True
     )
@@ -143,6 +148,24 @@ class NodeConfig:
         "Same-host writes of large prefixes are bound by this hashing",
     )
     coordinators: list[str] = opt([], "coordinator addresses (informational for status)")
+    hello_timeout_s: float = opt(
+        5.0, "a data connection that has not said hello (authenticated) within this is closed"
+    )
+    max_unauthenticated: int = opt(
+        256,
+        "most data connections waiting for their hello at once; past it the oldest is closed",
+    )
+    conn_quota_share: float = opt(
+        0.5,
+        "share of the pool one data connection may hold reserved (puts not yet committed) "
+        "and, for a tenant's connection, pinned by read pins; over it a request gets a "
+        "'quota' error",
+    )
+    tenant_quota_share: float = opt(
+        0.5,
+        "the same bound for all connections of one tenant together (connections with the "
+        "cluster token have the per-connection bound only)",
+    )
 
 
 @dataclass
@@ -231,9 +254,15 @@ def load_config(
     *,
     env: dict[str, str] | None = None,
     overrides: dict[str, dict[str, Any]] | None = None,
+    defaults: dict[str, dict[str, Any]] | None = None,
 ) -> ClusterConfig:
-    """Build a :class:`ClusterConfig`: defaults < TOML file < environment < ``overrides``."""
+    """Build a :class:`ClusterConfig`: defaults < TOML file < environment < ``overrides``.
+
+    ``defaults``: a program's own defaults over the schema's (``pegaflow-server`` sizes
+    its pool by itself unless one is given)."""
     cfg = ClusterConfig()
+    for name, values in (defaults or {}).items():
+        _apply(getattr(cfg, name), values, f"defaults [{name}]")
     path = path or (env or os.environ).get("PEGAFLOW_CONFIG") or None
     if path:
         with open(path, "rb") as fh:
@@ -269,14 +298,17 @@ def add_arguments(parser: argparse.ArgumentParser, sections: list[str]) -> None:
             )
 
 
-def config_from_args(args: argparse.Namespace) -> ClusterConfig:
-    """The config named by ``--config`` with the flags that were given applied on top."""
+def config_from_args(
+    args: argparse.Namespace, defaults: dict[str, dict[str, Any]] | None = None
+) -> ClusterConfig:
+    """The config named by ``--config`` with the flags that were given applied on top
+    (``defaults``: see :func:`load_config`)."""
     overrides: dict[str, dict[str, Any]] = {}
     for key, value in vars(args).items():
         if "__" in key and value is not None:
             section, name = key.split("__", 1)
             overrides.setdefault(section, {})[name] = value
-    return load_config(args.config, overrides=overrides)
+    return load_config(args.config, overrides=overrides, defaults=defaults)
 
 
 def reference_markdown() -> str:

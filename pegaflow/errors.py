@@ -63,6 +63,13 @@ class NoSpace(PegaError):
     code = "no_space"
 
 
+class QuotaExceeded(PegaError):
+    """The request would take this connection or tenant past its share of a node (bytes
+    reserved, bytes pinned); it may succeed once the client's own holds are released."""
+
+    code = "quota"
+
+
 class NotFound(PegaError):
     """The named object (block, reservation, node) does not exist."""
 
@@ -91,6 +98,7 @@ ERRORS_BY_CODE: dict[str, type[PegaError]] = {
         DeadlineExceeded,
         Unavailable,
         NoSpace,
+        QuotaExceeded,
         NotFound,
         ChecksumMismatch,
         Internal,

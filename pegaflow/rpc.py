@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import inspect
 import itertools
 import logging
@@ -59,6 +60,17 @@ _MAX_HELLO = 4096
 
 Handler = Callable[[dict[str, Any]], Awaitable[Any]]
 SyncHandler = Callable[[dict[str, Any]], Any]
+
+_SESSION: contextvars.ContextVar[object | None] = contextvars.ContextVar(
+    "pegaflow_rpc_session", default=None
+)
+
+
+def current_session() -> object | None:
+    """The server connection whose request the running handler serves (None outside
+    one): handlers key per-connection state by it; ``RpcServer(on_disconnect=...)``
+    says when it ends."""
+    return _SESSION.get()
 
 
 class Packed(bytes):
@@ -149,6 +161,7 @@ class RpcServer:
         max_inflight_per_conn: int = 64,
         on_request: Callable[[str, float, str | None], None] | None = None,
         auth: Authenticator | None = None,
+        on_disconnect: Callable[[object], None] | None = None,
     ) -> None:
         self.name = name
         self._auth = auth if auth is not None else Authenticator(token)
@@ -159,6 +172,7 @@ class RpcServer:
         self._max_frame = max_frame
         self._max_inflight = max(1, max_inflight_per_conn)
         self._on_request = on_request
+        self._on_disconnect = on_disconnect
         self._server: asyncio.base_events.Server | None = None
         self._path: str | None = None
         self._conns: set[_ServerConnection] = set()
@@ -219,8 +233,9 @@ class RpcServer:
                 check_access(args["ns"], tenant)
             except PegaError as e:
                 op = msg.get("op")
+                op = op if type(op) is str and op in self._handlers else "?"  # no peer's label
                 return self._encode(
-                    self._error_reply(msg.get("id"), str(op), e), str(op), time.perf_counter()
+                    self._error_reply(msg.get("id"), op, e), op, time.perf_counter()
                 )
         return None
 
@@ -361,6 +376,8 @@ class _ServerConnection(asyncio.Protocol):
         for t in self._tasks:
             t.cancel()
         self._server._conns.discard(self)
+        if self._ready and self._server._on_disconnect is not None:
+            self._server._on_disconnect(self)
 
     def pause_writing(self) -> None:
         # The client does not read its replies: stop reading its requests.
@@ -383,6 +400,7 @@ class _ServerConnection(asyncio.Protocol):
         sync_ops = server._sync_ops
         self._batching = True
         frames = self._frames.frames(self._limit)
+        session = _SESSION.set(self)  # handlers run inline or as tasks made here
         try:
             for msg in frames:
                 if not self._ready:
@@ -413,6 +431,7 @@ class _ServerConnection(asyncio.Protocol):
         except PegaError as e:  # unframeable: reply and close
             self._fail(e)
         finally:
+            _SESSION.reset(session)
             frames.close()  # drops the consumed bytes
             self._batching = False
             self._flush()
@@ -510,11 +529,14 @@ class _ClientConnection(asyncio.Protocol):
         self._out: list[bytes] = []
         self._flush_scheduled = False
         self.lost = False
+        self.last_rx = self._loop.time()
+        """when the server last sent anything (loop time)"""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
 
     def data_received(self, data: bytes) -> None:
+        self.last_rx = self._loop.time()
         self._frames.buf += data
         pending = self.pending
         deadlines = self._deadlines
@@ -677,6 +699,11 @@ class RpcClient:
         if conn is not None:
             conn.drop(Unavailable("client closed"))
 
+    def _move_on_from(self, addr: str) -> None:
+        """Make the next address current, unless a concurrent call already moved on."""
+        if self.addresses[self._current] == addr:
+            self._current = (self._current + 1) % len(self.addresses)
+
     def _lost(self, conn: _ClientConnection) -> None:
         if self._conn is conn:
             self._conn = None
@@ -759,18 +786,28 @@ class RpcClient:
                 "args": args or {},
                 "deadline_ms": max(1, int(remaining * 1000)),
             }
+            sent_at = loop.time()
             fut = conn.request(rid, encode_frame(frame), deadline)
             try:
                 return await fut
             except _Expired:
-                raise DeadlineExceeded(
-                    f"{op} to {self.current_address} exceeded {budget:.3f} s"
-                ) from None
+                addr = self.current_address
+                if len(self.addresses) > 1 and conn.last_rx < sent_at and not conn.lost:
+                    # not a byte back for a whole deadline: a hung server (a frozen
+                    # process, a partition) keeps its connection open; later calls go on
+                    # to the next address instead of waiting on it again
+                    self._move_on_from(addr)
+                    log.warning(
+                        "%s: no answer from %s within %.3f s; failing over to %s",
+                        op, addr, remaining, self.current_address,
+                    )  # fmt: skip
+                    conn.drop(Unavailable(f"{addr} sent nothing within a deadline"))
+                raise DeadlineExceeded(f"{op} to {addr} exceeded {budget:.3f} s") from None
             except Unavailable as e:
                 if not conn.lost:  # the server's own answer
                     raise
                 last = e
-                self._current = (self._current + 1) % len(self.addresses)
+                self._move_on_from(conn.address)
             except asyncio.CancelledError:
                 conn.forget(rid)
                 raise

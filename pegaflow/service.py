@@ -19,9 +19,11 @@ def run_service(
     sections: list[str],
     run: Callable[[ClusterConfig], Coroutine[Any, Any, None]],
     argv: list[str] | None = None,
+    defaults: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """Parse ``--<section>-<option>`` flags (and ``--config``), set up logging, and run
-    ``run(cfg)`` on uvloop until it returns.  A bad configuration exits with a message."""
+    ``run(cfg)`` on uvloop until it returns.  A bad configuration exits with a message.
+    ``defaults``: the program's own defaults (see :func:`pegaflow.config.load_config`)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     add_arguments(parser, sections)
@@ -32,7 +34,7 @@ def run_service(
         stream=sys.stderr,
     )
     try:
-        cfg = config_from_args(args)
+        cfg = config_from_args(args, defaults)
     except (OSError, ValueError) as e:
         parser.error(f"bad configuration: {e}")
     uvloop.run(run(cfg))

@@ -4,7 +4,11 @@ Protocol (control messages are msgpack maps in UCX active messages, one reply pe
 request, matched by ``id``; payloads are tagged messages, see :mod:`pegaflow.ucx`):
 
 * ``hello {version, token}`` -> ``{node_id, version}``; required first when a token is
-  configured.
+  configured, said once per connection.  A connection that has not said it within
+  ``[node] hello_timeout_s`` is closed (in an open cluster, one that has sent nothing),
+  and at most ``[node] max_unauthenticated`` wait for it at once (past that the oldest
+  is closed); before it, messages are handled one at a time and may be at most
+  :data:`MAX_HELLO_BYTES` long.
 * ``get {id, ns, seq, blocks: [[hash, shard] | [hash, shard, gen], ...]}`` -> ``{blocks:
   [[size, gen, xxh3] | None | "stale", ...]}``, then every present block is sent with tag
   ``(seq, index)`` straight from the pool.  Blocks are pinned (not evictable) until their
@@ -21,6 +25,24 @@ request, matched by ``id``; payloads are tagged messages, see :mod:`pegaflow.ucx
   payloads arrived, each block's xxh3 is verified against the writer's and only then
   committed and published.  An unverified block is discarded.
 * ``abort {id, seq}`` drops a reservation; reservations also expire.
+* ``pin {id, ns, ttl_ms, blocks: [[hash, shard], ...]}`` -> ``{pinned: [bool], pin}``
+  keeps the present blocks from eviction for ``ttl_ms`` (a reader between its lookup
+  and its get); ``unpin {id, pin}`` releases them early.
+* ``stats {id}`` -> the pool's counters (cluster token only: a tenant learns nothing
+  node-wide and gets ``unauthorized``).
+
+Ownership and quotas.  A reservation belongs to the connection that made it (a
+session of the control socket, below, is a connection of its own): ``commit`` of
+another's ``seq`` is ``bad_request`` as for an unknown one, ``abort`` of it is a no-op
+(``{}``, as for an expired one) and touches nothing.  A read pin belongs to its
+connection too; ``unpin`` of another's is a no-op, except that any connection with the
+cluster token may release a pin taken with the cluster token (a connector's scheduler
+pins, its worker releases).  Pins outlive their connection until ``ttl_ms``.  Bytes
+reserved (not yet committed or aborted) are bounded per connection by ``[node]
+conn_quota_share`` of the pool and, over all of a tenant's connections, by
+``tenant_quota_share``; a tenant's read pins are bounded the same way by the bytes of
+the distinct blocks they hold.  A request past a bound gets ``quota``
+(:class:`~pegaflow.errors.QuotaExceeded`) and holds nothing.
 
 Same-host shortcut (a client on the node's own host that can open the pool file, e.g. a
 GPU connector copying straight between the pool and its device):
@@ -29,12 +51,14 @@ GPU connector copying straight between the pool and its device):
   connections with cluster-wide access, never to a tenant's: the file holds every
   tenant's blocks); ``control`` is the node's Unix socket that answers ``locate``,
   ``unpin`` and local ``reserve``/``commit``/``abort`` faster than UCX does on loopback
-  (:mod:`~pegaflow.storage_node.local_control`; its reservations are its own);
+  (:mod:`~pegaflow.storage_node.local_control`; a reservation made on one session of
+  it is that session's, and is dropped when the session ends);
 * ``locate {id, ns, ttl_ms, shard, hash_len, hashes: bytes}`` -> ``{pin, flags, cols}``
   pins the present blocks for ``ttl_ms`` (no eviction while the reader copies them out
   of the file and checks them) and says where they are: per block a flag byte and five
   uint64 (offset, size, gen, xxh3, digest), packed (:class:`~pegaflow.wire.LocatedBlocks`)
-  because a 10k-token prefix is hundreds of blocks;
+  because a 10k-token prefix is hundreds of blocks; cluster token only (a tenant, which
+  never learns where blocks lie, gets ``unauthorized`` over UCX too);
 * ``unpin {id, pin}`` releases such a pin (or one taken by ``pin``) early;
 * ``reserve`` with ``local: true`` posts no receives and answers ``offsets`` too: the
   writer fills the slots through the file, then ``commit``; a writer whose blocks share
@@ -75,6 +99,7 @@ from pegaflow.errors import (
     DeadlineExceeded,
     PegaError,
     ProtocolError,
+    QuotaExceeded,
     TooLarge,
     Unauthorized,
 )
@@ -100,7 +125,47 @@ log = logging.getLogger(__name__)
 IDLE_TIMEOUT_S = 600.0
 MAX_INFLIGHT_PER_CONN = 32
 MAX_PIN_MS = 30_000
+MAX_HELLO_BYTES = 4096
+"""largest message a connection may send before its hello"""
+OPS = frozenset(
+    ("hello", "get", "check", "reserve", "commit", "abort", "pin", "locate", "unpin", "stats")
+)
+"""the protocol's ops: the only values the ``op`` label of the request metrics takes
+besides :data:`UNKNOWN_OP` (a peer's own strings never become labels)"""
+UNKNOWN_OP = "unknown"
+_DROP_LOG_EVERY_S = 60.0
+_PROBE_FIRST_S = 0.00025
+_PROBE_MAX_S = 0.05
 _EMPTY = np.empty(0, dtype=np.uint8)
+
+
+def op_label(op: str) -> str:
+    """The ``op`` label of a request: its op if the protocol has it, else ``unknown``."""
+    return op if op in OPS else UNKNOWN_OP
+
+
+@dataclass(eq=False)
+class _Usage:
+    """What one connection, or one tenant over all its connections, holds on the node."""
+
+    reserved: int = 0
+    """bytes of its reservations not yet committed or aborted"""
+    pinned: int = 0
+    """bytes of the distinct blocks its read pins hold (counted for tenants only)"""
+    pins: dict[Any, int] = field(default_factory=dict)
+    """per pinned entry, how many of its pins hold it"""
+
+
+@dataclass(eq=False)
+class _Owner:
+    """Whom reservations and read pins belong to: one UCX connection or one session of
+    the same-host control socket."""
+
+    tenant: str | None = None
+    """None: cluster-wide access"""
+    use: _Usage = field(default_factory=_Usage)
+    tenant_use: _Usage | None = None
+    """the tenant's usage over all its connections (None: cluster-wide access)"""
 
 
 @dataclass
@@ -110,9 +175,22 @@ class _Reservation:
     recv_done: asyncio.Future[None]
     conn: _Conn | None
     """the UCX connection that made it; None: made on the same-host control socket"""
+    owner: _Owner
+    """who may commit or abort it"""
     deadline: float
     local: bool = False
     """written through the pool file (no transport between writer and slot)"""
+    nbytes: int = 0
+    """bytes charged to its owner's quota"""
+    recvs: list[Any] = field(default_factory=list)
+    """the UCX receives posted into its slots"""
+
+
+@dataclass(eq=False)
+class _Pin:
+    entries: list[Any]
+    timer: asyncio.TimerHandle
+    owner: _Owner
 
 
 @dataclass(eq=False)
@@ -121,7 +199,8 @@ class _Conn:
     authed: bool
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     closed: bool = False
-    tenant: str | None = None
+    owner: _Owner = field(default_factory=_Owner)
+    said_hello: bool = False
     # requests in flight on this connection; the reader stops reading at the bound
     slots: asyncio.Semaphore = field(
         default_factory=lambda: asyncio.Semaphore(MAX_INFLIGHT_PER_CONN)
@@ -153,8 +232,20 @@ class DataServer:
         self._conns: set[_Conn] = set()
         self._reservations: dict[int, _Reservation] = {}
         self._sweeper: asyncio.Task[None] | None = None
-        self._pins: dict[int, tuple[list[Any], asyncio.TimerHandle]] = {}
+        self._pins: dict[int, _Pin] = {}
         self._pin_ids = itertools.count(1)
+        # connections that have not said hello yet (oldest first), with their timers
+        self._unauthed: dict[_Conn, asyncio.TimerHandle] = {}
+        self._dropped_unauthed = 0
+        self._drop_log_at = 0.0
+        self._sessions: dict[object, _Owner] = {}  # control-socket sessions
+        self._tenant_use: dict[str, _Usage] = {}
+        for name in ("conn_quota_share", "tenant_quota_share"):
+            share = getattr(cfg, name)
+            if not 0 < share <= 1:
+                raise ValueError(f"[node] {name} must be in (0, 1], not {share}")
+        self._conn_quota = int(cfg.conn_quota_share * pool.capacity)
+        self._tenant_quota = int(cfg.tenant_quota_share * pool.capacity)
         # xxh3 releases the GIL: verify puts off the loop thread
         self._hash_threads = cfg.hash_threads or min(8, os.cpu_count() or 1)
         self._hasher = concurrent.futures.ThreadPoolExecutor(self._hash_threads, "pegaflow-xxh3")
@@ -177,8 +268,8 @@ class DataServer:
             control = LocalControl(
                 str(self.pool.path) + SOCKET_SUFFIX,
                 {
-                    "locate": self._locate,
-                    "unpin": self._unpin,
+                    "locate": self._locate_here,
+                    "unpin": self._unpin_here,
                     "reserve": self._reserve_here,
                     "commit": self._commit_here,
                     "abort": self._abort_here,
@@ -186,6 +277,7 @@ class DataServer:
                 self._auth.cluster_only(),
                 self.cfg.max_request_bytes,
                 self._observe_local,
+                self._session_ended,
             )
             if await control.start():
                 self._control = control
@@ -214,15 +306,49 @@ class DataServer:
         conn = _Conn(ep=ep, authed=not self._auth.required)
         self._conns.add(conn)
         self.metrics.connections.inc()
+        self._await_hello(conn)
         t = asyncio.get_running_loop().create_task(self._serve(conn))
         conn.tasks.add(t)
         t.add_done_callback(conn.tasks.discard)
+
+    def _await_hello(self, conn: _Conn) -> None:
+        """Close ``conn`` unless it says hello within ``hello_timeout_s``; at most
+        ``max_unauthenticated`` connections wait at once (past that, the oldest goes)."""
+        while len(self._unauthed) >= max(1, self.cfg.max_unauthenticated):
+            self._drop_unauthed(next(iter(self._unauthed)), "limit")
+        self._unauthed[conn] = asyncio.get_running_loop().call_later(
+            self.cfg.hello_timeout_s, self._drop_unauthed, conn, "timeout"
+        )
+
+    def _hello_done(self, conn: _Conn) -> None:
+        """``conn`` no longer waits for its hello (it said it, or it closed)."""
+        timer = self._unauthed.pop(conn, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _drop_unauthed(self, conn: _Conn, reason: str) -> None:
+        self._hello_done(conn)
+        self.metrics.unauthenticated_closed.labels(reason=reason).inc()
+        self._dropped_unauthed += 1
+        now = time.monotonic()
+        if now >= self._drop_log_at:
+            self._drop_log_at = now + _DROP_LOG_EVERY_S
+            log.warning(
+                "closed %d data connection(s) that did not say hello within [node] "
+                "hello_timeout_s (%.1f s) or were the oldest of more than [node] "
+                "max_unauthenticated (%d) waiting at once: clients with no or a wrong "
+                "token, or a flood of handshakes (pegaflow_node_unauthenticated_closed_total)",
+                self._dropped_unauthed, self.cfg.hello_timeout_s, self.cfg.max_unauthenticated,
+            )  # fmt: skip
+            self._dropped_unauthed = 0
+        self._close_conn(conn)
 
     def _close_conn(self, conn: _Conn) -> None:
         if conn.closed:
             return
         conn.closed = True
         self._conns.discard(conn)
+        self._hello_done(conn)
         self.metrics.connections.dec()
         for seq, r in list(self._reservations.items()):
             if r.conn is conn:
@@ -236,6 +362,14 @@ class DataServer:
         w = self._worker
         assert w is not None
         try:
+            while not conn.closed and conn in self._unauthed:
+                # until the hello, messages are taken one at a time
+                await self._message_waiting(conn)
+                req = w.am_recv(conn.ep)  # completes at once
+                await w.wait(req, self.cfg.reserve_timeout_s)
+                if not self._auth.required:
+                    self._hello_done(conn)  # an open cluster: any first message will do
+                await self._handle(conn, req.recv_buffer)
             while not conn.closed:
                 req = w.am_recv(conn.ep)
                 try:
@@ -254,6 +388,21 @@ class DataServer:
         finally:
             self._close_conn(conn)
 
+    async def _message_waiting(self, conn: _Conn) -> None:
+        """Return once a message from ``conn``'s peer has arrived, probing for it.
+
+        A connection that has not said hello posts no receive: ucxx (0.52) keeps a
+        receive cancelled by closing its endpoint queued under the endpoint's handle,
+        which UCX hands to the next endpoint, and that endpoint's first message then
+        vanishes into it; the silent connections closed here would each cost a later
+        client its hello.  Probes back off from 0.25 ms to 50 ms: a client's hello is
+        seen within about a millisecond, a silent connection costs a few dozen probes.
+        """
+        delay = _PROBE_FIRST_S
+        while not conn.ep.am_probe():
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, _PROBE_MAX_S)
+
     async def _reply(self, conn: _Conn, msg: dict[str, Any]) -> None:
         w = self._worker
         assert w is not None
@@ -266,14 +415,16 @@ class DataServer:
 
     async def _handle(self, conn: _Conn, data: Any) -> None:
         rid: Any = None
-        op = "?"
+        op = UNKNOWN_OP
         t0 = time.perf_counter()
+        owner = conn.owner
         try:
-            msg = req_map(unpack(memoryview(data).cast("B"), self.cfg.max_request_bytes))
+            limit = self.cfg.max_request_bytes if conn.authed else MAX_HELLO_BYTES
+            msg = req_map(unpack(memoryview(data).cast("B"), limit))
             rid = msg.get("id")
             op = req_str(msg, "op", 32)
-            if conn.tenant is not None and "ns" in msg:
-                check_access(msg["ns"], conn.tenant)
+            if owner.tenant is not None and "ns" in msg:
+                check_access(msg["ns"], owner.tenant)
             if op == "hello":
                 result = self._hello(conn, msg)
             elif not conn.authed:
@@ -286,49 +437,56 @@ class DataServer:
                 with telemetry.remote_span(
                     "pegaflow.node.reserve", msg.get(telemetry.TRACEPARENT_KEY)
                 ):
-                    result = self._reserve(conn, msg)
+                    result = self._reserve(conn, msg, owner)
             elif op == "commit":
                 with telemetry.remote_span(
                     "pegaflow.node.commit", msg.get(telemetry.TRACEPARENT_KEY)
                 ):
-                    result = await self._commit(conn, msg)
+                    result = await self._commit(conn, msg, owner)
             elif op == "abort":
-                self._abort(req_int(msg, "seq"))
-                result = {}
+                result = self._abort_own(msg, owner)
             elif op == "check":
                 result = self._check(msg)
             elif op == "pin":
-                result = self._pin(msg)
+                result = self._pin(msg, owner)
             elif op == "locate":
-                result = self._locate(msg)
+                _cluster_only(owner, "locate blocks (where blocks lie is not a tenant's)")
+                result = self._locate(msg, owner)
             elif op == "unpin":
-                result = self._unpin(msg)
+                result = self._unpin(msg, owner)
             elif op == "stats":
+                _cluster_only(owner, "see node-wide stats")
                 result = vars(self.pool.stats())
             else:
                 raise BadRequest(f"unknown op {op!r}")
             await self._reply(conn, {"id": rid, "ok": True, **result})
         except PegaError as e:
-            self.metrics.request_errors.labels(op=op, code=e.code).inc()
+            self.metrics.request_errors.labels(op=op_label(op), code=e.code).inc()
             await self._reply(conn, {"id": rid, "ok": False, "error": e.to_wire()})
         except Exception as e:  # a bug: report it, keep serving
-            log.exception("data-plane %s failed", op)
-            self.metrics.request_errors.labels(op=op, code="internal").inc()
+            log.exception("data-plane %s failed", op_label(op))
+            self.metrics.request_errors.labels(op=op_label(op), code="internal").inc()
             err = {"code": "internal", "message": f"{type(e).__name__}: {e}"}
             await self._reply(conn, {"id": rid, "ok": False, "error": err})
         finally:
-            self.metrics.request_seconds.labels(op=op).observe(time.perf_counter() - t0)
+            self.metrics.request_seconds.labels(op=op_label(op)).observe(time.perf_counter() - t0)
 
     def _hello(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        if conn.said_hello:
+            raise ProtocolError("hello was said already on this connection")
         version = req_int(msg, "version", 0, 1 << 16)
         if version != PROTOCOL_VERSION:
             raise ProtocolError(
                 f"protocol version {version} not supported (want {PROTOCOL_VERSION})"
             )
-        conn.tenant = self._auth.authenticate(msg.get("token"))
-        conn.authed = True
+        tenant = self._auth.authenticate(msg.get("token"))
+        conn.owner.tenant = tenant
+        if tenant is not None:
+            conn.owner.tenant_use = self._tenant_use.setdefault(tenant, _Usage())
+        conn.authed = conn.said_hello = True
+        self._hello_done(conn)
         reply: dict[str, Any] = {"node_id": self.pool.node_id, "version": PROTOCOL_VERSION}
-        if self.cfg.local_access and conn.tenant is None:
+        if self.cfg.local_access and tenant is None:
             st = os.stat(self.pool.path)
             reply["pool"] = {
                 "path": str(self.pool.path),
@@ -414,87 +572,191 @@ class DataServer:
             valid.append(e is not None and (want is None or want[i] in (None, e.gen)))
         return {"valid": valid}
 
-    def _pin(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _pin(self, msg: dict[str, Any], owner: _Owner) -> dict[str, Any]:
         """Read pins: keep the named blocks from eviction for ``ttl_ms`` (between a
         reader's lookup and its get), so a hit is not lost to a racing writer."""
         ns = check_namespace(msg.get("ns"))
         ttl_ms = req_int(msg, "ttl_ms", 1, MAX_PIN_MS)
         keys = [_block_ref(ns, b) for b in req_list(msg, "blocks", self.cfg.max_batch)]
         found = [self.pool.get(k) for k in keys]
-        pin = self._hold(found, ttl_ms)
+        pin = self._hold(found, ttl_ms, owner)
         return {"pinned": [e is not None for e in found], "pin": pin}
 
-    def _locate(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _locate(self, msg: dict[str, Any], owner: _Owner) -> dict[str, Any]:
         """Same-host reads: pin the named blocks and say where they lie in the pool file
         (``hashes``: ``hash_len``-byte hashes back to back, all of one ``shard``)."""
         ns = check_namespace(msg.get("ns"))
         ttl_ms = req_int(msg, "ttl_ms", 1, MAX_PIN_MS)
         shard = req_int(msg, "shard", 0, 65535)
         found = self.pool.get_many(ns, self._packed_hashes(msg), shard)
-        pin = self._hold(found, ttl_ms)
+        pin = self._hold(found, ttl_ms, owner)
         self.metrics.get_blocks.labels(result="hit").inc(len(found) - found.count(None))
         return {"pin": pin, **LocatedBlocks.wire_rows([e and _wire(e) for e in found])}
 
-    def _hold(self, found: list[Any], ttl_ms: int) -> int:
+    def _hold(self, found: list[Any], ttl_ms: int, owner: _Owner) -> int:
         """Pin the entries found until the pin is released or ``ttl_ms`` passes."""
         pinned = [e for e in found if e is not None]
+        if owner.tenant is not None:
+            self._charge_pins(owner, pinned)
         self.pool.pin_many(pinned)
         pin = next(self._pin_ids)
         timer = asyncio.get_running_loop().call_later(ttl_ms / 1000, self._release_pin, pin)
-        self._pins[pin] = (pinned, timer)
+        self._pins[pin] = _Pin(pinned, timer, owner)
         return pin
 
-    def _unpin(self, msg: dict[str, Any]) -> dict[str, Any]:
-        self._release_pin(req_int(msg, "pin"))
+    def _unpin(self, msg: dict[str, Any], owner: _Owner) -> dict[str, Any]:
+        """Release a pin of ``owner``'s (or, with cluster-wide access, any pin taken with
+        it); another's pin is left alone, as an unknown or expired one is."""
+        pin = req_int(msg, "pin")
+        held = self._pins.get(pin)
+        if held is not None and (
+            held.owner is owner or (held.owner.tenant is None and owner.tenant is None)
+        ):
+            self._release_pin(pin)
         return {}
+
+    def _session(self) -> _Owner:
+        """The owner of the control-socket session whose request is being served."""
+        key = LocalControl.session()
+        assert key is not None, "called outside a control-socket request"
+        owner = self._sessions.get(key)
+        if owner is None:
+            owner = self._sessions[key] = _Owner()
+        return owner
+
+    def _session_ended(self, key: object) -> None:
+        """A control-socket session closed: its reservations go (its pins expire)."""
+        owner = self._sessions.pop(key, None)
+        if owner is None:
+            return
+        for seq, r in list(self._reservations.items()):
+            if r.owner is owner:
+                self._abort(seq)
+
+    def _locate_here(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return self._locate(msg, self._session())
+
+    def _unpin_here(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return self._unpin(msg, self._session())
 
     def _reserve_here(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return self._reserve(None, msg)
+        return self._reserve(None, msg, self._session())
 
     async def _commit_here(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return await self._commit(None, msg)
+        return await self._commit(None, msg, self._session())
 
     def _abort_here(self, msg: dict[str, Any]) -> dict[str, Any]:
-        seq = req_int(msg, "seq")
-        res = self._reservations.get(seq)
-        if res is not None and res.conn is None:  # the socket's own reservations only
-            self._abort(seq)
-        return {}
+        return self._abort_own(msg, self._session())
 
     def _observe_local(self, op: str, seconds: float, error: str | None) -> None:
         """Metrics of a request on the same-host control socket (as for UCX ones)."""
-        self.metrics.request_seconds.labels(op=op).observe(seconds)
+        label = op_label(op)
+        self.metrics.request_seconds.labels(op=label).observe(seconds)
         if error is not None:
-            self.metrics.request_errors.labels(op=op, code=error).inc()
+            self.metrics.request_errors.labels(op=label, code=error).inc()
 
     def _release_pin(self, pin: int) -> None:
         held = self._pins.pop(pin, None)
         if held is None:
             return  # expired already, or never existed: releasing is idempotent
-        entries, timer = held
-        timer.cancel()
-        self.pool.unpin_many(entries)
+        held.timer.cancel()
+        self.pool.unpin_many(held.entries)
+        if held.owner.tenant is not None:
+            self._uncharge_pins(held.owner, held.entries)
+
+    # ---- quotas --------------------------------------------------------------------
+
+    def _quotas(self, owner: _Owner) -> list[tuple[_Usage, int, str]]:
+        """(usage, bound, scope) of each quota ``owner`` is under."""
+        out = [(owner.use, self._conn_quota, "connection")]
+        if owner.tenant_use is not None:
+            out.append((owner.tenant_use, self._tenant_quota, "tenant"))
+        return out
+
+    def _refuse(self, kind: str, scope: str, owner: _Owner, held: int, more: int) -> None:
+        self.metrics.quota_refusals.labels(kind=kind, scope=scope).inc()
+        bound, setting = (
+            (self._conn_quota, "conn_quota_share")
+            if scope == "connection"
+            else (self._tenant_quota, "tenant_quota_share")
+        )
+        who = "this connection" if scope == "connection" else f"tenant {owner.tenant!r}"
+        raise QuotaExceeded(
+            f"{more} more bytes {kind} would take {who} past its quota ({held} of {bound} "
+            f"bytes held; [node] {setting}); commit, abort or unpin what it holds first"
+        )
+
+    def _charge_reserve(self, owner: _Owner, parsed: list[tuple[Any, int]]) -> None:
+        """Refuse a reservation of ``parsed`` blocks that would take ``owner`` past a
+        quota (blocks stored already reserve nothing and are not counted)."""
+        quotas = self._quotas(owner)
+        upper = sum(size for _, size in parsed)
+        if all(use.reserved + upper <= bound for use, bound, _ in quotas):
+            return
+        need = sum(size for key, size in parsed if not self.pool.contains(key))
+        for use, bound, scope in quotas:
+            if use.reserved + need > bound:
+                self._refuse("reserved", scope, owner, use.reserved, need)
+
+    def _take_reservation(self, seq: int) -> _Reservation | None:
+        """Remove reservation ``seq`` and give its bytes back to its owner's quotas."""
+        res = self._reservations.pop(seq, None)
+        if res is not None and res.nbytes:
+            for use, _, _ in self._quotas(res.owner):
+                use.reserved -= res.nbytes
+        return res
+
+    def _charge_pins(self, owner: _Owner, entries: list[Any]) -> None:
+        """Count a tenant's new pin on ``entries`` (the bytes of distinct blocks), or
+        refuse it past a quota."""
+        quotas = self._quotas(owner)
+        distinct = set(entries)
+        for use, bound, scope in quotas:
+            more = sum(e.size for e in distinct if e not in use.pins)
+            if use.pinned + more > bound:
+                self._refuse("pinned", scope, owner, use.pinned, more)
+        for use, _, _ in quotas:
+            counts = use.pins
+            for e in entries:
+                n = counts.get(e, 0)
+                if not n:
+                    use.pinned += e.size
+                counts[e] = n + 1
+
+    def _uncharge_pins(self, owner: _Owner, entries: list[Any]) -> None:
+        for use, _, _ in self._quotas(owner):
+            counts = use.pins
+            for e in entries:
+                n = counts.pop(e) - 1
+                if n:
+                    counts[e] = n
+                else:
+                    use.pinned -= e.size
 
     # ---- put -----------------------------------------------------------------------
 
-    def _reserve(self, conn: _Conn | None, msg: dict[str, Any]) -> dict[str, Any]:
-        """``conn`` None: a same-host reservation asked on the control socket."""
+    def _reserve(self, conn: _Conn | None, msg: dict[str, Any], owner: _Owner) -> dict[str, Any]:
+        """``conn`` None: a same-host reservation asked on the control socket; ``owner``:
+        who may commit or abort it, charged for its bytes."""
         w = self._worker
         assert w is not None
         ns = check_namespace(msg.get("ns"))
         local = msg.get("local") is True
         if conn is None and not local:
             raise BadRequest("the control socket takes same-host (local) reservations only")
-        if local and (not self.cfg.local_access or (conn is not None and conn.tenant is not None)):
+        if local and (not self.cfg.local_access or owner.tenant is not None):
             raise Unauthorized("this connection may not write the pool file directly")
         packed = "hashes" in msg
         parsed = self._packed_blocks(ns, msg) if packed else self._listed_blocks(ns, msg)
+        self._charge_reserve(owner, parsed)
         seq = w.next_seq()
         entries: list[Any] = []
         reqs = []
         try:
             for i, (key, size) in enumerate(parsed):
-                e = self.pool.reserve(key, size, self.cfg.reserve_timeout_s)
+                # the pool's own expiry is a backstop behind ours (_sweep -> _abort),
+                # which knows whether receives may still write the slot
+                e = self.pool.reserve(key, size, 2 * self.cfg.reserve_timeout_s)
                 entries.append(e)
                 if e is not None and conn is not None and not local:
                     reqs.append(w.tag_recv(conn.ep, self.pool.view(e), make_tag(seq, i)))
@@ -505,9 +767,14 @@ class DataServer:
             raise
         w.kick()
         done = asyncio.ensure_future(w.wait_all(reqs, self.cfg.reserve_timeout_s))
+        nbytes = sum(e.size for e in entries if e is not None)
+        for use, _, _ in self._quotas(owner):
+            use.reserved += nbytes
         res = _Reservation(
-            ns, entries, done, conn, time.monotonic() + self.cfg.reserve_timeout_s, local
-        )
+            ns, entries, done, conn, owner,
+            time.monotonic() + self.cfg.reserve_timeout_s, local, nbytes,
+        )  # fmt: skip
+        res.recvs = reqs
         self._reservations[seq] = res
 
         def _failed(f: asyncio.Future[None]) -> None:
@@ -559,11 +826,13 @@ class DataServer:
             raise TooLarge(f"{n} blocks in one request; the limit is {self.cfg.max_batch}")
         return [blob[i : i + hl] for i in range(0, len(blob), hl)]
 
-    async def _commit(self, conn: _Conn | None, msg: dict[str, Any]) -> dict[str, Any]:
+    async def _commit(
+        self, conn: _Conn | None, msg: dict[str, Any], owner: _Owner
+    ) -> dict[str, Any]:
         seq = req_int(msg, "seq")
         sums = req_list(msg, "xxh3", self.cfg.max_batch)
         res = self._reservations.get(seq)
-        if res is None or res.conn is not conn:
+        if res is None or res.owner is not owner:
             raise BadRequest(f"no reservation {seq} on this connection (expired or aborted?)")
         digests = msg.get("digest")
         if len(sums) != len(res.entries) or (
@@ -577,7 +846,8 @@ class DataServer:
             self._abort(seq)
             self.metrics.transfer_errors.labels(kind=e.code).inc()
             raise
-        del self._reservations[seq]
+        if self._take_reservation(seq) is not res:  # aborted or committed meanwhile
+            raise BadRequest(f"reservation {seq} was dropped while its payloads arrived")
         got_sums = await self._checksums([self.pool.view(e) for e in res.entries if e is not None])
         got_iter = iter(got_sums)
         stored, failed, nbytes = 0, [], 0
@@ -617,16 +887,37 @@ class DataServer:
         )
         return [x for part in parts for x in part]
 
+    def _abort_own(self, msg: dict[str, Any], owner: _Owner) -> dict[str, Any]:
+        """``abort``: drop reservation ``seq`` if it is ``owner``'s; another's is left
+        alone, as an unknown or expired one is."""
+        seq = req_int(msg, "seq")
+        res = self._reservations.get(seq)
+        if res is not None and res.owner is owner:
+            self._abort(seq)
+        return {}
+
     def _abort(self, seq: int) -> None:
-        res = self._reservations.pop(seq, None)
+        res = self._take_reservation(seq)
         if res is None:
             return
         if not res.local and res.conn is not None and not res.recv_done.done():
-            # receives may still land in these slots: the connection must close first
             self._close_conn(res.conn)
-        for e in res.entries:
-            if e is not None:
+        held = [e for e in res.entries if e is not None]
+        open_recvs = [r for r in res.recvs if not r.completed]
+        if not open_recvs:
+            for e in held:
                 self.pool.abort(e)
+            return
+        # the writer's bytes may still land in these slots (closing its endpoint does not
+        # stop them): the slots stay out of use until UCX reports every receive finished
+        assert self._worker is not None
+        for e in held:
+            self.pool.quarantine(e)
+        self._worker.settle(open_recvs, lambda: self._release_quarantined(held))
+
+    def _release_quarantined(self, entries: list[Any]) -> None:
+        for e in entries:
+            self.pool.release_quarantined(e)
 
     async def _sweep(self) -> None:
         while True:
@@ -637,6 +928,12 @@ class DataServer:
                     log.info("reservation %d expired; reclaiming its slots", seq)
                     self._abort(seq)
             self.pool.reclaim_expired(now)
+
+
+def _cluster_only(owner: _Owner, what: str) -> None:
+    """Refuse a tenant's connection what needs cluster-wide access."""
+    if owner.tenant is not None:
+        raise Unauthorized(f"a tenant's connection may not {what}")
 
 
 def _wire(e: Any) -> tuple[int, bytes]:

@@ -10,7 +10,9 @@ the pool file, only the node's user may open it (as with the pool file itself), 
 admits the cluster token only: a tenant may never see where blocks lie.
 
 A same-host save asks it too: ``reserve`` (local only) before the writer copies into
-the slots and ``commit`` after; a reservation made here is committed or aborted here.
+the slots and ``commit`` after; a reservation made on one session (connection) of the
+socket is committed or aborted on that session only, and is dropped when it closes.
+Each session is an owner of its own for the node's quotas and read pins.
 
 The node advertises the socket in its UCX ``hello`` reply (``pool.control``), next to
 the pool file; the ops and their answers are those of the UCX protocol
@@ -25,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pegaflow.auth import Authenticator
-from pegaflow.rpc import RpcServer
+from pegaflow.rpc import RpcServer, current_session
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,8 @@ MAX_PATH = 107
 
 class LocalControl:
     """Serves ``handlers`` (op -> function of the request's args, plain or async) on a
-    Unix socket at ``path``; ``on_request(op, seconds, error code)`` sees every request."""
+    Unix socket at ``path``; ``on_request(op, seconds, error code)`` sees every request
+    and ``on_session_end(session)`` each session (see :meth:`session`) that closes."""
 
     def __init__(
         self,
@@ -45,6 +48,7 @@ class LocalControl:
         auth: Authenticator,
         max_frame: int,
         on_request: Callable[[str, float, str | None], None] | None = None,
+        on_session_end: Callable[[object], None] | None = None,
     ) -> None:
         self.path = path
         self._server = RpcServer(
@@ -53,7 +57,14 @@ class LocalControl:
             auth=auth,
             max_frame=max_frame,
             on_request=on_request,
+            on_disconnect=on_session_end,
         )
+
+    @staticmethod
+    def session() -> object | None:
+        """Inside a handler: the session (one client connection) whose request it
+        serves, a key for what that session holds."""
+        return current_session()
 
     async def start(self) -> bool:
         """Listen; False (logged) when the socket cannot be made, clients then use UCX."""

@@ -208,6 +208,18 @@ class NodeMetrics:
         self.transfer_errors = FastCounter(
             "pegaflow_node_transfer_errors", "UCX transfers that failed", ["kind"], registry=r
         )
+        self.unauthenticated_closed = FastCounter(
+            "pegaflow_node_unauthenticated_closed",
+            "Data connections closed before their hello",
+            ["reason"],
+            registry=r,
+        )
+        self.quota_refusals = FastCounter(
+            "pegaflow_node_quota_refusals",
+            "Requests refused because they would exceed a quota",
+            ["kind", "scope"],
+            registry=r,
+        )
         self.checksum_failures = FastCounter(
             "pegaflow_node_checksum_failures",
             "Blocks refused because their checksum mismatched",
