@@ -3,8 +3,14 @@
 One :class:`DataClient` per event loop holds a UCX worker and one endpoint per node,
 reused across calls.  Payloads land directly in the caller's buffers; every block is
 checked against the node's xxh3 before it counts as fetched.  A timeout or transport
-error closes the endpoint (cancelling its receives, so no late bytes can land in a
-buffer the caller got back) and turns the whole batch into misses.
+error closes the endpoint (without waiting on the node, which may be hung) and turns the
+whole batch into misses.
+
+UCX cannot cancel a receive that is under way: the bytes of a get that gave up may still
+land in its buffers later (at once over shared memory, or when a hung node resumes).  So
+the buffers of a failed get stay *unsettled* until UCX reports each receive finished:
+:meth:`DataClient.settled` tells a caller whether a buffer may be reused, and a get into
+an unsettled buffer is refused (all misses) rather than verified and then overwritten.
 """
 
 from __future__ import annotations
@@ -88,13 +94,15 @@ class _Landing:
     """The payloads of one get: each block's xxh3, taken the moment it lands, and one
     future that completes when every block has landed (or fails with the first error)."""
 
-    __slots__ = ("fut", "left", "sums", "views")
+    __slots__ = ("fut", "left", "reqs", "sums", "views")
 
     def __init__(self, views: list[memoryview]) -> None:
         self.views = views
         self.sums: list[int | None] = [None] * len(views)
         self.left = len(views)
         self.fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.reqs: list[Any] = []
+        """the receive requests, one per view"""
 
     def callback(self, i: int) -> Callable[[BaseException | None], None]:
         """The completion callback of block ``i``'s receive."""
@@ -120,17 +128,75 @@ def _byte_view(buf: Any) -> memoryview:
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
 
+def _span(view: memoryview) -> tuple[int, int]:
+    """The address range ``[start, end)`` of a byte view."""
+    start = int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+    return start, start + len(view)
+
+
+class _Unsettled:
+    """Buffers that a receive given up on may still write (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._spans: dict[int, list[tuple[int, int]]] = {}
+        self._keep: dict[int, Any] = {}
+        self._ids = itertools.count()
+        self.bytes = 0
+
+    def hold(self, worker: UcxWorker, landing: _Landing) -> None:
+        """Hold the views of ``landing`` whose receives are unfinished until they finish."""
+        open_ = [i for i, r in enumerate(landing.reqs) if not r.completed]
+        if not open_:
+            return
+        key = next(self._ids)
+        spans = [_span(landing.views[i]) for i in open_]
+        self._spans[key] = spans
+        self._keep[key] = landing  # the views stay alive while UCX may write them
+        n = sum(b - a for a, b in spans)
+        self.bytes += n
+        log.warning(
+            "%d bytes of a failed get may still be written by UCX; those buffers are held "
+            "until their receives finish",
+            n,
+        )
+
+        def settled() -> None:
+            self._spans.pop(key, None)
+            self._keep.pop(key, None)
+            self.bytes -= n
+
+        worker.settle([landing.reqs[i] for i in open_], settled)
+
+    def overlaps(self, views: Sequence[memoryview]) -> bool:
+        """Whether any byte of ``views`` may still be written by an earlier get."""
+        if not self._spans:
+            return False
+        held = [sp for spans in list(self._spans.values()) for sp in spans]
+        for v in views:
+            a, b = _span(v)
+            if any(a < hb and ha < b for ha, hb in held):
+                return True
+        return False
+
+
 class DataClient:
     """Batched get/put against storage nodes over UCX.
 
     ``local_control``: send same-host requests (``locate``, ``unpin``, local ``reserve``,
     ``commit``, ``abort``) over the node's Unix control socket when it offers one
-    (:mod:`pegaflow.storage_node.local_control`).
+    (:mod:`pegaflow.storage_node.local_control`).  ``ucx_config``: UCX options for this
+    client's worker only (see :class:`~pegaflow.ucx.UcxWorker`).
     """
 
     def __init__(
-        self, *, token: str | None = None, connect_timeout: float = 2.0, local_control: bool = True
+        self,
+        *,
+        token: str | None = None,
+        connect_timeout: float = 2.0,
+        local_control: bool = True,
+        ucx_config: dict[str, str] | None = None,
     ) -> None:
+        self._ucx_config = ucx_config
         self._token = token or None
         self._local_control = local_control
         self._connect_timeout = connect_timeout
@@ -139,14 +205,26 @@ class DataClient:
         self._connecting: dict[str, asyncio.Future[_NodeConn]] = {}
         self._ids = itertools.count(1)
         self._hasher = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pegaflow-xxh3")
+        self._unsettled = _Unsettled()
         #: Blocks a node answered ``"stale"`` for: their slot now holds another
         #: generation than the one the caller expected (counted as misses).
         self.stale_misses = 0
 
+    def settled(self, buf: Any) -> bool:
+        """Whether no receive of an earlier, failed get can still write into ``buf``
+        (only then may the caller reuse it for anything: a get into an unsettled buffer
+        is refused).  Safe to call from any thread."""
+        return not self._unsettled.overlaps([_byte_view(buf)])
+
+    @property
+    def unsettled_bytes(self) -> int:
+        """Bytes of caller buffers held because a failed get's receives are unfinished."""
+        return self._unsettled.bytes
+
     @property
     def worker(self) -> UcxWorker:
         if self._worker is None:
-            self._worker = UcxWorker()
+            self._worker = UcxWorker(self._ucx_config)
         return self._worker
 
     async def close(self) -> None:
@@ -183,7 +261,11 @@ class DataClient:
             while not conn.closed:
                 req = w.am_recv(conn.ep)
                 fut = w.track(req)
-                await fut
+                try:
+                    await fut
+                finally:
+                    if not fut.done() or fut.cancelled():
+                        w.forget([fut])
                 msg = unpack(memoryview(req.recv_buffer).cast("B"), _MAX_REPLY)
                 if not isinstance(msg, dict):
                     continue
@@ -201,21 +283,28 @@ class DataClient:
             return conn
         pending = self._connecting.get(addr)
         if pending is None:
-            pending = asyncio.ensure_future(self._open(addr, deadline))
+            # the connection outlives this call: it gets the connect timeout, not our budget
+            pending = asyncio.ensure_future(
+                self._open(addr, time.monotonic() + self._connect_timeout)
+            )
             self._connecting[addr] = pending
             pending.add_done_callback(lambda _f: self._connecting.pop(addr, None))
-        return await asyncio.shield(pending)
+            pending.add_done_callback(_retrieve)
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending), _left(deadline))
+        except TimeoutError:
+            raise Unavailable(f"connecting to {addr} took longer than the deadline") from None
 
     async def _open(self, addr: str, deadline: float) -> _NodeConn:
         host, port = parse_address(addr)
-        ep = await self.worker.connect(host, port, self._connect_timeout)
+        ep = await self.worker.connect(host, port, _left(deadline))
         conn = _NodeConn(addr, ep)
         conn.reader = asyncio.create_task(self._read_loop(conn))
         try:
             hello = await self._request(
                 conn,
                 {"op": "hello", "version": PROTOCOL_VERSION, "token": self._token},
-                min(self._connect_timeout, max(0.001, deadline - time.monotonic())),
+                _left(deadline),
             )
         except PegaError:
             self._drop(conn, Unavailable(f"handshake with {addr} failed"))
@@ -284,6 +373,13 @@ class DataClient:
             return []
         deadline = time.monotonic() + timeout
         views = [_byte_view(b) for _, _, b in items]
+        if self._unsettled.overlaps(views):
+            log.warning(
+                "get of %d blocks from %s refused: its buffers may still be written by an "
+                "earlier get that failed (reuse a buffer once settled() says so)",
+                len(items), addr,
+            )  # fmt: skip
+            return [False] * len(items)
         try:
             conn = await self._connection(addr, deadline)
             w = self.worker
@@ -296,7 +392,9 @@ class DataClient:
             # while the next payloads keep arriving in the socket buffer.
             landed = _Landing(views)
             for i, v in enumerate(views):
-                w.on_done(w.tag_recv(conn.ep, v, make_tag(seq, i)), landed.callback(i), landed.fut)
+                req = w.tag_recv(conn.ep, v, make_tag(seq, i))
+                landed.reqs.append(req)
+                w.on_done(req, landed.callback(i), landed.fut)
             try:
                 reply = await self._request(
                     conn,
@@ -314,14 +412,15 @@ class DataClient:
                         ),
                         **telemetry.wire_context(),
                     },
-                    max(0.001, deadline - time.monotonic()),
+                    _left(deadline),
                 )
-                await asyncio.wait_for(landed.fut, max(0.001, deadline - time.monotonic()))
+                await asyncio.wait_for(landed.fut, _left(deadline))
             except BaseException as e:
                 w.forget([landed.fut])
                 if not landed.fut.cancelled():
                     landed.fut.exception()  # a transfer error nobody awaited: retrieved
                 self._drop(conn, Unavailable(f"get from {addr} failed mid-transfer"))
+                self._unsettled.hold(w, landed)
                 if isinstance(e, TimeoutError):
                     raise Unavailable(f"get from {addr} timed out") from None
                 raise
@@ -371,7 +470,7 @@ class DataClient:
                     **telemetry.wire_context(),
                     "blocks": [[h, s, len(v)] for (h, s, _), v in zip(items, views, strict=True)],
                 },
-                max(0.001, deadline - time.monotonic()),
+                _left(deadline),
             )
             seq = int(reply["seq"])
             accept = reply.get("accept")
@@ -384,29 +483,34 @@ class DataClient:
                 if accept[i]
             ]
             sums = await hashing
-            try:
-                # the node waits for the payloads before it verifies and commits
-                done, _ = await asyncio.gather(
-                    self._request(
-                        conn,
-                        {
-                            "op": "commit",
-                            "seq": seq,
-                            **telemetry.wire_context(),
-                            "xxh3": [x if a else None for x, a in zip(sums, accept, strict=True)],
-                        },
-                        max(0.001, deadline - time.monotonic()),
-                    ),
-                    asyncio.wait_for(
-                        asyncio.gather(*futs), max(0.001, deadline - time.monotonic())
-                    ),
+            # the node waits for the payloads before it verifies and commits
+            commit = asyncio.ensure_future(
+                self._request(
+                    conn,
+                    {
+                        "op": "commit",
+                        "seq": seq,
+                        **telemetry.wire_context(),
+                        "xxh3": [x if a else None for x, a in zip(sums, accept, strict=True)],
+                    },
+                    _left(deadline),
                 )
-            except BaseException:
+            )
+            sent = asyncio.gather(*futs)
+            try:
+                _, done = await asyncio.wait_for(asyncio.gather(sent, commit), _left(deadline))
+            except BaseException as e:
                 w.forget(futs)
+                for f in (commit, sent):
+                    f.cancel()
+                    f.add_done_callback(_retrieve)
                 self._drop(conn, Unavailable(f"put to {addr} failed mid-transfer"))
+                if isinstance(e, TimeoutError):
+                    raise Unavailable(f"put to {addr} timed out") from None
                 raise
         except BaseException:
             hashing.cancel()
+            hashing.add_done_callback(_retrieve)
             raise
         stored = int(done.get("stored", 0))
         n_accepted = sum(1 for a in accept if a)
@@ -429,7 +533,7 @@ class DataClient:
         first if needed)."""
         deadline = time.monotonic() + timeout
         conn = await self._connection(addr, deadline)
-        return await self._request(conn, msg, max(0.001, deadline - time.monotonic()))
+        return await self._request(conn, msg, _left(deadline))
 
     async def _ask_local(self, addr: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
         """A same-host request (``locate``, ``unpin``, a local ``reserve`` and its
@@ -442,13 +546,13 @@ class DataClient:
         if rpc is not None:
             args = {k: v for k, v in msg.items() if k != "op"}
             try:
-                return await rpc.call(msg["op"], args, max(0.001, deadline - time.monotonic()))
+                return await rpc.call(msg["op"], args, _left(deadline))
             except Unavailable as e:  # not this host after all, or the socket went away
                 if conn.control is rpc:
                     conn.control = None
                     rpc.close_now()
                     log.info("node %s: control socket unusable (%s); asking over UCX", addr, e)
-        return await self._request(conn, msg, max(0.001, deadline - time.monotonic()))
+        return await self._request(conn, msg, _left(deadline))
 
     async def check(
         self,
@@ -471,7 +575,7 @@ class DataClient:
                 "ns": ns,
                 "blocks": [[h, s] if g is None else [h, s, g] for h, s, g in blocks],
             },
-            max(0.001, deadline - time.monotonic()),
+            _left(deadline),
         )
         valid = reply.get("valid")
         if not isinstance(valid, list) or len(valid) != len(blocks):
@@ -574,6 +678,17 @@ class DataClient:
     async def abort(self, addr: str, seq: int, timeout: float) -> None:
         """Drop a local reservation (its slots go back to the pool)."""
         await self._ask_local(addr, {"op": "abort", "seq": seq}, timeout)
+
+
+def _left(deadline: float) -> float:
+    """Seconds left until ``deadline`` (at least 1 ms, so a call still fails by itself)."""
+    return max(0.001, deadline - time.monotonic())
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Mark a future's failure as seen (it was given up on; its caller has its error)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _packed(hashes: Sequence[bytes]) -> dict[str, Any] | None:
