@@ -3,6 +3,26 @@
 Use :class:`PegaClient` from asyncio code and :class:`SyncPegaClient` elsewhere.
 """
 
-from .api import GetItem, LookupResult, PegaClient, PutItem, PutResult, SyncPegaClient
+from .api import (
+    GetItem,
+    LocalNode,
+    LookupResult,
+    PegaClient,
+    PutItem,
+    PutResult,
+    SyncPegaClient,
+    on_this_host,
+    open_pool_file,
+)
 
-__all__ = ["GetItem", "LookupResult", "PegaClient", "PutItem", "PutResult", "SyncPegaClient"]
+__all__ = [
+    "GetItem",
+    "LocalNode",
+    "LookupResult",
+    "PegaClient",
+    "PutItem",
+    "PutResult",
+    "SyncPegaClient",
+    "on_this_host",
+    "open_pool_file",
+]

@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
+import ipaddress
+import logging
+import os
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -28,6 +33,8 @@ from pegaflow.rpc import RpcClient
 from .data import DataClient, LocatedBlocks, PoolFile, PutOutcome
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 PutResult = PutOutcome
 
@@ -49,6 +56,71 @@ class LookupResult:
     """with ``lookup(..., generations=True)``: the generation of each shard of each of
     the first ``hits`` blocks when it was published (same shape as ``blocks``); pass
     them to :meth:`PegaClient.get_blocks` to fence the read (empty otherwise)"""
+
+
+@dataclass(frozen=True)
+class LocalNode:
+    """A storage node on this host: its record and the pool file this process can open."""
+
+    record: NodeRecord
+    pool: PoolFile
+
+
+def open_pool_file(info: PoolFile, flags: int = os.O_RDWR) -> int:
+    """Open a node's pool file and check that it is the file the node described (same
+    device and inode, at least as large); returns the descriptor (the caller closes it).
+
+    Raises ``OSError`` when it cannot be opened or is another file: another host's path,
+    another mount namespace's ``/dev/shm``, a pool replaced since the node described it.
+    """
+    fd = os.open(info.path, flags)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (info.dev, info.ino) or st.st_size < info.size:
+            raise OSError(f"{info.path} is not the node's pool file (another host's?)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def on_this_host(host: str) -> bool:
+    """Whether ``host`` (a node's data-plane address) can be an address of this machine.
+
+    An IP address is this machine's when a socket can bind to it (a local system call:
+    nothing is sent); a name only when it is ``localhost`` or this machine's host name
+    (names are not resolved: no DNS query per node).  The pool file check that follows
+    (:func:`open_pool_file`) is what decides; this only spares connecting to every
+    node of a large cluster.
+    """
+    host = host.strip().strip("[]")
+    if not host:
+        return False
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        name = host.lower().rstrip(".")
+        mine = socket.gethostname().lower()
+        return name in ("localhost", mine) or name.split(".")[0] == mine.split(".")[0]
+    if ip.is_unspecified or ip.is_loopback:
+        return True
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.bind((str(ip), 0))
+    except OSError as e:
+        if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+            log.debug("cannot tell whether %s is an address of this host: %s", host, e)
+        return False
+    return True
+
+
+def _same_file(info: PoolFile) -> bool:
+    try:
+        os.close(open_pool_file(info))
+    except OSError:
+        return False
+    return True
 
 
 def _by_node(items: Sequence[tuple[Any, ...]]) -> dict[str, list[int]]:
@@ -79,6 +151,12 @@ class PegaClient:
         """Blocks of fenced gets (``get_blocks(..., generations=...)``) that were misses
         because their slot held another generation than the lookup returned."""
         return self._data.stale_misses
+
+    def settled(self, buf: Any) -> bool:
+        """Whether no receive of an earlier, failed get can still write into ``buf``:
+        reuse a get's buffer for anything else only then (UCX cannot cancel a receive
+        under way; see :mod:`pegaflow.client.data`).  Safe to call from any thread."""
+        return self._data.settled(buf)
 
     # ---- control plane -------------------------------------------------------------
 
@@ -273,6 +351,43 @@ class PegaClient:
         rec = await self._node(node_id, budget)
         return await self._data.pool_file(rec.ucx_address, budget)
 
+    async def local_nodes(self, timeout: float | None = None) -> list[LocalNode]:
+        """The nodes on this host: among every node the coordinator knows, those whose
+        address may be this machine's (:func:`on_this_host`) and whose pool file, offered
+        in the data-plane handshake, this process can open as the same file
+        (:func:`open_pool_file`).  Largest pool first, then by id, so every process of
+        an engine picks the same one.  Nodes that do not answer within ``timeout``
+        (default ``rpc_timeout_s``, for the whole call) are left out."""
+        budget = self.cfg.rpc_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        records = await self.nodes(timeout=budget)
+
+        async def probe(rec: NodeRecord) -> LocalNode | None:
+            try:
+                pool = await self._data.pool_file(
+                    rec.ucx_address, max(0.001, deadline - time.monotonic())
+                )
+            except PegaError as e:
+                log.debug("node %s (%s): no handshake: %s", rec.node_id, rec.ucx_address, e)
+                return None
+            if pool is None or not _same_file(pool):
+                return None
+            return LocalNode(rec, pool)
+
+        candidates = [r for r in records.values() if on_this_host(r.host)]
+        if not candidates:
+            return []
+        try:
+            got = await asyncio.wait_for(
+                asyncio.gather(*(probe(r) for r in candidates)),
+                max(0.001, deadline - time.monotonic()),
+            )
+        except TimeoutError:
+            raise Unavailable(f"nodes on this host did not answer within {budget:.3f} s") from None
+        found = [n for n in got if n is not None]
+        found.sort(key=lambda n: (-n.record.capacity_bytes, n.record.node_id))
+        return found
+
     async def locate(
         self,
         ns: str,
@@ -417,6 +532,10 @@ class SyncPegaClient:
         """:meth:`get_blocks` without waiting."""
         return self._submit(self._client.get_blocks(ns, items, timeout, generations))
 
+    def settled(self, buf: Any) -> bool:
+        """See :meth:`PegaClient.settled`."""
+        return self._client.settled(buf)
+
     def submit_pin_blocks(
         self, ns: str, items: Sequence[tuple[str, bytes, int]], ttl_s: float = 5.0
     ) -> concurrent.futures.Future[list[bool]]:
@@ -442,6 +561,11 @@ class SyncPegaClient:
         """See :meth:`PegaClient.nodes`."""
         t = self.cfg.rpc_timeout_s if timeout is None else timeout
         return self._run(self._client.nodes(t), t)
+
+    def local_nodes(self, timeout: float | None = None) -> list[LocalNode]:
+        """See :meth:`PegaClient.local_nodes`."""
+        t = self.cfg.rpc_timeout_s if timeout is None else timeout
+        return self._run(self._client.local_nodes(t), t)
 
     async def _shutdown(self) -> None:
         await self._client.close()

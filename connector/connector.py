@@ -42,6 +42,7 @@ from .compat import (
 from .metadata import StepPlan
 from .metrics import Counters
 from .namespace import NamespaceFactors, hash_stability, make_namespace, shard_of
+from .report import CacheReport
 from .scheduler import SchedulerSide
 from .settings import ConnectorSettings
 from .stats import PegaConnectorStats, PegaPromMetrics
@@ -82,8 +83,7 @@ class PegaKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.settings = ConnectorSettings.load(extra)
-        if self.settings.log_level:
-            _set_log_level(self.settings.log_level)
+        _setup_logging(self.settings.log_level)
         self.geometry = engine_geometry(vllm_config, kv_cache_config)
         if self.geometry.groups != 1 and self.settings.mode != "off":
             logger.error(
@@ -102,6 +102,7 @@ class PegaKVConnector(KVConnectorBase_V1):
         self.policy = kv_load_failure_policy(vllm_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: Any = None
+        self._report: CacheReport | None = None
         if is_worker:
             from .worker import WorkerSide  # torch-heavy; workers only
 
@@ -120,14 +121,19 @@ class PegaKVConnector(KVConnectorBase_V1):
                 namespace=self._compute_namespace,
                 counters=self.counters,
                 client_factory=self._make_client,
+                device=device_type(),
+                block_bytes=self.geometry.page_bytes * self.geometry.num_layers,
             )
             self._scheduler.start_warm_up()
+            if self.settings.report_interval_s > 0 and self.settings.mode != "off":
+                self._report = CacheReport(self.counters, self.settings.report_interval_s)
+                self._report.start()
             logger.info(
                 "PegaFlow connector (vLLM %s): mode=%s coordinators=%s local_node=%s",
                 VLLM_VERSION,
                 self.settings.mode,
                 ",".join(self.settings.coordinators),
-                self.settings.local_node or "(placement)",
+                self.settings.local_node or "(the node on this host, found by itself)",
             )
             if self.settings.can_load and self.policy != "recompute":
                 logger.warning(
@@ -220,6 +226,17 @@ class PegaKVConnector(KVConnectorBase_V1):
     # Worker-side methods
     # ==============================
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Take this step's plan (vLLM calls this right before the forward pass, which
+        the worker times for the cost model).
+
+        Args:
+            connector_metadata: this step's metadata.
+        """
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.begin_forward(self._plan(connector_metadata))
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Adopt the engine's per-layer KV cache tensors (whole-block copies, any layout).
 
@@ -302,6 +319,7 @@ class PegaKVConnector(KVConnectorBase_V1):
         :meth:`handle_preemptions`, so the copy can run behind the next steps.
         """
         if self._worker is not None:
+            self._worker.end_forward()
             self._worker.submit_saves(self._plan())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -347,6 +365,8 @@ class PegaKVConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.close()
             self.counters.maybe_write(force=True)
+        if self._report is not None:
+            self._report.close()
 
     # ==============================
     # Scheduler-side methods
@@ -399,6 +419,10 @@ class PegaKVConnector(KVConnectorBase_V1):
         """
         if self._scheduler is None:
             return
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        data = getattr(stats, "data", None)
+        if self._report is not None and isinstance(data, dict):
+            self._report.add_workers(data)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, PegaWorkerMetadata):
             self._scheduler.update_connector_output(meta.report)
@@ -449,15 +473,34 @@ class PegaKVConnector(KVConnectorBase_V1):
         return PegaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-def _set_log_level(level: str) -> None:
-    """Apply the ``log_level`` setting to the ``pegaflow`` loggers of this process."""
+def _setup_logging(level: str) -> None:
+    """Make the ``pegaflow`` loggers of this process print in the engine's log.
+
+    vLLM gives only its own ``vllm`` logger a handler; without one, the connector's INFO
+    lines (the same-host node found, the ``PegaFlow cache:`` report) would go nowhere, or
+    to a root handler at WARNING (vLLM 0.26 on the H200 has one).  Unless ``pegaflow``
+    has handlers of its own, they go to vLLM's handlers at vLLM's level (and not on to
+    the root); with the ``log_level`` setting, to a handler of their own at that level.
+    """
     log = logging.getLogger("pegaflow")
-    try:
-        log.setLevel(level.upper())
-    except ValueError:
-        logger.warning("PegaFlow: unknown log_level %r ignored", level)
+    if level:
+        try:
+            log.setLevel(level.upper())
+        except ValueError:
+            logger.warning("PegaFlow: unknown log_level %r ignored", level)
+            level = ""
+    if log.handlers:
+        return  # configured by the process (or by an earlier connector)
+    vllm_log = logging.getLogger("vllm")
+    if not level and vllm_log.handlers:
+        if log.level == logging.NOTSET:
+            log.setLevel(vllm_log.getEffectiveLevel())
+        for h in vllm_log.handlers:
+            log.addHandler(h)
+        log.propagate = False
         return
-    if not log.hasHandlers():
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        log.addHandler(handler)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.addHandler(handler)

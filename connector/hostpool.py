@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from pegaflow.client.api import open_pool_file
 from pegaflow.client.data import PoolFile
 
 log = logging.getLogger("pegaflow.connector")
@@ -43,11 +44,8 @@ class MappedPool:
     """
 
     def __init__(self, info: PoolFile, device: torch.device | None = None) -> None:
-        fd = os.open(info.path, os.O_RDWR)
+        fd = open_pool_file(info)
         try:
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != (info.dev, info.ino) or st.st_size < info.size:
-                raise OSError(f"{info.path} is not the node's pool file (another host's?)")
             self._mmap = mmap.mmap(fd, info.size, mmap.MAP_SHARED)
         finally:
             os.close(fd)

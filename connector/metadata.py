@@ -37,6 +37,9 @@ class LoadJob:
     """per shard, the node's pin on the located blocks (the worker releases it)"""
     located_at: float = 0.0
     """``time.monotonic()`` of the locate (the pin lasts ``LOCATE_PIN_S``)"""
+    probe: bool = False
+    """not a load: fetch the blocks into host memory only, to time their node (see
+    :meth:`pegaflow.connector.costmodel.CostModel.wants_probe`); ``block_ids`` is empty"""
 
 
 @dataclass
@@ -59,6 +62,8 @@ class StepPlan:
     """requests preempted this step: their pending block copies must finish first"""
     delay_free: list[str] = field(default_factory=list)
     """finished requests whose blocks vLLM keeps until the worker reports them sent"""
+    tokens: int = 0
+    """tokens scheduled in this step (the workers time the forward pass against it)"""
 
     def is_empty(self) -> bool:
         """No work at all (the namespace alone is not work)."""
@@ -73,6 +78,12 @@ class WorkerReport:
     """hashes whose save failed or was dropped (may be saved again later)"""
     load_failed: dict[str, int] = field(default_factory=dict)
     """request id -> index (within the request) of its first block that failed to load"""
+    samples: list[tuple[str, int, float]] = field(default_factory=list)
+    """measurements for the cost model: ``(source, bytes, seconds)`` of a load from
+    ``source`` (``"local"`` or a node id), ``("compute", tokens, seconds)`` of a
+    forward pass"""
+    block_bytes: int = 0
+    """bytes of one block of this worker's shard (0: not known yet)"""
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Union of two workers' reports (the earliest failure wins)."""
@@ -80,8 +91,10 @@ class WorkerReport:
         out.save_failed.extend(h for h in other.save_failed if h not in set(self.save_failed))
         for rid, idx in other.load_failed.items():
             out.load_failed[rid] = min(idx, out.load_failed.get(rid, idx))
+        out.samples = self.samples + other.samples
+        out.block_bytes = max(self.block_bytes, other.block_bytes)
         return out
 
     def is_empty(self) -> bool:
         """Nothing to report."""
-        return not (self.save_failed or self.load_failed)
+        return not (self.save_failed or self.load_failed or self.samples)

@@ -35,6 +35,11 @@ COUNTERS: dict[str, str] = {
     "hit_tokens": "tokens promised to vLLM as external hits",
     "save_planned_blocks": "blocks scheduled for saving",
     "save_known_blocks": "blocks not saved because the cluster already has them",
+    "cost_whole": "hits claimed whole (their load expected faster than computing them)",
+    "cost_part": "hits of which only a leading part was claimed (the rest is computed)",
+    "cost_declined": "hits not claimed at all: computing them was expected to be faster",
+    "cost_declined_blocks": "hit blocks not claimed (computed instead of loaded)",
+    "probes": "background fetches that timed a declined node (no request waits on them)",
     # worker side
     "load_jobs": "requests whose blocks were loaded",
     "load_blocks": "blocks loaded into the KV cache",
@@ -49,9 +54,14 @@ COUNTERS: dict[str, str] = {
     "save_blocks": "blocks stored by the cluster",
     "save_present_blocks": "blocks the node already had (skipped)",
     "save_failed_blocks": "blocks whose save failed",
-    "save_dropped_blocks": "blocks not saved: staging memory full or cluster backing off",
+    "save_dropped_blocks": (
+        "blocks not saved: staging memory full, cluster backing off, or still pending when "
+        "shutdown's wait ended"
+    ),
     "save_bytes": "bytes sent to the cluster",
     "save_seconds": "wall time of puts",
+    "save_shutdown_seconds": "time engine shutdown waited for pending saves",
+    "probe_bytes": "bytes fetched by probes (into host memory only)",
     "copy_seconds": "time spent copying between the KV cache and staging memory",
 }
 

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -24,6 +24,8 @@ import numpy as np
 from pegaflow import telemetry
 from pegaflow.wire import LocatedBlocks
 
+from .costmodel import LOCAL, CostModel, Decision
+from .discovery import LocalNodeFinder
 from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport
 from .metrics import Counters
 from .namespace import block_hash_bytes, block_hashes_bytes
@@ -205,6 +207,9 @@ class SchedulerSide:
         counters: the counters to update.
         client_factory: builds the client on first use.
         clock: monotonic clock (tests inject one).
+        device: the engine's device type (the cost model's prior depends on it).
+        block_bytes: bytes of one block of one shard, as far as the scheduler can tell
+            (the workers report the exact figure).
     """
 
     def __init__(
@@ -217,6 +222,8 @@ class SchedulerSide:
         client: LookupClient | None = None,
         client_factory: Callable[[], LookupClient] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        device: str = "cpu",
+        block_bytes: int = 0,
     ) -> None:
         self.settings = settings
         self.block_size = block_size
@@ -235,6 +242,13 @@ class SchedulerSide:
             settings.failures_to_backoff, settings.backoff_s, settings.backoff_max_s, clock
         )
         self.known = KnownBlocks(settings.known_blocks)
+        self.finder = LocalNodeFinder(settings.local_node, settings.rpc_timeout_s, announce=True)
+        """the storage node on this host (``local_node``, else found at engine start)"""
+        self.costs = CostModel(
+            device, block_size, block_bytes or 1 << 20, enabled=settings.cost_model
+        )
+        """what loads from each source and prefills cost: decides what to claim"""
+        self._pending_probes: list[LoadJob] = []
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[LoadJob] = []
         self._delay_free: list[str] = []
@@ -246,6 +260,12 @@ class SchedulerSide:
         self._connected.set()
 
     # ---- helpers -------------------------------------------------------------------
+
+    @property
+    def local_node(self) -> str:
+        """The node on this host: ``local_node`` when set, else the one found at engine
+        start ('' while none is known)."""
+        return self.finder.node
 
     @property
     def namespace(self) -> str:
@@ -295,20 +315,24 @@ class SchedulerSide:
         threading.Thread(target=run, name="pegaflow-warm-up", daemon=True).start()
 
     def warm_up(self) -> None:
-        """Connect to the coordinator and to ``local_node`` now, by a locate and a lookup
-        of a block nobody has (engine start, on a background thread): the first lookup
-        would otherwise pay for the connections and every first use on its path, and
-        past ``lookup_timeout_s`` its request would miss the cache."""
-        if not self.settings.can_load:
+        """Find the node on this host (unless ``local_node`` names it), then connect to
+        the coordinator and to that node now, by a locate and a lookup of a block nobody
+        has (engine start, on a background thread): the first lookup would otherwise pay
+        for the connections and every first use on its path, and past
+        ``lookup_timeout_s`` its request would miss the cache."""
+        if self.settings.mode == "off":
             return
         client = self._client_or_none()
         call = getattr(client, "call", None)
         if call is None:
             return
-        node, timeout = self.settings.local_node, self.settings.rpc_timeout_s
+        t0 = time.monotonic()
+        node = self.finder.find(client)
+        if not self.settings.can_load:
+            return
+        timeout = self.settings.rpc_timeout_s
         probe = [bytes(32)]  # a block nobody stores, in a namespace of its own
         try:
-            t0 = time.monotonic()
             if node:  # fetches the node records, opens the data plane and control socket
                 call(lambda c: c.locate(WARM_UP_NS, node, probe, 0, 0.001, timeout), timeout)
             call(lambda c: c.lookup(WARM_UP_NS, probe, self.shards, timeout), timeout)
@@ -368,7 +392,7 @@ class SchedulerSide:
 
     def _all_local(self, lk: _Lookup) -> bool:
         s = self.settings
-        local = s.local_node
+        local = self.local_node
         if not (s.layerwise and s.same_host_shortcut and local):
             return False
         return _on_node(lk.nodes, local, self.world_size)
@@ -382,7 +406,9 @@ class SchedulerSide:
             self.lookup_breaker.failure()
             self.counters.add("lookup_errors")
             return None
-        if not self._connected.is_set():
+        if self._connected.is_set():
+            self.finder.maybe_retry(lambda: self.finder.find(self._client_or_none()))
+        else:
             # the engine took a request before the connections were made (it reports
             # ready right after creating the connector): waiting is cheaper than a miss
             t = self._clock()
@@ -406,6 +432,7 @@ class SchedulerSide:
                     if local is not None:  # the coordinator cannot add to a whole hit
                         self.lookup_breaker.success()
                         self._account(asked, local.hits, "lookups_local")
+                        self._claim(st, asked, local)
                         self._debug_lookup(st, asked, local, t0, "answered by the local node")
                         st.lookup = local
                         return local
@@ -437,13 +464,109 @@ class SchedulerSide:
             isinstance(g, list | tuple) and len(g) == self.world_size for g in gens[:hits]
         ):
             lk.gens = [list(g) for g in gens[:hits]]
+        self._claim(st, asked, lk)
         if located is not None:
             self._keep_located(lk, located)
         self._debug_lookup(st, asked, lk, t0, "coordinator")
-        if hits and self.settings.read_pin_s > 0 and not lk.located:
-            self._pin(client, ns, asked[:hits], lk.nodes)
+        if lk.hits and self.settings.read_pin_s > 0 and not lk.located:
+            self._pin(client, ns, asked[: lk.hits], lk.nodes)
         st.lookup = lk
         return lk
+
+    def _sources(self, lk: _Lookup) -> list[str]:
+        """Per hit block, where it loads from: :data:`LOCAL` when every shard is on this
+        host's node and the same-host path is on, else the (first) other node."""
+        local = self.local_node if self.settings.same_host_shortcut else ""
+        out = []
+        for row in lk.nodes:
+            far = [n for n in row if n != local]
+            out.append(far[0] if far else LOCAL)
+        return out
+
+    def _claim(self, st: _ReqState, asked: list[bytes], lk: _Lookup) -> None:
+        """Keep of the hit only what the cost model expects to load faster than vLLM
+        computes it (the whole hit, a leading part, or nothing); count the decision.
+        A remote node declined for want of recent measurements is probed."""
+        if lk.hits <= 0 or not self.costs.enabled:
+            return
+        sources = self._sources(lk)
+        s = self.settings
+        d = self.costs.choose(sources, layerwise=s.layerwise and s.same_host_shortcut)
+        if d.blocks < lk.hits and set(sources) == {LOCAL} and self.costs.wants_probe(LOCAL):
+            # this host's pool has no background probe: serving a hit is its measurement
+            self.counters.add("probes")
+            d = replace(d, blocks=lk.hits, reason="whole")
+        if d.reason == "whole":
+            self.counters.add("cost_whole")
+        else:
+            self.counters.add("cost_part" if d.blocks else "cost_declined")
+            self.counters.add("cost_declined_blocks", lk.hits - d.blocks)
+            self._maybe_probe(asked, lk, sources, d.blocks)
+        if logger.isEnabledFor(logging.DEBUG):
+            self._debug_claim(st, lk, sources, d)
+        if d.blocks < lk.hits:
+            lk.hits = d.blocks
+            lk.nodes = lk.nodes[: d.blocks]
+            lk.gens = lk.gens[: d.blocks]
+            if lk.located and not d.blocks:  # nothing to load: let the node unpin now
+                self._unpin(lk.pins)
+                lk.located, lk.pins = [], []
+            lk.located = [where[: d.blocks] for where in lk.located]
+
+    def _unpin(self, pins: list[int]) -> None:
+        """Release the local node's pins of a locate whose blocks will not be loaded
+        (fire and forget: an unpin lost only keeps them from eviction a little longer)."""
+        client, node = self._client_or_none(), self.local_node
+        submit = getattr(client, "submit", None)
+        if submit is None or not node:
+            return
+        timeout = self.settings.rpc_timeout_s
+        for pin in pins:
+            try:
+                submit(lambda c, pin=pin: c.unpin(node, pin, timeout))
+            except Exception as e:
+                logger.debug("PegaFlow: unpin failed: %s", e)
+
+    def _debug_claim(self, st: _ReqState, lk: _Lookup, sources: list[str], d: Decision) -> None:
+        kinds = sorted({x for x in sources})
+        logger.debug(
+            "PegaFlow: %s: claim %d of %d hit blocks (%s; from %s): load %.2f ms against "
+            "compute %.2f ms (%s)",
+            st.request.request_id, d.blocks, lk.hits, d.reason, ", ".join(kinds),
+            d.est_load_s * 1e3, d.est_compute_s * 1e3, self.costs.snapshot(),
+        )  # fmt: skip
+
+    def _maybe_probe(
+        self, asked: list[bytes], lk: _Lookup, sources: list[str], claimed: int
+    ) -> None:
+        """Time a declined remote node in the background: fetch a few of its blocks into
+        the workers' host memory (no request waits on it)."""
+        for src in dict.fromkeys(sources[claimed:]):
+            if src == LOCAL or not self.costs.wants_probe(src):
+                continue
+            idx = [i for i in range(claimed, lk.hits) if sources[i] == src]
+            idx = idx[: self.costs.probe_blocks()]
+            self._pending_probes.append(
+                LoadJob(
+                    req_id=f"pegaflow.probe:{src}",
+                    block_ids=[],
+                    hashes=[asked[i] for i in idx],
+                    nodes=[lk.nodes[i] for i in idx],
+                    gens=[lk.gens[i] for i in idx] if len(lk.gens) >= lk.hits else [],
+                    probe=True,
+                )
+            )
+            self.counters.add("probes")
+
+    def learn(self, report: WorkerReport) -> None:
+        """Feed the workers' measurements into the cost model."""
+        if report.block_bytes:
+            self.costs.set_block_bytes(report.block_bytes)
+        for source, size, seconds in report.samples:
+            if source == "compute":
+                self.costs.observe_compute(size, seconds)
+            else:
+                self.costs.observe_load(source, size, seconds)
 
     def _account(self, asked: list[bytes], hits: int, kind: str) -> None:
         self.counters.add(kind)
@@ -467,7 +590,7 @@ class SchedulerSide:
     ) -> _Lookup | None:
         """A lookup answered by the local node alone: when its locates found every asked
         block of every shard (else None: the coordinator's answer is needed)."""
-        local = self.settings.local_node
+        local = self.local_node
         lk = _Lookup(self._clock(), start, n_hashes, len(asked), [[local] * self.world_size
                      for _ in asked])  # fmt: skip
         self._keep_located(lk, located)
@@ -486,8 +609,9 @@ class SchedulerSide:
         client's loop; docs/benchmarks.md, "Same-host control").  Failing locates pause
         for a while (a breaker), so a sick node costs lookups no more than a deadline."""
         s = self.settings
+        node = self.local_node
         submit = getattr(client, "submit", None)
-        if not (s.layerwise and s.same_host_shortcut and s.local_node and submit is not None):
+        if not (s.layerwise and s.same_host_shortcut and node and submit is not None):
             return None
         if not self.locate_breaker.allow():
             return None
@@ -496,7 +620,7 @@ class SchedulerSide:
             futs = [
                 submit(
                     lambda c, shard=shard: c.locate(
-                        ns, s.local_node, part, shard, LOCATE_PIN_S, s.lookup_timeout_s
+                        ns, node, part, shard, LOCATE_PIN_S, s.lookup_timeout_s
                     )
                 )
                 for shard in self.shards
@@ -513,7 +637,7 @@ class SchedulerSide:
     def _keep_located(self, lk: _Lookup, got: list[Any]) -> None:
         """Keep the locations when every hit is on this host's node; the hits shrink to
         the prefix the node located with the generations the lookup saw."""
-        if not lk.hits or not _on_node(lk.nodes, self.settings.local_node, self.world_size):
+        if not lk.hits or not _on_node(lk.nodes, self.local_node, self.world_size):
             return  # not a layer-wise load: the pins expire on their own
         n = lk.hits
         for shard, (_pin, where) in enumerate(got):
@@ -602,7 +726,11 @@ class SchedulerSide:
         so = scheduler_output
         plan = StepPlan(namespace=self.namespace if self._reqs or self._pending_loads else "")
         plan.loads, self._pending_loads = self._pending_loads, []
+        if self._pending_probes:
+            plan.loads += self._pending_probes
+            self._pending_probes = []
         num_sched: dict[str, int] = dict(getattr(so, "num_scheduled_tokens", {}) or {})
+        plan.tokens = int(sum(num_sched.values()))
         spec: dict[str, Any] = dict(getattr(so, "scheduled_spec_decode_tokens", {}) or {})
 
         for nr in getattr(so, "scheduled_new_reqs", ()) or ():
@@ -692,6 +820,7 @@ class SchedulerSide:
         """Learn from the workers: failed saves may be saved again, failed loads too."""
         if report is None:
             return
+        self.learn(report)
         for h in report.save_failed:
             self.known.discard(h)
         for rid, idx in report.load_failed.items():

@@ -42,7 +42,11 @@ class ConnectorSettings:
         default_factory=lambda: ["127.0.0.1:7700"],
         metadata={"help": "coordinator addresses host:port, tried in order (list or comma string)"},
     )
-    local_node: str = _f("", "node id on this host; saves go there (empty: coordinator placement)")
+    local_node: str = _f(
+        "",
+        "node id on this host; saves go there and its hits load straight from its pool "
+        "file (empty: found by itself, the node whose pool file this host can open)",
+    )
     host: str = _f("127.0.0.1", "this host's address, sent to placement")
     token: str = _f("", "shared secret of the cluster (also PEGAFLOW_SECURITY_TOKEN)")
     mode: str = _f("read_write", "read_write, save_only, load_only or off")
@@ -93,6 +97,22 @@ class ConnectorSettings:
     )
     known_blocks: int = _f(
         200_000, "hashes remembered as stored in the cluster (skips redundant saves)"
+    )
+    cost_model: bool = _f(
+        True,
+        "claim only hits whose load is expected to be faster than computing them (the "
+        "whole hit, a leading part or nothing), from measured load and prefill costs; "
+        "off: claim every hit",
+    )
+    report_interval_s: float = _f(
+        10.0,
+        "seconds between two 'PegaFlow cache:' lines in the engine log (lookups, hit rate, "
+        "loads, saves, drops, failures), printed only when something happened; 0: never",
+    )
+    shutdown_wait_s: float = _f(
+        10.0,
+        "at engine shutdown, how long pending saves may take to finish; those still "
+        "pending after it are dropped (counted, and logged as a warning)",
     )
     stats_path: str = _f(
         "", "write connector counters as JSON to <path>.<role><rank>.json (tests, debugging)"
@@ -172,6 +192,9 @@ class ConnectorSettings:
         for name in ("lookup_timeout_s", "rpc_timeout_s", "transfer_timeout_s"):
             if getattr(s, name) <= 0:
                 raise ValueError(f"PegaKVConnector {name} must be > 0")
+        for name in ("report_interval_s", "shutdown_wait_s"):
+            if getattr(s, name) < 0:
+                raise ValueError(f"PegaKVConnector {name} must be >= 0")
         if s.chunk_bytes <= 0 or s.max_staging_bytes <= 0:
             raise ValueError("PegaKVConnector chunk_bytes and max_staging_bytes must be > 0")
         return s

@@ -37,10 +37,12 @@ from pegaflow import telemetry
 from pegaflow.wire import LocatedBlocks
 
 from .blockio import KVBlockIO
+from .costmodel import LOCAL
+from .discovery import LocalNodeFinder
 from .localpath import LocalPath
 from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport
 from .metrics import Counters
-from .scheduler import LOCATE_PIN_S, CircuitBreaker
+from .scheduler import LOCATE_PIN_S, WARM_UP_WAIT_S, CircuitBreaker
 from .settings import ConnectorSettings
 
 logger = logging.getLogger("pegaflow.connector")
@@ -48,6 +50,11 @@ logger = logging.getLogger("pegaflow.connector")
 _Buf = tuple[torch.Tensor, Any]
 _LOAD_DEPTH = 3
 """chunks of one load in flight at once"""
+_BREAKER_OPEN = "saves are failing, so they are paused for a while (circuit breaker)"
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
 
 
 class Staging:
@@ -59,7 +66,9 @@ class Staging:
         self.io = io
         self.chunk_blocks = chunk_blocks
         self.max_chunks = max(min_chunks, max_bytes // max(1, chunk_blocks * io.block_bytes))
+        self.max_bytes = self.max_chunks * chunk_blocks * io.block_bytes
         self._free: list[_Buf] = []
+        self._held: list[tuple[_Buf, Callable[[], bool]]] = []
         self._made = 0
         self._cond = threading.Condition()
 
@@ -80,6 +89,7 @@ class Staging:
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
+                self._reclaim()
                 if self._free:
                     return self._free.pop()
                 if self._made < self.max_chunks:
@@ -96,11 +106,64 @@ class Staging:
                 self._made -= 1
             raise
 
-    def release(self, buf: _Buf) -> None:
-        """Return a buffer to the pool."""
+    def release(self, buf: _Buf, ready: Callable[[], bool] | None = None) -> None:
+        """Return a buffer to the pool; with ``ready``, only once ``ready()`` says nothing
+        can write it any more (a failed get's receives may still land in it, after its
+        blocks were checked: such a buffer is never handed out before)."""
         with self._cond:
+            if ready is not None and not ready():
+                self._held.append((buf, ready))
+                return
             self._free.append(buf)
             self._cond.notify()
+
+    def _reclaim(self) -> None:
+        if self._held:
+            ready = [h for h in self._held if h[1]()]
+            self._held = [h for h in self._held if h not in ready]
+            self._free.extend(b for b, _ in ready)
+
+
+class StepTimer:
+    """Times forward passes for the cost model: on the host clock for a CPU device (the
+    forward runs while the host waits); with CUDA events on a GPU (the host only issues
+    the kernels), read once the GPU has passed them."""
+
+    def __init__(self) -> None:
+        self._open: tuple[int, Any, float] | None = None
+        self._pending: deque[tuple[int, Any, Any]] = deque()
+
+    def begin(self, tokens: int, device: torch.device | None) -> None:
+        """A forward pass of ``tokens`` scheduled tokens starts (0: do not time it)."""
+        self._open = None
+        if tokens <= 0:
+            return
+        if device is not None and device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._open = (tokens, ev, 0.0)
+        else:
+            self._open = (tokens, None, time.perf_counter())
+
+    def end(self) -> list[tuple[int, float]]:
+        """The forward pass was issued; returns the ``(tokens, seconds)`` of every timed
+        pass that has completed since the last call."""
+        out: list[tuple[int, float]] = []
+        if self._open is not None:
+            tokens, ev, t0 = self._open
+            self._open = None
+            if ev is None:
+                out.append((tokens, time.perf_counter() - t0))
+            else:
+                done = torch.cuda.Event(enable_timing=True)
+                done.record()
+                self._pending.append((tokens, ev, done))
+                while len(self._pending) > 8:
+                    self._pending.popleft()
+        while self._pending and self._pending[0][2].query():
+            tokens, ev, done = self._pending.popleft()
+            out.append((tokens, ev.elapsed_time(done) / 1e3))
+        return out
 
 
 def _chunks(n: int, size: int) -> list[range]:
@@ -133,6 +196,12 @@ class WorkerSide:
         self._client_factory = client_factory
         self._client: Any = None
         self._client_failed_at = -1e9
+        self._client_lock = threading.Lock()
+        self.finder = LocalNodeFinder(settings.local_node, settings.rpc_timeout_s)
+        """the storage node on this host (``local_node``, else found at start)"""
+        self._local_ready = threading.Event()
+        """set once the first search for the node on this host and the mapping of its
+        pool (when it has one) are done"""
         self._retry = retry_failed_loads
         self.io: KVBlockIO | None = None
         self._local: LocalPath | None = None
@@ -140,6 +209,14 @@ class WorkerSide:
         self._save_staging: Staging | None = None
         self._load_pool = concurrent.futures.ThreadPoolExecutor(1, "pegaflow-load")
         self._save_pool = concurrent.futures.ThreadPoolExecutor(1, "pegaflow-save")
+        self._probe_pool = concurrent.futures.ThreadPoolExecutor(1, "pegaflow-probe")
+        self._step = StepTimer()
+        """times forward passes for the cost model"""
+        self._queued_saves = 0
+        """blocks of save jobs queued and not yet started"""
+        self._inflight_saves = 0
+        """blocks handed to puts (or same-host commits) not yet answered"""
+        self._last_drop_log = -1e9
         self._lock = threading.Condition()
         self._loading: dict[str, int] = {}
         self._done_loads: dict[str, tuple[list[int], int | None]] = {}
@@ -148,6 +225,8 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._sync_loads: list[tuple[LoadJob, Any, float]] = []
         self._report = WorkerReport()
+        self._sampled: set[str] = set()
+        """sources measured once already (see _sample)"""
         self.save_breaker = CircuitBreaker(
             settings.failures_to_backoff, settings.backoff_s, settings.backoff_max_s
         )
@@ -155,8 +234,6 @@ class WorkerSide:
         """whether the last save failed (its reason was logged once)"""
         self._closed = False
         self._idle = False
-        self._commits = 0
-        """same-host saves copied out and not yet committed by the node"""
 
     # ---- setup ---------------------------------------------------------------------
 
@@ -166,6 +243,7 @@ class WorkerSide:
             io = KVBlockIO(kv_caches, num_blocks, warm_up=False)
         except Exception as e:
             logger.error("PegaFlow: cannot use this KV cache layout (%s); connector inert", e)
+            self._local_ready.set()
             return
         chunk_blocks = max(1, self.settings.chunk_bytes // io.block_bytes)
         half = self.settings.max_staging_bytes // 2
@@ -178,14 +256,12 @@ class WorkerSide:
         self.io = io
         self._load_pool.submit(self._warm_up)  # kernel compiles off the engine's start path
         if self.settings.local_node and self.settings.same_host_shortcut:
-            self._local = LocalPath(
-                io,
-                self.settings.local_node,
-                self.settings.transfer_timeout_s,
-                self.settings.verify_threads,
-            )
-            # map and pin the local pool now, off the engine's start path
-            self._load_pool.submit(self._attach_local)
+            self._local = self._local_path(self.settings.local_node)
+        if self.settings.mode != "off":
+            # find the node on this host, map and pin its pool, off the engine's start path
+            self._load_pool.submit(self._discover)
+        else:
+            self._local_ready.set()
         logger.info(
             "PegaFlow worker shard %d: %s; %d blocks per transfer chunk",
             self.shard,
@@ -194,16 +270,31 @@ class WorkerSide:
         )
 
     def _get_client(self) -> Any:
-        if self._client is None:
-            if time.monotonic() - self._client_failed_at < self.settings.backoff_s:
-                return None
-            try:
-                self._client = self._client_factory()
-            except Exception as e:
-                self._client_failed_at = time.monotonic()
-                logger.warning("PegaFlow: cannot create the cluster client: %s", e)
-                return None
-        return self._client
+        if self._client is not None:
+            return self._client
+        with self._client_lock:
+            if self._client is None:
+                if self._closed or (
+                    time.monotonic() - self._client_failed_at < self.settings.backoff_s
+                ):
+                    return None
+                try:
+                    self._client = self._client_factory()
+                except Exception as e:
+                    self._client_failed_at = time.monotonic()
+                    logger.warning("PegaFlow: cannot create the cluster client: %s", e)
+                    return None
+            return self._client
+
+    @property
+    def local_node(self) -> str:
+        """The node on this host ('' while none is known)."""
+        return self.finder.node
+
+    def _wait_local(self, timeout: float) -> None:
+        """Wait (up to ``timeout``) for the engine-start search for the node on this host."""
+        if not self._local_ready.is_set():
+            self._local_ready.wait(timeout)
 
     # ---- per step ------------------------------------------------------------------
 
@@ -213,7 +304,12 @@ class WorkerSide:
         ``idle``: the step runs no forward pass (vLLM only polls for transfers).
         """
         self._idle = idle
-        async_loads = [j for j in plan.loads if not j.sync]
+        if self._local_ready.is_set() and not self.finder.node:
+            self.finder.maybe_retry(self._discover)
+        for job in plan.loads:
+            if job.probe:
+                self._probe_pool.submit(self._run_probe, plan.namespace, job)
+        async_loads = [j for j in plan.loads if not j.sync and not j.probe]
         with self._lock:
             self._delay_free.update(plan.delay_free)
             for job in async_loads:
@@ -224,6 +320,26 @@ class WorkerSide:
             if job.sync:
                 self._start_sync_load(plan.namespace, job)
 
+    def begin_forward(self, plan: StepPlan) -> None:
+        """The step's forward pass starts now (vLLM bound its metadata): time it."""
+        sync = any(j.sync for j in plan.loads)  # its forward waits on loads: not compute
+        self._step.begin(0 if sync else plan.tokens, self.io.device if self.io else None)
+
+    def end_forward(self) -> None:
+        """The step's forward pass was issued (``wait_for_save``)."""
+        for tokens, seconds in self._step.end():
+            self._sample("compute", tokens, seconds)
+
+    def _sample(self, source: str, size: float, seconds: float) -> None:
+        """A measurement for the scheduler's cost model (sent with the next report); the
+        first of each source is dropped: it paid one-off set-up (see costmodel)."""
+        with self._lock:
+            if source not in self._sampled:
+                self._sampled.add(source)
+                return
+            if len(self._report.samples) < 256:
+                self._report.samples.append((source, int(size), float(seconds)))
+
     # ---- layer-wise (synchronous) loads ----------------------------------------------
 
     def _start_sync_load(self, ns: str, job: LoadJob) -> None:
@@ -231,6 +347,7 @@ class WorkerSide:
         layer (:meth:`wait_layer`); verified and reported by :meth:`finish_sync_loads`."""
         t0 = time.monotonic()
         n = len(job.block_ids)
+        self._wait_local(WARM_UP_WAIT_S)  # a request right after engine start
         local, client = self._local, self._get_client()
         if (
             local is not None
@@ -307,6 +424,10 @@ class WorkerSide:
                     t2 = time.monotonic()
                     self.counters.add("layerwise_wait_seconds", t2 - t1)
                     self.counters.add("local_load_blocks", sum(ok))
+                    if self.io is not None and any(ok):  # what the load added to the step
+                        self._sample(
+                            LOCAL, sum(ok) * self.io.block_bytes, pending.queued_s + (t2 - t1)
+                        )
                     if logger.isEnabledFor(logging.DEBUG):
                         logger.debug(
                             "PegaFlow: layer-wise load of %s: %d of %d blocks, located %s, "
@@ -332,15 +453,16 @@ class WorkerSide:
         if not plan.saves:
             return
         if self.io is None or not self.settings.can_save or not plan.namespace:
-            self._drop(plan.saves)
+            self._drop(plan.saves, "the connector is inert (see the error logged at start)")
             return
         if not self.save_breaker.allow():
-            self._drop(plan.saves)
+            self._drop(plan.saves, _BREAKER_OPEN)
             return
         marker = self.io.record_step()
         with self._lock:
             for job in plan.saves:
                 self._pending_gathers[job.req_id] = self._pending_gathers.get(job.req_id, 0) + 1
+                self._queued_saves += len(job.hashes)
         for job in plan.saves:
             self._save_pool.submit(self._run_save_safe, plan.namespace, job, marker)
 
@@ -387,6 +509,8 @@ class WorkerSide:
         """Outcomes the scheduler should learn from (None when there are none)."""
         with self._lock:
             rep, self._report = self._report, WorkerReport()
+        if rep.samples and self.io is not None:
+            rep.block_bytes = self.io.block_bytes
         return None if rep.is_empty() else rep
 
     def has_pending_loads(self) -> bool:
@@ -457,6 +581,45 @@ class WorkerSide:
         done_local = self._load_local(client, ns, job, ok)
         if len(done_local) == len(job.block_ids):
             return
+        t_remote = time.monotonic()
+        try:
+            self._run_remote(ns, job, ok, client, done_local, io, staging, timeout)
+        finally:
+            self._sample_remote(job, ok, done_local, time.monotonic() - t_remote)
+
+    def _sample_remote(
+        self, job: LoadJob, ok: list[bool], done_local: set[int], seconds: float
+    ) -> None:
+        """One measurement per node of a load's UCX part (its time split by bytes).  A
+        node whose blocks all failed counts when it took long (a timeout is slow)."""
+        if self.io is None:
+            return
+        loaded: dict[str, int] = {}
+        tried: dict[str, int] = {}
+        for i in range(len(job.block_ids)):
+            node = self._node_of(job, i)
+            if not node or i in done_local:
+                continue
+            tried[node] = tried.get(node, 0) + 1
+            loaded[node] = loaded.get(node, 0) + ok[i]
+        total = sum(tried.values())
+        for node, n in tried.items():
+            blocks = loaded[node] or (n if seconds >= 0.1 else 0)
+            if blocks:
+                self._sample(node, blocks * self.io.block_bytes, seconds * n / total)
+
+    def _run_remote(
+        self,
+        ns: str,
+        job: LoadJob,
+        ok: list[bool],
+        client: Any,
+        done_local: set[int],
+        io: KVBlockIO,
+        staging: Staging,
+        timeout: float,
+    ) -> None:
+        """The UCX part of a load: chunks fetched into staging, copied into the cache."""
 
         def fetch(rows: range, buf: _Buf, which: Sequence[int]) -> tuple[list[int], Any]:
             items: list[tuple[str, bytes, int, Any]] = []
@@ -505,6 +668,9 @@ class WorkerSide:
                 for i in good:
                     ok[i] = True
 
+        def settled(buf: _Buf) -> Callable[[], bool]:
+            return lambda: bool(client.settled(buf[1]))
+
         pending: deque[tuple[range, _Buf, list[int], Any]] = deque()
         try:
             for rows in _chunks(len(job.block_ids), staging.chunk_blocks):
@@ -519,13 +685,13 @@ class WorkerSide:
                     try:
                         complete(r, b, i, f)
                     finally:
-                        staging.release(b)
+                        staging.release(b, settled(b))
             while pending:
                 r, b, i, f = pending.popleft()
                 try:
                     complete(r, b, i, f)
                 finally:
-                    staging.release(b)
+                    staging.release(b, settled(b))
         finally:
             for _r, b, _i, f in pending:  # after an error: let in-flight gets land first
                 if f is not None:
@@ -533,7 +699,41 @@ class WorkerSide:
                         f.result(timeout + 5.0)
                     except Exception:
                         pass
-                staging.release(b)
+                staging.release(b, settled(b))
+
+    def _run_probe(self, ns: str, job: LoadJob) -> None:
+        """Fetch a probe's blocks into staging memory (never into the KV cache), chunk by
+        chunk, and report the time: the cost model's measurement of a declined node."""
+        staging, client = self._load_staging, self._get_client()
+        if staging is None or client is None or self.io is None or not ns or self._closed:
+            return
+        buf = staging.acquire(wait=False)
+        if buf is None:
+            return  # loads need the staging memory more
+        nodes: dict[str, int] = {}
+        loaded = 0
+        t0 = time.monotonic()
+        try:
+            for rows in _chunks(len(job.hashes), staging.chunk_blocks):
+                items = []
+                for j, i in enumerate(rows):
+                    node = self._node_of(job, i)
+                    if node:
+                        nodes[node] = nodes.get(node, 0) + 1
+                        items.append((node, job.hashes[i], self.shard, buf[1][j]))
+                if items:
+                    got = client.get_blocks(ns, items, timeout=self.settings.transfer_timeout_s)
+                    loaded += sum(bool(g) for g in got)
+        except Exception as e:
+            logger.debug("PegaFlow: probe of %s failed: %s", job.req_id, e)
+        finally:
+            staging.release(buf)
+        seconds = time.monotonic() - t0
+        if len(nodes) == 1 and (loaded or seconds >= 0.1):
+            node = next(iter(nodes))
+            nbytes = (loaded or nodes[node]) * self.io.block_bytes
+            self._sample(node, nbytes, seconds)
+            self.counters.add("probe_bytes", loaded * self.io.block_bytes)
 
     def _warm_up(self) -> None:
         try:
@@ -542,10 +742,27 @@ class WorkerSide:
         except Exception as e:  # the first copy then compiles it
             logger.warning("PegaFlow: tile kernel warm-up failed: %s", e)
 
-    def _attach_local(self) -> None:
-        client = self._get_client()
-        if client is not None and self._local is not None:
-            self._local.attach(client)
+    def _local_path(self, node: str) -> LocalPath:
+        assert self.io is not None
+        s = self.settings
+        return LocalPath(self.io, node, s.transfer_timeout_s, s.verify_threads)
+
+    def _discover(self) -> None:
+        """Find the node on this host (unless ``local_node`` names it) and, with the
+        same-host shortcut, map its pool (engine start, then retries while none is found)."""
+        try:
+            client = self._get_client()
+            if client is None or self.io is None:
+                return
+            node = self.finder.find(client)
+            if node and self.settings.same_host_shortcut and self._local is None:
+                local = self._local_path(node)
+                local.attach(client)
+                self._local = local
+            elif self._local is not None:
+                self._local.attach(client)
+        finally:
+            self._local_ready.set()
 
     def _gen_of(self, job: LoadJob, i: int) -> int | None:
         gens = job.gens[i] if i < len(job.gens) else []
@@ -575,7 +792,10 @@ class WorkerSide:
             )
             for i, good in zip(idx, pending.finish(), strict=True):
                 ok[i] = good
-            self.counters.add("local_load_blocks", sum(ok[i] for i in idx))
+            loaded = sum(ok[i] for i in idx)
+            self.counters.add("local_load_blocks", loaded)
+            if loaded and self.io is not None:
+                self._sample(LOCAL, loaded * self.io.block_bytes, time.monotonic() - t0)
         except Exception as e:
             logger.warning("PegaFlow: local load of %d blocks failed: %s", len(idx), e)
         self.counters.add("copy_seconds", time.monotonic() - t0)
@@ -583,20 +803,36 @@ class WorkerSide:
 
     # ---- saves ---------------------------------------------------------------------
 
-    def _drop(self, jobs: Sequence[SaveJob]) -> None:
+    def _drop(self, jobs: Sequence[SaveJob], why: str) -> None:
+        """Count blocks not saved, and say why (a warning at most every 10 s)."""
+        n = sum(len(j.hashes) for j in jobs)
         with self._lock:
             for job in jobs:
                 self._report.save_failed.extend(job.hashes)
-        self.counters.add("save_dropped_blocks", sum(len(j.hashes) for j in jobs))
+        self.counters.add("save_dropped_blocks", n)
+        now = time.monotonic()
+        if n and now - self._last_drop_log >= 10.0:
+            self._last_drop_log = now
+            logger.warning(
+                "PegaFlow: %d blocks not saved: %s (counted as save_dropped_blocks; "
+                "requests that need them later compute them)",
+                n,
+                why,
+            )
 
     def _run_save_safe(self, ns: str, job: SaveJob, marker: Any) -> None:
+        with self._lock:
+            self._queued_saves -= len(job.hashes)
         try:
             with telemetry.span(
                 "pegaflow.connector.save", parent=telemetry.request_context(job.req_id)
             ):
                 self._run_save(ns, job, marker)
         except Exception:
-            logger.exception("PegaFlow: save of %s failed", job.req_id)
+            if self._closed:  # the bounded wait at shutdown is over: dropped, counted
+                logger.debug("PegaFlow: save of %s cut short by shutdown", job.req_id)
+            else:
+                logger.exception("PegaFlow: save of %s failed", job.req_id)
         finally:
             with self._lock:
                 left = self._pending_gathers.get(job.req_id, 1) - 1
@@ -609,6 +845,7 @@ class WorkerSide:
     def _run_save(self, ns: str, job: SaveJob, marker: Any) -> None:
         io, staging = self.io, self._save_staging
         assert io is not None and staging is not None
+        self._wait_local(self.settings.rpc_timeout_s)  # saves right after engine start
         client = self._get_client()
         if client is not None and self._local is not None and self._local.attach(client):
             self._save_local(client, ns, job, marker)
@@ -618,11 +855,17 @@ class WorkerSide:
             hashes = job.hashes[rows.start : rows.stop]
             if client is None or not self.save_breaker.allow():
                 rest = job.hashes[rows.start :]
-                self._drop([SaveJob(job.req_id, [], rest)])
+                why = "no connection to the cluster" if client is None else _BREAKER_OPEN
+                self._drop([SaveJob(job.req_id, [], rest)], why)
                 return
             buf = staging.acquire(wait=False)
             if buf is None:
-                self._drop([SaveJob(job.req_id, [], hashes)])
+                self._drop(
+                    [SaveJob(job.req_id, [], hashes)],
+                    f"the save staging memory is full ({_size(staging.max_bytes)}, half of "
+                    "max_staging_bytes): blocks come faster than the cluster stores them; "
+                    "raise max_staging_bytes, or run a node on this host",
+                )
                 continue
             try:
                 t0 = time.monotonic()
@@ -632,14 +875,16 @@ class WorkerSide:
                 fut = client.submit_put_blocks(
                     ns,
                     items,
-                    node_id=self.settings.local_node or None,
+                    node_id=self.local_node or None,
                     timeout=self.settings.transfer_timeout_s,
                 )
-            except Exception:
+            except Exception as e:
                 staging.release(buf)
-                self._drop([SaveJob(job.req_id, [], hashes)])
+                self._drop([SaveJob(job.req_id, [], hashes)], f"{type(e).__name__}: {e}")
                 raise
             started = time.monotonic()
+            with self._lock:
+                self._inflight_saves += len(hashes)
             fut.add_done_callback(
                 lambda f, buf=buf, hashes=hashes, started=started: self._put_done(
                     f, buf, hashes, started
@@ -653,7 +898,7 @@ class WorkerSide:
         for rows in _chunks(len(job.block_ids), chunk):
             hashes = job.hashes[rows.start : rows.stop]
             if not self.save_breaker.allow():
-                self._drop([SaveJob(job.req_id, [], job.hashes[rows.start :])])
+                self._drop([SaveJob(job.req_id, [], job.hashes[rows.start :])], _BREAKER_OPEN)
                 return
             t0 = time.monotonic()
             try:
@@ -665,7 +910,7 @@ class WorkerSide:
                 fut.set_exception(e)
             self.counters.add("copy_seconds", time.monotonic() - t0)
             with self._lock:
-                self._commits += 1
+                self._inflight_saves += len(hashes)
             fut.add_done_callback(
                 lambda f, hashes=hashes, t0=t0: self._local_commit_done(f, hashes, t0)
             )
@@ -676,21 +921,29 @@ class WorkerSide:
         try:
             self._record_put(fut, hashes, started)
         finally:
-            with self._lock:
-                self._commits -= 1
-                self._lock.notify_all()
+            self._put_answered(len(hashes))
 
     def _put_done(
         self, fut: concurrent.futures.Future[Any], buf: _Buf, hashes: list[bytes], started: float
     ) -> None:
         assert self._save_staging is not None
         self._save_staging.release(buf)
-        self._record_put(fut, hashes, started)
+        try:
+            self._record_put(fut, hashes, started)
+        finally:
+            self._put_answered(len(hashes))
+
+    def _put_answered(self, n: int) -> None:
+        with self._lock:
+            self._inflight_saves -= n
+            self._lock.notify_all()
 
     def _record_put(
         self, fut: concurrent.futures.Future[Any], hashes: list[bytes], started: float
     ) -> None:
         assert self.io is not None
+        if self._closed:
+            return  # answered after the bounded wait at shutdown: counted as dropped
         self.counters.add("save_seconds", time.monotonic() - started)
         try:
             res = fut.result()
@@ -723,24 +976,54 @@ class WorkerSide:
 
     # ---- teardown ------------------------------------------------------------------
 
-    def shutdown(self, wait_s: float = 10.0) -> None:
-        """Finish queued copies, give puts ``wait_s`` to complete, close the client."""
+    def pending_saves(self) -> int:
+        """Blocks of saves queued or in flight (not yet answered by a node)."""
+        with self._lock:
+            return self._queued_saves + self._inflight_saves
+
+    def shutdown(self, wait_s: float | None = None) -> None:
+        """Let pending saves finish, up to ``wait_s`` (default ``shutdown_wait_s``) in
+        all; count and log (a warning) those still pending then; close the client."""
         if self._closed:
             return
-        self._closed = True
-        self._load_pool.shutdown(wait=True, cancel_futures=True)
-        self._save_pool.shutdown(wait=True)
-        deadline = time.monotonic() + wait_s
+        wait_s = self.settings.shutdown_wait_s if wait_s is None else wait_s
+        t0 = time.monotonic()
+        deadline = t0 + wait_s
+        pending = self.pending_saves()
+        if pending:
+            logger.info(
+                "PegaFlow: engine shutdown: waiting up to %.1f s for %d blocks of saves",
+                wait_s,
+                pending,
+            )
+        self._load_pool.shutdown(wait=True, cancel_futures=True)  # no load is wanted now
+        self._probe_pool.shutdown(wait=False, cancel_futures=True)
+        try:  # the save thread runs its jobs in order: this runs once they all ran
+            self._save_pool.submit(lambda: None).result(max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            pass
+        self._save_pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
-            while self._commits and time.monotonic() < deadline:
+            while self._inflight_saves and time.monotonic() < deadline:
                 self._lock.wait(max(0.0, deadline - time.monotonic()))
-        if self._save_staging is not None:
-            st = self._save_staging
-            while time.monotonic() < deadline:
-                with st._cond:
-                    if len(st._free) == st._made:
-                        break
-                time.sleep(0.05)
+            queued, inflight = self._queued_saves, self._inflight_saves
+            self._closed = True  # answers that come later are not counted again
+        waited = time.monotonic() - t0
+        if pending:
+            self.counters.add("save_shutdown_seconds", waited)
+        if queued + inflight:
+            self.counters.add("save_dropped_blocks", queued + inflight)
+            logger.warning(
+                "PegaFlow: engine shutdown: %d blocks of saves did not finish within "
+                "shutdown_wait_s=%.1f s (%d still queued for copy-out, %d sent and not "
+                "answered) and are lost; a later engine computes them again. Raise "
+                "shutdown_wait_s to wait longer.",
+                queued + inflight, wait_s, queued, inflight,
+            )  # fmt: skip
+        elif pending:
+            logger.info(
+                "PegaFlow: engine shutdown: pending saves finished in %.0f ms", waited * 1e3
+            )
         self.counters.maybe_write(force=True)
         if self._local is not None:
             self._local.close()

@@ -7,14 +7,25 @@ index lives as long as the process); with them, both use etcd like a cluster.
 
 One HTTP endpoint (the coordinator's) serves ``/health``, ``/metrics`` (coordinator and
 node metrics) and ``/v1/status``.  Prints
-``READY coordinator=<host:port> node=<id> ucx=<host:port> http=<port>`` once serving.
+``READY coordinator=<host:port> node=<id> ucx=<host:port> http=<port> pool=<bytes>``
+once serving.
+
+The pool fits a GPU host unless given (``--pool-size`` or ``--node-pool-bytes``, e.g.
+``40GiB``): min(25% of the host's memory, 50% of the size of ``[node] shm_dir``, 64 GiB),
+in whole slabs, and never more than half of the memory available and the space free in
+``shm_dir`` at start (the pool is backed by memory as it starts).  64 GiB holds about
+fifty 10,000-token Llama-3.1-8B prompts (1.31 GB of KV each).  The sizes are totals,
+not what is free, so a restart finds its pool file the same size and re-attaches it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
+from dataclasses import dataclass
 from typing import Any
 
 from pegaflow import telemetry
@@ -27,6 +38,102 @@ from pegaflow.service import run_service
 from pegaflow.storage_node.node import StorageNode
 
 log = logging.getLogger("pegaflow.server")
+
+AUTO_POOL_CAP = 64 << 30
+"""the largest pool pegaflow-server picks by itself"""
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """What sizes the default pool: the host's memory and ``shm_dir``'s filesystem."""
+
+    mem_total: int
+    mem_available: int
+    shm_total: int
+    shm_free: int
+
+    @classmethod
+    def read(cls, shm_dir: str) -> HostMemory:
+        """This host's figures (``/proc/meminfo`` and ``statvfs(shm_dir)``)."""
+        info: dict[str, int] = {}
+        try:
+            with open("/proc/meminfo") as fh:
+                for line in fh:
+                    key, _, rest = line.partition(":")
+                    info[key] = int(rest.split()[0]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        total = info.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        st = os.statvfs(shm_dir)
+        return cls(
+            mem_total=total,
+            mem_available=info.get("MemAvailable", total),
+            shm_total=st.f_blocks * st.f_frsize,
+            shm_free=st.f_bavail * st.f_frsize,
+        )
+
+
+def auto_pool_bytes(host: HostMemory, slab_bytes: int) -> tuple[int, str]:
+    """The default pool size for ``host`` in whole slabs, and how it was chosen.
+
+    min(25% of the memory, 50% of shm_dir's size, :data:`AUTO_POOL_CAP`), from totals so
+    that it is the same at every start; clamped to half of what is available and free
+    right now (a pool backed by memory that is not there would crash the node later).
+    0 when not even one slab fits.
+    """
+    want = min(host.mem_total // 4, host.shm_total // 2, AUTO_POOL_CAP)
+    why = (
+        f"min(25% of {_gib(host.mem_total)} memory, 50% of {_gib(host.shm_total)} "
+        f"shm_dir, {_gib(AUTO_POOL_CAP)})"
+    )
+    room = min(host.mem_available // 2, host.shm_free // 2)
+    if want > room:
+        want = room
+        why += (
+            f", cut to half of what is available now ({_gib(host.mem_available)} memory, "
+            f"{_gib(host.shm_free)} free in shm_dir)"
+        )
+    return want // slab_bytes * slab_bytes, why
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+
+
+def _size_pool(cfg: ClusterConfig) -> None:
+    """Fill in the default pool size (``[node] pool_bytes`` 0) and say what it is."""
+    node = cfg.node
+    if node.pool_bytes:
+        log.info("pool of %s (given) in %s", _gib(node.pool_bytes), node.shm_dir)
+        return
+    size, why = auto_pool_bytes(HostMemory.read(node.shm_dir), node.slab_bytes)
+    if size <= 0:
+        log.error(
+            "cannot size the pool by itself: %s leaves less than one slab (%s); give "
+            "--pool-size (e.g. 4GiB) or a larger --node-shm-dir",
+            why,
+            _gib(node.slab_bytes),
+        )
+        raise SystemExit(2)
+    node.pool_bytes = size
+    log.info("pool of %s in %s (auto: %s; --pool-size sets it)", _gib(size), node.shm_dir, why)
+
+
+def _aliases(argv: list[str]) -> list[str]:
+    """PegaFlow's own spelling ``--pool-size SIZE`` for ``--node-pool-bytes`` (and
+    ``auto`` for the default)."""
+    out: list[str] = []
+    it = iter(argv)
+    for a in it:
+        flag, eq, value = a.partition("=")
+        if flag in ("--pool-size", "--node-pool-bytes"):
+            if not eq:
+                value = next(it, "")
+            out += ["--node-pool-bytes", "0" if value.strip().lower() == AUTO else value]
+        else:
+            out.append(a)
+    return out
 
 
 class AllInOne:
@@ -73,14 +180,16 @@ class AllInOne:
     def ready_line(self) -> str:
         assert self.node.data is not None
         http: Any = self.coordinator.http_port if self.coordinator.http_port is not None else -1
+        pool = self.node.pool.capacity if self.node.pool is not None else 0
         return (
             f"READY coordinator={self.coordinator.address} node={self.node.node_id} "
-            f"ucx={self.cfg.node.host}:{self.node.data.port} http={http}"
+            f"ucx={self.cfg.node.host}:{self.node.data.port} http={http} pool={pool}"
         )
 
 
 async def run(cfg: ClusterConfig) -> None:
     """Serve until SIGINT/SIGTERM."""
+    _size_pool(cfg)
     server = AllInOne(cfg)
     telemetry.setup(cfg.telemetry, service="pegaflow-server", registry=server.registry)
     stop = asyncio.Event()
@@ -111,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
         __doc__,
         ["etcd", "security", "coordinator", "node", "telemetry"],
         run,
-        argv,
+        _aliases(sys.argv[1:] if argv is None else argv),
+        defaults={"node": {"pool_bytes": 0}},
     )
 
 

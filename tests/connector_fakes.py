@@ -214,6 +214,10 @@ class FakeCluster:
             f.set_exception(e)
         return f
 
+    def settled(self, buf: Any) -> bool:
+        """Fake gets complete before they return: nothing writes a buffer afterwards."""
+        return True
+
     def submit_put_blocks(
         self, ns: str, items: Any, node_id: str | None = None, timeout: float | None = None
     ) -> concurrent.futures.Future[FakePut]:

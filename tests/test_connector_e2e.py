@@ -23,7 +23,7 @@ import pytest
 from pegaflow.client import SyncPegaClient
 
 from pegaflow.config import ClientConfig
-from pegaflow.devcluster import Proc, start_coordinator, start_node
+from pegaflow.devcluster import Proc, start_coordinator, start_node, start_server
 from tests.vllm_engine import VllmEngine, prompts
 from tests.vllm_engine import connector_stats as stats
 
@@ -218,6 +218,45 @@ def test_two_engines_at_once_share_blocks(
     st = wait_stats(s3, lambda s: s.get("layerwise_load_jobs", 0) >= 3, engine=e3)
     assert st.get("local_load_blocks", 0) >= 3 * 5
     assert st.get("load_failed_blocks", 0) == 0
+
+
+def test_three_keys_against_a_default_server_use_the_same_host_path(
+    reference: Any, engines: Any, workdir: Path
+) -> None:
+    """The connector configured by the three documented keys alone, against a
+    ``pegaflow-server`` with its defaults (but a small pool and free ports, so the
+    environment names its address: in production both are the defaults): it finds the
+    server's node by itself, loads its hits straight from the pool file (layer-wise),
+    says what the cache did in the engine log, and an engine that exits right after its
+    last request still stores that request's blocks."""
+    server = start_server(extra=["--pool-size", "256MiB", "--node-slab-bytes", "16MiB"])
+    s5 = str(workdir / "e5")
+    env = {"PEGAFLOW_CLIENT_COORDINATORS": server.ready["coordinator"],
+           "PEGAFLOW_CONNECTOR_STATS_PATH": s5}  # fmt: skip
+    try:
+        e5 = start(engines, "e5", {"three_keys": True}, env=env)
+        r = e5.generate(A, MAX_TOKENS)
+        assert r["outputs"] == reference["A"] and r["cached"] == [0, 0, 0]
+        wait_stats(s5, lambda s: s.get("save_blocks", 0) >= 3 * 6, engine=e5)
+        e5.call({"op": "reset_prefix_cache"})  # vLLM forgets; the server does not
+        r = e5.generate(A, MAX_TOKENS)
+        assert r["outputs"] == reference["A"]
+        assert all(c >= 160 for c in r["cached"]), r["cached"]
+        st = wait_stats(s5, lambda s: s.get("layerwise_load_jobs", 0) >= 3, engine=e5)
+        assert st.get("local_load_blocks", 0) >= 3 * 5  # the same-host path, no UCX hop
+        assert st.get("load_failed_blocks", 0) == 0 and st.get("cost_whole", 0) >= 3
+        saved = st.get("save_blocks", 0)
+        r = e5.generate(D, MAX_TOKENS)  # then the engine exits at once
+        assert r["outputs"] == reference["D"]
+        engines.pop("e5").stop()
+        st = stats(s5)
+        assert st.get("save_blocks", 0) >= saved + 2 * 9, st  # saved before it exited
+        assert not st.get("save_dropped_blocks"), st
+        log = "\n".join(e5.log)
+        assert f"same-host node {server.ready['node']} found: pool" in log, e5.tail()
+        assert "PegaFlow cache (last" in log, e5.tail()
+    finally:
+        server.terminate()
 
 
 def test_node_lost_after_lookup_recomputes(

@@ -147,3 +147,39 @@ def test_stats_aggregate_sums() -> None:
     assert a.data == {"load_blocks": 5, "load_seconds": 0.5, "load_bytes": 10}
     a.reset()
     assert a.is_empty()
+
+
+def test_the_engine_log_says_what_the_cache_did(caplog: pytest.LogCaptureFixture) -> None:
+    """One 'PegaFlow cache:' INFO line per interval, from the scheduler's own lookups and
+    the workers' loads and saves (their stats, as vLLM hands them over), and only when
+    something happened."""
+    from pegaflow.connector.report import format_line
+
+    cluster = FakeCluster()
+    conn = scheduler(cluster, extra={"report_interval_s": 3600})
+    report = conn._report
+    assert report is not None
+    assert report.take() is None  # nothing happened yet: no line
+    req = FakeRequest("r", list(range(100)), BS)
+    for h in req.block_hashes[:2]:
+        cluster.blocks[(conn._scheduler.namespace, h, 0)] = ("n1", b"x")  # type: ignore[union-attr]
+    assert conn.get_num_new_matched_tokens(req, 0) == (64, True)
+    conn.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],)), 64)
+    worker_stats = PegaConnectorStats(
+        data={"load_blocks": 2, "load_bytes": 2e9, "load_seconds": 0.5, "local_load_blocks": 1,
+              "save_blocks": 1, "save_bytes": 1e6, "save_dropped_blocks": 3,
+              "lookups": 99}  # a scheduler counter in the workers' stats is not counted
+    )  # fmt: skip
+    conn.update_connector_output(SimpleNamespace(kv_connector_stats=worker_stats))
+    line = report.take()
+    assert line is not None
+    for part in ("1 lookups", "hit rate 66.7% (2 of 3 blocks)", "64 tokens from the cache",
+                 "2.00 GB loaded at 4.0 GB/s, 50% same-host", "saved 1 blocks", "3 dropped",
+                 "0 failures"):  # fmt: skip
+        assert part in line, line
+    assert report.take() is None  # reset: nothing since
+    assert format_line({"lookup_errors": 2}, 10) is not None  # failures alone are news
+    caplog.set_level("INFO", "pegaflow.connector")
+    conn.update_connector_output(SimpleNamespace(kv_connector_stats=worker_stats))
+    conn.shutdown()  # the last line is logged at shutdown
+    assert "PegaFlow cache (last" in caplog.text

@@ -33,7 +33,8 @@ def make(
     **settings: object,
 ) -> tuple[SchedulerSide, FakeCluster, Counters]:
     cluster = cluster or FakeCluster()
-    s = ConnectorSettings.load(settings, env={})
+    # the bookkeeping tests claim every hit; the cost model has tests of its own
+    s = ConnectorSettings.load({"cost_model": False, **settings}, env={})
     c = Counters()
     side = SchedulerSide(
         s, BS, world, namespace=lambda: NS, counters=c, client=cluster, clock=clock or Clock()
@@ -440,3 +441,67 @@ def test_known_blocks_lru_bound() -> None:
     assert len(k) == 1024
     assert (0).to_bytes(4, "big") not in k
     assert (1999).to_bytes(4, "big") in k
+
+
+def costed(cluster: FakeCluster, **settings: object) -> tuple[SchedulerSide, Counters]:
+    """A scheduler side with the cost model on, for a GPU engine with 2 MiB blocks of
+    4 tokens (before any measurement: prefill at 5 GB/s of KV, TCP loads at 1 GB/s)."""
+    s = ConnectorSettings.load(settings, env={})
+    c = Counters()
+    side = SchedulerSide(
+        s, BS, 1, namespace=lambda: NS, counters=c, client=cluster, clock=Clock(),
+        device="cuda", block_bytes=2 << 20,
+    )  # fmt: skip
+    return side, c
+
+
+def test_a_slow_source_is_declined_counted_and_probed() -> None:
+    cl = FakeCluster()
+    side, c = costed(cl)
+    req = FakeRequest("r1", toks(404), BS)  # 101 full blocks, 100 of them stored on n2
+    store(cl, req, 100, node="n2")
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # computing is faster
+    t = c.totals()
+    assert t["cost_declined"] == 1 and t["cost_declined_blocks"] == 100 and t["probes"] == 1
+    assert t["lookup_hit_blocks"] == 100  # the blocks were found; only the load was declined
+    assert not cl.pins  # nothing claimed: nothing pinned
+    # the probe of n2 (64 MiB of its blocks) goes to the workers with the next plan
+    (probe,) = side.build_plan(sched_output()).loads
+    assert probe.probe and probe.block_ids == [] and probe.nodes == [["n2"]] * 32
+    assert probe.hashes == req.block_hashes[:32]
+    assert side.build_plan(sched_output()).loads == []  # once, not at every lookup
+    # the workers measured n2: it is fast after all, and hits from it are claimed
+    samples = [("n2", 10 << 21, 0.001), ("n2", 100 << 21, 0.006)] * 10
+    side.update_connector_output(WorkerReport(samples=samples, block_bytes=2 << 20))
+    req2 = FakeRequest("r2", toks(404), BS)
+    assert side.get_num_new_matched_tokens(req2, 0) == (400, True)
+    assert c.totals()["cost_whole"] == 1
+
+
+def test_only_the_leading_part_that_pays_is_claimed() -> None:
+    cl = FakeCluster()
+    side, c = costed(cl, local_node="n1")
+    req = FakeRequest("r1", toks(44), BS)
+    store(cl, req, 6, node="n1")  # 6 blocks on this host's node, then 4 behind a slow link
+    for hsh in req.block_hashes[6:10]:
+        cl.blocks[(NS, hsh, 0)] = ("slow", b"x")
+    side.update_connector_output(WorkerReport(samples=[("slow", 8 << 20, 1.0)] * 5))
+    assert side.get_num_new_matched_tokens(req, 0) == (24, False)  # layer-wise, local part
+    assert c.totals()["cost_part"] == 1 and c.totals()["cost_declined_blocks"] == 4
+    side.update_state_after_alloc(req, ([20 + i for i in range(11)],), 24)
+    loads = [j for j in side.build_plan(sched_output()).loads if not j.probe]
+    (job,) = loads
+    assert job.sync and job.block_ids == [20, 21, 22, 23, 24, 25] and job.nodes == [["n1"]] * 6
+
+
+def test_forward_passes_teach_the_prefill_cost() -> None:
+    cl = FakeCluster()
+    side, _ = costed(cl)
+    before = side.costs.compute_s(1000)
+    side.update_connector_output(
+        WorkerReport(samples=[("compute", 16, 0.01), ("compute", 4096, 20.0)] * 10)
+    )
+    assert side.costs.compute_s(1000) > 10 * before  # a slow engine: loads pay sooner
+    req = FakeRequest("r1", toks(44), BS)
+    store(cl, req, 10, node="n2")
+    assert side.get_num_new_matched_tokens(req, 0) == (40, True)

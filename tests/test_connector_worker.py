@@ -11,7 +11,7 @@ from pegaflow.connector.blockio import KVBlockIO
 from pegaflow.connector.metadata import LoadJob, SaveJob, StepPlan
 from pegaflow.connector.metrics import Counters
 from pegaflow.connector.settings import ConnectorSettings
-from pegaflow.connector.worker import WorkerSide
+from pegaflow.connector.worker import Staging, WorkerSide
 
 from tests.connector_fakes import DOWN, FakeCluster
 
@@ -312,3 +312,91 @@ def test_cuda_save_then_load_is_bit_exact(layout: str) -> None:
         assert not dst[name].narrow(bdim, 0, 9).any()
     w1.shutdown()
     w2.shutdown()
+
+
+def test_staging_full_drops_are_logged_with_the_reason(caplog: pytest.LogCaptureFixture) -> None:
+    cluster = FakeCluster()
+    gate = __import__("threading").Event()
+    cluster.put_gate = gate
+    w, c = worker(cluster, kv(7), max_staging_bytes=2 * 2 * 3 * 512)  # 1 save chunk
+    w.submit_saves(StepPlan(NS, saves=[SaveJob("a", [1, 2, 3, 4], [h(i) for i in range(4)])]))
+    wait_for(lambda: c.totals().get("save_dropped_blocks", 0) == 2)
+    gate.set()
+    w.shutdown()
+    assert "2 blocks not saved: the save staging memory is full" in caplog.text
+    assert "max_staging_bytes" in caplog.text
+
+
+def test_shutdown_lets_pending_saves_finish_within_its_bound() -> None:
+    import threading
+
+    cluster = FakeCluster()
+    gate = threading.Event()
+    cluster.put_gate = gate
+    w, c = worker(cluster, kv(11))
+    w.submit_saves(StepPlan(NS, saves=[SaveJob("a", [1, 2, 3], [h(1), h(2), h(3)])]))
+    threading.Timer(0.3, gate.set).start()  # the node answers a moment later
+    w.shutdown()
+    assert c.totals().get("save_blocks", 0) == 3
+    assert not c.totals().get("save_dropped_blocks")
+    assert c.totals().get("save_shutdown_seconds", 0) > 0
+
+
+def test_saves_still_pending_after_the_bound_are_counted_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cluster = FakeCluster()
+    gate = __import__("threading").Event()
+    cluster.put_gate = gate  # the node never answers in time
+    w, c = worker(cluster, kv(12), shutdown_wait_s=0.3)
+    w.submit_saves(StepPlan(NS, saves=[SaveJob("a", [1, 2, 3], [h(1), h(2), h(3)])]))
+    t0 = time.monotonic()
+    w.shutdown()
+    assert time.monotonic() - t0 < 5  # bounded: it did not wait for the node
+    gate.set()
+    assert c.totals().get("save_dropped_blocks", 0) == 3
+    assert not c.totals().get("save_failed_blocks")  # lost once, not counted twice
+    assert "3 blocks of saves did not finish within shutdown_wait_s" in caplog.text
+
+
+def test_loads_and_forward_passes_are_measured_for_the_cost_model() -> None:
+    cluster = FakeCluster()
+    src, _ = worker(cluster, kv(13))
+    save(src, cluster, [1, 2, 3], [h(1), h(2), h(3)])
+    src.shutdown()
+    w, _ = worker(cluster, kv(14))
+    for req in ("first", "r"):  # the first of each source paid set-up: not reported
+        plan = StepPlan(NS, loads=[LoadJob(req, [4, 5, 6], [h(1), h(2), h(3)], [["n1"]] * 3)])
+        plan.tokens = 100
+        w.begin_forward(plan)
+        w.start_step(plan)
+        w.end_forward()
+        finish_loads(w, req)
+    rep = w.take_report()
+    assert rep is not None and rep.block_bytes == w.io.block_bytes  # type: ignore[union-attr]
+    kinds = {s for s, _n, _t in rep.samples}
+    assert kinds == {"compute", "n1"}
+    assert ("n1", 3 * w.io.block_bytes) in {(s, n) for s, n, _t in rep.samples}  # type: ignore[union-attr]
+    assert ("compute", 100) in {(s, n) for s, n, _t in rep.samples}
+    # a probe fetches into staging only: nothing is reported to vLLM as loaded
+    probe = LoadJob("pegaflow.probe:n1", [], [h(1), h(2)], [["n1"]] * 2, probe=True)
+    w.start_step(StepPlan(NS, loads=[probe]))
+    wait_for(lambda: any(s == "n1" for s, _n, _t in (w._report.samples or [])))
+    assert w.get_finished(set()) == (None, None)
+    w.shutdown()
+
+
+def test_a_staging_buffer_that_a_failed_get_may_still_write_is_not_handed_out() -> None:
+    """A get that gave up may still have receives under way into its staging buffer
+    (UCX cannot cancel them): the buffer goes back only once the client says it settled."""
+    io = KVBlockIO(kv(1), NB)
+    staging = Staging(io, 2, 2 * 2 * io.block_bytes, min_chunks=1)  # two buffers at most
+    a, b = staging.acquire(wait=False), staging.acquire(wait=False)
+    assert a is not None and b is not None
+    settled = False
+    staging.release(a, lambda: settled)
+    staging.release(b)
+    assert staging.acquire(wait=False) is b
+    assert staging.acquire(wait=False) is None  # a is held, and no third may be made
+    settled = True
+    assert staging.acquire(wait=False) is a

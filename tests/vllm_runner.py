@@ -8,6 +8,8 @@ engines through this script (see :class:`tests.vllm_engine.VllmEngine`)::
 The spec: ``model`` (directory with config.json), ``block_size``, ``max_model_len``,
 ``kv_cache_bytes``, ``tp``, ``prefix_caching`` (vLLM's own), ``connector`` (the
 ``kv_connector_extra_config`` of PegaKVConnector, or null for no connector),
+``three_keys`` (true: the connector with the three documented keys and nothing else;
+its settings then come from ``PEGAFLOW_*`` variables only),
 ``max_num_batched_tokens`` (optional), ``seed``.
 
 Prints ``READY`` once the engine is up, then answers each command line with one JSON
@@ -35,7 +37,13 @@ def _engine(spec: dict[str, Any]) -> Any:
     from vllm import LLM
 
     kw: dict[str, Any] = {}
-    if spec.get("connector") is not None:
+    if spec.get("three_keys"):  # exactly what the public PegaFlow documents, nothing else
+        kw["kv_transfer_config"] = {
+            "kv_connector": "PegaKVConnector",
+            "kv_role": "kv_both",
+            "kv_connector_module_path": "pegaflow.connector",
+        }
+    elif spec.get("connector") is not None:
         kw["kv_transfer_config"] = {
             "kv_connector": "PegaKVConnector",
             "kv_role": "kv_both",
