@@ -1,31 +1,29 @@
 #!/usr/bin/env python3
-"""TTFT and engine start of real vLLM on a GPU with PegaKVConnector (run on the H200).
+"""TTFT of real vLLM on a GPU with PegaKVConnector, as users run it (run on the H200).
 
 The model is Llama-3.1-8B's public shape with dummy weights (bf16, eager mode, block
-size 16); prompts are 10,000 token ids; one request at a time, ``max_tokens=1``.  A
-single-host ``pegaflow-server`` holds the cache in shared memory on the same host, so
-the connector takes its same-host shortcut (pool file pinned for DMA, blocks copied
-straight into the paged KV cache, every block's xxh3 checked).
+size 16); prompts are ``--tokens`` token ids, ``max_tokens=1``.  A ``pegaflow-server``
+with its *default* settings (default pool size and ports) holds the cache on the same
+host.  Passes, each in a new engine process (a restart: empty GPU cache), the same run
+also measuring vLLM's own prefix-cache hit (the floor) and a pinned-memcpy ceiling:
 
-1. **engine 1** with the connector (vLLM's own prefix cache off): cold TTFT; the
-   blocks are saved.  It is the machine's first engine, so its start time is not compared.
-2. **plain**: vLLM without a connector: start time (to ready), cold TTFT, and its own
-   GPU prefix-cache hit on the same prompts (the floor).
-3. **engine 2**, a new process (a restarted engine, empty GPU cache): start time, then
-   per prompt the warm TTFT from the cluster (loaded layer by layer during the forward
-   pass) and vLLM's own prefix-cache hit; then the same on a second prompt set (also
-   saved by engine 1) with ``--quiet-pause`` before each request instead of ``--pause``
-   (vLLM's engine keeps polling for a while after a step; ``*_quiet_*`` figures).  Its
-   connector logs at debug level: one line per lookup and per layer-wise load.
-4. **engine 3**, the same with ``layerwise: false``: every load asynchronous, before
-   the request is scheduled (the effect of layer-wise loading on TTFT).
+1. **cold**: an engine with the connector (its own prefix cache off) computes three
+   prompt sets (``A``, ``B`` and the batch set ``C``) and saves them.
+2. **plain**: vLLM with no connector: cold TTFT, then its own GPU prefix-cache hit on
+   set A, back to back (the floor).
+3. **defaults**: the connector with the three documented keys and nothing else
+   (``PYTHONHASHSEED`` as the README says): set B paced (``--pause`` before each
+   request), set A back to back with no pause, then set C in *one* ``generate`` call
+   (the batch), and the engine exits right after its last request.
+4. **tuned**: ``local_node`` set by hand, set B paced (what "defaults" must match).
 
-First tokens of cold and warm runs are compared (dummy weights are seeded: equal
-engines give equal tokens).  Last line: one JSON object with ``ttft_cold_ms``,
-``ttft_warm_ms``, ``ttft_local_hit_ms``, ``start_plain_s``, ``start_connector_s`` and
-the per-prompt figures.
+Outputs are compared with the cold run's (dummy weights are seeded: equal engines give
+equal tokens).  Last line: one JSON object with ``ttft_warm_default_ms``,
+``ttft_warm_back_to_back_ms``, ``ttft_warm_tuned_ms``, ``batch_warm_ms``,
+``batch_cold_ms``, ``ttft_cold_ms``, ``ttft_local_hit_ms``, the memcpy ceiling and the
+ratios, plus per-prompt figures.
 
-    python3 scripts/bench_vllm_gpu.py [--prompts 8] [--tokens 10000]
+    python3 scripts/bench_vllm_gpu.py [--prompts 6] [--batch 8] [--tokens 10000]
 """
 
 from __future__ import annotations
@@ -74,20 +72,31 @@ LLAMA_31_8B: dict[str, Any] = {
 }
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
+def pinned_h2d_gbps(nbytes: int) -> float:
+    """This GPU's pinned host-to-device copy rate (GB/s) for one copy of ``nbytes``."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    torch.cuda.empty_cache()
+    return nbytes / best / 1e9
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=6, help="prompts in sets A and B")
+    ap.add_argument("--batch", type=int, default=8, help="prompts in the batch set C")
     ap.add_argument("--tokens", type=int, default=10_000)
-    ap.add_argument("--pool", default="24GiB")
     ap.add_argument("--kv-cache-gb", type=float, default=40.0)
-    ap.add_argument("--pause", type=float, default=0.5, help="seconds before each request")
-    ap.add_argument(
-        "--quiet-pause", type=float, default=1.5, help="the same for the second, quieter pass"
-    )
+    ap.add_argument("--pause", type=float, default=0.5, help="seconds before a paced request")
     ap.add_argument("--log-dir", default="", help="write each engine's output there")
     args = ap.parse_args()
 
@@ -95,128 +104,140 @@ def main() -> None:
     model_dir = work / "llama-3.1-8b-dummy"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    batch_tokens = args.batch * (args.tokens + 64)
     spec = {
         "model": str(model_dir),
         "block_size": 16,
         "max_model_len": args.tokens + 64,
-        "max_num_batched_tokens": args.tokens + 64,
+        "max_num_batched_tokens": batch_tokens,
         "kv_cache_bytes": int(args.kv_cache_gb * 1e9),
     }
-    ps = prompts(args.prompts, args.tokens, seed=10_000, vocab=128_000)
-    ps_quiet = prompts(args.prompts, args.tokens, seed=20_000, vocab=128_000)
+    set_a = prompts(args.prompts, args.tokens, seed=10_000, vocab=128_000)
+    set_b = prompts(args.prompts, args.tokens, seed=20_000, vocab=128_000)
+    set_c = prompts(args.batch, args.tokens, seed=30_000, vocab=128_000)
     warm_up = prompts(1, 1024, seed=7, vocab=128_000)
-    out: dict[str, Any] = {"tokens": args.tokens, "prompts": args.prompts}
+    kv_bytes_per_token = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 heads, head 128, bf16
+    ceiling = pinned_h2d_gbps(args.tokens * kv_bytes_per_token)
+    out: dict[str, Any] = {"tokens": args.tokens, "prompts": args.prompts, "batch": args.batch}
+    out["pinned_h2d_gbps"] = round(ceiling, 1)
+    print(f"pinned H2D ceiling {ceiling:.1f} GB/s", flush=True)
 
-    def timed(
-        engine: VllmEngine, p: list[int], pause: float | None = None
-    ) -> tuple[float, int, list[int]]:
-        time.sleep(args.pause if pause is None else pause)
+    def timed(engine: VllmEngine, p: list[int], pause: float) -> tuple[float, int, list[int]]:
+        if pause:
+            time.sleep(pause)
         r = engine.generate([p], max_tokens=1)
         return r["elapsed_s"] * 1000.0, r["cached"][0], r["outputs"][0]
 
+    def batch(engine: VllmEngine, ps: list[list[int]]) -> tuple[float, list[list[int]]]:
+        r = engine.generate(ps, max_tokens=1)
+        return r["elapsed_s"] * 1000.0, r["outputs"]
+
     engines: list[VllmEngine] = []
 
-    def start(name: str, **extra: Any) -> tuple[VllmEngine, float]:
+    def start(name: str, env: dict[str, str] | None = None, **extra: Any) -> VllmEngine:
         t0 = time.monotonic()
         # vLLM 0.26 seeds its block-hash chain randomly per process unless
-        # PYTHONHASHSEED is set: replicas must share it to share a cache (docs/connector.md)
-        e = VllmEngine({**spec, **extra}, env={"PYTHONHASHSEED": "0"}, name=name, start_timeout=600)
+        # PYTHONHASHSEED is set: the README tells every user to set it
+        e = VllmEngine(
+            {**spec, **extra},
+            env={"PYTHONHASHSEED": "0", **(env or {})},
+            name=name,
+            start_timeout=600,
+        )
         engines.append(e)
-        dt = time.monotonic() - t0
-        print(f"{name} ready in {dt:.1f} s", flush=True)
-        return e, dt
+        out[f"start_{name}_s"] = round(time.monotonic() - t0, 1)
+        print(f"{name} ready in {out[f'start_{name}_s']} s", flush=True)
+        return e
 
-    server = start_server(
-        extra=["--node-pool-bytes", args.pool, "--node-slab-bytes", "64MiB"]
-    )  # fmt: skip
-    coordinator, node = server.ready["coordinator"], server.ready["node"]
+    # the server as a newcomer starts it: default pool, default ports
+    server = start_server(extra=["--coordinator-port", "7700"])
+    node = server.ready["node"]
     try:
-        # engine 1 is the first engine on this machine: its start pays one-off costs,
-        # so start times are compared between the plain engine and engine 2 (a restart)
-        s1 = str(work / "engine1")
-        conn1 = {"coordinators": coordinator, "local_node": node, "stats_path": s1}
-        e, out["start_first_s"] = start("engine1", connector=conn1, prefix_caching=False)
+        s1 = str(work / "cold")
+        e = start("cold", env={"PEGAFLOW_CONNECTOR_STATS_PATH": s1}, three_keys=True,
+                  prefix_caching=False)  # fmt: skip
         try:
             e.generate(warm_up, 1)
-            cold = [timed(e, p) for p in ps]
-            cold_q = [timed(e, p) for p in ps_quiet]
-            blocks = 2 * args.prompts * (args.tokens // 16) + 1024 // 16
-            st = wait_saved(s1, blocks, timeout=300)
-            print(f"engine1 counters: {st}", flush=True)
+            cold_a = [timed(e, p, args.pause) for p in set_a]
+            cold_b = [timed(e, p, args.pause) for p in set_b]
+            time.sleep(args.pause)
+            cold_c_ms, cold_c_out = batch(e, set_c)
+            n = (2 * args.prompts + args.batch) * (args.tokens // 16) + 1024 // 16
+            print(f"cold counters: {wait_saved(s1, n, timeout=300)}", flush=True)
         finally:
             e.stop()
-        out["cold_ms"] = [round(t, 1) for t, _, _ in cold]
-        ref_tokens = [o for _, _, o in cold]
 
-        e, out["start_plain_s"] = start("plain", connector=None)
+        e = start("plain", connector=None)
         try:
             e.generate(warm_up, 1)
-            pcold = [timed(e, p) for p in ps]
-            phit = [timed(e, p) for p in ps]
-            phit_q = [timed(e, p, args.quiet_pause) for p in ps]
+            plain_cold = [timed(e, p, args.pause) for p in set_a]
+            plain_hit = [timed(e, p, 0.0) for p in set_a]  # back to back, its own cache
         finally:
             e.stop()
-        out["plain_cold_ms"] = [round(t, 1) for t, _, _ in pcold]
-        out["plain_local_hit_ms"] = [round(t, 1) for t, _, _ in phit]
-        out["plain_local_hit_quiet_ms"] = [round(t, 1) for t, _, _ in phit_q]
-        out["plain_tokens_match"] = [o for _, _, o in pcold] == ref_tokens
 
-        s2 = str(work / "engine2")
-        conn2 = {"coordinators": coordinator, "local_node": node, "stats_path": s2,
-                 "log_level": "debug"}  # fmt: skip
-        e, out["start_connector_s"] = start("engine2", connector=conn2)
+        s2 = str(work / "defaults")
+        e = start("defaults", env={"PEGAFLOW_CONNECTOR_STATS_PATH": s2}, three_keys=True)
         try:
-            e.generate(warm_up, 1)  # from the cluster: connections and pool mapping set up
-            warm, hit = [], []
-            for p in ps:
-                warm.append(timed(e, p))
-                hit.append(timed(e, p))
-            # the same after a longer quiet (vLLM's engine busy-polls for a while after
-            # a step), on the second prompt set
-            warm_q, hit_q = [], []
-            for p in ps_quiet:
-                warm_q.append(timed(e, p, args.quiet_pause))
-                hit_q.append(timed(e, p, args.quiet_pause))
-            time.sleep(1.0)
-            print(f"engine2 counters: {stats(s2)}", flush=True)
+            e.generate(warm_up, 1)
+            warm_b = [timed(e, p, args.pause) for p in set_b]
+            warm_a = [timed(e, p, 0.0) for p in set_a]  # back to back
+            time.sleep(args.pause)
+            warm_c_ms, warm_c_out = batch(e, set_c)
         finally:
-            e.stop()
+            e.stop()  # the engine exits right after its last request
+            print(f"defaults counters: {stats(s2)}", flush=True)
             lines = [x for x in e.log if "PegaFlow" in x]
             print("\n".join(lines[-40:]), file=sys.stderr)
 
-        # engine 3: the same restart with layer-wise loading off (every load async)
-        s3 = str(work / "engine3")
-        conn3 = {"coordinators": coordinator, "local_node": node, "stats_path": s3,
-                 "layerwise": False}  # fmt: skip
-        e, _ = start("engine3", connector=conn3)
+        s3 = str(work / "tuned")
+        e = start("tuned", connector={"local_node": node, "stats_path": s3})
         try:
             e.generate(warm_up, 1)
-            warm_async = [timed(e, p) for p in ps]
+            tuned_b = [timed(e, p, args.pause) for p in set_b]
         finally:
             e.stop()
+            print(f"tuned counters: {stats(s3)}", flush=True)
     finally:
         server.terminate()
         if args.log_dir:
             for e in engines:
                 Path(args.log_dir, f"{e.name}.log").write_text("\n".join(e.log))
-    out["warm_async_ms"] = [round(t, 1) for t, _, _ in warm_async]
-    out["ttft_warm_async_ms"] = round(med(out["warm_async_ms"]), 1)
-    out["warm_async_tokens_match_cold"] = [o for _, _, o in warm_async] == ref_tokens
-    out["warm_ms"] = [round(t, 1) for t, _, _ in warm]
-    out["warm_cached_tokens"] = [c for _, c, _ in warm]
-    out["local_hit_ms"] = [round(t, 1) for t, _, _ in hit]
-    out["warm_tokens_match_cold"] = [o for _, _, o in warm] == ref_tokens
-    out["warm_quiet_ms"] = [round(t, 1) for t, _, _ in warm_q]
-    out["local_hit_quiet_ms"] = [round(t, 1) for t, _, _ in hit_q]
-    out["warm_quiet_tokens_match_cold"] = [o for _, _, o in warm_q] == [o for _, _, o in cold_q]
-    out["ttft_warm_quiet_ms"] = round(med(out["warm_quiet_ms"]), 1)
-    out["ttft_local_hit_quiet_ms"] = round(med(out["local_hit_quiet_ms"]), 1)
-    out["ttft_plain_local_hit_quiet_ms"] = round(med(out["plain_local_hit_quiet_ms"]), 1)
-    out["ttft_cold_ms"] = round(med(out["cold_ms"]), 1)
-    out["ttft_warm_ms"] = round(med(out["warm_ms"]), 1)
-    out["ttft_local_hit_ms"] = round(med(out["local_hit_ms"]), 1)
-    out["ttft_plain_local_hit_ms"] = round(med(out["plain_local_hit_ms"]), 1)
-    out["start_connector_over_plain"] = round(out["start_connector_s"] / out["start_plain_s"], 3)
+
+    Runs = list[tuple[float, int, list[int]]]
+
+    def ms(xs: Runs) -> list[float]:
+        return [round(t, 1) for t, _, _ in xs]
+
+    def same(
+        xs: list[tuple[float, int, list[int]]], ref: list[tuple[float, int, list[int]]]
+    ) -> bool:
+        return [o for _, _, o in xs] == [o for _, _, o in ref]
+
+    out["cold_ms"] = ms(cold_a) + ms(cold_b)
+    out["plain_cold_ms"] = ms(plain_cold)
+    out["plain_local_hit_ms"] = ms(plain_hit)
+    out["warm_default_ms"] = ms(warm_b)
+    out["warm_back_to_back_ms"] = ms(warm_a)
+    out["warm_tuned_ms"] = ms(tuned_b)
+    out["warm_cached_tokens"] = [c for _, c, _ in warm_a + warm_b]
+    out["outputs_match_cold"] = (
+        same(warm_a, cold_a) and same(warm_b, cold_b) and same(tuned_b, cold_b)
+        and warm_c_out == cold_c_out and same(plain_cold, cold_a)
+    )  # fmt: skip
+    out["ttft_cold_ms"] = round(statistics.mean(out["cold_ms"]), 1)
+    out["ttft_local_hit_ms"] = round(statistics.mean(out["plain_local_hit_ms"]), 1)
+    out["ttft_warm_default_ms"] = round(statistics.mean(out["warm_default_ms"]), 1)
+    out["ttft_warm_back_to_back_ms"] = round(statistics.mean(out["warm_back_to_back_ms"]), 1)
+    out["ttft_warm_tuned_ms"] = round(statistics.mean(out["warm_tuned_ms"]), 1)
+    out["batch_cold_ms"] = round(cold_c_ms, 1)
+    out["batch_warm_ms"] = round(warm_c_ms, 1)
+    batch_bytes = args.batch * args.tokens * kv_bytes_per_token
+    out["batch_floor_ms"] = round(batch_bytes / (ceiling * 1e9) * 1000, 1)
+    out["batch_x_ceiling"] = round(out["batch_floor_ms"] / out["batch_warm_ms"], 2)
+    out["default_over_tuned"] = round(out["ttft_warm_default_ms"] / out["ttft_warm_tuned_ms"], 2)
+    out["back_to_back_over_floor"] = round(
+        out["ttft_warm_back_to_back_ms"] / out["ttft_local_hit_ms"], 2
+    )
     print(json.dumps(out), flush=True)
 
 
