@@ -1,0 +1,1306 @@
+#!/usr/bin/env python3
+"""Chaos: a cluster under load while its processes are faulted at random.
+
+On this machine only (loopback): a real etcd, ``--coordinators`` coordinators and
+``--nodes`` storage nodes (small pools, constant eviction), all real processes, and
+``--workers`` client processes with ``--tasks`` concurrent tasks each, doing puts,
+lookups and gets through :class:`pegaflow.client.PegaClient`.  Every block's bytes are
+derived from its hash, so every byte a get reports as fetched is checked.
+
+Meanwhile, every 1-4 s, one process is faulted at random:
+
+* ``stop``: SIGSTOP, then SIGCONT after 0.5-5 s (a hung host; unlike ``kill`` the
+  kernel keeps its sockets open), on a node, a coordinator, etcd or a client worker
+  (a hung reader, for the node side);
+* ``kill``: SIGKILL, then a restart after 0-1.5 s on the same ports (a node on the same
+  node id and pool directory: it re-attaches its pool), on any of them (a client
+  killed mid-transfer is what a crashed vLLM engine does to the nodes).
+
+The last ``--cooldown`` seconds have no faults: what fails then is still broken.
+
+Checks:
+
+* **wrong bytes**: a block a get reported fetched (True) whose bytes differ from its
+  hash's, checked when the get returns; **late writes**: a buffer that changed after
+  its get returned (checked again before the buffer is reused, as vLLM's connector
+  reuses its staging buffers: a block verified then overwritten counts as wrong bytes);
+* **stall**: how far past its deadline each client call returned (measured by the
+  caller, and from outside for calls that have not returned yet);
+* **loop freeze**: the lateness of a 20 ms ticker on each client's event loop, and the
+  gap between its heartbeats seen from outside;
+* **recovery**, per fault: the time from the fault's end (SIGCONT sent, or the
+  restarted process ready) to the first successful op against that target (a put or
+  get on that node, a lookup answered by that coordinator, a lookup hitting a block
+  stored after etcd came back, any op of that client), to its ``/health`` answering
+  and (coordinators) to a lookup sent to it alone hitting a recently stored block.
+
+Also reported: errors by kind and typed code (and those of the quiet end, by target),
+processes that died on their own (restarted; a SIGKILL from outside, such as the OOM
+killer of a shared machine, is listed apart) and failure lines in every process's log.
+
+A line per fault goes to stderr as it happens; the last line of stdout is one JSON
+object (``wrong_bytes`` must be 0, ``max_stall_ms`` under 1000).  Exit status: 0 when
+both hold and nothing wrote into a returned buffer, 1 otherwise, 2 when the cluster
+could not start, 130 on Ctrl-C (every process and temporary directory is cleaned up).
+
+    .venv/bin/python scripts/chaos.py --minutes 2 --seed 1 [--tls tcp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter, defaultdict
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pegaflow.devcluster import (  # noqa: E402
+    EtcdServer,
+    Proc,
+    free_port,
+    start_coordinator,
+    start_node,
+)
+
+NS = "chaos"
+PREFIX = "/pegaflow/chaos"
+BLOCK_KIB = 128
+BATCH = 8
+HASH_LEN = 32
+LOOKUP_DEADLINE_S = 1.0
+TRANSFER_DEADLINE_S = 2.0
+STALL_LIMIT_S = 1.0
+TICK_S = 0.02
+FREEZE_LOG_S = 0.2
+RING = 4
+"""staging buffers per client task, reused in turn"""
+KIND_CODES = {"put": 1.0, "lookup": 2.0, "get": 3.0}
+KIND_NAMES = {v: k for k, v in KIND_CODES.items()}
+DEADLINES_S = {"put": TRANSFER_DEADLINE_S, "lookup": LOOKUP_DEADLINE_S, "get": TRANSFER_DEADLINE_S}
+TARGETS = ("nodes", "coordinators", "etcd", "clients")
+LOG_PATTERNS = ("Traceback", "ERROR", "CRITICAL", "never retrieved", "was never awaited")
+"""log lines worth a look (counted per process; a restarted process's log starts anew)"""
+RESTART_FOR_S = 30.0
+"""how long a restart is retried (a restarted node may be refused while its old lease lives)"""
+
+
+def block_bytes(h: bytes, size: int) -> np.ndarray:
+    """The content every block with hash ``h`` (and ``size`` bytes) must have."""
+    return np.frombuffer(h * (size // len(h)), dtype=np.uint8)
+
+
+def log(msg: str) -> None:
+    """A human-readable progress line on stderr."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---- client worker (a separate process: its own event loop, its own UCX worker) -------
+
+
+@dataclass
+class _Staging:
+    """A staging buffer and what each row must hold now (a hash's bytes, or zeros)."""
+
+    buf: np.ndarray
+    rows: list[bytes | None]
+
+
+class Worker:
+    """One client process: ``tasks`` op loops and a ticker on one event loop, sharing one
+    :class:`PegaClient`.  Events go to a JSON-lines file; the ticker's heartbeat and
+    each task's in-flight deadline go to a shared array the orchestrator watches."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.index = int(cfg["index"])
+        self.tasks = int(cfg["tasks"])
+        self.nodes: list[str] = list(cfg["nodes"])
+        self.think_s = float(cfg["think_s"])
+        self.block = int(cfg["block_kib"]) << 10
+        self.batch = int(cfg["batch"])
+        self.out: IO[str] = open(cfg["events"], "a", buffering=1)
+        beats = np.memmap(cfg["beats"], dtype=np.float64, mode="r+")
+        self.beats = beats.reshape(int(cfg["workers"]), -1)[self.index]
+        self.stop = asyncio.Event()
+        self.known: list[tuple[list[bytes], float]] = []
+        """(hashes, when their put returned), latest last"""
+        self.max_freeze_s = 0.0
+
+    def emit(self, **event: Any) -> None:
+        """One event line."""
+        self.out.write(json.dumps(event, separators=(",", ":")) + "\n")
+
+    async def run(self) -> None:
+        from pegaflow.client import PegaClient  # UCX starts here, after UCX_TLS was set
+
+        from pegaflow.config import ClientConfig
+
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.stop.set)
+        loop.add_signal_handler(signal.SIGINT, self.stop.set)
+        self.client = PegaClient(
+            ClientConfig(
+                coordinators=list(self.cfg["coordinators"]),
+                lookup_timeout_s=LOOKUP_DEADLINE_S,
+                rpc_timeout_s=TRANSFER_DEADLINE_S,
+                transfer_timeout_s=TRANSFER_DEADLINE_S,
+            )
+        )
+        rings = [
+            [
+                _Staging(np.zeros((self.batch, self.block), np.uint8), [None] * self.batch)
+                for _ in range(RING)
+            ]
+            for _ in range(self.tasks)
+        ]
+        ticker = asyncio.create_task(self._ticker())
+        self.emit(e="ready", t=time.monotonic())
+        try:
+            await asyncio.gather(*(self._ops(k, rings[k]) for k in range(self.tasks)))
+            # late writes may still land: wait, then check every buffer one last time
+            await asyncio.sleep(1.0)
+            for ring in rings:
+                for st in ring:
+                    self._check_staging(st)
+        finally:
+            ticker.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(self.client.close(), 5.0)
+            self.emit(e="end", t=time.monotonic(), max_freeze_ms=round(self.max_freeze_s * 1e3))
+            self.out.close()
+
+    async def _ticker(self) -> None:
+        parent = os.getppid()
+        prev = time.monotonic()
+        while True:
+            self.beats[0] = prev
+            await asyncio.sleep(TICK_S)
+            now = time.monotonic()
+            late = now - prev - TICK_S
+            prev = now
+            if late > self.max_freeze_s:
+                self.max_freeze_s = late
+            if late >= FREEZE_LOG_S:
+                self.emit(e="freeze", t=now, ms=round(late * 1e3, 1))
+            if os.getppid() != parent:  # the orchestrator is gone
+                self.stop.set()
+
+    async def _timed(
+        self, task: int, kind: str, deadline_s: float, coro: Coroutine[Any, Any, Any]
+    ) -> tuple[Any, str | None, float, float]:
+        """Run one client call; returns (result, error code or None, start, end)."""
+        from pegaflow.errors import PegaError
+
+        slot = 1 + 2 * task
+        t0 = time.monotonic()
+        self.beats[slot + 1] = KIND_CODES[kind]
+        self.beats[slot] = t0 + deadline_s
+        res: Any = None
+        err: str | None = None
+        try:
+            res = await coro
+        except PegaError as e:
+            err = e.code
+        except Exception as e:  # an untyped error escaping the client is a defect
+            err = f"untyped:{type(e).__name__}:{str(e)[:120]}"
+        finally:
+            self.beats[slot] = 0.0
+        return res, err, t0, time.monotonic()
+
+    async def _ops(self, task: int, ring: list[_Staging]) -> None:
+        rng = random.Random(f"{self.cfg['seed']}/{self.index}/{task}")
+        turn = 0
+        while not self.stop.is_set():
+            r = rng.random()
+            if r < 0.35 or not self.known:
+                await self._put(task, rng)
+            else:
+                st = ring[turn % RING]
+                turn += 1
+                await self._lookup_get(task, rng, st, fetch=r >= 0.5)
+            await asyncio.sleep(rng.uniform(0.5, 1.5) * self.think_s)
+
+    async def _put(self, task: int, rng: random.Random) -> None:
+        node = rng.choice(self.nodes)
+        hashes = [rng.randbytes(HASH_LEN) for _ in range(self.batch)]
+        items = [(h, 0, block_bytes(h, self.block)) for h in hashes]
+        res, err, t0, t1 = await self._timed(
+            task,
+            "put",
+            TRANSFER_DEADLINE_S,
+            self.client.put_blocks(NS, items, node_id=node, timeout=TRANSFER_DEADLINE_S),
+        )
+        stored = 0 if res is None else res.stored + res.skipped
+        self.emit(
+            e="op",
+            k="put",
+            tg=node,
+            t0=t0,
+            t1=t1,
+            dl=TRANSFER_DEADLINE_S,
+            err=err,
+            n=stored,
+            h=hashes[0].hex(),
+        )
+        if err is None and stored:
+            self.known.append((hashes, t1))
+            del self.known[: max(0, len(self.known) - 2000)]
+
+    async def _lookup_get(self, task: int, rng: random.Random, st: _Staging, fetch: bool) -> None:
+        if rng.random() < 0.5:
+            hashes, put_t = self.known[-1]
+        else:
+            hashes, put_t = self.known[
+                rng.randrange(max(0, len(self.known) - 500), len(self.known))
+            ]
+        found, err, t0, t1 = await self._timed(
+            task,
+            "lookup",
+            LOOKUP_DEADLINE_S,
+            self.client.lookup(NS, hashes, timeout=LOOKUP_DEADLINE_S, generations=True),
+        )
+        hits = 0 if found is None else found.hits
+        self.emit(
+            e="op",
+            k="lookup",
+            tg=self.client._rpc.current_address,  # the coordinator that answered (or failed)
+            t0=t0,
+            t1=t1,
+            dl=LOOKUP_DEADLINE_S,
+            err=err,
+            hits=hits,
+            pt=put_t,
+        )
+        if not fetch or not hits:
+            return
+        self._check_staging(st)
+        st.buf[:] = 0
+        st.rows = [None] * self.batch
+        items = [(found.blocks[j][0], hashes[j], 0, st.buf[j]) for j in range(hits)]
+        gens = [g[0] for g in found.generations]
+        ok, err, t0, t1 = await self._timed(
+            task,
+            "get",
+            TRANSFER_DEADLINE_S,
+            self.client.get_blocks(NS, items, timeout=TRANSFER_DEADLINE_S, generations=gens),
+        )
+        per_node: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        wrong: dict[str, int] = Counter()
+        for j in range(hits):
+            node = items[j][0]
+            per_node[node][0] += 1
+            if ok is not None and ok[j]:
+                per_node[node][1] += 1
+                if not np.array_equal(st.buf[j], block_bytes(hashes[j], self.block)):
+                    wrong[node] += 1
+                st.rows[j] = hashes[j]
+            else:
+                st.buf[j] = 0  # what the caller does with a miss's buffer; must stay zero
+        self.emit(
+            e="op", k="get", tg="", t0=t0, t1=t1, dl=TRANSFER_DEADLINE_S, err=err, nodes=per_node
+        )
+        for node, n in wrong.items():
+            self.emit(e="bad", where="return", t=t1, node=node, n=n)
+
+    def _check_staging(self, st: _Staging) -> None:
+        """Before reuse: every row still holds what the caller was given back."""
+        late = verified = 0
+        for j, h in enumerate(st.rows):
+            if h is None:
+                if st.buf[j].any():
+                    late += 1
+            elif not np.array_equal(st.buf[j], block_bytes(h, self.block)):
+                late += 1
+                verified += 1
+        if late:
+            self.emit(e="bad", where="late", t=time.monotonic(), n=late, verified=verified)
+
+
+def worker_main(cfg_path: str) -> None:
+    """Entry point of a client worker process."""
+    cfg = json.loads(Path(cfg_path).read_text())
+    import uvloop
+
+    uvloop.run(Worker(cfg).run())
+
+
+# ---- orchestrator ----------------------------------------------------------------
+
+
+@dataclass
+class Service:
+    """A faultable process of the cluster (etcd, a coordinator, a node or a client)."""
+
+    name: str
+    kind: str
+    """etcd, coordinator, node or client"""
+    port: int = 0
+    http_port: int = 0
+    shm_dir: str = ""
+    index: int = 0
+    """(clients) the worker's row in the heartbeat array"""
+    proc: Proc | None = None
+    popen: subprocess.Popen[bytes] | None = None
+    """(clients)"""
+    expected_down: bool = False
+    stopped: bool = False
+    crashed: bool = False
+    """(clients) died on their own: restarted by the fault loop"""
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class Fault:
+    """One fault: ``stop`` (SIGSTOP for ``hold_s``) or ``kill`` (SIGKILL and restart)."""
+
+    kind: str
+    target: str
+    start: float
+    end: float = 0.0
+    hold_s: float = 0.0
+    restart_attempts: int = 0
+    restart_error: str = ""
+    recover_s: float | None = None
+    probe_s: float | None = None
+    index_s: float | None = None
+    """(coordinators) until a lookup sent to it hit a block stored recently"""
+
+
+@dataclass
+class Tally:
+    """Everything the workers reported, folded as it comes (monitor thread only)."""
+
+    ops: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    error_times: list[tuple[float, str, str]] = field(default_factory=list)
+    """(when, kind:code, target)"""
+    blocks: Counter[str] = field(default_factory=Counter)
+    wrong_bytes: int = 0
+    late_writes: int = 0
+    bad_events: list[dict[str, Any]] = field(default_factory=list)
+    stall_by_kind: dict[str, float] = field(default_factory=dict)
+    stalls: list[dict[str, Any]] = field(default_factory=list)
+    """calls that returned past the limit"""
+    inflight_overdue: dict[str, Any] = field(default_factory=dict)
+    """the worst call seen from outside still running past its deadline"""
+    freezes: list[dict[str, Any]] = field(default_factory=list)
+    max_freeze_ms: float = 0.0
+    max_beat_gap_ms: float = 0.0
+    ok_times: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    fresh_hits: list[tuple[float, float]] = field(default_factory=list)
+    """(put returned, lookup returned) of lookups that hit a block"""
+    excluded_calls: int = 0
+    """calls of a worker that was itself SIGSTOPped meanwhile"""
+    slowest: dict[str, float] = field(default_factory=dict)
+    """longest call of each kind, whatever its deadline"""
+    orchestrator_lag_ms: float = 0.0
+    """the monitor thread's own worst lateness: the machine's contention, not a defect"""
+    recent_puts: list[bytes] = field(default_factory=list)
+    """first hash of the latest stored batches (for the coordinators' index probe)"""
+
+
+class Chaos:
+    """Starts the cluster and the workers, applies faults, gathers the report."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.seed = args.seed if args.seed is not None else random.randrange(1 << 31)
+        self.rng = random.Random(self.seed)
+        self.tmp = Path(tempfile.mkdtemp(prefix="pegaflow-chaos-"))
+        shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.shm = Path(tempfile.mkdtemp(prefix="pegaflow-chaos-", dir=shm_root))
+        self.env = {"UCX_TLS": "tcp"} if args.tls == "tcp" else {}
+        self.etcd = EtcdServer(self.tmp / "etcd" / "data")
+        self.services: dict[str, Service] = {}
+        self.workers: list[Service] = []
+        self.faults: list[Fault] = []
+        self.crashes: list[dict[str, Any]] = []
+        self.pauses: dict[int, list[list[float]]] = defaultdict(list)
+        self.tally = Tally()
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.t0 = time.monotonic()
+        self.load_start = 0.0
+        self.quiet_from = 0.0
+        self.load_end = 0.0
+        self.hung_workers: list[str] = []
+        self.stopping = False
+        self.log_findings: dict[str, dict[str, int]] = {}
+        self.pids: list[int] = []
+        """every process started (the smoke test checks that none is left)"""
+        self.loadavg_start = [round(x, 2) for x in os.getloadavg()]
+        self.interrupted = False
+        self.error = ""
+        self._offsets: dict[int, int] = {}
+        self._pending: list[Fault] = []
+        self._beats: np.ndarray | None = None
+        self._monitor: threading.Thread | None = None
+
+    def rel(self, t: float) -> float:
+        """Seconds since the load started."""
+        return round(t - (self.load_start or self.t0), 3)
+
+    # -- processes --------------------------------------------------------------------
+
+    def start_cluster(self) -> None:
+        self.services["etcd"] = Service("etcd", "etcd", port=self.etcd.client_port)
+        self._start(self.services["etcd"])
+        for i in range(self.args.coordinators):
+            svc = Service(f"c{i + 1}", "coordinator", port=free_port(), http_port=free_port())
+            self.services[svc.name] = svc
+            self._start(svc)
+        for i in range(self.args.nodes):
+            svc = Service(
+                f"n{i + 1}",
+                "node",
+                port=free_port(),
+                http_port=free_port(),
+                shm_dir=str(self.shm / f"n{i + 1}"),
+            )
+            os.makedirs(svc.shm_dir)
+            self.services[svc.name] = svc
+            self._start(svc)
+        asyncio.run(self._wait_nodes_indexed(60.0))
+
+    def _coordinators(self) -> list[Service]:
+        return [s for s in self.services.values() if s.kind == "coordinator"]
+
+    def _nodes(self) -> list[Service]:
+        return [s for s in self.services.values() if s.kind == "node"]
+
+    async def _wait_nodes_indexed(self, timeout: float) -> None:
+        from pegaflow.rpc import RpcClient
+
+        want = {s.name for s in self._nodes()}
+        for c in self._coordinators():
+            rpc = RpcClient([c.address], timeout=2.0)
+            deadline = time.monotonic() + timeout
+            try:
+                while True:
+                    with contextlib.suppress(Exception):
+                        res = await rpc.call("nodes", {})
+                        if want <= {n.get("node_id") for n in res.get("nodes", [])}:
+                            break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"coordinator {c.name} does not see nodes {want}")
+                    await asyncio.sleep(0.2)
+            finally:
+                await rpc.close()
+
+    def _start(self, svc: Service) -> None:
+        """(Re)start ``svc`` on its ports; raises RuntimeError if it does not come up."""
+        try:
+            self._start_once(svc)
+        finally:
+            pid = self.pid(svc)
+            if pid is not None:
+                self.pids.append(pid)
+
+    def _start_once(self, svc: Service) -> None:
+        if svc.kind == "client":
+            self._spawn_worker(svc)
+            self._wait_worker(svc, 60.0)
+        elif svc.kind == "etcd":
+            self.etcd.start()
+        elif svc.kind == "coordinator":
+            svc.proc = start_coordinator(
+                etcd=self.etcd.endpoint,
+                prefix=PREFIX,
+                env=self.env,
+                extra=[
+                    "--coordinator-port", str(svc.port),
+                    "--coordinator-http-port", str(svc.http_port),
+                    "--etcd-timeout-s", "2",
+                ],
+            )  # fmt: skip
+        elif svc.kind == "node":
+            svc.proc = start_node(
+                svc.name,
+                etcd=self.etcd.endpoint,
+                prefix=PREFIX,
+                pool=self.args.pool,
+                slab=self.args.slab,
+                env=self.env,
+                shm_dir=svc.shm_dir,
+                extra=[
+                    "--node-ucx-port", str(svc.port),
+                    "--node-http-port", str(svc.http_port),
+                    "--etcd-timeout-s", "2",
+                ],
+            )  # fmt: skip
+
+    def pid(self, svc: Service) -> int | None:
+        if svc.kind == "etcd":
+            p = self.etcd._proc  # EtcdServer keeps its Popen private
+            return p.pid if p is not None and p.poll() is None else None
+        if svc.kind == "client":
+            return svc.popen.pid if svc.popen and svc.popen.poll() is None else None
+        return svc.proc.pid if svc.proc is not None and svc.proc.alive() else None
+
+    def _kill(self, svc: Service) -> None:
+        if svc.kind == "etcd":
+            self.etcd.kill()
+        elif svc.kind == "client":
+            if svc.popen is not None and svc.popen.poll() is None:
+                svc.popen.kill()
+                svc.popen.wait(10)
+            if self._beats is not None:  # its calls in flight died with it
+                self._beats[svc.index, :] = 0.0
+        elif svc.proc is not None:
+            svc.proc.kill()
+
+    def _log_tail(self, svc: Service, lines: int = 15) -> list[str]:
+        if svc.kind == "etcd":
+            return self.etcd.tail(lines).splitlines()
+        if svc.kind == "client":
+            try:
+                text = (self.tmp / f"{svc.name}.log").read_text(errors="replace")
+            except OSError:
+                return []
+            return text.splitlines()[-lines:]
+        return list(svc.proc.log[-lines:]) if svc.proc is not None else []
+
+    def start_workers(self) -> None:
+        n, k = self.args.workers, self.args.tasks
+        beats_path = self.tmp / "beats.bin"
+        self._beats = np.memmap(beats_path, dtype=np.float64, mode="w+", shape=(n, 1 + 2 * k))
+        coords = [c.address for c in self._coordinators()]
+        for i in range(n):
+            cfg = {
+                "index": i,
+                "workers": n,
+                "tasks": k,
+                "seed": self.seed,
+                "think_s": self.args.think_ms / 1e3,
+                "block_kib": self.args.block_kib,
+                "batch": self.args.batch,
+                # each worker starts on another coordinator, fails over to the others
+                "coordinators": coords[i % len(coords) :] + coords[: i % len(coords)],
+                "nodes": [s.name for s in self._nodes()],
+                "events": str(self.tmp / f"w{i}.jsonl"),
+                "beats": str(beats_path),
+            }
+            (self.tmp / f"w{i}.json").write_text(json.dumps(cfg))
+            svc = Service(f"w{i}", "client", index=i)
+            self.services[svc.name] = svc
+            self.workers.append(svc)
+            self._spawn_worker(svc)
+        for svc in self.workers:
+            self._wait_worker(svc, 60.0)
+
+    def _spawn_worker(self, svc: Service) -> None:
+        assert self._beats is not None
+        self._beats[svc.index, :] = 0.0
+        with open(self.tmp / f"{svc.name}.log", "ab") as logf:
+            svc.popen = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--worker",
+                 str(self.tmp / f"{svc.name}.json")],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+                cwd=REPO,
+                start_new_session=True,  # Ctrl-C reaches the orchestrator, which stops them
+            )  # fmt: skip
+
+    def _wait_worker(self, svc: Service, timeout: float) -> None:
+        """Until the worker's ticker runs (its client is made)."""
+        assert self._beats is not None and svc.popen is not None
+        deadline = time.monotonic() + timeout
+        while not self._beats[svc.index, 0] > 0:
+            if svc.popen.poll() is not None:
+                raise RuntimeError(
+                    f"client {svc.name} exited at start:\n" + "\n".join(self._log_tail(svc, 30))
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"client {svc.name} not started in {timeout:.0f} s")
+            time.sleep(0.05)
+
+    # -- the run ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        seconds = self.args.minutes * 60
+        cooldown = (
+            self.args.cooldown if self.args.cooldown is not None else min(10.0, 0.25 * seconds)
+        )
+        self.load_start = time.monotonic()
+        self.load_end = self.load_start + seconds
+        self.quiet_from = self.load_end - cooldown / 2
+        faults_until = self.load_end - cooldown
+        self._monitor = threading.Thread(target=self._monitor_loop, name="monitor", daemon=True)
+        self._monitor.start()
+        log(
+            f"chaos: seed {self.seed}, {seconds:.0f} s ({cooldown:.0f} s without faults at the "
+            f"end), UCX_TLS={self.env.get('UCX_TLS', 'default')}, {len(self.workers)} clients x "
+            f"{self.args.tasks} tasks, {len(self._coordinators())} coordinators, "
+            f"{len(self._nodes())} nodes"
+        )
+        time.sleep(min(2.0, cooldown))  # some blocks stored before the first fault
+        while True:
+            self._restart_crashed()
+            wait = self.rng.uniform(1.0, 4.0)
+            if time.monotonic() + wait >= faults_until:
+                break
+            time.sleep(wait)
+            self._fault()
+        while time.monotonic() < self.load_end:
+            self._restart_crashed()
+            time.sleep(min(0.5, max(0.0, self.load_end - time.monotonic())))
+
+    def _choose(self) -> tuple[str, Service]:
+        pools: list[tuple[float, list[Service]]] = []
+        enabled = set(self.args.targets.split(","))
+        if "nodes" in enabled:
+            pools.append((0.45, self._nodes()))
+        if "coordinators" in enabled:
+            pools.append((0.25, self._coordinators()))
+        if "etcd" in enabled:
+            pools.append((0.15, [self.services["etcd"]]))
+        if "clients" in enabled:
+            pools.append((0.15, self.workers))
+        pools = [(w, p) for w, p in pools if p]
+        weights = [w for w, _ in pools]
+        group = self.rng.choices([p for _, p in pools], weights)[0]
+        svc = self.rng.choice(group)
+        kind = "stop" if self.rng.random() < 0.6 else "kill"
+        return kind, svc
+
+    def _fault(self) -> None:
+        kind, svc = self._choose()
+        pid = self.pid(svc)
+        if pid is None:
+            return
+        f = Fault(kind, svc.name, time.monotonic())
+        with self.lock:
+            self.faults.append(f)
+        if kind == "stop":
+            f.hold_s = self.rng.uniform(0.5, 5.0)
+            log(
+                f"[{self.rel(f.start):7.1f} s] fault #{len(self.faults)}: SIGSTOP "
+                f"{svc.name} for {f.hold_s:.1f} s"
+            )
+            span = [f.start, float("inf")]
+            if svc.kind == "client":  # its own calls and ticks are not what we measure
+                with self.lock:
+                    self.pauses[svc.index].append(span)
+            svc.stopped = True
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(f.hold_s)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+                svc.stopped = False
+            f.end = span[1] = time.monotonic()
+        else:
+            down = self.rng.uniform(0.0, 1.5)
+            log(
+                f"[{self.rel(f.start):7.1f} s] fault #{len(self.faults)}: kill -9 "
+                f"{svc.name}, restart after {down:.1f} s"
+            )
+            span = [f.start, float("inf")]
+            if svc.kind == "client":
+                with self.lock:
+                    self.pauses[svc.index].append(span)
+            svc.expected_down = True
+            self._kill(svc)
+            time.sleep(down)
+            self._restart(svc, f)
+            svc.expected_down = False
+            f.end = span[1] = time.monotonic()
+            f.hold_s = round(f.end - f.start, 3)
+        with self.lock:
+            self._pending.append(f)
+        threading.Thread(target=self._probe, args=(svc, f), daemon=True).start()
+
+    def _restart(self, svc: Service, f: Fault | None) -> None:
+        deadline = time.monotonic() + RESTART_FOR_S
+        while True:
+            if f is not None:
+                f.restart_attempts += 1
+            try:
+                self._start(svc)
+                return
+            except RuntimeError as e:
+                msg = str(e).splitlines()
+                if f is not None:
+                    f.restart_error = " | ".join(msg[-3:])[-400:]
+                if time.monotonic() > deadline:
+                    log(f"  restart of {svc.name} failed for {RESTART_FOR_S:.0f} s: {msg[-1:]}")
+                    return
+                time.sleep(0.5)
+
+    def _restart_crashed(self) -> None:
+        """A process that died without a fault is a defect: record it, restart it."""
+        for svc in list(self.services.values()):
+            if svc.kind == "client" and svc.crashed:
+                svc.crashed = False
+                self._restart(svc, None)
+                svc.expected_down = False
+                continue
+            if svc.expected_down or svc.kind == "client" or self.pid(svc) is not None:
+                continue
+            tail = self._log_tail(svc)
+            rc = None
+            if svc.kind == "etcd":
+                p = self.etcd._proc
+                rc = None if p is None else p.returncode
+            elif svc.proc is not None:
+                rc = svc.proc.popen.returncode
+            crash = {
+                "at_s": self.rel(time.monotonic()),
+                "target": svc.name,
+                "rc": rc,
+                "log_tail": tail,
+            }
+            log(f"[{crash['at_s']:7.1f} s] {svc.name} DIED on its own (rc {rc}); restarting")
+            for line in tail[-6:]:
+                log(f"    | {line}")
+            self.crashes.append(crash)
+            self._restart(svc, None)
+
+    def _probe(self, svc: Service, f: Fault) -> None:
+        """Time from the fault's end to the target answering /health (etcd: its own)."""
+        deadline = f.end + 60
+        while time.monotonic() < deadline and not self.done.is_set():
+            if svc.kind == "etcd":
+                ok = self.etcd.healthy()
+            elif svc.kind == "client":
+                ok = self._beats is not None and self._beats[svc.index, 0] > f.end
+            else:
+                try:
+                    url = f"http://127.0.0.1:{svc.http_port}/health"
+                    with urllib.request.urlopen(url, timeout=0.5) as r:
+                        ok = r.status == 200
+                except OSError:
+                    ok = False
+            if ok:
+                with self.lock:
+                    f.probe_s = round(time.monotonic() - f.end, 3)
+                break
+            time.sleep(0.05)
+        if svc.kind == "coordinator" and f.probe_s is not None:
+            asyncio.run(self._probe_index(svc, f, deadline))
+
+    async def _probe_index(self, svc: Service, f: Fault, deadline: float) -> None:
+        """Lookups sent to this coordinator alone until one hits a block stored lately
+        (its index is back): clients that failed over elsewhere never tell."""
+        from pegaflow.rpc import RpcClient
+
+        rpc = RpcClient([svc.address], timeout=1.0)
+        try:
+            while time.monotonic() < deadline and not self.done.is_set():
+                for h in list(self.tally.recent_puts[-8:]):
+                    with contextlib.suppress(Exception):
+                        res = await rpc.call("lookup", {"ns": NS, "hashes": [h], "shards": [0]})
+                        if res.get("hits"):
+                            with self.lock:
+                                f.index_s = round(time.monotonic() - f.end, 3)
+                            return
+                await asyncio.sleep(0.05)
+        finally:
+            await rpc.close()
+
+    # -- monitoring -----------------------------------------------------------------
+
+    def _monitor_loop(self) -> None:
+        next_progress = time.monotonic() + 10
+        prev = time.monotonic()
+        while not self.done.is_set():
+            lag = time.monotonic() - prev - 0.05
+            if prev and lag > self.tally.orchestrator_lag_ms / 1e3:
+                self.tally.orchestrator_lag_ms = lag * 1e3
+            self._sample_beats()
+            self._drain()
+            self._check_recoveries()
+            now = time.monotonic()
+            if now >= next_progress:
+                next_progress = now + 10
+                t = self.tally
+                log(
+                    f"[{self.rel(now):7.1f} s] ops {dict(t.ops)}, errors {sum(t.errors.values())}"
+                    f", wrong bytes {t.wrong_bytes}, late writes {t.late_writes}, max stall "
+                    f"{max(t.stall_by_kind.values(), default=0) * 1e3:.0f} ms, max freeze "
+                    f"{t.max_freeze_ms:.0f} ms"
+                )
+            prev = time.monotonic()
+            time.sleep(0.05)
+
+    def _paused(self, worker: int, t0: float, t1: float, margin: float = 0.2) -> bool:
+        with self.lock:
+            spans = [tuple(s) for s in self.pauses.get(worker, ())]
+        return any(t0 < e + margin and t1 > s - margin for s, e in spans)
+
+    def _worker_stopped(self, worker: int) -> bool:
+        return self.workers[worker].stopped
+
+    def _sample_beats(self) -> None:
+        beats = self._beats
+        if beats is None:
+            return
+        now = time.monotonic()
+        t = self.tally
+        for w in range(beats.shape[0]):
+            if self._worker_stopped(w) or self._paused(w, now - 0.3, now):
+                continue
+            svc = self.workers[w]
+            if svc.popen is None or svc.popen.poll() is not None:
+                if svc.popen is not None and not self.stopping and not svc.expected_down:
+                    svc.expected_down = svc.crashed = True  # reported once, then restarted
+                    crash = {
+                        "at_s": self.rel(now),
+                        "target": svc.name,
+                        "rc": svc.popen.returncode,
+                        "log_tail": self._log_tail(svc),
+                    }
+                    log(f"[{crash['at_s']:7.1f} s] client {svc.name} DIED (rc {crash['rc']})")
+                    for line in crash["log_tail"][-6:]:
+                        log(f"    | {line}")
+                    self.crashes.append(crash)
+                continue
+            last = beats[w, 0]
+            if last > 0:
+                gap = (now - last - TICK_S) * 1e3
+                t.max_beat_gap_ms = max(t.max_beat_gap_ms, gap)
+            for k in range(self.args.tasks):
+                dl = beats[w, 1 + 2 * k]
+                if dl > 0 and now - dl > t.inflight_overdue.get("overdue_ms", 0) / 1e3:
+                    kind = KIND_NAMES.get(float(beats[w, 2 + 2 * k]), "?")
+                    t.inflight_overdue = {
+                        "overdue_ms": round((now - dl) * 1e3),
+                        "kind": kind,
+                        "worker": f"w{w}",
+                        "t0": dl - DEADLINES_S.get(kind, 0.0),
+                        "t1": now,
+                    }
+
+    def _faults_at(self, t0: float, t1: float) -> list[str]:
+        """The faults under way between ``t0`` and ``t1`` (or ended less than 3 s before)."""
+        with self.lock:
+            faults = list(self.faults)
+        out = [
+            f"#{i + 1} {f.kind} {f.target}"
+            for i, f in enumerate(faults)
+            if f.start <= t1 and (f.end or t1) + 3.0 >= t0
+        ]
+        return out[-4:]
+
+    def _annotate(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """``rec`` with its times made relative, the faults under way, and the fault
+        whose end (SIGCONT, restart) came within 150 ms of its own end, if any: a call
+        or a loop released the moment a hung peer resumed was waiting on that peer."""
+        out = {k: v for k, v in rec.items() if k not in ("t0", "t1")}
+        t0, t1 = rec["t0"], rec["t1"]
+        out["at_s"] = self.rel(t0)
+        out["during"] = self._faults_at(t0, t1)
+        with self.lock:
+            faults = list(self.faults)
+        for i, f in enumerate(faults):
+            if f.end and abs(t1 - f.end) < 0.15:
+                out["released_by"] = f"#{i + 1} {f.kind} {f.target}"
+        return out
+
+    def _drain(self) -> None:
+        for w in range(len(self.workers)):
+            path = self.tmp / f"w{w}.jsonl"
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(self._offsets.get(w, 0))
+                    data = fh.read()
+            except OSError:
+                continue
+            end = data.rfind(b"\n") + 1
+            self._offsets[w] = self._offsets.get(w, 0) + end
+            for line in data[:end].splitlines():
+                try:
+                    self._fold(w, json.loads(line))
+                except (ValueError, KeyError, TypeError):
+                    continue
+
+    def _fold(self, w: int, ev: dict[str, Any]) -> None:
+        t = self.tally
+        e = ev.get("e")
+        if e == "op":
+            self._fold_op(w, ev)
+        elif e == "bad":
+            n, when = int(ev["n"]), float(ev["t"])
+            ev = {k: v for k, v in ev.items() if k not in ("e", "t")}
+            ev.update(worker=f"w{w}", t0=when - 6.0, t1=when)
+            if ev["where"] == "return":
+                t.wrong_bytes += n
+            else:
+                t.late_writes += n
+                t.wrong_bytes += int(ev.get("verified", 0))
+            t.bad_events.append(ev)
+            log(
+                f"[{self.rel(ev['t1']):7.1f} s] !! {n} block(s) with wrong bytes ({ev['where']})"
+                f" in w{w}, after {self._faults_at(ev['t0'], ev['t1'])}"
+            )
+        elif e == "freeze":
+            if self._paused(w, ev["t"] - ev["ms"] / 1e3, ev["t"], margin=0.5):
+                return
+            t.max_freeze_ms = max(t.max_freeze_ms, ev["ms"])
+            if ev["ms"] >= STALL_LIMIT_S * 1e3 and len(t.freezes) < 50:
+                t.freezes.append(
+                    {
+                        "worker": f"w{w}",
+                        "ms": ev["ms"],
+                        "t0": ev["t"] - ev["ms"] / 1e3,
+                        "t1": ev["t"],
+                    }
+                )
+
+    def _fold_op(self, w: int, ev: dict[str, Any]) -> None:
+        t = self.tally
+        kind, t0, t1, err = ev["k"], ev["t0"], ev["t1"], ev["err"]
+        t.ops[kind] += 1
+        if err is not None:
+            key = f"{kind}:{err.split(':')[0] if err.startswith('untyped') else err}"
+            if err.startswith("untyped") and not t.errors[key]:
+                log(f"  !! untyped error from the client ({kind}): {err}")
+            t.errors[key] += 1
+            t.error_times.append((t1, key, ev["tg"]))
+        paused = self._paused(w, t0, t1)
+        if paused:
+            t.excluded_calls += 1
+        else:
+            stall = t1 - (t0 + ev["dl"])
+            t.stall_by_kind[kind] = max(t.stall_by_kind.get(kind, 0.0), stall)
+            t.slowest[kind] = max(t.slowest.get(kind, 0.0), t1 - t0)
+            if stall >= STALL_LIMIT_S and len(t.stalls) < 200:
+                t.stalls.append(
+                    {
+                        "kind": kind,
+                        "target": ev["tg"] or ",".join(ev.get("nodes", {})),
+                        "stall_ms": round(stall * 1e3),
+                        "worker": f"w{w}",
+                        "err": err,
+                        "t0": t0,
+                        "t1": t1,
+                    }
+                )
+        if err is None:
+            t.ok_times[f"w{w}"].append(t1)
+        if kind == "put":
+            t.blocks["put_stored"] += ev.get("n", 0)
+            if err is None:
+                t.ok_times[ev["tg"]].append(t1)
+                if ev.get("n") and ev.get("h"):
+                    t.recent_puts.append(bytes.fromhex(ev["h"]))
+                    del t.recent_puts[:-16]
+        elif kind == "lookup":
+            t.blocks["lookup_hits"] += ev.get("hits", 0)
+            if err is None:
+                t.ok_times[ev["tg"]].append(t1)
+                if ev.get("hits"):
+                    t.fresh_hits.append((ev["pt"], t1))
+        elif kind == "get":
+            for node, (asked, good) in ev.get("nodes", {}).items():
+                t.blocks["get_ok"] += good
+                t.blocks["get_miss"] += asked - good
+                if good:
+                    t.ok_times[node].append(t1)
+
+    def _recovery(self, f: Fault, tail: int | None = None) -> float | None:
+        """First successful op against the fault's target after the fault ended (only
+        among the last ``tail`` successes of that target, for the live check)."""
+        t = self.tally
+        if f.target == "etcd":
+            pairs = t.fresh_hits if tail is None else t.fresh_hits[-tail:]
+            after = [t1 for pt, t1 in pairs if pt >= f.end]
+        else:
+            svc = self.services[f.target]
+            times = t.ok_times.get(svc.address if svc.kind == "coordinator" else f.target, [])
+            after = [x for x in (times if tail is None else times[-tail:]) if x >= f.end]
+        return round(min(after) - f.end, 3) if after else None
+
+    def _check_recoveries(self) -> None:
+        with self.lock:
+            pending = list(self._pending)
+        now = time.monotonic()
+        for f in pending:
+            r = self._recovery(f, tail=5000)
+            late = now - f.end
+            coordinator = self.services[f.target].kind == "coordinator"
+            if late < 60 and (
+                f.probe_s is None or (r is None and not (coordinator and f.index_s is not None))
+            ):
+                continue
+            f.recover_s = r
+            with self.lock:
+                self._pending.remove(f)
+            i = self.faults.index(f) + 1
+            probe = "-" if f.probe_s is None else f"{f.probe_s:.2f} s"
+            what = "none" if r is None else f"{r:.2f} s"
+            if coordinator and r is None:
+                what += " (its clients failed over elsewhere)"
+            index = f", its lookups hit again {f.index_s:.2f} s" if f.index_s is not None else ""
+            log(
+                f"[{self.rel(now):7.1f} s]   fault #{i} ({f.kind} {f.target}): first good op "
+                f"{what} after it ended, /health {probe}{index}"
+            )
+
+    # -- the end ----------------------------------------------------------------------
+
+    def stop_workers(self) -> None:
+        self.stopping = True
+        for w in self.workers:
+            if w.popen is not None and w.popen.poll() is None:
+                w.popen.send_signal(signal.SIGTERM)
+        grace = time.monotonic() + TRANSFER_DEADLINE_S + STALL_LIMIT_S + 8.0
+        for w in self.workers:
+            assert w.popen is not None
+            try:
+                w.popen.wait(max(0.1, grace - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.hung_workers.append(w.name)
+                log(f"  !! client {w.name} did not stop within its deadlines: killed")
+                w.popen.kill()
+                w.popen.wait(10)
+            if w.popen.returncode != 0 and not w.expected_down and w.name not in self.hung_workers:
+                self.crashes.append(
+                    {"target": w.name, "rc": w.popen.returncode, "log_tail": self._log_tail(w)}
+                )
+
+    def scan_logs(self) -> None:
+        """Count the lines of each process's log that speak of a failure."""
+        for svc in self.services.values():
+            if svc.kind == "etcd":
+                continue
+            lines = (
+                self._log_tail(svc, 10**6) if svc.kind == "client" else self._log_tail(svc, 5000)
+            )
+            hits: Counter[str] = Counter()
+            for line in lines:
+                for pattern in LOG_PATTERNS:
+                    if pattern in line:
+                        hits[pattern] += 1
+            if hits:
+                self.log_findings[svc.name] = dict(hits)
+
+    def finish(self) -> None:
+        """Stop monitoring (after a last read of the events)."""
+        self.done.set()
+        if self._monitor is not None:
+            self._monitor.join(5)
+        self._drain()
+        with self.lock:
+            pending = list(self._pending)
+        for f in pending:
+            f.recover_s = self._recovery(f)
+
+    def cleanup(self) -> None:
+        """Every process killed (stopped ones too), every temporary directory removed."""
+        for svc in self.services.values():
+            pid = self.pid(svc)
+            if pid is not None:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGCONT)
+        for w in self.workers:
+            if w.popen is not None and w.popen.poll() is None:
+                w.popen.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    w.popen.wait(10)
+        for svc in self.services.values():
+            if svc.kind in ("coordinator", "node") and svc.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    svc.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.etcd.kill()
+        if self.args.keep:
+            for svc in self.services.values():
+                if svc.proc is not None:
+                    (self.tmp / f"{svc.name}.log").write_text("\n".join(svc.proc.log) + "\n")
+            log(f"kept {self.tmp} (events, logs; the pools in {self.shm} are removed)")
+        else:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        shutil.rmtree(self.shm, ignore_errors=True)
+
+    def report(self) -> dict[str, Any]:
+        t = self.tally
+        stall_s = max(t.stall_by_kind.values(), default=0.0)
+        stall_s = max(stall_s, t.inflight_overdue.get("overdue_ms", 0) / 1e3)
+        quiet = Counter(f"{k}@{tg}" for when, k, tg in t.error_times if when >= self.quiet_from)
+        failed = []
+        if t.wrong_bytes:
+            failed.append(f"wrong_bytes {t.wrong_bytes}")
+        if t.late_writes:
+            failed.append(f"late_writes {t.late_writes}")
+        if stall_s >= STALL_LIMIT_S:
+            failed.append(f"max_stall_ms {stall_s * 1e3:.0f} >= {STALL_LIMIT_S * 1e3:.0f}")
+        if self.error:
+            failed.append(self.error)
+        end = self.load_end if self.load_end and not self.interrupted else time.monotonic()
+        return {
+            "ok": not failed and not self.interrupted,
+            "failed": failed,
+            "interrupted": self.interrupted,
+            "duration_s": round(end - self.load_start, 1) if self.load_start else 0.0,
+            "seed": self.seed,
+            "tls": self.env.get("UCX_TLS", "default"),
+            "clients": {"workers": len(self.workers), "tasks": self.args.tasks},
+            "cluster": {
+                "coordinators": len(self._coordinators()),
+                "nodes": len(self._nodes()),
+                "pool": self.args.pool,
+                "slab": self.args.slab,
+                "block_bytes": self.args.block_kib << 10,
+                "batch": self.args.batch,
+            },
+            "deadlines_s": DEADLINES_S,
+            "ops": dict(t.ops),
+            "blocks": dict(t.blocks),
+            "errors": dict(t.errors),
+            "errors_after_faults": dict(quiet),
+            "wrong_bytes": t.wrong_bytes,
+            "late_writes": t.late_writes,
+            "bad_events": [self._annotate(e) for e in t.bad_events[:20]],
+            "max_stall_ms": round(stall_s * 1e3),
+            "stall_by_kind_ms": {k: round(v * 1e3) for k, v in t.stall_by_kind.items()},
+            "slowest_call_ms": {k: round(v * 1e3) for k, v in t.slowest.items()},
+            "stalls_over_limit": len(t.stalls),
+            "worst_stalls": [
+                self._annotate(s) for s in sorted(t.stalls, key=lambda s: -s["stall_ms"])[:8]
+            ],
+            "worst_inflight": self._annotate(t.inflight_overdue) if t.inflight_overdue else None,
+            "max_loop_freeze_ms": round(t.max_freeze_ms),
+            "max_heartbeat_gap_ms": round(t.max_beat_gap_ms),
+            "freezes_over_limit": [self._annotate(f) for f in t.freezes[:12]],
+            "calls_of_paused_clients": t.excluded_calls,
+            "machine": {
+                "orchestrator_lag_ms": round(t.orchestrator_lag_ms),
+                "loadavg_start": self.loadavg_start,
+                "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+            },
+            "faults": [
+                {
+                    "kind": f.kind,
+                    "target": f.target,
+                    "at_s": self.rel(f.start),
+                    "for_s": round(f.hold_s, 2),
+                    "recover_s": f.recover_s,
+                    "health_s": f.probe_s,
+                    **(
+                        {"index_s": f.index_s}
+                        if self.services[f.target].kind == "coordinator"
+                        else {}
+                    ),
+                    "errors": dict(
+                        Counter(k for when, k, _ in t.error_times if f.start <= when <= f.end + 3)
+                    ),
+                    **({"restarts": f.restart_attempts} if f.restart_attempts > 1 else {}),
+                    **({"restart_error": f.restart_error} if f.restart_error else {}),
+                }
+                for f in self.faults
+            ],
+            "crashes": self.crashes,
+            # SIGKILL from outside: the OOM killer of a shared machine, say (figures suspect)
+            "killed_from_outside": [c["target"] for c in self.crashes if c["rc"] == -9],
+            "hung_clients": self.hung_workers,
+            "log_findings": self.log_findings,
+            "pids": self.pids,
+            "dirs": [str(self.tmp), str(self.shm)],
+        }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--minutes", type=float, default=2.0, help="length of the run")
+    ap.add_argument("--seed", type=int, default=None, help="fault and load schedule (random)")
+    ap.add_argument(
+        "--tls",
+        choices=("default", "tcp"),
+        default="default",
+        help="UCX transports of nodes, coordinators and clients: UCX's own choice, or "
+        "UCX_TLS=tcp (a hung peer over TCP is what froze event loops)",
+    )
+    ap.add_argument("--workers", type=int, default=3, help="client processes")
+    ap.add_argument("--tasks", type=int, default=2, help="concurrent op loops per client")
+    ap.add_argument("--coordinators", type=int, default=3)
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--pool", default="64MiB", help="pool of each node")
+    ap.add_argument("--slab", default="4MiB", help="slab of each node")
+    ap.add_argument("--block-kib", type=int, default=BLOCK_KIB, help="block size (KiB)")
+    ap.add_argument("--batch", type=int, default=BATCH, help="blocks per put or get")
+    ap.add_argument("--think-ms", type=float, default=20.0, help="pause between two ops")
+    ap.add_argument(
+        "--cooldown",
+        type=float,
+        default=None,
+        help="seconds without faults at the end (default: a quarter of the run, at most 10)",
+    )
+    ap.add_argument(
+        "--targets",
+        default=",".join(TARGETS),
+        help=f"comma-separated processes to fault, of {','.join(TARGETS)}",
+    )
+    ap.add_argument(
+        "--keep", action="store_true", help="keep the events and logs (temporary directory)"
+    )
+    ap.add_argument("--worker", metavar="CONFIG", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker_main(args.worker)
+        return 0
+    if not set(args.targets.split(",")) <= set(TARGETS):
+        ap.error(f"--targets: choose among {','.join(TARGETS)}")
+
+    def interrupt(_sig: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)
+    chaos = Chaos(args)
+    rc = 0
+    try:
+        try:
+            chaos.start_cluster()
+            chaos.start_workers()
+        except RuntimeError as e:
+            chaos.error = f"cluster did not start: {str(e)[:2000]}"
+            log(chaos.error)
+            rc = 2
+        else:
+            chaos.run()
+            chaos.stop_workers()
+    except KeyboardInterrupt:
+        chaos.interrupted = True
+        log("interrupted: cleaning up")
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        chaos.finish()
+        chaos.scan_logs()
+        chaos.cleanup()
+    report = chaos.report()
+    print(json.dumps(report), flush=True)
+    if chaos.interrupted:
+        return 130
+    return rc or (0 if report["ok"] else 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
