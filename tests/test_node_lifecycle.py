@@ -45,14 +45,6 @@ def shm_dir() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for p in started:
-        p.kill()
-
-
 def http_json(port: int | str, path: str) -> tuple[int, dict[str, Any]]:
     """Status code and JSON body of ``GET http://127.0.0.1:<port><path>``."""
     try:

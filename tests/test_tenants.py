@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import secrets
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -26,14 +25,6 @@ from tests.test_cluster import BLOCK, RawConn, blocks, wait_for
 
 TENANTS = "acme=a-secret,globex=g-secret"
 POOL = 32 << 20  # 128 blocks of BLOCK
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for p in started:
-        p.kill()
 
 
 def tenant_node(procs: list[Proc], name: str, *extra: str, pool: int = POOL) -> Proc:
