@@ -213,9 +213,11 @@ class WorkerSide:
         self._step = StepTimer()
         """times forward passes for the cost model"""
         self._queued_saves = 0
-        """blocks of save jobs queued and not yet started"""
+        """blocks of save jobs queued or being copied out, not yet sent"""
         self._inflight_saves = 0
         """blocks handed to puts (or same-host commits) not yet answered"""
+        self._moved = 0
+        """blocks of the running save job already sent (the save thread's own count)"""
         self._last_drop_log = -1e9
         self._lock = threading.Condition()
         self._loading: dict[str, int] = {}
@@ -820,9 +822,18 @@ class WorkerSide:
                 why,
             )
 
-    def _run_save_safe(self, ns: str, job: SaveJob, marker: Any) -> None:
+    def _sent(self, n: int) -> None:
+        """``n`` blocks of the running save job went from queued to in flight."""
         with self._lock:
-            self._queued_saves -= len(job.hashes)
+            self._queued_saves -= n
+            self._inflight_saves += n
+            self._moved += n
+
+    def _run_save_safe(self, ns: str, job: SaveJob, marker: Any) -> None:
+        # the job's blocks count as queued until each chunk is sent (then in flight) or
+        # the job ends: a save being copied out is never uncounted (shutdown's books)
+        with self._lock:
+            self._moved = 0
         try:
             with telemetry.span(
                 "pegaflow.connector.save", parent=telemetry.request_context(job.req_id)
@@ -835,6 +846,7 @@ class WorkerSide:
                 logger.exception("PegaFlow: save of %s failed", job.req_id)
         finally:
             with self._lock:
+                self._queued_saves -= len(job.hashes) - self._moved
                 left = self._pending_gathers.get(job.req_id, 1) - 1
                 if left > 0:
                     self._pending_gathers[job.req_id] = left
@@ -883,8 +895,7 @@ class WorkerSide:
                 self._drop([SaveJob(job.req_id, [], hashes)], f"{type(e).__name__}: {e}")
                 raise
             started = time.monotonic()
-            with self._lock:
-                self._inflight_saves += len(hashes)
+            self._sent(len(hashes))
             fut.add_done_callback(
                 lambda f, buf=buf, hashes=hashes, started=started: self._put_done(
                     f, buf, hashes, started
@@ -909,8 +920,7 @@ class WorkerSide:
                 fut = concurrent.futures.Future()
                 fut.set_exception(e)
             self.counters.add("copy_seconds", time.monotonic() - t0)
-            with self._lock:
-                self._inflight_saves += len(hashes)
+            self._sent(len(hashes))
             fut.add_done_callback(
                 lambda f, hashes=hashes, t0=t0: self._local_commit_done(f, hashes, t0)
             )
