@@ -27,7 +27,8 @@ request; this host's pool, declined, has its next hit claimed all the same, at m
 every :data:`PROBE_INTERVAL_S` (a same-host load has no cheaper probe).  A source's
 first load in each worker is not learned from: it pays one-off set-up (mapping and
 pinning the pool, connecting, compiling kernels; 0.5-2.2 s on the H200, 2026-12-01), and
-a single sample counts for at most :data:`SPIKE` times the estimate.
+a single slow sample counts for at most :data:`SPIKE` times the estimate (two in a row
+count in full).
 
 Each estimate (:class:`LinearCost`) is ``time = fixed + size / rate``, both learned from
 every measured load (or step) with exponential forgetting, so a source that turns slow
@@ -54,9 +55,10 @@ PROBE_INTERVAL_S = 30.0
 PROBE_BYTES = 64 << 20
 """most bytes one probe fetches"""
 SPIKE = 2.0
-"""a sample counts as at most this many times the current estimate: one stall (a page
-fault storm, a GC pause) moves an estimate by 2x, not to a decline; a source that
-stays slow gets there in a few samples"""
+"""a sample over this many times the current estimate counts as only that much, unless
+the sample before it was over too: one stall (a page fault storm, a GC pause) does not
+turn a source into a decline, a source that stays slow is taken at its word from its
+second slow sample on"""
 MIN_PREFILL_TOKENS = 256
 """steps of at least this many tokens teach the time per prefilled token; smaller ones
 (decodes, short prefills, dominated by each step's fixed cost and by reading the
@@ -106,6 +108,8 @@ class LinearCost:
         self._per_unit = self._B
         self.samples = 0
         self.last_at = -math.inf
+        self._spiked = False
+        """the last sample was over SPIKE times the estimate"""
 
     @property
     def rate(self) -> float:
@@ -120,7 +124,11 @@ class LinearCost:
         """Learn from one measured operation."""
         if not (math.isfinite(size) and math.isfinite(seconds)) or size <= 0 or seconds < 0:
             return
-        seconds = min(seconds, SPIKE * self.estimate(size))
+        cap = SPIKE * self.estimate(size)
+        if seconds > cap and not self._spiked:
+            self._spiked, seconds = True, cap
+        else:
+            self._spiked = seconds > cap
         d = self._decay
         # relative errors, by the prior's time for this size: samples of one size weigh
         # the same whatever they measured, so a slowdown shows as fast as a speed-up

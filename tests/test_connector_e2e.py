@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,7 +41,8 @@ D = prompts(2, 300, seed=4)  # two engines at once
 F = prompts(2, 260, seed=5)  # node killed after lookup
 G = prompts(2, 150, seed=6)  # whole cluster down
 H = prompts(2, 230, seed=7)  # TP=2
-ALL = {"A": A, "A2": A2, "B": B, "D": D, "F": F, "G": G, "H": H}
+S = prompts(10, 200, seed=8)  # loaded from a node made slow
+ALL = {"A": A, "A2": A2, "B": B, "D": D, "F": F, "G": G, "H": H, "S": S}
 
 
 class Cluster:
@@ -220,6 +223,52 @@ def test_two_engines_at_once_share_blocks(
     assert st.get("load_failed_blocks", 0) == 0
 
 
+class _Throttle:
+    """Makes a process slow for real: stopped 490 ms of every 500 (a node on an
+    overloaded host, or behind a congested link, answers like that)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            os.kill(self.pid, signal.SIGSTOP)
+            time.sleep(0.49)
+            os.kill(self.pid, signal.SIGCONT)
+            time.sleep(0.01)
+
+    def end(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        os.kill(self.pid, signal.SIGCONT)
+
+
+def test_a_slow_node_is_declined_and_outputs_stay_correct(
+    cluster: Cluster, reference: Any, engines: Any, workdir: Path
+) -> None:
+    """Engine 2 (node n2) loads S, stored on n1, one request at a time while n1 is made
+    slow: the cost model measures the loads and, once they are slower than computing
+    the prompts, declines n1's hits (vLLM computes them); every output stays correct."""
+    e2, e3 = engines["e2"], engines["e3"]
+    s2, s3 = str(workdir / "e2"), str(workdir / "e3")
+    r = e3.generate(S, MAX_TOKENS)  # e3 (node n1) computes and saves S on n1
+    assert r["outputs"] == reference["S"]
+    wait_stats(s3, lambda s: s.get("save_blocks", 0) >= 18 + 10 * 6, engine=e3)  # D, S
+    before = stats(s2).get("cost_declined", 0)
+    slow = _Throttle(cluster.nodes["n1"].pid)
+    try:
+        for i, p in enumerate(S):
+            r = e2.generate([p], MAX_TOKENS)
+            assert r["outputs"] == [reference["S"][i]]
+    finally:
+        slow.end()
+    st = wait_stats(s2, lambda s: s.get("cost_declined", 0) > before, engine=e2)
+    assert st.get("cost_declined", 0) > before
+
+
 def test_three_keys_against_a_default_server_use_the_same_host_path(
     reference: Any, engines: Any, workdir: Path
 ) -> None:
@@ -268,7 +317,7 @@ def test_node_lost_after_lookup_recomputes(
     s2 = str(workdir / "e2")
     r = e3.generate(F, MAX_TOKENS)
     assert r["outputs"] == reference["F"]
-    wait_stats(str(workdir / "e3"), lambda s: s.get("save_blocks", 0) >= 18 + 2 * 8)
+    wait_stats(str(workdir / "e3"), lambda s: s.get("save_blocks", 0) >= 18 + 10 * 6 + 2 * 8)
     before = stats(s2).get("load_failed_blocks", 0)
     cluster.nodes["n1"].kill()
     r = e2.generate(F, MAX_TOKENS)
