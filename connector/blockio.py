@@ -69,6 +69,29 @@ class _Layer:
     """kernel blocks per vLLM block (1 unless the backend splits blocks)"""
 
 
+@dataclass(frozen=True)
+class CopyIn:
+    """One load of :meth:`KVBlockIO.copy_in_many`: block ``i`` from
+    ``host[offsets[i]:][:block_bytes]`` into KV block ``block_ids[i]`` of every layer.
+
+    ``host`` is a flat uint8 CPU tensor; ``mapped``: it is pinned and visible to the
+    device; ``digest``: also compute each block's :meth:`KVBlockIO.digest`
+    (``Transfer.digests``); ``piece``: ``host`` was pinned in pieces of this many bytes
+    (0: whole), and a 2-D copy never spans two.
+    """
+
+    host: torch.Tensor
+    offsets: Sequence[int]
+    block_ids: Sequence[int]
+    mapped: bool = False
+    digest: bool = False
+    piece: int = 0
+
+
+class _Refused2D(Exception):
+    """The driver refused a 2-D copy (``copy_in_many`` then falls back to the kernel)."""
+
+
 class KVBlockIO:
     """Gather / scatter whole blocks of every layer of one rank's KV cache.
 
@@ -299,79 +322,146 @@ class KVBlockIO:
         piece: int = 0,
     ) -> Transfer:
         """Copy block ``i`` from ``host[offsets[i]:][:block_bytes]`` into KV block
-        ``block_ids[i]`` of every layer.
+        ``block_ids[i]`` of every layer: one :class:`CopyIn` of :meth:`copy_in_many`."""
+        return self.copy_in_many([CopyIn(host, offsets, block_ids, mapped, digest, piece)], mode)[0]
 
-        ``host`` is a flat uint8 CPU tensor; ``mapped``: it is pinned and visible to the
-        device.  On CUDA the copies are queued on the connector's stream and the
-        returned :class:`Transfer` has an event per layer; on the CPU they are done on
-        return.  ``digest``: also compute each block's :meth:`digest`
-        (``Transfer.digests``).
+    def copy_in_many(self, loads: Sequence[CopyIn], mode: str = "auto") -> list[Transfer]:
+        """Queue several loads at once (e.g. every layer-wise load of one step), one
+        :class:`Transfer` each.
+
+        On CUDA the copies are queued on the connector's stream *layer-major*: layer
+        ``k`` of every load before layer ``k + 1`` of any, with one event per layer
+        shared by all the loads.  A forward pass that waits for layer ``k`` of all its
+        requests then waits for ``k + 1`` layers' worth of the bytes, not for every
+        earlier request's whole prefix (a batch of eight 10,000-token hits: its first
+        layer could start after 7/8 of all the copies).  On the CPU the copies are done
+        on return.
 
         ``mode`` (pinned memory, tile layouts): ``dma2d`` moves each layer's tiles with
         the copy engines, one 2-D copy per run of blocks that are consecutive both in
         ``host`` and in the cache (a prefix saved at once usually is), and a read-only
         kernel computes the digests behind them; ``kernel`` has the SMs copy every tile
-        and sum the digests on the way; ``auto`` takes ``dma2d`` when runs average at
-        least :data:`_MIN_RUN` blocks (falling back to the kernel for good if a 2-D copy
-        is refused), else ``kernel``.  Otherwise (or ``mode="dma"``)
-        blocks go through a device staging buffer.  ``piece``: ``host`` was pinned in
-        pieces of this many bytes (0: whole); a 2-D copy never spans two.
+        and sum the digests on the way; ``auto`` takes ``dma2d`` for a load whose runs
+        average at least :data:`_MIN_RUN` blocks (falling back to the kernel for good
+        if a 2-D copy is refused), else ``kernel``.  Otherwise (or ``mode="dma"``)
+        blocks go through a device staging buffer, all layers at once.
         """
-        self._check_ids(block_ids)
-        n = len(block_ids)
-        if n == 0 or self.is_cpu:
-            if n:
-                bb = self.block_bytes
-                rows = torch.stack([host[o : o + bb] for o in offsets])
-                self._scatter_rows(torch.tensor(list(block_ids), dtype=torch.long), rows)
-            sums = self.digest(block_ids) if digest and n else None
-            return Transfer([], None, sums)
+        for ld in loads:
+            self._check_ids(ld.block_ids)
+        if self.is_cpu:
+            return [self._copy_in_cpu(ld) for ld in loads]
+        ways = [self._way(ld, mode) for ld in loads]
+        try:
+            return self._copy_in_layers(loads, ways)
+        except _Refused2D as e:  # the copies queued so far are redone by the kernel
+            if mode == "dma2d":
+                raise RuntimeError(str(e)) from e
+            self._dma2d_ok = False
+            logger.warning("PegaFlow: 2-D copies failed (%s); loads use the tile kernel", e)
+            return self.copy_in_many(loads, mode)
+
+    def _copy_in_cpu(self, ld: CopyIn) -> Transfer:
+        n = len(ld.block_ids)
+        if n:
+            bb = self.block_bytes
+            rows = torch.stack([ld.host[o : o + bb] for o in ld.offsets])
+            self._scatter_rows(torch.tensor(list(ld.block_ids), dtype=torch.long), rows)
+        return Transfer([], None, self.digest(ld.block_ids) if ld.digest and n else None)
+
+    def _way(self, ld: CopyIn, mode: str) -> tuple[str, list[tuple[int, int, int]]]:
+        """How :meth:`copy_in_many` moves one load: ``("2d", runs)``, ``("kernel", [])``,
+        ``("dma", [])`` or ``("none", [])`` (no blocks)."""
+        n = len(ld.block_ids)
+        if n == 0:
+            return "none", []
+        if mode == "dma" or not self._use_kernel(ld.host, ld.offsets, ld.mapped):
+            return "dma", []
+        if (mode == "dma2d" or (mode == "auto" and self._dma2d_ok)) and tilecopy.dma2d_available():
+            runs = self._runs(ld.offsets, ld.block_ids, ld.piece)
+            if mode == "dma2d" or len(runs) * _MIN_RUN <= n:
+                return "2d", runs
+        return "kernel", []
+
+    def _copy_in_layers(
+        self, loads: Sequence[CopyIn], ways: list[tuple[str, list[tuple[int, int, int]]]]
+    ) -> list[Transfer]:
+        """:meth:`copy_in_many` on CUDA: the staging-buffer loads first (all layers at
+        once), then per layer every other load's tiles (2-D copies or the tile kernel),
+        an event, and the 2-D loads' digest kernels behind it on the check stream."""
+        sums: list[torch.Tensor | None] = [None] * len(loads)
+        ids: list[dict[int, torch.Tensor]] = [{} for _ in loads]
+        srcs: list[tuple[Any, torch.Tensor]] = [(None, torch.empty(0))] * len(loads)
+        checked = False
         events: list[Any] = []
-        sums = None
-        runs = (
-            self._runs(offsets, block_ids, piece)
-            if (mode == "dma2d" or (mode == "auto" and self._dma2d_ok))
-            and self._use_kernel(host, offsets, mapped)
-            and tilecopy.dma2d_available()
-            else None
-        )  # fmt: skip
-        if runs is not None and (mode == "dma2d" or len(runs) * _MIN_RUN <= n):
-            try:
-                return self._copy_in_2d(host, offsets, block_ids, runs, digest)
-            except RuntimeError as e:  # the copies queued so far are redone below
-                if mode == "dma2d":
-                    raise
-                self._dma2d_ok = False
-                logger.warning("PegaFlow: 2-D copies failed (%s); loads use the tile kernel", e)
+        handle = self._stream.cuda_stream
         with torch.cuda.stream(self._stream):
-            if mode != "dma" and self._use_kernel(host, offsets, mapped):
-                src = tilecopy.RawPointer(host.data_ptr())
-                src_off = tilecopy.offsets_tensor(offsets, self.device)
-                dst_off = self._tile_offsets(block_ids)
-                if digest:
-                    sums = torch.zeros(n, dtype=torch.int64, device=self.device)
-                for layer, off in zip(self.layers, self._offsets, strict=True):
-                    assert layer.raw is not None
-                    tilecopy.copy_tiles(
-                        src,
-                        src_off,
-                        layer.raw,
-                        dst_off[layer.tile_bytes],
-                        layer.tile_bytes,
-                        self._digest_args(off, layer.tile_bytes, sums),
-                        src_shift=off,
+            for j, (ld, (way, _)) in enumerate(zip(loads, ways, strict=True)):
+                if way == "none":
+                    continue
+                if way == "dma":
+                    self._copy_in_dma(ld.host, ld.offsets, ld.block_ids)
+                    sums[j] = self._digest(ld.block_ids) if ld.digest else None
+                    continue
+                ids[j] = self._tile_offsets(ld.block_ids)
+                if ld.digest:
+                    sums[j] = torch.zeros(len(ld.block_ids), dtype=torch.int64, device=self.device)
+                if way == "kernel":
+                    srcs[j] = (
+                        tilecopy.RawPointer(ld.host.data_ptr()),
+                        tilecopy.offsets_tensor(ld.offsets, self.device),
                     )
-                    ev = torch.cuda.Event()
-                    ev.record(self._stream)
-                    events.append(ev)
-            else:
-                self._copy_in_dma(host, offsets, block_ids)
-                if digest:
-                    sums = self._digest(block_ids)
+                elif ld.digest:
+                    checked = True
+                    for t in (sums[j], *ids[j].values()):
+                        assert t is not None
+                        t.record_stream(self._check_stream)
+            for layer, off in zip(self.layers, self._offsets, strict=True):
+                assert layer.raw is not None
+                tb = layer.tile_bytes
+                dst0 = layer.raw.data_ptr()
+                for j, (ld, (way, runs)) in enumerate(zip(loads, ways, strict=True)):
+                    if way == "2d":
+                        base = ld.host.data_ptr()
+                        for i, m, pitch in runs:
+                            try:
+                                tilecopy.copy_2d(
+                                    dst0 + ld.block_ids[i] * tb, tb, base + ld.offsets[i] + off,
+                                    pitch or tb, tb, m, handle,
+                                )  # fmt: skip
+                            except RuntimeError as e:
+                                raise _Refused2D(str(e)) from e
+                    elif way == "kernel":
+                        src, src_off = srcs[j]
+                        tilecopy.copy_tiles(
+                            src, src_off, layer.raw, ids[j][tb], tb,
+                            self._digest_args(off, tb, sums[j]), src_shift=off,
+                        )  # fmt: skip
                 ev = torch.cuda.Event()
                 ev.record(self._stream)
-                events = [ev] * len(self.layers)
-        return Transfer(events, self._stream, sums)
+                events.append(ev)
+                if not checked:
+                    continue
+                with torch.cuda.stream(self._check_stream):
+                    self._check_stream.wait_event(ev)
+                    for j, (ld, (way, _)) in enumerate(zip(loads, ways, strict=True)):
+                        if way == "2d" and ld.digest:
+                            tilecopy.copy_tiles(
+                                layer.raw, ids[j][tb], layer.raw, ids[j][tb], tb,
+                                self._digest_args(off, tb, sums[j]), store=False,
+                            )  # fmt: skip
+        tail = None
+        if checked:
+            tail = torch.cuda.Event()
+            tail.record(self._check_stream)
+        return [
+            Transfer(
+                [] if way == "none" else events,
+                None if way == "none" else self._stream,
+                sums[j],
+                tail if way == "2d" and ld.digest else None,
+            )
+            for j, (ld, (way, _)) in enumerate(zip(loads, ways, strict=True))
+        ]
 
     @staticmethod
     def _runs(
@@ -396,53 +486,6 @@ class KVBlockIO:
             runs.append((i, j - i, pitch if j - i > 1 else 0))
             i = j
         return runs
-
-    def _copy_in_2d(
-        self,
-        host: torch.Tensor,
-        offsets: Sequence[int],
-        block_ids: Sequence[int],
-        runs: list[tuple[int, int, int]],
-        digest: bool,
-    ) -> Transfer:
-        """:meth:`copy_in` by the copy engines: per layer, one 2-D copy per run, an
-        event, and (``digest``) a read-only digest kernel on a second stream behind it."""
-        n = len(block_ids)
-        base = host.data_ptr()
-        handle = self._stream.cuda_stream
-        events: list[Any] = []
-        sums = None
-        with torch.cuda.stream(self._stream):
-            if digest:
-                dst_off = self._tile_offsets(block_ids)
-                sums = torch.zeros(n, dtype=torch.int64, device=self.device)
-                for t in (sums, *dst_off.values()):
-                    t.record_stream(self._check_stream)
-            for layer, off in zip(self.layers, self._offsets, strict=True):
-                assert layer.raw is not None
-                tb = layer.tile_bytes
-                dst0 = layer.raw.data_ptr()
-                for i, m, pitch in runs:
-                    tilecopy.copy_2d(
-                        dst0 + block_ids[i] * tb, tb, base + offsets[i] + off, pitch or tb, tb,
-                        m, handle,
-                    )  # fmt: skip
-                ev = torch.cuda.Event()
-                ev.record(self._stream)
-                events.append(ev)
-                if digest:
-                    with torch.cuda.stream(self._check_stream):
-                        self._check_stream.wait_event(ev)
-                        ids = dst_off[tb]
-                        tilecopy.copy_tiles(
-                            layer.raw, ids, layer.raw, ids, tb,
-                            self._digest_args(off, tb, sums), store=False,
-                        )  # fmt: skip
-        tail = None
-        if digest:
-            tail = torch.cuda.Event()
-            tail.record(self._check_stream)
-        return Transfer(events, self._stream, sums, tail)
 
     def _tile_offsets(self, block_ids: Sequence[int]) -> dict[int, torch.Tensor]:
         """Per tile size of the layers: the kernel's offsets of blocks ``block_ids``."""

@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,11 +34,40 @@ import numpy as np
 from pegaflow.checksum import checksum
 from pegaflow.wire import LocatedBlocks
 
-from .blockio import KVBlockIO, Transfer
+from .blockio import CopyIn, KVBlockIO, Transfer
 from .hostpool import MappedPool
 from .scheduler import LOCATE_PIN_S, MAX_LOCATE
 
 logger = logging.getLogger("pegaflow.connector")
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """One load of :meth:`LocalPath.start_loads`: ``hashes`` of ``shard`` into KV blocks
+    ``block_ids``.  ``gens``: the generation each block had at lookup (None: any); a
+    slot holding another generation now is a miss (fencing).  ``located``: ``(pins,
+    where)`` from a ``locate`` made earlier (by the scheduler, while it looked the
+    blocks up), whose pins the load takes over and releases."""
+
+    hashes: Sequence[bytes]
+    shard: int
+    block_ids: Sequence[int]
+    gens: Sequence[int | None] | None = None
+    located: tuple[list[int], LocatedBlocks] | None = None
+
+
+@dataclass
+class _Picked:
+    """A load located and picked, its copies not yet queued."""
+
+    pins: list[int]
+    n: int
+    idx: list[int]
+    sel: np.ndarray
+    where: LocatedBlocks
+    offsets: list[int]
+    block_ids: list[int]
+    on_device: bool
 
 
 class LocalPath:
@@ -105,48 +135,96 @@ class LocalPath:
         gens: Sequence[int | None] | None = None,
         located: tuple[list[int], LocatedBlocks] | None = None,
     ) -> PendingLoad:
-        """Pin, queue the copies and the checks; :meth:`PendingLoad.finish` waits for
-        both and says which blocks are good.  ``gens``: the generation each block had at
-        lookup (None: any); a slot holding another generation now is a miss (fencing).
-        ``located``: ``(pins, where)`` from a ``locate`` made earlier (by the scheduler,
-        while it looked the blocks up), whose pins this load takes over and releases."""
+        """Pin, queue the copies and the checks of one load (:meth:`start_loads`)."""
+        got = self.start_loads(client, ns, [LoadRequest(hashes, shard, block_ids, gens, located)])
+        if isinstance(got[0], BaseException):
+            raise got[0]
+        return got[0]
+
+    def start_loads(
+        self, client: Any, ns: str, loads: Sequence[LoadRequest]
+    ) -> list[PendingLoad | Exception]:
+        """Pin, then queue the copies and the checks of several loads at once (a step's
+        layer-wise loads: their copies go layer by layer across all of them, see
+        :meth:`KVBlockIO.copy_in_many`); :meth:`PendingLoad.finish` waits for each and
+        says which blocks are good.  Per load a :class:`PendingLoad`, or the error that
+        stopped it before its copies (its blocks are then misses)."""
         pool = self.pool
         assert pool is not None
-        pins, where = located if located is not None else self._locate(client, ns, hashes, shard)
+        picked: list[_Picked | Exception] = []
+        for ld in loads:
+            try:
+                picked.append(self._pick(client, ns, ld))
+            except Exception as e:
+                picked.append(e)
+        ready = [p for p in picked if isinstance(p, _Picked)]
+        copies = [
+            CopyIn(pool.tensor, p.offsets, p.block_ids, pool.registered, p.on_device, pool.piece)
+            for p in ready
+        ]
+        try:
+            xfers = iter(self.io.copy_in_many(copies, mode=self.copy_mode))
+        except BaseException:
+            for p in ready:
+                self._unpin(client, p.pins)
+            raise
+        out: list[PendingLoad | Exception] = []
+        for p in picked:
+            if isinstance(p, Exception):
+                out.append(p)
+                continue
+            xfer = next(xfers)
+            try:
+                out.append(
+                    PendingLoad(self, client, p.pins, p.n, p.idx, self._check(p, xfer), xfer)
+                )
+            except Exception as e:
+                self._unpin(client, p.pins)
+                out.append(e)
+        return out
+
+    def _pick(self, client: Any, ns: str, ld: LoadRequest) -> _Picked:
+        """Locate (unless the scheduler did) and pick the blocks to copy: those whose
+        slot holds a block of the right size and generation."""
+        pins, where = (
+            ld.located if ld.located is not None else self._locate(client, ns, ld.hashes, ld.shard)
+        )
         try:
             ok = where.found & (where.column("size") == self.io.block_bytes)
-            if gens is not None:
-                known = np.array([g is not None for g in gens], dtype=bool)
-                want = np.array([g or 0 for g in gens], dtype=np.uint64)
+            if ld.gens is not None:
+                known = np.array([g is not None for g in ld.gens], dtype=bool)
+                want = np.array([g or 0 for g in ld.gens], dtype=np.uint64)
                 ok &= ~known | (where.column("gen") == want)
             sel = np.flatnonzero(ok)
             idx = sel.tolist()
-            on_device = self.io.can_digest and bool(where.has_digest[sel].all())
-            offsets = where.column("offset")[sel].tolist()
-            xfer = self.io.copy_in(
-                pool.tensor,
-                offsets,
-                [block_ids[i] for i in idx],
-                mapped=pool.registered,
-                digest=on_device,
-                mode=self.copy_mode,
-                piece=pool.piece,
+            return _Picked(
+                pins=pins,
+                n=len(ld.hashes),
+                idx=idx,
+                sel=sel,
+                where=where,
+                offsets=where.column("offset")[sel].tolist(),
+                block_ids=[ld.block_ids[i] for i in idx],
+                on_device=self.io.can_digest and bool(where.has_digest[sel].all()),
             )
-            if on_device:  # what landed in the KV cache against the writer's digests
-                assert xfer.digests is not None
-                check: Any = (xfer.digests, where.column("digest")[sel])
-            else:  # no device digest (e.g. written before a node restart): xxh3 on host
-                bb = self.io.block_bytes
-                check = [
-                    (want_sum, self._verify.submit(checksum, pool.view(off, bb)))
-                    for want_sum, off in zip(
-                        where.column("xxh3")[sel].tolist(), offsets, strict=True
-                    )
-                ]
         except BaseException:
             self._unpin(client, pins)
             raise
-        return PendingLoad(self, client, pins, len(hashes), idx, check, xfer)
+
+    def _check(self, p: _Picked, xfer: Transfer) -> Any:
+        """What :meth:`PendingLoad.finish` checks: on the device, the digests of what
+        landed in the KV cache against the writer's; else the xxh3 of each slot,
+        recomputed on host threads, against the node's."""
+        if p.on_device:
+            assert xfer.digests is not None
+            return xfer.digests, p.where.column("digest")[p.sel]
+        pool = self.pool
+        assert pool is not None
+        bb = self.io.block_bytes
+        return [
+            (want_sum, self._verify.submit(checksum, pool.view(off, bb)))
+            for want_sum, off in zip(p.where.column("xxh3")[p.sel].tolist(), p.offsets, strict=True)
+        ]
 
     def _locate(
         self, client: Any, ns: str, hashes: Sequence[bytes], shard: int

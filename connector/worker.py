@@ -39,7 +39,7 @@ from pegaflow.wire import LocatedBlocks
 from .blockio import KVBlockIO
 from .costmodel import LOCAL
 from .discovery import LocalNodeFinder
-from .localpath import LocalPath
+from .localpath import LoadRequest, LocalPath, PendingLoad
 from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport
 from .metrics import Counters
 from .scheduler import LOCATE_PIN_S, WARM_UP_WAIT_S, CircuitBreaker
@@ -318,9 +318,9 @@ class WorkerSide:
                 self._loading[job.req_id] = self._loading.get(job.req_id, 0) + 1
         for job in async_loads:
             self._load_pool.submit(self._run_load_safe, plan.namespace, job)
-        for job in plan.loads:
-            if job.sync:
-                self._start_sync_load(plan.namespace, job)
+        sync = [j for j in plan.loads if j.sync]
+        if sync:
+            self._start_sync_loads(plan.namespace, sync)
 
     def begin_forward(self, plan: StepPlan) -> None:
         """The step's forward pass starts now (vLLM bound its metadata): time it."""
@@ -344,49 +344,58 @@ class WorkerSide:
 
     # ---- layer-wise (synchronous) loads ----------------------------------------------
 
-    def _start_sync_load(self, ns: str, job: LoadJob) -> None:
-        """Queue the copies of a load that this step's forward pass waits for, layer by
-        layer (:meth:`wait_layer`); verified and reported by :meth:`finish_sync_loads`."""
+    def _start_sync_loads(self, ns: str, jobs: list[LoadJob]) -> None:
+        """Queue the copies of the loads that this step's forward pass waits for, layer
+        by layer (:meth:`wait_layer`), all of them at once so that their copies go
+        layer-major (:meth:`LocalPath.start_loads`); verified and reported by
+        :meth:`finish_sync_loads`."""
         t0 = time.monotonic()
-        n = len(job.block_ids)
         self._wait_local(WARM_UP_WAIT_S)  # a request right after engine start
         local, client = self._local, self._get_client()
-        if (
-            local is not None
-            and client is not None
-            and self.io is not None
-            and ns
-            and all(self._node_of(job, i) == local.node_id for i in range(n))
-            and local.attach(client)
-        ):
-            try:
+        here: list[LoadJob] = []
+        if local is not None and client is not None and self.io is not None and ns:
+            here = [
+                j
+                for j in jobs
+                if all(self._node_of(j, i) == local.node_id for i in range(len(j.block_ids)))
+            ]
+            if here and not local.attach(client):
+                here = []
+        if here:
+            assert local is not None
+            reqs = []
+            for job in here:
                 located = self._located(job)
-                pending = local.start_load(
-                    client,
-                    ns,
-                    job.hashes,
-                    self.shard,
-                    job.block_ids,
-                    [self._gen_of(job, i) for i in range(n)],
-                    located,
-                )
-                self._sync_loads.append((job, pending, t0))
-                self.counters.add("located_load_jobs", located is not None)
-                self.counters.add("layerwise_start_seconds", time.monotonic() - t0)
-                pending.queued_s = time.monotonic() - t0
-                pending.located_here = located is None
-                return
+                gens = [self._gen_of(job, i) for i in range(len(job.block_ids))]
+                reqs.append(LoadRequest(job.hashes, self.shard, job.block_ids, gens, located))
+            try:
+                got: list[PendingLoad | Exception] = local.start_loads(client, ns, reqs)
             except Exception as e:
-                logger.warning("PegaFlow: layer-wise load of %s failed: %s", job.req_id, e)
-                self._sync_loads.append((job, [False] * n, t0))
-                return
-        # no local pool here after all: load now, whole, before the forward runs
-        ok = [False] * n
-        try:
-            self._run_load(ns, job, ok)
-        except Exception:
-            logger.exception("PegaFlow: load of %s failed", job.req_id)
-        self._sync_loads.append((job, ok, t0))
+                got = [e] * len(here)
+            queued = time.monotonic() - t0
+            for job, req, pending in zip(here, reqs, got, strict=True):
+                if isinstance(pending, Exception):
+                    logger.warning(
+                        "PegaFlow: layer-wise load of %s failed: %s", job.req_id, pending
+                    )
+                    self._sync_loads.append((job, [False] * len(job.block_ids), t0))
+                    continue
+                self._sync_loads.append((job, pending, t0))
+                self.counters.add("located_load_jobs", req.located is not None)
+                pending.queued_s = queued
+                pending.located_here = req.located is None
+            self.counters.add("layerwise_start_seconds", queued)
+        taken = {id(j) for j in here}
+        for job in jobs:
+            if id(job) in taken:
+                continue
+            # no local pool here after all: load now, whole, before the forward runs
+            ok = [False] * len(job.block_ids)
+            try:
+                self._run_load(ns, job, ok)
+            except Exception:
+                logger.exception("PegaFlow: load of %s failed", job.req_id)
+            self._sync_loads.append((job, ok, t0))
 
     def _located(self, job: LoadJob) -> tuple[list[int], LocatedBlocks] | None:
         """The scheduler's locations of this shard's blocks, if they are still pinned

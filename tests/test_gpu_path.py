@@ -14,7 +14,7 @@ import pytest
 import torch
 from pegaflow.client import SyncPegaClient
 from pegaflow.connector.blockio import KVBlockIO
-from pegaflow.connector.localpath import LocalPath
+from pegaflow.connector.localpath import LoadRequest, LocalPath, PendingLoad
 
 from pegaflow.config import ClientConfig
 from pegaflow.devcluster import Proc, start_server
@@ -79,6 +79,42 @@ def test_gpu_save_then_load_into_other_blocks(server: Proc, layout: str, mode: s
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
             # per-layer events exist for layer-wise waiting
             assert len(pending.transfer.events) == len(dst.layers)
+    finally:
+        writer.close()
+        reader.close()
+        client.close()
+
+
+def test_gpu_loads_queued_together_go_layer_major(server: Proc) -> None:
+    """:meth:`KVBlockIO.copy_in_many` of two loads, one with long runs (2-D copies) and
+    one with runs of one block (the tile kernel), byte-identical, with their digests,
+    and one event per layer shared by both."""
+    node = server.ready["node"]
+    client = SyncPegaClient(ClientConfig(coordinators=[server.ready["coordinator"]]))
+    src_kv, dst_kv = _caches("per_layer", 96, 3), _caches("per_layer", 96, 4)
+    src, dst = KVBlockIO(src_kv, 96), KVBlockIO(dst_kv, 96)
+    writer, reader = LocalPath(src, node, 10.0), LocalPath(dst, node, 10.0)
+    try:
+        assert writer.attach(client) and reader.attach(client)
+        for path in (writer, reader):
+            assert path.pool is not None and path.pool.wait_registered(60)
+        ns = "gpu-layer-major"
+        hashes = [bytes([i, 7]) * 8 for i in range(40)]
+        ids = list(range(5, 45))
+        assert writer.save(client, ns, hashes, 0, ids).result(30).stored == 40
+        long_runs, singles = list(range(50, 70)), [95 - i for i in range(20)]
+        first, second = reader.start_loads(
+            client,
+            ns,
+            [LoadRequest(hashes[:20], 0, long_runs), LoadRequest(hashes[20:], 0, singles)],
+        )
+        assert isinstance(first, PendingLoad) and isinstance(second, PendingLoad)
+        assert first.transfer.events == second.transfer.events
+        assert len(first.transfer.events) == len(dst.layers)
+        assert first.finish() == [True] * 20 and second.finish() == [True] * 20
+        for name in src_kv:
+            got = dst_kv[name][long_runs + singles].view(torch.int16)
+            assert torch.equal(got, src_kv[name][ids].view(torch.int16)), name
     finally:
         writer.close()
         reader.close()

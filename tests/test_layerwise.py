@@ -168,3 +168,45 @@ def test_scheduler_locates_so_the_worker_copies_at_once(server: Proc, device: st
     finally:
         w1.shutdown()
         sched.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_steps_layer_wise_loads_are_queued_together(server: Proc, device: str) -> None:
+    """The layer-wise loads of several requests in one step (a batch of hits) are queued
+    at once, layer-major: on CUDA layer k of every load completes with one event, so the
+    forward pass's layer k waits for k + 1 layers of everyone's blocks rather than for
+    the earlier requests' whole prefixes.  Each load is still verified and accounted on
+    its own."""
+    node = server.ready["node"]
+    ns = f"{NS}-batch-{device}"
+    src, dst = _kv(device, 5), _kv(device, 6)
+    w1, c1 = _worker(server, src)
+    w2, c2 = _worker(server, dst)
+    hashes = [device.encode() + b"b" + bytes([i]) * 12 for i in range(4)]
+    try:
+        assert _save_blocks_1_to_3(w1, c1, ns, hashes) == 3
+        jobs = [
+            LoadJob("x", [9, 10], hashes[:2], [[node]] * 2, sync=True),
+            LoadJob("y", [13, 14], hashes[2:], [[node]] * 2, sync=True),  # 14: never stored
+        ]
+        w2.start_step(StepPlan(ns, loads=jobs))
+        loads = [p for _, p, _ in w2._sync_loads]
+        assert len(loads) == 2
+        if device == "cuda":
+            px, py = loads
+            assert px.transfer.events and px.transfer.events == py.transfer.events
+        for name in dst:
+            w2.wait_layer(name)
+        assert w2.take_load_errors() == {14}
+        report = w2.take_report()
+        assert report is not None and report.load_failed == {"y": 1}
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for name in src:
+            assert torch.equal(dst[name][9:11].view(torch.int16), src[name][1:3].view(torch.int16))
+            assert torch.equal(dst[name][13].view(torch.int16), src[name][3].view(torch.int16))
+        t = c2.totals()
+        assert t["layerwise_load_jobs"] == 2 and t["local_load_blocks"] == 3
+    finally:
+        w1.shutdown()
+        w2.shutdown()
