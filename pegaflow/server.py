@@ -34,6 +34,7 @@ from pegaflow.coordinator.index import BlockIndex, LocalSink
 from pegaflow.coordinator.service import Coordinator
 from pegaflow.http import new_registry
 from pegaflow.inventory import InventorySink
+from pegaflow.loopthread import LoopThread
 from pegaflow.service import run_service
 from pegaflow.storage_node.node import StorageNode
 
@@ -137,48 +138,60 @@ def _aliases(argv: list[str]) -> list[str]:
 
 
 class AllInOne:
-    """A coordinator and a storage node in one process, with one lifecycle."""
+    """A coordinator and a storage node in one process, with one lifecycle.
+
+    The coordinator runs on an event loop of its own (:class:`LoopThread`): lookups do
+    not queue behind the node's bulk transfers on one loop.  Without etcd the node
+    feeds the coordinator's index through a :class:`LocalSink` that hands every change
+    to that loop."""
 
     def __init__(self, cfg: ClusterConfig) -> None:
         self.cfg = cfg
         self.registry = new_registry()
-        use_etcd = bool(cfg.etcd.endpoints)
-        self.coordinator = Coordinator(
-            cfg.coordinator,
-            etcd=cfg.etcd if use_etcd else None,
-            security=cfg.security,
-            index=None if use_etcd else BlockIndex(),
-            registry=self.registry,
-        )
+        self._use_etcd = bool(cfg.etcd.endpoints)
+        self._control = LoopThread("pegaflow-coordinator")
+        self.coordinator: Coordinator | None = None
         self.node = StorageNode(
             cfg.node,
             token=cfg.security.token or None,
             tenant_tokens=cfg.security.tenant_tokens,
             registry=self.registry,
         )
-        sink: InventorySink
-        if use_etcd:
-            from pegaflow.storage_node.publisher import EtcdPublisher
 
-            sink = EtcdPublisher(cfg.etcd, self.node.inventory, registry=self.registry)
-        else:
-            sink = LocalSink(self.coordinator.index)
-        self.node.sink = sink
+    async def _make_coordinator(self) -> Coordinator:
+        cfg = self.cfg
+        return Coordinator(
+            cfg.coordinator,
+            etcd=cfg.etcd if self._use_etcd else None,
+            security=cfg.security,
+            index=None if self._use_etcd else BlockIndex(),
+            registry=self.registry,
+        )
 
     async def start(self) -> None:
-        await self.coordinator.start()
-        if self.coordinator.http_port is not None:
-            self.node.http_address = (
-                f"{self.cfg.coordinator.http_host}:{self.coordinator.http_port}"
-            )
+        self._control.start()
+        self.coordinator = coord = await self._control.run(self._make_coordinator())
+        sink: InventorySink
+        if self._use_etcd:
+            from pegaflow.storage_node.publisher import EtcdPublisher
+
+            sink = EtcdPublisher(self.cfg.etcd, self.node.inventory, registry=self.registry)
+        else:
+            sink = LocalSink(coord.index, owner=self._control)
+        self.node.sink = sink
+        await self._control.run(coord.start())
+        if coord.http_port is not None:
+            self.node.http_address = f"{self.cfg.coordinator.http_host}:{coord.http_port}"
         await self.node.start()
 
     async def close(self) -> None:
         await self.node.close(unlink=True)
-        await self.coordinator.close()
+        if self.coordinator is not None:
+            await self._control.run(self.coordinator.close())
+        self._control.stop()
 
     def ready_line(self) -> str:
-        assert self.node.data is not None
+        assert self.node.data is not None and self.coordinator is not None
         http: Any = self.coordinator.http_port if self.coordinator.http_port is not None else -1
         pool = self.node.pool.capacity if self.node.pool is not None else 0
         return (

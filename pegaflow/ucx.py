@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 TAG_INDEX_BITS = 20
 _SEQ_MASK = (1 << (64 - TAG_INDEX_BITS)) - 1
 _SETTLE_CHECK_S = 0.05
+_PROGRESS_ROUNDS = 64
+"""progress calls per wake-up before the worker yields the loop to others"""
 
 
 def configure_ucx_env() -> None:
@@ -151,9 +153,14 @@ class UcxWorker:
         w = self.worker
         w.progress()
         self._reap()
-        while not w.arm():
+        for _ in range(_PROGRESS_ROUNDS):
+            if w.arm():
+                return
             w.progress()
             self._reap()
+        # still busy (bulk transfers keep the worker's events coming): go on after what
+        # else is ready on the loop (control requests, timers), not before it
+        self.kick()
 
     def _reap(self) -> None:
         if not self._pending:
