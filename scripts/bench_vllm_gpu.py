@@ -100,6 +100,12 @@ def main() -> None:
     ap.add_argument("--kv-cache-gb", type=float, default=40.0)
     ap.add_argument("--pause", type=float, default=0.5, help="seconds before a paced request")
     ap.add_argument("--log-dir", default="", help="write each engine's output there")
+    ap.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="one more engine, with the connector's debug log, runs the batch (its lines "
+        "go to stderr): where the batch's time goes",
+    )
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="pf-gpu-bench-"))
@@ -130,8 +136,11 @@ def main() -> None:
         r = engine.generate([p], max_tokens=1)
         return r["elapsed_s"] * 1000.0, r["cached"][0], r["outputs"][0]
 
+    batch_cached: dict[str, list[int]] = {}
+
     def batch(engine: VllmEngine, ps: list[list[int]]) -> tuple[float, list[list[int]]]:
         r = engine.generate(ps, max_tokens=1)
+        batch_cached[engine.name] = r["cached"]
         return r["elapsed_s"] * 1000.0, r["outputs"]
 
     engines: list[VllmEngine] = []
@@ -182,6 +191,10 @@ def main() -> None:
             e.generate(warm_up, 1)
             plain_cold = [timed(e, p, args.pause) for p in set_a]
             plain_hit = [timed(e, p, 0.0) for p in set_a]  # back to back, its own cache
+            time.sleep(args.pause)
+            batch(e, set_c)
+            time.sleep(args.pause)
+            plain_batch_hit_ms, _ = batch(e, set_c)  # the batch's compute, all in the GPU
         finally:
             e.stop()
 
@@ -207,6 +220,17 @@ def main() -> None:
         finally:
             e.stop()
             print(f"tuned counters: {stats(s3)}", flush=True)
+        if args.diagnose:
+            e = start("diagnose", three_keys=True, env={"PEGAFLOW_CONNECTOR_LOG_LEVEL": "debug"})
+            try:
+                e.generate(warm_up, 1)
+                time.sleep(args.pause)
+                mark = len(e.log)
+                out["batch_diagnose_ms"] = round(batch(e, set_c)[0], 1)
+                time.sleep(1.0)
+            finally:
+                e.stop()
+            print("\n".join(x for x in e.log[mark:] if "PegaFlow" in x), file=sys.stderr)
     finally:
         server.terminate()
         if args.log_dir:
@@ -243,6 +267,8 @@ def main() -> None:
     out["batch_warm_ms"] = round(warm_c_ms, 1)
     batch_bytes = args.batch * args.tokens * kv_bytes_per_token
     out["batch_floor_ms"] = round(batch_bytes / (ceiling * 1e9) * 1000, 1)
+    out["plain_batch_hit_ms"] = round(plain_batch_hit_ms, 1)
+    out["batch_cached_tokens"] = batch_cached
     out["batch_x_ceiling"] = round(out["batch_floor_ms"] / out["batch_warm_ms"], 2)
     out["default_over_tuned"] = round(out["ttft_warm_default_ms"] / out["ttft_warm_tuned_ms"], 2)
     out["back_to_back_over_floor"] = round(
