@@ -5,8 +5,10 @@ Use it exactly as the public PegaFlow documents::
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "PegaKVConnector",
       "kv_role": "kv_both", "kv_connector_module_path": "pegaflow.connector"}'
 
-vLLM imports this package and reads its ``PegaKVConnector`` attribute.  The class (and
-vLLM with it) is imported on first access, so the pure helper modules
+vLLM imports this package and reads its ``PegaKVConnector`` attribute.  The
+``vllm.general_plugins`` entry point (:mod:`.plugin`) also registers the name with vLLM,
+so ``{"kv_connector": "PegaKVConnector"}`` alone works too (as a ``MultiConnector``
+child).  The class (and vLLM with it) is imported on first access, so the pure helpers
 (:mod:`.settings`, :mod:`.namespace`, :mod:`.scheduler`) stay importable without vLLM.
 See ``docs/connector.md``.
 """

@@ -159,3 +159,164 @@ def wait_saved(prefix: str, blocks: int, timeout: float = 120.0) -> dict[str, fl
         if done >= blocks or time.monotonic() > deadline:
             return s
         time.sleep(0.2)
+
+
+def tiny_model_with_tokenizer(directory: Path) -> str:
+    """The tiny Llama of :data:`TINY_MODEL` plus a word-level tokenizer (``w3`` ...
+    ``w1023``, one id per word), written to ``directory``: what vLLM's OpenAI server
+    needs to take text prompts and answer text.  Returns the model path."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(TINY_MODEL) / "config.json", directory / "config.json")
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 1024)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(directory / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": "<unk>",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "model_max_length": 4096,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return str(directory)
+
+
+def text_prompt(length: int, seed: int = 0) -> str:
+    """A deterministic text prompt of exactly ``length`` tokens for
+    :func:`tiny_model_with_tokenizer`'s tokenizer."""
+    return " ".join(f"w{t}" for t in prompts(1, length, seed=seed)[0])
+
+
+class VllmServe:
+    """``vllm serve`` (vLLM's OpenAI-compatible HTTP server) as a real process, started
+    with the CLI exactly as an operator runs it; talked to over HTTP on loopback."""
+
+    def __init__(
+        self,
+        model: str,
+        kv_transfer_config: dict[str, Any] | None,
+        env: dict[str, str] | None = None,
+        extra: list[str] | None = None,
+        name: str = "vllm-serve",
+        start_timeout: float = 300.0,
+    ) -> None:
+        from pegaflow.devcluster import free_port
+
+        self.name = name
+        self.model = model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [
+            str(Path(sys.executable).parent / "vllm"), "serve", model,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
+            "--block-size", "32", "--max-model-len", "2048",
+            "--kv-cache-memory-bytes", str(128 << 20), "--seed", "0",
+        ]  # fmt: skip
+        if kv_transfer_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        argv += extra or []
+        self.log: list[str] = []
+        self.popen = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            cwd=REPO,
+            start_new_session=True,  # its own process group: EngineCore dies with it
+        )
+        threading.Thread(target=self._pump, daemon=True).start()
+        deadline = time.monotonic() + start_timeout
+        while not self._healthy():
+            if self.popen.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"{name} did not start:\n" + self.tail())
+            time.sleep(0.5)
+
+    def _pump(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.log.append(line.rstrip("\n"))
+            if len(self.log) > 5000:
+                del self.log[:2500]
+
+    def _healthy(self) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def tail(self, n: int = 60) -> str:
+        """The end of the server's output."""
+        return "\n".join(self.log[-n:])
+
+    def complete(self, prompt: str, max_tokens: int = 8, timeout: float = 120.0) -> dict[str, Any]:
+        """One greedy ``POST /v1/completions``; the decoded JSON answer."""
+        import urllib.error
+        import urllib.request
+
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        req = urllib.request.Request(
+            self.url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return dict(json.loads(r.read()))
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"{self.name}: HTTP {e.code}: {e.read()!r}\n{self.tail()}") from e
+
+    def metrics(self, timeout: float = 10.0) -> dict[str, float]:
+        """``GET /metrics``: every sample's value, summed over its labels, by sample name."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.url + "/metrics", timeout=timeout) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+        return out
+
+    def terminate(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM the server (as systemd or Kubernetes stop it) and wait for it; kill
+        whatever of its process group is left.  Returns its exit status (None: killed)."""
+        rc: int | None = None
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                rc = self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                rc = None
+        else:
+            rc = self.popen.returncode
+        self.kill()
+        return rc
+
+    def kill(self) -> None:
+        """SIGKILL the server and every process it started."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(30)
