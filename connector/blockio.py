@@ -394,6 +394,10 @@ class KVBlockIO:
         checked = False
         events: list[Any] = []
         handle = self._stream.cuda_stream
+        timing = None
+        if logger.isEnabledFor(logging.DEBUG):
+            timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            timing[0].record(self._stream)
         with torch.cuda.stream(self._stream):
             for j, (ld, (way, _)) in enumerate(zip(loads, ways, strict=True)):
                 if way == "none":
@@ -453,7 +457,9 @@ class KVBlockIO:
         if checked:
             tail = torch.cuda.Event()
             tail.record(self._check_stream)
-        return [
+        if timing is not None:
+            timing[1].record(self._stream)
+        out = [
             Transfer(
                 [] if way == "none" else events,
                 None if way == "none" else self._stream,
@@ -462,6 +468,18 @@ class KVBlockIO:
             )
             for j, (ld, (way, _)) in enumerate(zip(loads, ways, strict=True))
         ]
+        if timing is not None:
+            for x in out:
+                x.timing = timing
+            logger.debug(
+                "PegaFlow: %d loads queued layer-major: %s",
+                len(loads),
+                ", ".join(
+                    f"{len(ld.block_ids)} blocks by {way}" + (f", {len(runs)} runs" if runs else "")
+                    for ld, (way, runs) in zip(loads, ways, strict=True)
+                ),
+            )
+        return out
 
     @staticmethod
     def _runs(
@@ -633,6 +651,14 @@ class Transfer:
         self.digests = digests
         self.tail = tail
         """event after the digests, when they are computed behind the copies"""
+        self.timing: tuple[Any, Any] | None = None
+        """timing events before the first copy and after the last (debug log only)"""
+
+    def device_ms(self) -> float | None:
+        """How long the copies took on the device (with :attr:`timing`, once done)."""
+        if self.timing is None or not self.timing[1].query():
+            return None
+        return float(self.timing[0].elapsed_time(self.timing[1]))
 
     def wait_layer(self, i: int) -> None:
         """Make the current stream wait (on the device, not the CPU) for layer ``i``."""

@@ -166,6 +166,14 @@ class StepTimer:
         return out
 
 
+def _timing_event() -> Any:
+    return torch.cuda.Event(enable_timing=True)
+
+
+def _ms(x: float | None) -> str:
+    return "?" if x is None else f"{x:.2f}"
+
+
 def _chunks(n: int, size: int) -> list[range]:
     return [range(i, min(i + size, n)) for i in range(0, n, size)]
 
@@ -212,6 +220,8 @@ class WorkerSide:
         self._probe_pool = concurrent.futures.ThreadPoolExecutor(1, "pegaflow-probe")
         self._step = StepTimer()
         """times forward passes for the cost model"""
+        self._fwd_timing: tuple[Any, Any] | None = None
+        """device timing of a step with layer-wise loads (debug log only)"""
         self._queued_saves = 0
         """blocks of save jobs queued or being copied out, not yet sent"""
         self._inflight_saves = 0
@@ -326,11 +336,27 @@ class WorkerSide:
         """The step's forward pass starts now (vLLM bound its metadata): time it."""
         sync = any(j.sync for j in plan.loads)  # its forward waits on loads: not compute
         self._step.begin(0 if sync else plan.tokens, self.io.device if self.io else None)
+        self._fwd_timing = None
+        on_gpu = self.io is not None and self.io.device.type == "cuda"
+        if sync and on_gpu and logger.isEnabledFor(logging.DEBUG):
+            self._fwd_timing = (_timing_event(), _timing_event())
+            self._fwd_timing[0].record()
 
     def end_forward(self) -> None:
         """The step's forward pass was issued (``wait_for_save``)."""
+        if self._fwd_timing is not None:
+            self._fwd_timing[1].record()
         for tokens, seconds in self._step.end():
             self._sample("compute", tokens, seconds)
+
+    def _forward_ms(self) -> float | None:
+        """The device time of this step's forward pass (bound to issued, waits on its
+        loads included), for the debug log of layer-wise loads; waits for it."""
+        t = self._fwd_timing
+        if t is None:
+            return None
+        t[1].synchronize()
+        return float(t[0].elapsed_time(t[1]))
 
     def _sample(self, source: str, size: float, seconds: float) -> None:
         """A measurement for the scheduler's cost model (sent with the next report); the
@@ -442,11 +468,13 @@ class WorkerSide:
                     if logger.isEnabledFor(logging.DEBUG):
                         logger.debug(
                             "PegaFlow: layer-wise load of %s: %d of %d blocks, located %s, "
-                            "queued in %.2f ms, forward pass %.2f ms, then waited %.2f ms",
+                            "queued in %.2f ms, forward pass %.2f ms, then waited %.2f ms; "
+                            "on the device: the step's copies %s ms, its forward %s ms",
                             job.req_id, sum(ok), len(ok),
                             "here" if pending.located_here else "by the scheduler",
                             pending.queued_s * 1e3, (t1 - t0 - pending.queued_s) * 1e3,
-                            (t2 - t1) * 1e3,
+                            (t2 - t1) * 1e3, _ms(pending.transfer.device_ms()),
+                            _ms(self._forward_ms()),
                         )  # fmt: skip
                 except Exception as e:
                     logger.warning("PegaFlow: layer-wise load of %s failed: %s", job.req_id, e)
