@@ -15,19 +15,150 @@ Every key may instead come from the environment as ``PEGAFLOW_CONNECTOR_<KEY>``
 PegaFlow process on a host.  Precedence: extra config > ``PEGAFLOW_CONNECTOR_*`` >
 ``PEGAFLOW_CLIENT_*`` / ``PEGAFLOW_SECURITY_*`` > defaults.
 
+PegaFlow's own keys are read too, so a ``--kv-transfer-config`` written for PegaFlow
+works unchanged (see :data:`PEGAFLOW_KEYS`): ``pegaflow.host`` and ``pegaflow.port``
+(or the environment ``PEGAFLOW_HOST`` / ``PEGAFLOW_PORT``) become ``coordinators``,
+``pegaflow.mode`` is ``mode``, and the keys that have no counterpart here are accepted
+and ignored.  Each is named once per process in the log with the key to use instead.
+
 This module has no vLLM dependency (it is unit-tested without an engine).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_type_hints
 
+from pegaflow.config import check_address, parse_addresses, parse_bool, parse_size
+
+log = logging.getLogger("pegaflow.connector")
+
 Mode = Literal["read_write", "save_only", "load_only", "off"]
 _MODES: tuple[str, ...] = ("read_write", "save_only", "load_only", "off")
+
+DEFAULT_COORDINATOR_PORT = 7700
+"""the port of a ``pegaflow.host`` given without ``pegaflow.port`` (PegaFlow's own
+default, 50055, is its server's, not a coordinator's)"""
+
+PEGAFLOW_KEYS: dict[str, str] = {
+    "pegaflow.host": "coordinators",
+    "pegaflow.port": "coordinators",
+    "pegaflow.mode": "mode",
+    "pegaflow.transfer_backend": "",
+    "pegaflow.wait_for_full_prefix": "",
+    "pegaflow.tp_shard_endpoints": "",
+    "pegaflow.pd_tail_save": "",
+    "pegaflow.pd_tail_load": "",
+}
+"""PegaFlow 0.25's ``kv_connector_extra_config`` keys and the setting each maps onto
+("": none here; the key is accepted and ignored: the cluster places every TP shard's
+blocks and transfers by itself)."""
+
+_noticed: set[str] = set()
+_noticed_lock = threading.Lock()
+
+
+def _notice_once(key: str, level: int, msg: str, *args: object) -> None:
+    with _noticed_lock:
+        if key in _noticed:
+            return
+        _noticed.add(key)
+    log.log(level, msg, *args)
+
+
+def _pegaflow_coordinator(host: Any, port: Any, where: str) -> str:
+    """``host``/``port`` as PegaFlow spells them (``http://10.0.0.1``, ``50055``) as one
+    coordinator address; ``ValueError`` if they do not make one."""
+    h = str(host if host is not None else "127.0.0.1").strip()
+    for scheme in ("http://", "https://", "grpc://"):
+        if h.lower().startswith(scheme):
+            h = h[len(scheme) :]
+    h = h.rstrip("/")
+    if port is None:
+        _, sep, tail = h.rpartition(":")
+        if sep and tail.isdigit() and "]" not in tail:
+            return check_address(h)  # host:port already
+        port = DEFAULT_COORDINATOR_PORT
+    if isinstance(port, bool) or not str(port).strip().isdigit():
+        raise ValueError(f"PegaKVConnector setting {where}: not a port: {port!r}")
+    if ":" in h and not h.startswith("["):
+        h = f"[{h}]"
+    try:
+        return check_address(f"{h}:{int(port)}")
+    except ValueError as e:
+        raise ValueError(f"PegaKVConnector setting {where}: {e}") from None
+
+
+def _translate_pegaflow(
+    extra: dict[str, Any], env: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Split PegaFlow's keys off ``extra``: ``(extra without them, our settings from
+    them, our settings from PegaFlow's environment)``; the last come from
+    ``PEGAFLOW_HOST``/``PEGAFLOW_PORT`` and have the lowest precedence."""
+    ours = {k: v for k, v in extra.items() if k not in PEGAFLOW_KEYS}
+    theirs = {k: v for k, v in extra.items() if k in PEGAFLOW_KEYS}
+    mapped: dict[str, Any] = {}
+    if "pegaflow.host" in theirs or "pegaflow.port" in theirs:
+        if "coordinators" in ours:
+            raise ValueError(
+                "kv_connector_extra_config has both 'coordinators' and PegaFlow's "
+                "'pegaflow.host'/'pegaflow.port': keep 'coordinators' only"
+            )
+        addr = _pegaflow_coordinator(
+            theirs.get("pegaflow.host"), theirs.get("pegaflow.port"), "pegaflow.host/port"
+        )
+        mapped["coordinators"] = [addr]
+        _notice_once(
+            "pegaflow.host",
+            logging.INFO,
+            "PegaFlow's 'pegaflow.host'/'pegaflow.port' read as coordinators=[%r]; "
+            'write "coordinators": "%s" instead (a list may name several)',
+            addr,
+            addr,
+        )
+    if "pegaflow.mode" in theirs:
+        if "mode" in ours:
+            raise ValueError(
+                "kv_connector_extra_config has both 'mode' and PegaFlow's 'pegaflow.mode': "
+                "keep 'mode' only"
+            )
+        mapped["mode"] = theirs["pegaflow.mode"]
+        _notice_once(
+            "pegaflow.mode",
+            logging.INFO,
+            "PegaFlow's 'pegaflow.mode' read as mode=%r; write \"mode\" instead",
+            theirs["pegaflow.mode"],
+        )
+    for key in sorted(k for k in theirs if not PEGAFLOW_KEYS[k]):
+        _notice_once(
+            key,
+            logging.WARNING,
+            "PegaFlow's '%s' has no counterpart in this connector and is ignored (the "
+            "cluster places and transfers every shard's blocks itself); remove it",
+            key,
+        )
+    from_env: dict[str, Any] = {}
+    if env.get("PEGAFLOW_HOST") or env.get("PEGAFLOW_PORT"):
+        addr = _pegaflow_coordinator(
+            env.get("PEGAFLOW_HOST") or None,
+            env.get("PEGAFLOW_PORT") or None,
+            "env PEGAFLOW_HOST/PEGAFLOW_PORT",
+        )
+        from_env["coordinators"] = [addr]
+        _notice_once(
+            "PEGAFLOW_HOST",
+            logging.INFO,
+            "PegaFlow's PEGAFLOW_HOST/PEGAFLOW_PORT read as coordinators=[%r] (unless "
+            "coordinators are set otherwise); set PEGAFLOW_CLIENT_COORDINATORS=%s instead",
+            addr,
+            addr,
+        )
+    return ours, mapped, from_env
 
 
 def _f(default: str | int | float | bool, help: str) -> Any:
@@ -150,7 +281,7 @@ class ConnectorSettings:
         back to a default); so do malformed values and an unknown ``mode``.
         """
         env = os.environ if env is None else env
-        extra = dict(extra or {})
+        extra, from_pegaflow, from_pegaflow_env = _translate_pegaflow(dict(extra or {}), env)
         s = cls()
         hints = get_type_hints(cls)
         fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -165,6 +296,7 @@ class ConnectorSettings:
             "transfer_timeout_s": env.get("PEGAFLOW_CLIENT_TRANSFER_TIMEOUT_S"),
         }
         layers: list[tuple[str, dict[str, Any]]] = [
+            ("env PEGAFLOW_HOST/PEGAFLOW_PORT", from_pegaflow_env),
             ("env PEGAFLOW_CLIENT_*", {k: v for k, v in shared.items() if v is not None}),
             (
                 "env PEGAFLOW_CONNECTOR_*",
@@ -179,14 +311,19 @@ class ConnectorSettings:
         if unknown:
             raise ValueError(
                 f"unknown PegaKVConnector option(s) in kv_connector_extra_config: {unknown}; "
-                f"known: {sorted(fields)}"
+                f"known: {sorted(fields)} (and PegaFlow's {sorted(PEGAFLOW_KEYS)})"
             )
+        layers.append(("kv_connector_extra_config (PegaFlow's keys)", from_pegaflow))
         layers.append(("kv_connector_extra_config", extra))
         for where, values in layers:
             for name, value in values.items():
                 setattr(s, name, _coerce(hints[name], value, f"{where}: {name}"))
         if s.mode not in _MODES:
             raise ValueError(f"PegaKVConnector mode must be one of {_MODES}, not {s.mode!r}")
+        try:
+            s.coordinators = parse_addresses(s.coordinators)
+        except ValueError as e:
+            raise ValueError(f"PegaKVConnector setting coordinators: {e}") from None
         if not s.coordinators and s.mode != "off":
             raise ValueError("PegaKVConnector needs at least one coordinator address")
         for name in ("lookup_timeout_s", "rpc_timeout_s", "transfer_timeout_s"):
@@ -210,18 +347,9 @@ class ConnectorSettings:
 def _coerce(typ: Any, value: Any, where: str) -> Any:
     try:
         if typ is bool:
-            if isinstance(value, str):
-                v = value.strip().lower()
-                if v in ("1", "true", "yes", "on"):
-                    return True
-                if v in ("0", "false", "no", "off", ""):
-                    return False
-                raise ValueError(f"not a boolean: {value!r}")
-            return bool(value)
+            return parse_bool(value)
         if typ is int:
             if isinstance(value, str):
-                from pegaflow.config import parse_size
-
                 return parse_size(value)
             if isinstance(value, bool) or int(value) != value:
                 raise ValueError(f"not an integer: {value!r}")

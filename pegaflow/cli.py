@@ -1,16 +1,20 @@
 """``pegaflow``: the operator's command line.
 
-    pegaflow status [--coordinators host:port,...] [--json] [--no-health]
+    pegaflow [--config FILE] status [--coordinators HOST:PORT,...] [--json] [--no-health]
 
 prints the cluster as the coordinator sees it: every node with its health, capacity,
 usage and blocks, then the totals, the lookup hit rate and the coordinator's state.
+The hit rate is the cluster's: the lookups this coordinator answered and those that the
+connectors' same-host nodes answered alone (reported by the connectors to their node);
+engine-start warm-ups are not counted.
 
 A node's health is what its own HTTP ``/health`` answers (asked directly, at the
 address the node published): ``ok``, ``unhealthy`` (it answered 503), ``unreachable``
 (no answer: a firewall, or the node is going down; it is still in the index while its
 lease lives) or ``-`` (no HTTP endpoint published).  ``--no-health`` skips asking.
 Exit status: 0 when the coordinator answered and no node is ``unhealthy`` or
-``unreachable``, 1 when some node is, 2 when no coordinator answered.
+``unreachable``, 1 when some node is, 2 when no coordinator answered or the command
+line or configuration is wrong (one line on stderr says why).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from pegaflow.config import load_config
+from pegaflow.config import ArgParser, load_config, parse_addresses
 from pegaflow.errors import PegaError
 from pegaflow.keys import node_http_url
 from pegaflow.rpc import RpcClient
@@ -51,6 +55,29 @@ def _duration(seconds: float) -> str:
 def _bar(frac: float, width: int = 10) -> str:
     full = round(max(0.0, min(1.0, frac)) * width)
     return "#" * full + "." * (width - full)
+
+
+def _hit_rate_line(st: dict[str, Any]) -> str | None:
+    """The lookup hit rate line: the cluster's lookups (this coordinator's and those the
+    nodes answered alone for their host's connectors), or, from a coordinator that
+    predates ``cluster_lookups``, its own."""
+    cluster = st.get("cluster_lookups")
+    if isinstance(cluster, dict):
+        src, scope = cluster, "this coordinator and the nodes since they started"
+    else:
+        src, scope = st.get("coordinator", {}), "this coordinator since start"
+    hits, misses, lookups = src.get("hit_blocks"), src.get("miss_blocks"), src.get("lookups")
+    if not (isinstance(hits, int | float) and isinstance(misses, int | float)):
+        return None
+    if not hits + misses:
+        return "lookup hit rate: no lookups yet"
+    total = hits + misses
+    same = src.get("same_host_lookups") or 0
+    same_text = f", {same} lookup(s) answered by a same-host node" if same else ""
+    return (
+        f"lookup hit rate {100 * hits / total:.1f}% ({hits} of {total} blocks"
+        f"{f' in {lookups} lookups' if lookups else ''}{same_text}; {scope})"
+    )
 
 
 def render_status(st: dict[str, Any], health: dict[str, str] | None = None) -> str:
@@ -96,16 +123,9 @@ def render_status(st: dict[str, Any], health: dict[str, str] | None = None) -> s
     if health is not None and nodes:
         bad = sorted(k for k, v in health.items() if v in ("unhealthy", "unreachable"))
         lines.append("health: all nodes ok" if not bad else f"health: NOT ok: {', '.join(bad)}")
-    hits, misses = coord.get("hit_blocks"), coord.get("miss_blocks")
-    lookups = coord.get("lookups")
-    if isinstance(hits, int | float) and isinstance(misses, int | float) and hits + misses:
-        total = hits + misses
-        lines.append(
-            f"lookup hit rate {100 * hits / total:.1f}% ({hits} of {total} blocks"
-            f"{f' in {lookups} lookups' if lookups else ''}, this coordinator since start)"
-        )
-    elif lookups == 0:
-        lines.append("lookup hit rate: no lookups yet")
+    rate = _hit_rate_line(st)
+    if rate is not None:
+        lines.append(rate)
     etcd = (
         "not used (single host)"
         if coord.get("mode") == "local"
@@ -168,26 +188,62 @@ async def _status(
     return st, h
 
 
+def _seconds(value: str) -> float:
+    try:
+        t = float(value)
+    except ValueError:
+        t = -1.0
+    if not t > 0:
+        raise argparse.ArgumentTypeError(f"not a number of seconds > 0: {value!r}")
+    return t
+
+
+def _addresses(value: str) -> list[str]:
+    try:
+        return parse_addresses(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``pegaflow``."""
-    parser = argparse.ArgumentParser(
+    """Entry point of ``pegaflow``: every error is one line on stderr and exit status 2."""
+    parser = ArgParser(
         prog="pegaflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", help="TOML config file (also PEGAFLOW_CONFIG)")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    config_help = "TOML config file (also PEGAFLOW_CONFIG); before or after the command"
+    parser.add_argument("--config", metavar="FILE", help=config_help)
+    sub = parser.add_subparsers(dest="cmd")
     p_status = sub.add_parser(
         "status", help="show nodes, health, capacity, usage, blocks and the hit rate"
     )
+    # SUPPRESS: a --config given before the command is not reset by this one's default
+    p_status.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=config_help)
     p_status.add_argument(
-        "--coordinators", help="comma-separated host:port (default: [client] coordinators)"
+        "--coordinators",
+        type=_addresses,
+        metavar="HOST:PORT[,...]",
+        help="coordinators to ask, tried in order (default: [client] coordinators, 127.0.0.1:7700)",
     )
-    p_status.add_argument("--token", help="shared secret (default: [security] token)")
-    p_status.add_argument("--timeout", type=float, default=5.0)
+    p_status.add_argument(
+        "--token", metavar="SECRET", help="shared secret (default: [security] token)"
+    )
+    p_status.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="deadline of the status call (default: 5.0)",
+    )
     p_status.add_argument("--json", action="store_true", help="print the raw status document")
     p_status.add_argument("--no-health", action="store_true", help="do not ask each node's /health")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config)
-    addresses = args.coordinators.split(",") if args.coordinators else cfg.client.coordinators
+    if args.cmd is None:
+        parser.error("a command is required: status")
+    try:
+        cfg = load_config(args.config)
+    except ValueError as e:
+        parser.exit(2, f"pegaflow: error: {e}\n")
+    addresses = args.coordinators or cfg.client.coordinators
     token = args.token or cfg.security.token or None
     try:
         st, health = asyncio.run(_status(addresses, token, args.timeout, not args.no_health))

@@ -19,29 +19,99 @@ import re
 import sys
 import tomllib
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
-from typing import Any, TypeVar, get_type_hints
+from typing import Any, NoReturn, TypeVar, get_type_hints
 
 T = TypeVar("T")
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    **{u.lower() + "ib": 1 << (10 * (i + 1)) for i, u in enumerate("KMGT")},
+    **{u.lower() + "b": 10 ** (3 * (i + 1)) for i, u in enumerate("KMGT")},
+    # a bare letter is binary, as in systemd, `free -g` and `dd bs=1M`
+    **{u.lower(): 1 << (10 * (i + 1)) for i, u in enumerate("KMGT")},
+}
+SIZE_RULE = (
+    "a size is bytes (`4096`) or a number with a unit: `KiB`/`MiB`/`GiB`/`TiB` are powers "
+    "of 1024 (`2GiB` = 2³¹ bytes), `KB`/`MB`/`GB`/`TB` powers of 1000 (`2GB` = 2·10⁹ "
+    "bytes), and a bare `K`/`M`/`G`/`T` is binary like `GiB` (`2G` = `2GiB`, as in systemd)"
+)
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+_PORT_RANGE = (-1, 65535)
 
 
-def parse_size(v: str | int) -> int:
-    """``"8GiB"``, ``"512M"``, ``"4096"`` or an int into bytes."""
-    if isinstance(v, int):
+def parse_size(v: str | int | float) -> int:
+    """A size into bytes: ``4096``, ``"512MiB"``, ``"8GiB"``, ``"2GB"`` (2·10⁹) or
+    ``"8G"`` (binary); see :data:`SIZE_RULE`.  Anything else raises ``ValueError``."""
+    if isinstance(v, bool):
+        raise ValueError(f"not a size: {v!r}")
+    if isinstance(v, int | float):
+        if v < 0 or v != int(v):
+            raise ValueError(f"not a size: {v!r} (a whole number of bytes >= 0)")
+        return int(v)
+    m = _SIZE_RE.match(v) if isinstance(v, str) else None
+    unit = _SIZE_UNITS.get(m.group(2).lower()) if m else None
+    if m is None or unit is None:
+        raise ValueError(f"not a size: {v!r} (use e.g. 4096, 512MiB, 8GiB or 2GB)")
+    n = Fraction(m.group(1)) * unit
+    if n.denominator != 1:
+        raise ValueError(f"not a size: {v!r} (not a whole number of bytes)")
+    return int(n)
+
+
+def parse_bool(v: str | bool | int) -> bool:
+    """``true/false``, ``yes/no``, ``on/off``, ``1/0`` (any case) or a bool; anything else
+    (``maybe``, an empty string) raises ``ValueError``."""
+    if isinstance(v, bool):
         return v
-    m = _SIZE_RE.match(v)
-    if not m:
-        raise ValueError(f"not a size: {v!r} (use e.g. 512MiB, 8GiB)")
-    unit = (m.group(2) or "").upper()[:1]
-    return int(float(m.group(1)) * _UNITS[unit])
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str):
+        low = v.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+    raise ValueError(f"not a boolean: {v!r} (use true/false, yes/no, on/off or 1/0)")
 
 
-def opt(default: Any, help: str, *, size: bool = False) -> Any:
-    """A documented config field (``size=True``: accepts ``"8GiB"`` style values)."""
-    meta = {"help": help, "size": size}
+def check_address(addr: str) -> str:
+    """``addr`` if it is ``host:port`` (``[v6]:port``, an ``http(s)://`` scheme allowed,
+    as etcd endpoints have) or ``unix:/path``; else ``ValueError``."""
+    if not isinstance(addr, str):
+        raise ValueError(f"not an address: {addr!r} (use host:port)")
+    a = addr.strip()
+    if a.startswith("unix:") and len(a) > len("unix:"):
+        return a
+    rest = re.sub(r"^https?://", "", a, flags=re.IGNORECASE).rstrip("/")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"not an address: {addr!r} (use host:port, e.g. 10.0.0.1:7700)")
+    return a
+
+
+def parse_addresses(v: str | list[str] | tuple[str, ...]) -> list[str]:
+    """A comma-separated string or a list of addresses, each checked by
+    :func:`check_address`."""
+    if isinstance(v, str):
+        items = [s.strip() for s in v.split(",") if s.strip()]
+    elif isinstance(v, list | tuple):
+        items = [s.strip() if isinstance(s, str) else s for s in v]
+    else:
+        raise ValueError(f"not a list of addresses: {v!r}")
+    return [check_address(s) for s in items]
+
+
+def opt(
+    default: Any, help: str, *, size: bool = False, addresses: bool = False, metavar: str = ""
+) -> Any:
+    """A documented config field (``size=True``: accepts ``"8GiB"`` style values;
+    ``addresses=True``: a list of ``host:port``; ``metavar``: its name in ``--help``)."""
+    meta = {"help": help, "size": size, "addresses": addresses, "metavar": metavar}
     if isinstance(default, list):
         return field(default_factory=lambda d=default: list(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -52,7 +122,9 @@ class EtcdConfig:
     """Connection to the etcd v3 cluster that holds membership and the index."""
 
     endpoints: list[str] = opt(
-        [], "etcd client endpoints, host:port; empty = no etcd (single-host mode only)"
+        [],
+        "etcd client endpoints, host:port; empty = no etcd (single-host mode only)",
+        addresses=True,
     )
     prefix: str = opt("/pegaflow/default", "key prefix of this cluster in etcd")
     username: str = opt("", "etcd user name (empty: no authentication)")
@@ -134,6 +206,17 @@ class NodeConfig:
     keep_pool: bool = opt(
         True, "keep the pool file and its journal at exit, so a restart re-attaches the blocks"
     )
+    fresh_pool: bool = opt(
+        False,
+        "start with an empty pool: delete a pool file (and journal) left by an earlier "
+        "process of this node instead of re-attaching it (pegaflow-server: --fresh-pool)",
+    )
+    access_group: str = opt(
+        "",
+        "group (name or gid) given read/write access to the pool file and the same-host "
+        "control socket (mode 0660), so engines running as other users in it take the "
+        "same-host path; empty: owner only (0600)",
+    )
     reserve_timeout_s: float = opt(30.0, "an uncommitted put's slots are reclaimed after this")
     max_request_bytes: int = opt(4 << 20, "largest data-plane control message", size=True)
     max_batch: int = opt(4096, "most blocks in one get or put")
@@ -147,7 +230,9 @@ class NodeConfig:
         "threads that hash committed blocks (xxh3 releases the GIL); 0: min(8, CPUs). "
         "Same-host writes of large prefixes are bound by this hashing",
     )
-    coordinators: list[str] = opt([], "coordinator addresses (informational for status)")
+    coordinators: list[str] = opt(
+        [], "coordinator addresses (informational for status)", addresses=True
+    )
     hello_timeout_s: float = opt(
         5.0, "a data connection that has not said hello (authenticated) within this is closed"
     )
@@ -172,7 +257,9 @@ class NodeConfig:
 class ClientConfig:
     """The client library (used by the vLLM connector and the tools)."""
 
-    coordinators: list[str] = opt(["127.0.0.1:7700"], "coordinator addresses, tried in order")
+    coordinators: list[str] = opt(
+        ["127.0.0.1:7700"], "coordinator addresses, tried in order", addresses=True
+    )
     local_node: str = opt("", "node id on this host, preferred for saves (empty: ask placement)")
     host: str = opt("127.0.0.1", "this client's host, sent to placement")
     lookup_timeout_s: float = opt(0.05, "hard deadline of one lookup")
@@ -218,25 +305,53 @@ def _section_types() -> dict[str, type]:
     return {name: hints[name] for name in SECTIONS}
 
 
+def _convert(f: dataclasses.Field[Any], typ: Any, value: Any) -> Any:
+    """``value`` (from TOML, the environment or a flag) as field ``f``'s type; a value
+    that is not one (``maybe`` for a bool, ``1.5`` for an int) raises ``ValueError``."""
+    if f.metadata.get("size"):
+        return parse_size(value)
+    if typ is bool:
+        return parse_bool(value)
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise ValueError(f"not an integer: {value!r}")
+        try:
+            n = int(value.strip()) if isinstance(value, str) else int(value)
+        except ValueError:
+            raise ValueError(f"not an integer: {value!r}") from None
+        if n != value and not isinstance(value, str):
+            raise ValueError(f"not an integer: {value!r}")
+        lo, hi = _PORT_RANGE
+        if f.name.endswith("port") and not lo <= n <= hi:
+            raise ValueError(f"not a port: {value!r} (0-65535, or -1 where it means off)")
+        return n
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise ValueError(f"not a number: {value!r}")
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"not a number: {value!r}") from None
+    if typ is str:
+        if not isinstance(value, str | int | float) or isinstance(value, bool):
+            raise ValueError(f"not a string: {value!r}")
+        return str(value)
+    if typ == list[str]:
+        if f.metadata.get("addresses"):
+            return parse_addresses(value)
+        if isinstance(value, str):
+            return [s.strip() for s in value.split(",") if s.strip()]
+        if isinstance(value, list | tuple):
+            return [str(s) for s in value]
+        raise ValueError(f"not a list: {value!r}")
+    raise ValueError(f"unsupported type {typ}")
+
+
 def _coerce(f: dataclasses.Field[Any], typ: Any, value: Any, where: str) -> Any:
     try:
-        if f.metadata.get("size"):
-            return parse_size(value)
-        if typ is bool:
-            if isinstance(value, str):
-                return value.strip().lower() in ("1", "true", "yes", "on")
-            return bool(value)
-        if typ in (int, float):
-            return typ(value)
-        if typ is str:
-            return str(value)
-        if typ == list[str]:
-            if isinstance(value, str):
-                return [s.strip() for s in value.split(",") if s.strip()]
-            return [str(s) for s in value]
+        return _convert(f, typ, value)
     except (TypeError, ValueError) as e:
         raise ValueError(f"config {where}: {e}") from None
-    raise ValueError(f"config {where}: unsupported type {typ}")
 
 
 def _apply(section: Any, values: dict[str, Any], where: str) -> None:
@@ -249,6 +364,16 @@ def _apply(section: Any, values: dict[str, Any], where: str) -> None:
         setattr(section, key, _coerce(f, hints[key], value, f"{where}.{key}"))
 
 
+def _read_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path}: not valid TOML: {e}") from None
+    except OSError as e:
+        raise ValueError(f"config file {path}: {e.strerror or e}") from None
+
+
 def load_config(
     path: str | Path | None = None,
     *,
@@ -259,43 +384,154 @@ def load_config(
     """Build a :class:`ClusterConfig`: defaults < TOML file < environment < ``overrides``.
 
     ``defaults``: a program's own defaults over the schema's (``pegaflow-server`` sizes
-    its pool by itself unless one is given)."""
+    its pool by itself unless one is given).  Every problem (a file that cannot be read
+    or parsed, an unknown option, a bad value) is a ``ValueError`` naming where it is."""
     cfg = ClusterConfig()
     for name, values in (defaults or {}).items():
         _apply(getattr(cfg, name), values, f"defaults [{name}]")
     path = path or (env or os.environ).get("PEGAFLOW_CONFIG") or None
     if path:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-        for name, values in data.items():
+        for name, values in _read_toml(path).items():
             if name not in SECTIONS or not isinstance(values, dict):
-                raise ValueError(f"config {path}: unknown table [{name}]")
+                raise ValueError(
+                    f"config {path}: unknown table [{name}] (tables: {', '.join(SECTIONS)})"
+                )
             _apply(getattr(cfg, name), values, f"{path} [{name}]")
     env = os.environ if env is None else env
     for name in SECTIONS:
         section = getattr(cfg, name)
         prefix = f"PEGAFLOW_{name.upper()}_"
-        vals = {
-            k[len(prefix) :].lower(): v
-            for k, v in env.items()
-            if k.startswith(prefix) and k[len(prefix) :].lower() in section.__dataclass_fields__
-        }
-        _apply(section, vals, f"env {prefix}*")
+        for k, v in env.items():
+            opt_name = k[len(prefix) :].lower()
+            if k.startswith(prefix) and opt_name in section.__dataclass_fields__:
+                _apply(section, {opt_name: v}, f"env {k}: [{name}]")
     for name, values in (overrides or {}).items():
         _apply(getattr(cfg, name), values, f"flag [{name}]")
     return cfg
 
 
-def add_arguments(parser: argparse.ArgumentParser, sections: list[str]) -> None:
-    """Add ``--<section>-<field>`` flags (and ``--config``) for the given sections."""
-    parser.add_argument("--config", help="TOML config file (also PEGAFLOW_CONFIG)")
+class ArgParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``<prog>: error: <message>`` and exit with status 2 (no usage dump)."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+_METAVARS = {
+    "node_id": "NAME",
+    "username": "NAME",
+    "service_name": "NAME",
+    "token": "SECRET",
+    "password": "SECRET",
+    "tenant_tokens": "TENANT=SECRET[,...]",
+    "prefix": "PREFIX",
+    "otlp_endpoint": "URL",
+    "otlp_protocol": "PROTOCOL",
+    "ucx_net_devices": "DEVICES",
+}
+
+
+def _metavar(f: dataclasses.Field[Any], typ: Any) -> str:
+    if f.metadata.get("metavar"):
+        return str(f.metadata["metavar"])
+    if f.name in _METAVARS:
+        return _METAVARS[f.name]
+    if f.metadata.get("size"):
+        return "SIZE"
+    if typ is bool:
+        return "BOOL"
+    if f.metadata.get("addresses"):
+        return "HOST:PORT[,...]"
+    if f.name.endswith("_s") and typ in (int, float):
+        return "SECONDS"
+    if f.name.endswith("_ms") and typ in (int, float):
+        return "MS"
+    if typ is int:
+        return "PORT" if f.name.endswith("port") else "N"
+    if typ is float:
+        return "NUMBER"
+    if typ == list[str]:
+        return "LIST"
+    if f.name.endswith("host"):
+        return "HOST"
+    if f.name.endswith("_dir"):
+        return "DIR"
+    if "cert" in f.name or f.name.endswith("_key") or f.name.endswith("_path"):
+        return "FILE"
+    return "TEXT"
+
+
+def format_size(n: int) -> str:
+    """``n`` bytes in the largest binary unit that divides it exactly (``64MiB``)."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def _show(f: dataclasses.Field[Any], typ: Any, value: Any) -> str:
+    if f.metadata.get("size") and isinstance(value, int):
+        return format_size(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(value) if value else "none"
+    if value == "":
+        return '""'
+    return str(value)
+
+
+def _field_default(f: dataclasses.Field[Any]) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def flag_name(section: str, name: str) -> str:
+    """The command-line flag of ``[section] name``: ``--<section>-<name>``, without
+    repeating the section (``[node] node_id`` is ``--node-id``)."""
+    if name.startswith(section + "_"):
+        return "--" + name.replace("_", "-")
+    return f"--{section}-{name}".replace("_", "-")
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    sections: list[str],
+    defaults: dict[str, dict[str, Any]] | None = None,
+) -> None:
+    """Add ``--config`` and one flag per option of the given sections (see
+    :func:`flag_name`; ``--<section>-<name>`` stays accepted where it differs).  Values
+    are checked as they are parsed, so a bad one is an error naming its flag.
+    ``defaults``: a program's own defaults (shown in the help)."""
+    parser.add_argument("--config", metavar="FILE", help="TOML config file (also PEGAFLOW_CONFIG)")
     for name in sections:
-        group = parser.add_argument_group(f"[{name}]")
-        for f in dataclasses.fields(getattr(ClusterConfig(), name)):
-            flag = f"--{name}-{f.name}".replace("_", "-")
-            group.add_argument(
-                flag, dest=f"{name}__{f.name}", default=None, help=f.metadata["help"]
-            )
+        group = parser.add_argument_group(f"[{name}] (env PEGAFLOW_{name.upper()}_<OPTION>)")
+        section = getattr(ClusterConfig(), name)
+        hints = get_type_hints(type(section))
+        for f in dataclasses.fields(section):
+            typ = hints[f.name]
+
+            def convert(value: str, f: dataclasses.Field[Any] = f, typ: Any = typ) -> Any:
+                try:
+                    return _convert(f, typ, value)
+                except (TypeError, ValueError) as e:
+                    raise argparse.ArgumentTypeError(str(e)) from None
+
+            default = (defaults or {}).get(name, {}).get(f.name, _field_default(f))
+            help_text = f"{f.metadata['help']} (default: {_show(f, typ, default)})"
+            kw: dict[str, Any] = {
+                "dest": f"{name}__{f.name}",
+                "default": None,
+                "type": convert,
+                "metavar": _metavar(f, typ),
+            }
+            if typ is bool:  # a bare --node-keep-pool means true
+                kw.update(nargs="?", const=True)
+            flag = flag_name(name, f.name)
+            group.add_argument(flag, help=help_text.replace("%", "%%"), **kw)
+            long = f"--{name}-{f.name}".replace("_", "-")
+            if long != flag:  # the old spelling, kept working, not shown
+                group.add_argument(long, help=argparse.SUPPRESS, **kw)
 
 
 def config_from_args(
@@ -308,7 +544,7 @@ def config_from_args(
         if "__" in key and value is not None:
             section, name = key.split("__", 1)
             overrides.setdefault(section, {})[name] = value
-    return load_config(args.config, overrides=overrides, defaults=defaults)
+    return load_config(getattr(args, "config", None), overrides=overrides, defaults=defaults)
 
 
 def reference_markdown() -> str:
@@ -320,19 +556,22 @@ def reference_markdown() -> str:
         "",
         "Precedence: defaults < TOML file (`--config` or `PEGAFLOW_CONFIG`) <",
         "environment `PEGAFLOW_<TABLE>_<OPTION>` < command-line `--<table>-<option>`.",
-        "Sizes accept `KiB`/`MiB`/`GiB` suffixes; lists accept comma-separated strings.",
+        "Flags: `--<table>-<option>`, the table not repeated (`[node] node_id` is `--node-id`).",
+        "Booleans: `true`/`false`, `yes`/`no`, `on`/`off`, `1`/`0`; anything else is an error.",
+        f"Sizes: {SIZE_RULE}.",
+        "Lists accept comma-separated strings.",
         "",
     ]
     hints_by_section = _section_types()
     for name, cls in hints_by_section.items():
         out += [f"## `[{name}]`", "", (cls.__doc__ or "").strip(), ""]
-        out += ["| option | default | env | meaning |", "|---|---|---|---|"]
+        out += ["| option | default | flag | env | meaning |", "|---|---|---|---|---|"]
+        hints = get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            default = (
-                f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            )
+            default = _show(f, hints[f.name], _field_default(f))
             env = f"PEGAFLOW_{name.upper()}_{f.name.upper()}"
-            out.append(f"| `{f.name}` | `{default!r}` | `{env}` | {f.metadata['help']} |")
+            flag = f"{flag_name(name, f.name)} {_metavar(f, hints[f.name])}"
+            out.append(f"| `{f.name}` | `{default}` | `{flag}` | `{env}` | {f.metadata['help']} |")
         out.append("")
     return "\n".join(out)
 

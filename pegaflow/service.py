@@ -10,7 +10,16 @@ from typing import Any
 
 import uvloop
 
-from pegaflow.config import ClusterConfig, add_arguments, config_from_args
+from pegaflow.config import ArgParser, ClusterConfig, add_arguments, config_from_args
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _log_level(value: str) -> str:
+    level = value.strip().upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"not a log level: {value!r} ({', '.join(LOG_LEVELS)})")
+    return level
 
 
 def run_service(
@@ -22,19 +31,40 @@ def run_service(
     defaults: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """Parse ``--<section>-<option>`` flags (and ``--config``), set up logging, and run
-    ``run(cfg)`` on uvloop until it returns.  A bad configuration exits with a message.
-    ``defaults``: the program's own defaults (see :func:`pegaflow.config.load_config`)."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
-    add_arguments(parser, sections)
+    ``run(cfg)`` on uvloop until it returns.
+
+    A bad command line or configuration (an unknown flag, a bad value, a config file
+    that is missing or malformed) is one line on stderr and exit status 2, as is a start
+    that fails with ``OSError`` or ``ValueError`` (``--log-level DEBUG`` adds the
+    traceback).  ``defaults``: the program's own defaults (see
+    :func:`pegaflow.config.load_config`)."""
+    parser = ArgParser(
+        prog=prog,
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage=f"{prog} [--config FILE] [--log-level LEVEL] [--<table>-<option> VALUE ...]",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        type=_log_level,
+        metavar="LEVEL",
+        help=f"{', '.join(LOG_LEVELS)} (default: INFO)",
+    )
+    add_arguments(parser, sections, defaults)
     args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(args, defaults)
+    except ValueError as e:
+        parser.exit(2, f"{prog}: error: {e}\n")
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     try:
-        cfg = config_from_args(args, defaults)
+        uvloop.run(run(cfg))
     except (OSError, ValueError) as e:
-        parser.error(f"bad configuration: {e}")
-    uvloop.run(run(cfg))
+        logging.getLogger(prog).debug("%s failed", prog, exc_info=True)
+        hint = "" if args.log_level == "DEBUG" else " (--log-level DEBUG shows where)"
+        parser.exit(2, f"{prog}: error: {e}{hint}\n")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
+from pegaflow.connector import settings as settings_mod
 from pegaflow.connector.namespace import (
     NamespaceFactors,
     block_hash_bytes,
@@ -55,11 +57,78 @@ def test_defaults_and_precedence() -> None:
         {"coordinators": []},
         {"chunk_bytes": "1.5.2"},
         {"save_decode_blocks": "perhaps"},
+        {"save_decode_blocks": ""},
+        {"coordinators": "no-port"},
+        {"pegaflow.port": "grpc"},
+        {"pegaflow.host": "10.0.0.1", "coordinators": "10.0.0.2:7700"},
+        {"pegaflow.mode": "read_write", "mode": "off"},
+        {"pegaflow.mode": "sometimes"},
+        {"pegaflow.hots": "10.0.0.1"},
     ],
 )
 def test_bad_settings_are_rejected(extra: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         ConnectorSettings.load(extra, env={})
+
+
+@pytest.fixture
+def fresh_notices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(settings_mod, "_noticed", set())
+
+
+@pytest.mark.parametrize(
+    "extra,coordinators",
+    [
+        ({"pegaflow.host": "http://10.0.0.1", "pegaflow.port": 50055}, ["10.0.0.1:50055"]),
+        ({"pegaflow.host": "10.0.0.1", "pegaflow.port": "7701"}, ["10.0.0.1:7701"]),
+        ({"pegaflow.host": "http://10.0.0.1:7702/"}, ["10.0.0.1:7702"]),
+        ({"pegaflow.host": "10.0.0.1"}, ["10.0.0.1:7700"]),  # our default port, not 50055
+        ({"pegaflow.port": 7703}, ["127.0.0.1:7703"]),
+        ({"pegaflow.host": "::1", "pegaflow.port": 7704}, ["[::1]:7704"]),
+    ],
+)
+def test_pegaflow_host_and_port_become_coordinators(
+    extra: dict[str, object], coordinators: list[str], fresh_notices: None
+) -> None:
+    assert ConnectorSettings.load(extra, env={}).coordinators == coordinators
+
+
+def test_pegaflow_keys_are_noticed_once_naming_ours(
+    caplog: pytest.LogCaptureFixture, fresh_notices: None
+) -> None:
+    """A PegaFlow config works as written; the log says once which key to write instead."""
+    extra = {
+        "pegaflow.host": "http://10.0.0.1",
+        "pegaflow.port": 7700,
+        "pegaflow.mode": "save_only",
+        "pegaflow.wait_for_full_prefix": True,
+        "local_node": "host-a",
+    }
+    with caplog.at_level(logging.INFO, logger="pegaflow.connector"):
+        s = ConnectorSettings.load(extra, env={})
+        s2 = ConnectorSettings.load(extra, env={})
+    assert s == s2
+    assert s.coordinators == ["10.0.0.1:7700"] and s.mode == "save_only" and not s.can_load
+    assert s.local_node == "host-a"
+    msgs = [r.getMessage() for r in caplog.records]
+    host = [m for m in msgs if "'pegaflow.host'" in m]
+    assert len(host) == 1 and '"coordinators": "10.0.0.1:7700"' in host[0], msgs
+    mode = [m for m in msgs if "'pegaflow.mode'" in m]
+    assert len(mode) == 1 and '"mode"' in mode[0], msgs
+    ignored = [r for r in caplog.records if "pegaflow.wait_for_full_prefix" in r.getMessage()]
+    assert len(ignored) == 1 and ignored[0].levelno == logging.WARNING
+    assert "ignored" in ignored[0].getMessage()
+
+
+def test_pegaflow_environment_is_the_lowest_layer(fresh_notices: None) -> None:
+    env = {"PEGAFLOW_HOST": "http://10.0.0.9", "PEGAFLOW_PORT": "7710"}
+    assert ConnectorSettings.load({}, env=env).coordinators == ["10.0.0.9:7710"]
+    env["PEGAFLOW_CLIENT_COORDINATORS"] = "10.0.0.8:7700"
+    assert ConnectorSettings.load({}, env=env).coordinators == ["10.0.0.8:7700"]
+    extra = {"pegaflow.host": "10.0.0.7"}
+    assert ConnectorSettings.load(extra, env=env).coordinators == ["10.0.0.7:7700"]
+    with pytest.raises(ValueError, match="PEGAFLOW_HOST"):
+        ConnectorSettings.load({}, env={"PEGAFLOW_PORT": "http"})
 
 
 def factors(**kw: object) -> NamespaceFactors:
