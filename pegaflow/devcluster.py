@@ -262,7 +262,7 @@ def start_node(
         shm_dir = _temp_shm_dir()
     argv = [
         "pegaflow.storage_node.main",
-        "--node-node-id", node_id,
+        "--node-id", node_id,
         "--node-ucx-port", "0",
         "--node-http-port", "0",
         "--node-pool-bytes", pool,

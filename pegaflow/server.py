@@ -16,6 +16,15 @@ in whole slabs, and never more than half of the memory available and the space f
 ``shm_dir`` at start (the pool is backed by memory as it starts).  64 GiB holds about
 fifty 10,000-token Llama-3.1-8B prompts (1.31 GB of KV each).  The sizes are totals,
 not what is free, so a restart finds its pool file the same size and re-attaches it.
+A pool given larger than the memory available or the space free in ``shm_dir`` is
+refused at start with the sizes (exit status 2), before anything is allocated.
+
+The pool survives the server's own restarts: a clean stop keeps the pool file and its
+journal (``[node] keep_pool``), and the next start re-attaches the blocks whose bytes
+still match their checksums, as ``pegaflow-node`` does.  This needs a stable node id,
+which the default gives (``<hostname>-<ucx port>``; set ``--node-id`` with
+``--node-ucx-port 0``).  ``--fresh-pool`` starts empty instead, ``--node-keep-pool
+false`` removes the pool at exit.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from pegaflow.inventory import InventorySink
 from pegaflow.loopthread import LoopThread
 from pegaflow.service import run_service
 from pegaflow.storage_node.node import StorageNode
+from pegaflow.storage_node.pool import PoolDoesNotFit, PoolInUse, human_bytes, memory_available
 
 log = logging.getLogger("pegaflow.server")
 
@@ -69,7 +79,7 @@ class HostMemory:
         st = os.statvfs(shm_dir)
         return cls(
             mem_total=total,
-            mem_available=info.get("MemAvailable", total),
+            mem_available=memory_available()[0],
             shm_total=st.f_blocks * st.f_frsize,
             shm_free=st.f_bavail * st.f_frsize,
         )
@@ -85,28 +95,24 @@ def auto_pool_bytes(host: HostMemory, slab_bytes: int) -> tuple[int, str]:
     """
     want = min(host.mem_total // 4, host.shm_total // 2, AUTO_POOL_CAP)
     why = (
-        f"min(25% of {_gib(host.mem_total)} memory, 50% of {_gib(host.shm_total)} "
-        f"shm_dir, {_gib(AUTO_POOL_CAP)})"
+        f"min(25% of {human_bytes(host.mem_total)} memory, 50% of {human_bytes(host.shm_total)} "
+        f"shm_dir, {human_bytes(AUTO_POOL_CAP)})"
     )
     room = min(host.mem_available // 2, host.shm_free // 2)
     if want > room:
         want = room
         why += (
-            f", cut to half of what is available now ({_gib(host.mem_available)} memory, "
-            f"{_gib(host.shm_free)} free in shm_dir)"
+            f", cut to half of what is available now ({human_bytes(host.mem_available)} memory, "
+            f"{human_bytes(host.shm_free)} free in shm_dir)"
         )
     return want // slab_bytes * slab_bytes, why
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
 
 
 def _size_pool(cfg: ClusterConfig) -> None:
     """Fill in the default pool size (``[node] pool_bytes`` 0) and say what it is."""
     node = cfg.node
     if node.pool_bytes:
-        log.info("pool of %s (given) in %s", _gib(node.pool_bytes), node.shm_dir)
+        log.info("pool of %s (given) in %s", human_bytes(node.pool_bytes), node.shm_dir)
         return
     size, why = auto_pool_bytes(HostMemory.read(node.shm_dir), node.slab_bytes)
     if size <= 0:
@@ -114,16 +120,18 @@ def _size_pool(cfg: ClusterConfig) -> None:
             "cannot size the pool by itself: %s leaves less than one slab (%s); give "
             "--pool-size (e.g. 4GiB) or a larger --node-shm-dir",
             why,
-            _gib(node.slab_bytes),
+            human_bytes(node.slab_bytes),
         )
         raise SystemExit(2)
     node.pool_bytes = size
-    log.info("pool of %s in %s (auto: %s; --pool-size sets it)", _gib(size), node.shm_dir, why)
+    log.info(
+        "pool of %s in %s (auto: %s; --pool-size sets it)", human_bytes(size), node.shm_dir, why
+    )
 
 
 def _aliases(argv: list[str]) -> list[str]:
     """PegaFlow's own spelling ``--pool-size SIZE`` for ``--node-pool-bytes`` (and
-    ``auto`` for the default)."""
+    ``auto`` for the default); ``--fresh-pool`` for ``--node-fresh-pool true``."""
     out: list[str] = []
     it = iter(argv)
     for a in it:
@@ -132,6 +140,8 @@ def _aliases(argv: list[str]) -> list[str]:
             if not eq:
                 value = next(it, "")
             out += ["--node-pool-bytes", "0" if value.strip().lower() == AUTO else value]
+        elif a == "--fresh-pool":
+            out += ["--node-fresh-pool", "true"]
         else:
             out.append(a)
     return out
@@ -156,6 +166,7 @@ class AllInOne:
             token=cfg.security.token or None,
             tenant_tokens=cfg.security.tenant_tokens,
             registry=self.registry,
+            size_flag="--pool-size",
         )
 
     async def _make_coordinator(self) -> Coordinator:
@@ -184,8 +195,11 @@ class AllInOne:
             self.node.http_address = f"{self.cfg.coordinator.http_host}:{coord.http_port}"
         await self.node.start()
 
-    async def close(self) -> None:
-        await self.node.close(unlink=True)
+    async def close(self, failed: bool = False) -> None:
+        """Stop both; the pool file stays unless ``[node] keep_pool`` is off, or this
+        was a failed start that created it (``failed``)."""
+        unlink = self.node.pool_created if failed else not self.cfg.node.keep_pool
+        await self.node.close(unlink=unlink)
         if self.coordinator is not None:
             await self._control.run(self.coordinator.close())
         self._control.stop()
@@ -211,8 +225,12 @@ async def run(cfg: ClusterConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await server.start()
+    except (PoolDoesNotFit, PoolInUse, PermissionError, ValueError) as e:
+        await server.close(failed=True)
+        log.error("cannot start: %s", e)
+        raise SystemExit(2) from None
     except OSError as e:
-        await server.close()
+        await server.close(failed=True)
         log.error(
             "cannot start: %s (are the ports free? see --coordinator-port, --node-ucx-port)", e
         )

@@ -52,6 +52,14 @@ _PROGRESS_ROUNDS = 64
 """progress calls per wake-up before the worker yields the loop to others"""
 
 
+DEFAULT_TLS = "^cma"
+"""our default transports (all but CMA: see :func:`configure_ucx_env`)"""
+SHARED_TLS = "^cma,shm"
+"""transports for a node whose same-host peers may run as other users: UCX's
+shared-memory transports refuse such a peer, so they are off too (same-host data goes
+through the pool file anyway)"""
+
+
 def configure_ucx_env() -> None:
     """Set our UCX defaults in the environment; must run before ucxx is imported."""
     os.environ.setdefault("UCX_RNDV_SCHEME", "put_zcopy")
@@ -61,7 +69,7 @@ def configure_ucx_env() -> None:
     # down).  Same-host gets then go through shared memory at 3.7 GiB/s instead of
     # 5.8 (256 MiB, the CPU machine, 2026-12-01); a GPU or CPU connector beside its
     # node copies through the pool file instead and does not use UCX for its data.
-    os.environ.setdefault("UCX_TLS", "^cma")
+    os.environ.setdefault("UCX_TLS", DEFAULT_TLS)
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
     # Closing an endpoint whose peer is gone is routine here (we own failure handling

@@ -163,7 +163,7 @@ def main() -> None:
     off = start(
         "node bench-off",
         ["scripts.bench_metrics_overhead", "--serve-node-without-metrics",
-         "--node-node-id", "bench-off", *common],
+         "--node-id", "bench-off", *common],
         env={"UCX_TLS": tls},
     )  # fmt: skip
     points = []

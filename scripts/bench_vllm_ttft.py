@@ -111,7 +111,7 @@ def main() -> None:
             extra=[
                 "--node-pool-bytes", args.pool,
                 "--node-slab-bytes", "64MiB",
-                "--node-node-id", f"bench-{os.getpid()}",
+                "--node-id", f"bench-{os.getpid()}",
                 "--node-shm-dir", str(shm),
             ]
         )  # fmt: skip

@@ -3,8 +3,9 @@
 With ``[etcd] endpoints`` set, the node joins the cluster (membership and inventory in
 etcd under its lease); without, it serves standalone (useful for benchmarks) and says so.
 Prints ``READY node=<id> ucx=<host:port> http=<port>`` once serving.  A start that
-fails (no room for the pool, a port taken, a bad address, a node id held by another
-live node) logs why and exits with status 2, leaving no file it created behind.
+fails (a pool larger than the memory or ``shm_dir`` left for it, a port taken, a bad
+address, a node id held by another live node, an unknown ``[node] access_group``) logs
+why in one line and exits with status 2, leaving no file it created behind.
 """
 
 from __future__ import annotations

@@ -1,10 +1,19 @@
 """A storage node: pool + data server + inventory publishing + HTTP, with one lifecycle.
 
 Start brings up the pool (created, or re-attached from an earlier process), the data
-server and membership, in this order.  A start that fails at any step (no space for
-the pool, a port taken, a bad address, a node id held by another live node) takes down
-what it brought up and removes the pool file and journal *this start created*; a pool
-file it found, and was re-attaching, is left for the next start.
+server and membership, in this order.  A pool that does not fit the memory or
+``shm_dir`` is refused before anything is allocated.  A start that fails at any step
+(no space for the pool, a port taken, a bad address, a node id held by another live
+node) takes down what it brought up and removes the pool file, journal and control
+socket *this start created*; a pool file it found, and was re-attaching, is left for
+the next start (and a process killed while preparing a new pool leaves none: see
+:mod:`~pegaflow.storage_node.pool`).
+
+Access: with ``[node] access_group`` the pool file and the control socket are given to
+that group, mode 0660, so an engine running as another user in the group takes the
+same-host path; without, they are owner-only.  UCX's shared-memory transports refuse
+peers of other users, so such a node runs with ``UCX_TLS=^shm`` in its environment
+(docs/operations.md): same-host data goes through the pool file anyway.
 
 Health: the node is healthy while it can serve: pool mapped, data server listening,
 the pool file still at its path (every handshake and same-host client needs it: a file
@@ -28,8 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from pegaflow.storage_node.data_server import DataServer
+from pegaflow.storage_node.local_control import SOCKET_SUFFIX
 from pegaflow.storage_node.metrics import NodeMetrics
-from pegaflow.storage_node.pool import BlockPool, Entry
+from pegaflow.storage_node.pool import BlockPool, Entry, apply_access, resolve_group
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -72,7 +82,8 @@ class StorageNode:
 
     ``await start()`` brings everything up in order (pool, data server, membership);
     ``await close()`` takes it down in reverse.  ``sink`` decides where the inventory
-    goes (etcd in a cluster, the embedded coordinator's index in ``pegaflow-server``).
+    goes (etcd in a cluster, the embedded coordinator's index in ``pegaflow-server``);
+    ``size_flag`` is the option a refused pool size names.
     """
 
     def __init__(
@@ -83,8 +94,10 @@ class StorageNode:
         token: str | None = None,
         tenant_tokens: Sequence[str] = (),
         registry: CollectorRegistry | None = None,
+        size_flag: str = "--node-pool-bytes",
     ) -> None:
         self.cfg = cfg
+        self.size_flag = size_flag
         self.sink: InventorySink = sink if sink is not None else NullSink()
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = NodeMetrics(self.registry)
@@ -104,6 +117,7 @@ class StorageNode:
         """This node as published in the index."""
         assert self.pool is not None and self.data is not None
         st = self.pool.stats()
+        m = self.metrics
         return NodeRecord(
             node_id=self.node_id,
             host=self.cfg.host,
@@ -115,6 +129,9 @@ class StorageNode:
             started_at=self.started_at,
             version=__version__,
             pool_id=self.pool.pool_id,
+            same_host_lookups=int(m.same_host_lookups.value),
+            same_host_hit_blocks=int(m.same_host_hit_blocks.value),
+            same_host_miss_blocks=int(m.same_host_miss_blocks.value),
         )
 
     def _on_evict(self, e: Entry) -> None:
@@ -170,15 +187,26 @@ class StorageNode:
                     "restart finds this pool again",
                     self.node_id,
                 )
+        gid = resolve_group(cfg.access_group)
         path = Path(cfg.shm_dir) / f"pegaflow-{self.node_id}.pool"
         self.pool = BlockPool(
-            path, cfg.pool_bytes, cfg.slab_bytes, node_id=self.node_id, on_evict=self._on_evict
+            path,
+            cfg.pool_bytes,
+            cfg.slab_bytes,
+            node_id=self.node_id,
+            on_evict=self._on_evict,
+            fresh=cfg.fresh_pool,
+            access_gid=gid,
+            size_flag=self.size_flag,
         )
         self.update_gauges()  # capacity is known now, not only after the first change
         self.data = DataServer(
             self.pool, cfg, self.sink, self.metrics, auth=self._auth, on_change=self._dirty.set
         )
         await self.data.start()
+        if gid is not None:  # before the node is published to anyone
+            _share_socket(Path(str(path) + SOCKET_SUFFIX), gid)
+            log.info("pool file and control socket open to group %s (mode 0660)", cfg.access_group)
         if not cfg.node_id and cfg.ucx_port == 0:
             log.info("node id %s (set [node] node_id to keep it stable)", self.node_id)
         await self.sink.start(self.record())
@@ -292,6 +320,12 @@ class StorageNode:
             await self.data.close()
         if self.pool is not None:
             self.pool.close(unlink=unlink)
+
+
+def _share_socket(sock: Path, gid: int) -> None:
+    """Give the control socket at ``sock``, if served, to group ``gid`` (mode 0660)."""
+    if sock.is_socket():
+        apply_access(sock, gid)
 
 
 class JournalCollector(Collector):

@@ -53,7 +53,7 @@ def server() -> Iterator[Proc]:
     shm_dir = tempfile.mkdtemp(prefix="pegaflow-dash-", dir="/dev/shm")
     proc = start_server(
         extra=[
-            "--node-node-id", NODE,
+            "--node-id", NODE,
             "--node-pool-bytes", "128MiB",
             "--node-slab-bytes", "8MiB",
             "--node-shm-dir", shm_dir,

@@ -5,6 +5,7 @@ with a live node's id, and failed starts, which must leave nothing behind."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -13,8 +14,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -80,7 +83,7 @@ def node_argv(
 ) -> list[str]:
     argv = [
         sys.executable, "-m", "pegaflow.storage_node.main",
-        "--node-node-id", node_id, "--node-ucx-port", "0", "--node-http-port", "0",
+        "--node-id", node_id, "--node-ucx-port", "0", "--node-http-port", "0",
         "--node-pool-bytes", pool, "--node-slab-bytes", "1MiB", "--node-shm-dir", str(shm),
         "--etcd-lease-ttl-s", "3", *extra,
     ]  # fmt: skip
@@ -304,7 +307,8 @@ def test_a_pool_larger_than_its_file_system_fails_and_leaves_it_empty() -> None:
     with tmpfs(16 * MiB) as d:
         r = failed_start("s1", d, pool="64MiB")
         assert r.returncode != 0
-        assert "do not fit" in r.stdout + r.stderr
+        assert r.returncode == 2 and "does not fit" in r.stdout + r.stderr
+        assert "--node-pool-bytes" in r.stdout + r.stderr
         assert not list(d.iterdir())
         assert os.statvfs(d).f_bfree == os.statvfs(d).f_blocks  # nothing held either
 
@@ -348,3 +352,89 @@ async def test_a_failed_start_leaves_a_pool_it_was_going_to_reattach(
     assert pool_file.stat().st_ino == ino and (shm_dir / "pegaflow-k1.journal").exists()
     n = node(procs, "k1", shm_dir)  # and it still re-attaches
     assert http_json(n.ready["http"], "/v1/status")[1]["pool"]["blocks"] == 3
+
+
+# ---- pools that do not fit, and starts cut short, leave nothing (#14) ----------------
+
+GiB = 1 << 30
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit: int) -> Iterator[Path]:
+    """A memory cgroup (v1) of ``limit`` bytes for the processes a test starts in it:
+    a pool that ignored the limit would only get them OOM-killed, never the host."""
+    root = Path("/sys/fs/cgroup/memory")
+    if os.geteuid() != 0 or not (root / "cgroup.procs").exists():
+        pytest.skip("needs root and a cgroup v1 memory controller")
+    d = root / f"pegaflow-test-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    try:
+        d.mkdir()
+        (d / "memory.limit_in_bytes").write_text(str(limit))
+    except OSError as e:
+        pytest.skip(f"cannot make a memory cgroup: {e}")
+    try:
+        yield d
+    finally:
+        for _ in range(50):
+            try:
+                d.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def run_in(cgroup: Path, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` inside ``cgroup`` until it exits (a bounded wait)."""
+    procs = str(cgroup / "cgroup.procs")
+
+    def enter() -> None:
+        with open(procs, "w") as fh:
+            fh.write(str(os.getpid()))
+
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=60, cwd=REPO, stdin=subprocess.DEVNULL,
+        preexec_fn=enter,
+    )  # fmt: skip
+
+
+def error_lines(r: subprocess.CompletedProcess[str]) -> list[str]:
+    return [x for x in (r.stdout + r.stderr).splitlines() if " ERROR " in x]
+
+
+def test_a_pool_larger_than_memory_is_refused_before_anything_is_made() -> None:
+    with memory_cgroup(768 * MiB) as cg, tmpfs(4 * GiB) as d:
+        r = run_in(cg, node_argv("m1", d, pool="1GiB"))
+        assert r.returncode == 2, r.stdout + r.stderr
+        (line,) = error_lines(r)  # one line saying why, with the sizes and the flag
+        assert "pool of 1.0 GiB does not fit" in line, line
+        assert "of memory available to its cgroup" in line and f"free in {d}" in line, line
+        assert "--node-pool-bytes" in line and "Traceback" not in r.stdout + r.stderr
+        assert not list(d.iterdir())
+        assert os.statvfs(d).f_bfree == os.statvfs(d).f_blocks
+
+
+def test_a_node_killed_while_preparing_its_pool_leaves_nothing() -> None:
+    with tmpfs(2 * GiB + 64 * MiB) as d:
+        p = subprocess.Popen(
+            node_argv("k9", d, pool="2GiB"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
+        )
+        assert p.stdout is not None
+        try:
+            lines = []
+            for line in p.stdout:  # the OOM killer strikes while the pool is backed
+                lines.append(line)
+                if "preparing pool of 2.0 GiB" in line or line.startswith("READY"):
+                    p.kill()
+                    break
+            assert p.wait(30) == -signal.SIGKILL, "".join(lines)
+            assert not lines[-1].startswith("READY"), "".join(lines)  # it said nothing
+        finally:
+            if p.poll() is None:
+                p.kill()
+            p.stdout.close()
+        assert not list(d.iterdir())
+        assert os.statvfs(d).f_bfree == os.statvfs(d).f_blocks  # its memory came back

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import stat
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -156,3 +160,82 @@ def test_a_pool_file_serves_one_process(tmp_path: Path, evicted: list[Entry]) ->
         make_pool(tmp_path, evicted)
     pool.close()
     make_pool(tmp_path, evicted).close(unlink=True)  # free again once closed
+
+
+# ---- preparing a pool (#14): progress, a fresh start, the file's mode ---------------
+
+
+def test_preparing_a_pool_logs_its_progress(
+    tmp_path: Path, evicted: list[Entry], caplog: pytest.LogCaptureFixture, monkeypatch: Any
+) -> None:
+    from pegaflow.storage_node import pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "PROGRESS_S", 0.0)  # a progress line at every chunk
+    monkeypatch.setattr(pool_mod, "PREPARE_CHUNK", MiB)
+    with caplog.at_level(logging.INFO, logger=pool_mod.__name__):
+        pool = make_pool(tmp_path, evicted)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(f"preparing pool of 4 MiB in {tmp_path}" in x for x in lines), lines
+    assert [x for x in lines if "%" in x] == [
+        f"pool {tmp_path / 'pool'}: {p}% prepared" for p in (25, 50, 75, 100)
+    ]
+    assert any(x.startswith("pool of 4 MiB ready in ") for x in lines), lines
+    pool.close()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=pool_mod.__name__):
+        make_pool(tmp_path, evicted).close(unlink=True)
+    assert any("re-attaching pool of 4 MiB" in r.getMessage() for r in caplog.records)
+
+
+def test_a_fresh_pool_forgets_what_the_old_file_held(tmp_path: Path, evicted: list[Entry]) -> None:
+    pool = make_pool(tmp_path, evicted)
+    e = put(pool, b"a", 1000)
+    pool_id = pool.pool_id
+    pool.close()
+    again = BlockPool(tmp_path / "pool", 4 * MiB, MiB, node_id="n", fresh=True)
+    assert again.created and not again.recovered and again.get(("ns", b"a", 0)) is None
+    assert again.pool_id != pool_id and not again.buf[e.offset : e.offset + e.size].any()
+    again.close()
+    assert not make_pool(tmp_path, evicted).recovered  # its journal went too
+
+
+def test_a_fresh_pool_never_takes_a_live_pool_file(tmp_path: Path, evicted: list[Entry]) -> None:
+    from pegaflow.storage_node.pool import PoolInUse
+
+    live = make_pool(tmp_path, evicted)
+    put(live, b"a", 1000)
+    with pytest.raises(PoolInUse):
+        BlockPool(tmp_path / "pool", 4 * MiB, MiB, node_id="n", fresh=True)
+    assert live.get(("ns", b"a", 0)) is not None and (tmp_path / "pool").exists()
+    live.close(unlink=True)
+
+
+def test_the_pool_file_is_owner_only_or_open_to_its_access_group(tmp_path: Path) -> None:
+    gid = os.getgroups()[0] if os.getgroups() else os.getgid()
+    pool = BlockPool(tmp_path / "pool", 4 * MiB, MiB, node_id="n", access_gid=gid)
+    st = (tmp_path / "pool").stat()
+    assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == gid
+    pool.close()
+    BlockPool(tmp_path / "pool", 4 * MiB, MiB, node_id="n").close()  # re-attached, no group
+    assert stat.S_IMODE((tmp_path / "pool").stat().st_mode) == 0o600
+
+
+def test_what_a_pool_needs_is_memory_and_space_less_what_its_file_holds() -> None:
+    from pegaflow.storage_node.pool import MEM_HEADROOM, room_problem
+
+    GiB = 1 << 30
+    mem = (10 * GiB, "available")
+    assert room_problem(8 * GiB, 0, "/dev/shm", 20 * GiB, mem, "--pool-size") is None
+    why = room_problem(12 * GiB, 0, "/dev/shm", 20 * GiB, mem, "--pool-size")
+    assert why == (
+        "pool of 12.0 GiB does not fit: 10.0 GiB of memory available (256 MiB of it left "
+        "to the host), 20.0 GiB free in /dev/shm; lower --pool-size, or make room"
+    )
+    assert room_problem(10 * GiB, 0, "/x", 20 * GiB, mem, "f") is not None  # the headroom
+    assert room_problem(10 * GiB - MEM_HEADROOM, 0, "/x", 20 * GiB, mem, "f") is None
+    assert "free in /x" in (room_problem(8 * GiB, 0, "/x", 4 * GiB, None, "f") or "")
+    # a pool re-attached needs only what its file does not hold yet
+    assert room_problem(12 * GiB, 6 * GiB, "/x", 7 * GiB, mem, "f") is None
+    assert "(6.0 GiB more than its file holds)" in (
+        room_problem(12 * GiB, 6 * GiB, "/x", 5 * GiB, mem, "f") or ""
+    )

@@ -253,7 +253,7 @@ async def test_a_transfer_is_traced_from_client_to_node() -> None:
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     endpoint = f"http://127.0.0.1:{httpd.server_address[1]}"
     server = start_server(
-        extra=["--node-node-id", "traced", "--node-pool-bytes", "64MiB",
+        extra=["--node-id", "traced", "--node-pool-bytes", "64MiB",
                "--node-slab-bytes", "4MiB", "--telemetry-otlp-endpoint", endpoint,
                "--telemetry-otlp-protocol", "http/protobuf"],
     )  # fmt: skip
