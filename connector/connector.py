@@ -354,7 +354,8 @@ class PegaKVConnector(KVConnectorBase_V1):
         return PegaWorkerMetadata(rep) if rep is not None else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Counters since the last call (see :mod:`.metrics`), or None when idle."""
+        """Counters and operation durations since the last call (see :mod:`.metrics`),
+        or None when idle."""
         delta = self.counters.take_delta()
         return PegaConnectorStats(data=delta) if delta else None
 
@@ -462,7 +463,8 @@ class PegaKVConnector(KVConnectorBase_V1):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> Any:
-        """``vllm:pegaflow_*`` counters on vLLM's ``/metrics``.
+        """``vllm:pegaflow_*`` counters and latency histograms on vLLM's ``/metrics``
+        (names: docs/metrics.md).
 
         Args:
             vllm_config: engine configuration.

@@ -4,13 +4,17 @@ One :class:`Counters` lives in each connector instance (scheduler and every work
 It feeds three outlets:
 
 * vLLM's connector stats (``get_kv_connector_stats``; see :mod:`.stats`): deltas since
-  the last call, aggregated across workers by vLLM, logged as "KV Transfer metrics"
-  and exported by vLLM's ``/metrics`` as ``vllm:pegaflow_*`` counters;
-* the process's Prometheus registry (``pegaflow_connector_*``), for deployments that
-  scrape the engine process directly: one counter per entry of :data:`COUNTERS`, plus
-  latency histograms (:data:`HISTOGRAMS`) of lookups, load jobs and puts;
+  the last call, plus the durations of that interval's lookups, load jobs and puts,
+  aggregated across workers by vLLM, logged as "KV Transfer metrics" and exported by
+  vLLM's ``/metrics`` as ``vllm:pegaflow_<counter>_total`` counters and
+  ``vllm:pegaflow_<histogram>`` latency histograms (:data:`HISTOGRAMS`);
+* the engine log's ``PegaFlow cache:`` line (:mod:`.report`);
 * an optional JSON file of the cumulative totals (``stats_path`` setting), which tests
   and operators can read without a metrics stack.
+
+The connector runs in vLLM's engine-core and worker processes, whose own Prometheus
+registries nobody serves: vLLM's API server is the only ``/metrics`` an operator
+scrapes, so everything goes through vLLM's connector-stats plumbing.
 
 Pure module: no vLLM import.
 """
@@ -21,7 +25,6 @@ import json
 import os
 import threading
 import time
-from typing import Any
 
 COUNTERS: dict[str, str] = {
     # scheduler side
@@ -66,15 +69,20 @@ COUNTERS: dict[str, str] = {
 }
 
 
-#: Counters whose every ``add`` is one operation's duration, also kept as a histogram.
+#: Counters whose every ``add`` is one operation's duration, also kept as a histogram:
+#: counter name -> (histogram name, exported as ``vllm:pegaflow_<name>``; its help).
 HISTOGRAMS: dict[str, tuple[str, str]] = {
-    "lookup_seconds": ("pegaflow_connector_lookup_latency_seconds", "latency of one lookup"),
-    "load_seconds": ("pegaflow_connector_load_latency_seconds", "wall time of one load job"),
-    "save_seconds": ("pegaflow_connector_save_latency_seconds", "wall time of one put"),
+    "lookup_seconds": ("lookup_latency_seconds", "latency of one lookup, as the engine sees it"),
+    "load_seconds": ("load_latency_seconds", "wall time of one load job, from start to last block"),
+    "save_seconds": ("save_latency_seconds", "wall time of one put"),
 }
-_LATENCY_BUCKETS = (
+#: bucket bounds (seconds) of the latency histograms
+LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
 )  # fmt: skip
+#: durations kept per histogram between two takes (vLLM takes them every engine step);
+#: beyond it the histogram misses some while the ``*_seconds`` counter stays exact
+MAX_SAMPLES = 4096
 
 
 class Counters:
@@ -87,7 +95,7 @@ class Counters:
         self._path = f"{stats_path}.{role}{rank}.json" if stats_path else ""
         self._written = 0.0
         self._timer: threading.Timer | None = None
-        self._prom = _prometheus_counters()
+        self._samples: dict[str, list[float]] = {}
 
     def add(self, name: str, value: float = 1) -> None:
         """Increase counter ``name`` (one of :data:`COUNTERS`) by ``value``."""
@@ -95,15 +103,14 @@ class Counters:
             return
         if name not in COUNTERS:
             raise KeyError(f"unknown connector counter {name!r}")
+        hist = HISTOGRAMS.get(name)
         with self._lock:
             self._total[name] = self._total.get(name, 0) + value
             self._delta[name] = self._delta.get(name, 0) + value
-        prom = self._prom.get(name)
-        if prom is not None:
-            prom.inc(value)
-            hist = self._prom.get(f"{name}:hist")
             if hist is not None:
-                hist.observe(value)
+                samples = self._samples.setdefault(hist[0], [])
+                if len(samples) < MAX_SAMPLES:
+                    samples.append(float(value))
         if self._path and self._timer is None:
             t = threading.Timer(0.3, self._flush)
             t.daemon = True
@@ -119,10 +126,13 @@ class Counters:
         with self._lock:
             return dict(self._total)
 
-    def take_delta(self) -> dict[str, float]:
-        """Values accumulated since the previous call (then reset)."""
+    def take_delta(self) -> dict[str, float | list[float]]:
+        """Values accumulated since the previous call (then reset): counter name ->
+        value, and histogram name (:data:`HISTOGRAMS`) -> the durations observed."""
         with self._lock:
-            d, self._delta = self._delta, {}
+            d: dict[str, float | list[float]] = dict(self._delta)
+            d.update(self._samples)
+            self._delta, self._samples = {}, {}
         self.maybe_write()
         return d
 
@@ -141,26 +151,3 @@ class Counters:
             os.replace(tmp, self._path)
         except OSError:
             pass
-
-
-_PROM: dict[str, Any] | None = None
-_PROM_LOCK = threading.Lock()
-
-
-def _prometheus_counters() -> dict[str, Any]:
-    """``pegaflow_connector_<name>`` counters (and ``<name>:hist`` histograms) in the
-    default registry (once per process)."""
-    global _PROM
-    with _PROM_LOCK:
-        if _PROM is None:
-            _PROM = {}
-            try:
-                from prometheus_client import Counter, Histogram
-
-                for name, doc in COUNTERS.items():
-                    _PROM[name] = Counter(f"pegaflow_connector_{name}", doc)
-                for name, (metric, doc) in HISTOGRAMS.items():
-                    _PROM[f"{name}:hist"] = Histogram(metric, doc, buckets=_LATENCY_BUCKETS)
-            except Exception:  # no prometheus_client, or names taken: metrics are optional
-                _PROM = {}
-        return _PROM

@@ -1,9 +1,11 @@
 """The connector's counters in vLLM's connector-stats and Prometheus plumbing.
 
 vLLM collects :class:`PegaConnectorStats` from the scheduler and every worker each
-step, aggregates them (sum), logs them as ``KV Transfer metrics: ...`` when stats
-logging is on, and feeds them to :class:`PegaPromMetrics`, which exports
-``vllm:pegaflow_<counter>_total`` on vLLM's own ``/metrics`` endpoint.
+step, aggregates them (counters summed, durations concatenated), logs them as
+``KV Transfer metrics: ...`` when stats logging is on, and feeds them to
+:class:`PegaPromMetrics`, which exports them on vLLM's own ``/metrics`` endpoint:
+``vllm:pegaflow_<counter>_total`` for every entry of :data:`.metrics.COUNTERS` and
+``vllm:pegaflow_<histogram>`` for every entry of :data:`.metrics.HISTOGRAMS`.
 """
 
 from __future__ import annotations
@@ -11,26 +13,36 @@ from __future__ import annotations
 from typing import Any
 
 from .compat import KVConnectorPromMetrics, KVConnectorStats
-from .metrics import COUNTERS
+from .metrics import COUNTERS, HISTOGRAMS, LATENCY_BUCKETS, MAX_SAMPLES
+
+_HISTOGRAM_NAMES = frozenset(name for name, _doc in HISTOGRAMS.values())
 
 
 class PegaConnectorStats(KVConnectorStats):
-    """Counter deltas (``data``: counter name -> value) of one interval."""
+    """One interval's ``data``: counter name -> delta, histogram name -> durations."""
 
     def reset(self) -> None:
         """Clear all counters."""
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> PegaConnectorStats:
-        """Sum ``other``'s counters into this object (and return it)."""
+        """Sum ``other``'s counters into this object and append its durations (at most
+        :data:`.metrics.MAX_SAMPLES` per histogram); return this object."""
         for k, v in (other.data or {}).items():
             if isinstance(v, int | float):
                 self.data[k] = self.data.get(k, 0) + v
+            elif k in _HISTOGRAM_NAMES and isinstance(v, list):
+                mine = self.data.setdefault(k, [])
+                mine.extend(v[: max(0, MAX_SAMPLES - len(mine))])
         return self
 
     def reduce(self) -> dict[str, int | float]:
         """The interval's totals plus derived ratios, for vLLM's periodic log line."""
-        d = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.data.items()}
+        d = {
+            k: (round(v, 4) if isinstance(v, float) else v)
+            for k, v in self.data.items()
+            if isinstance(v, int | float)
+        }
         hit = self.data.get("lookup_hit_blocks", 0)
         miss = self.data.get("lookup_miss_blocks", 0)
         if hit + miss:
@@ -45,7 +57,8 @@ class PegaConnectorStats(KVConnectorStats):
 
 
 class PegaPromMetrics(KVConnectorPromMetrics):
-    """``vllm:pegaflow_<counter>`` Prometheus counters, one series per engine."""
+    """``vllm:pegaflow_<counter>`` counters and ``vllm:pegaflow_<histogram>`` latency
+    histograms, one series per engine."""
 
     def __init__(
         self,
@@ -62,10 +75,26 @@ class PegaPromMetrics(KVConnectorPromMetrics):
             )
             for engine_idx, values in per_engine_labelvalues.items():
                 self._series[(engine_idx, name)] = metric.labels(*values)
+        for name, doc in HISTOGRAMS.values():
+            metric = self._histogram_cls(
+                name=f"vllm:pegaflow_{name}",
+                documentation=doc,
+                buckets=list(LATENCY_BUCKETS),
+                labelnames=labelnames,
+            )
+            for engine_idx, values in per_engine_labelvalues.items():
+                self._series[(engine_idx, name)] = metric.labels(*values)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        """Add one interval's counters."""
+        """Add one interval's counters and observe its durations."""
         for name, value in transfer_stats_data.items():
             series = self._series.get((engine_idx, name))
-            if series is not None and isinstance(value, int | float) and value > 0:
+            if series is None:
+                continue
+            if name in _HISTOGRAM_NAMES:
+                if isinstance(value, list):
+                    for v in value:
+                        if isinstance(v, int | float):
+                            series.observe(v)
+            elif isinstance(value, int | float) and value > 0:
                 series.inc(value)

@@ -11,6 +11,7 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,13 +31,14 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def documented() -> dict[str, dict[str, str]]:
-    """``{section: {exposed name: type}}`` from the tables of docs/metrics.md."""
+    """``{section: {exposed name: type}}`` from the tables of docs/metrics.md (the
+    services' ``pegaflow_*`` names and the connector's ``vllm:pegaflow_*`` names)."""
     out: dict[str, dict[str, str]] = {}
     section = ""
     for line in (REPO / "docs" / "metrics.md").read_text().splitlines():
         if line.startswith("## "):
             section = line[3:].strip().lower()
-        m = re.match(r"^\| `(pegaflow_[a-z0-9_]+)` \| (counter|gauge|histogram) \|", line)
+        m = re.match(r"^\| `((?:vllm:)?pegaflow_[a-z0-9_]+)` \| (counter|gauge|histogram) \|", line)
         if m:
             out.setdefault(section, {})[m.group(1)] = m.group(2)
     return out
@@ -251,41 +253,86 @@ async def test_documented_metrics_are_served_and_count_real_traffic(
 
 
 def test_connector_metrics_are_exported() -> None:
-    """The connector's counters and latency histograms reach the process registry
-    under their documented names, moved by what was added."""
+    """What the connector counts reaches vLLM's Prometheus plumbing under the documented
+    names: counters and latency histograms of two workers' steps, aggregated as vLLM
+    does (``PegaConnectorStats.aggregate``), observed by ``PegaPromMetrics`` with real
+    ``prometheus_client`` metric classes (a registry of this test's own)."""
+    pytest.importorskip("vllm")
+    from functools import partial
+    from types import SimpleNamespace
+
     from pegaflow.connector.metrics import COUNTERS, HISTOGRAMS, Counters
-    from prometheus_client import REGISTRY, generate_latest
+    from pegaflow.connector.stats import PegaConnectorStats, PegaPromMetrics
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    reg = CollectorRegistry()
+    types = {c: partial(c, registry=reg) for c in (Counter, Gauge, Histogram)}
+    prom = PegaPromMetrics(
+        SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"],
+        {0: ["m", "0"]},
+    )  # fmt: skip
 
     def samples() -> Samples:
         out: Samples = {}
-        for fam in text_string_to_metric_families(generate_latest(REGISTRY).decode()):
+        for fam in text_string_to_metric_families(generate_latest(reg).decode()):
             for s in fam.samples:
                 out[(s.name, tuple(sorted(s.labels.items())))] = s.value
         return out
 
-    counters = Counters("scheduler", 0)
+    labels = {"model_name": "m", "engine": "0"}
     before = samples()
-    counters.add("lookups", 3)
-    counters.add("lookup_hit_blocks", 10)
-    counters.add("lookup_seconds", 0.002)
-    counters.add("lookup_seconds", 0.2)
-    counters.add("load_failed_blocks", 2)
+    scheduler, w0, w1 = Counters("scheduler", 0), Counters("worker", 0), Counters("worker", 1)
+    scheduler.add("lookups", 3)
+    scheduler.add("lookup_hit_blocks", 10)
+    scheduler.add("lookup_seconds", 0.002)
+    scheduler.add("lookup_seconds", 0.2)
+    w0.add("load_failed_blocks", 2)
+    w0.add("load_seconds", 0.004)
+    w1.add("load_seconds", 0.03)
+    w1.add("save_seconds", 0.0003)
+    step = PegaConnectorStats(data=w0.take_delta())
+    step = step.aggregate(PegaConnectorStats(data=w1.take_delta()))
+    step = step.aggregate(PegaConnectorStats(data=scheduler.take_delta()))
+    assert all(isinstance(v, int | float) for v in step.reduce().values())  # the log line
+    prom.observe(step.to_dict(), 0)
     after = samples()
-    assert delta(before, after, "pegaflow_connector_lookups_total") == 3
-    assert delta(before, after, "pegaflow_connector_lookup_hit_blocks_total") == 10
-    assert delta(before, after, "pegaflow_connector_load_failed_blocks_total") == 2
-    assert delta(before, after, "pegaflow_connector_lookup_seconds_total") == pytest.approx(0.202)
-    assert delta(before, after, "pegaflow_connector_lookup_latency_seconds_count") == 2
-    assert (
-        delta(before, after, "pegaflow_connector_lookup_latency_seconds_bucket", le="0.0025") == 1
+    assert delta(before, after, "vllm:pegaflow_lookups_total", **labels) == 3
+    assert delta(before, after, "vllm:pegaflow_lookup_hit_blocks_total", **labels) == 10
+    assert delta(before, after, "vllm:pegaflow_load_failed_blocks_total", **labels) == 2
+    assert delta(before, after, "vllm:pegaflow_lookup_seconds_total", **labels) == pytest.approx(
+        0.202
     )
+    lookup = "vllm:pegaflow_lookup_latency_seconds"
+    assert delta(before, after, f"{lookup}_count", **labels) == 2
+    assert delta(before, after, f"{lookup}_bucket", le="0.0025", **labels) == 1
+    assert delta(before, after, f"{lookup}_sum", **labels) == pytest.approx(0.202)
+    load = "vllm:pegaflow_load_latency_seconds"
+    assert delta(before, after, f"{load}_count", **labels) == 2  # one per worker
+    assert delta(before, after, f"{load}_bucket", le="0.005", **labels) == 1
+    assert delta(before, after, "vllm:pegaflow_save_latency_seconds_count", **labels) == 1
 
     docs = documented()["connector"]
-    exposed = {f"pegaflow_connector_{n}_total" for n in COUNTERS}
-    exposed |= {metric for metric, _doc in HISTOGRAMS.values()}
+    exposed = {f"vllm:pegaflow_{n}_total" for n in COUNTERS}
+    exposed |= {f"vllm:pegaflow_{metric}" for metric, _doc in HISTOGRAMS.values()}
     assert exposed == set(docs), "docs/metrics.md and connector/metrics.py disagree"
     for name, typ in docs.items():
-        assert (name + ("_count" if typ == "histogram" else ""), ()) in after, name
+        assert (name + ("_count" if typ == "histogram" else ""), tuple(sorted(labels.items()))) in (
+            after
+        ), name
+
+
+def test_connector_latency_samples_are_bounded() -> None:
+    """A flood of operations between two takes keeps a bounded list of durations; the
+    counter stays exact."""
+    from pegaflow.connector.metrics import MAX_SAMPLES, Counters
+
+    w0 = Counters("worker", 0)
+    for _ in range(MAX_SAMPLES + 10):
+        w0.add("save_seconds", 0.001)
+    flood = w0.take_delta()
+    assert len(flood["save_latency_seconds"]) == MAX_SAMPLES  # type: ignore[arg-type]
+    assert flood["save_seconds"] == pytest.approx(0.001 * (MAX_SAMPLES + 10))
+    assert w0.totals()["save_seconds"] == pytest.approx(0.001 * (MAX_SAMPLES + 10))
 
 
 def test_dashboards_and_alerts_use_documented_metrics() -> None:
@@ -310,5 +357,35 @@ def test_dashboards_and_alerts_use_documented_metrics() -> None:
         rules = yaml.safe_load((REPO / "configs" / rules_file).read_text())
         exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
     assert len(exprs) > 30
-    used = {m for e in exprs for m in re.findall(r"\bpegaflow_[a-z0-9_]+", e)}
+    used = {m for e in exprs for m in re.findall(r"(?<![\w:])(?:vllm:)?pegaflow_[a-z0-9_]+", e)}
     assert used and not used - known, f"undocumented metrics used: {sorted(used - known)}"
+
+
+def test_dashboard_names_one_datasource() -> None:
+    """Every panel and query of the Grafana dashboard reads the dashboard's
+    ``datasource`` variable, and the dashboard declares nothing else (no import-time
+    ``__inputs`` such as ``DS_PROMETHEUS`` that no panel would use)."""
+    import json
+
+    text = (REPO / "configs" / "grafana" / "pegaflow-dashboard.json").read_text()
+    dash = json.loads(text)
+    assert "__inputs" not in dash and "DS_" not in text
+    variables = [v for v in dash["templating"]["list"] if v.get("type") == "datasource"]
+    assert [(v["name"], v["query"]) for v in variables] == [("datasource", "prometheus")]
+    refs: list[Any] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k == "datasource":
+                    refs.append(v)
+                else:
+                    walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(dash["panels"])
+    assert refs and all(r == {"type": "prometheus", "uid": "${datasource}"} for r in refs), {
+        json.dumps(r) for r in refs
+    }
