@@ -12,6 +12,10 @@ Lookups and decisions are counted in the scheduler's own process; loads and save
 the workers, whose counters reach the scheduler with every step's output (vLLM's
 connector stats, :meth:`CacheReport.add_workers`).  A final line is logged at shutdown.
 
+:class:`SameHostReport` reports the lookups the node on this host answered alone (which
+no coordinator sees) to that node, so that ``pegaflow status`` counts them in the
+cluster's hit rate.
+
 Pure module: no vLLM import.
 """
 
@@ -144,3 +148,106 @@ class CacheReport:
         if self._thread is not None:
             self._thread.join(5)
         self.emit()
+
+
+SAME_HOST_REPORT_S = 5.0
+"""seconds between two reports of same-host lookups to their node"""
+SAME_HOST_REPORT_TIMEOUT_S = 1.0
+"""deadline of one such report (best effort: what fails is sent with the next one)"""
+
+Send = Callable[[str, int, int, int, float], None]
+"""``send(node_id, lookups, asked_blocks, hit_blocks, timeout)``: one report, or raises"""
+
+
+class SameHostReport:
+    """The lookups answered by this host's node alone, reported to that node in batches.
+
+    Such a lookup never reaches a coordinator (the scheduler asks the node first and the
+    coordinator only when the node lacks blocks), so the coordinators' counters miss it;
+    the node adds the reported figures to its record, and the coordinators' status to
+    the cluster's.  :meth:`add` (on the request path) only adds to a tally; a thread of
+    its own sends the tally every ``interval_s`` and :meth:`close` sends what is left,
+    each report under ``timeout_s``.  A report that fails is kept and sent with the next
+    (one that timed out after reaching the node may so be counted twice).
+
+    Args:
+        send: sends one report (see :data:`Send`).
+        interval_s: seconds between two reports.
+        timeout_s: deadline of one report.
+    """
+
+    def __init__(
+        self,
+        send: Send,
+        interval_s: float = SAME_HOST_REPORT_S,
+        timeout_s: float = SAME_HOST_REPORT_TIMEOUT_S,
+    ) -> None:
+        self._send = send
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._pending: dict[str, list[int]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def add(self, node: str, asked_blocks: int, hit_blocks: int) -> None:
+        """Count one lookup that ``node`` answered alone (sent later, never here)."""
+        with self._lock:
+            if self._closed:
+                return
+            t = self._pending.setdefault(node, [0, 0, 0])
+            t[0] += 1
+            t[1] += asked_blocks
+            t[2] += hit_blocks
+            if self._thread is None:  # started by the first such lookup
+                self._thread = threading.Thread(
+                    target=self._run, name="pegaflow-same-host-report", daemon=True
+                )
+                self._thread.start()
+
+    def pending(self) -> dict[str, tuple[int, int, int]]:
+        """Per node, (lookups, asked blocks, hit blocks) not reported yet."""
+        with self._lock:
+            return {n: (t[0], t[1], t[2]) for n, t in self._pending.items()}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.flush()
+
+    def flush(self) -> bool:
+        """Send every node its tally now; True when nothing is left unsent."""
+        with self._lock:
+            todo, self._pending = self._pending, {}
+        ok = True
+        for node, (lookups, asked, hits) in todo.items():
+            try:
+                self._send(node, lookups, asked, hits, self.timeout_s)
+            except Exception as e:
+                ok = False
+                logger.debug("PegaFlow: reporting %d same-host lookups to %s failed: %s",
+                             lookups, node, e)  # fmt: skip
+                with self._lock:
+                    t = self._pending.setdefault(node, [0, 0, 0])
+                    t[0] += lookups
+                    t[1] += asked
+                    t[2] += hits
+        return ok
+
+    def close(self) -> None:
+        """Stop the thread and send what is left (once, under the deadline)."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        self._stop.set()
+        if thread is not None:
+            thread.join(self.timeout_s + 1.0)
+        if self.flush():
+            return
+        for node, (lookups, _asked, _hits) in self.pending().items():
+            logger.info(
+                "PegaFlow: could not report %d same-host lookups to node %s at shutdown; "
+                "`pegaflow status` leaves them out of the cluster's hit rate",
+                lookups,
+                node,
+            )

@@ -29,6 +29,7 @@ from .discovery import LocalNodeFinder
 from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport
 from .metrics import Counters
 from .namespace import block_hash_bytes, block_hashes_bytes
+from .report import SameHostReport
 from .settings import ConnectorSettings
 
 logger = logging.getLogger("pegaflow.connector")
@@ -258,6 +259,9 @@ class SchedulerSide:
         self._connected = threading.Event()
         """clear while :meth:`start_warm_up`'s connections are being made"""
         self._connected.set()
+        self.same_host = SameHostReport(self._send_report)
+        """the lookups answered by the local node alone, reported to it (no coordinator
+        sees them; ``pegaflow status`` counts them in the cluster's hit rate)"""
 
     # ---- helpers -------------------------------------------------------------------
 
@@ -335,7 +339,8 @@ class SchedulerSide:
         try:
             if node:  # fetches the node records, opens the data plane and control socket
                 call(lambda c: c.locate(WARM_UP_NS, node, probe, 0, 0.001, timeout), timeout)
-            call(lambda c: c.lookup(WARM_UP_NS, probe, self.shards, timeout), timeout)
+            # flagged: the coordinator leaves it out of its lookup counts
+            call(lambda c: c.lookup(WARM_UP_NS, probe, self.shards, timeout, warm_up=True), timeout)
             logger.debug("PegaFlow: connected in %.1f ms", (time.monotonic() - t0) * 1e3)
         except Exception as e:
             logger.info("PegaFlow: could not connect ahead of the first lookup: %s", e)
@@ -432,6 +437,7 @@ class SchedulerSide:
                     if local is not None:  # the coordinator cannot add to a whole hit
                         self.lookup_breaker.success()
                         self._account(asked, local.hits, "lookups_local")
+                        self.same_host.add(self.local_node, len(asked), local.hits)
                         self._claim(st, asked, local)
                         self._debug_lookup(st, asked, local, t0, "answered by the local node")
                         st.lookup = local
@@ -834,8 +840,17 @@ class SchedulerSide:
         """Whether the request is tracked (tests)."""
         return req_id in self._reqs
 
+    def _send_report(self, node: str, lookups: int, asked: int, hits: int, timeout: float) -> None:
+        """One :class:`SameHostReport` report to ``node`` (raises when it fails)."""
+        client = self._client_or_none()
+        call = getattr(client, "call", None)
+        if call is None:
+            raise RuntimeError("no cluster client")
+        call(lambda c: c.report_lookups(node, lookups, asked, hits, timeout), timeout)
+
     def close(self) -> None:
-        """Close the lookup client."""
+        """Report the last same-host lookups, then close the lookup client."""
+        self.same_host.close()
         with self._client_lock:
             self._closed = True
             c, self._client = self._client, None

@@ -10,13 +10,16 @@ coordinators, each a full read replica of etcd) or directly by a storage node th
 :class:`~pegaflow.coordinator.index.LocalSink` (the single-host ``pegaflow-server``, no
 etcd).  Ops (``args`` and results are msgpack maps; bytes stay bytes):
 
-``lookup`` ``{ns, hashes: [bytes], shards: [int], gens?: bool}`` ->
+``lookup`` ``{ns, hashes: [bytes], shards: [int], gens?: bool, warm_up?: bool}`` ->
     ``{hits, nodes: {node_id: NodeRecord}, blocks: [[node_id per shard] per hit]}``; with
     ``gens: true`` also ``gens: [int]``, the generation each of those shards had when it
-    was published, flat and block-major (``gens[i * len(shards) + j]``)
+    was published, flat and block-major (``gens[i * len(shards) + j]``); with
+    ``warm_up: true`` (a connector connecting at engine start) it is not counted in the
+    lookup metrics
 ``place`` ``{ns, count, block_bytes, client_host}`` -> ``{node: NodeRecord}``
-``status`` ``{}`` -> ``{nodes, blocks, namespaces, coordinator: {...}}`` (``coordinator``
-    has ``leader``: whether this one runs the singleton duties, and ``election``/``gc``)
+``status`` ``{}`` -> ``{nodes, blocks, namespaces, cluster_lookups, coordinator: {...}}``
+    (``coordinator`` has ``leader``: whether this one runs the singleton duties, and
+    ``election``/``gc``; ``cluster_lookups``: see :meth:`Coordinator.cluster_lookups`)
 ``nodes`` ``{}`` -> ``{nodes: [NodeRecord]}``
 """
 
@@ -285,11 +288,12 @@ class Coordinator:
                 )
             )
         )
-        m = self.metrics
-        m.lookups += 1
-        m.hit_blocks += hits
-        m.miss_blocks += len(hashes) - hits
-        m.lookup_seconds.observe(time.perf_counter() - t0)
+        if args.get("warm_up") is not True:
+            m = self.metrics
+            m.lookups += 1
+            m.hit_blocks += hits
+            m.miss_blocks += len(hashes) - hits
+            m.lookup_seconds.observe(time.perf_counter() - t0)
         return result
 
     def _pack_blocks(self, blocks: list[tuple[str, ...]]) -> bytes:
@@ -361,7 +365,31 @@ class Coordinator:
             "blocks": idx.num_blocks,
             "entries": idx.num_entries,
             "namespaces": idx.num_namespaces,
+            "cluster_lookups": self.cluster_lookups(),
             "coordinator": self._coordinator_status(),
+        }
+
+    def cluster_lookups(self) -> dict[str, int]:
+        """The cluster's lookups since start: those this coordinator answered plus
+        those the connectors' same-host nodes answered alone (which never reach a
+        coordinator; each node counts what its connectors report, in its record).  A
+        lookup the node answered only partly went on to the coordinator and is counted
+        there alone.  ``lookups``, ``hit_blocks``, ``miss_blocks`` are the totals;
+        ``same_host_*`` the nodes' part.  With several coordinators, the coordinator
+        part is this one's."""
+        same = [0, 0, 0]
+        for n in self.index.nodes():
+            same[0] += n.same_host_lookups
+            same[1] += n.same_host_hit_blocks
+            same[2] += n.same_host_miss_blocks
+        m = self.metrics
+        return {
+            "lookups": m.lookups + same[0],
+            "hit_blocks": m.hit_blocks + same[1],
+            "miss_blocks": m.miss_blocks + same[2],
+            "same_host_lookups": same[0],
+            "same_host_hit_blocks": same[1],
+            "same_host_miss_blocks": same[2],
         }
 
     async def op_status_async(self) -> dict[str, Any]:

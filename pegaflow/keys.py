@@ -62,6 +62,13 @@ class NodeRecord:
     version: str = ""
     pool_id: str = ""
     """the node's pool file's id (kept across restarts on the same pool file)"""
+    same_host_lookups: int = 0
+    """lookups the connectors on this node's host answered from this node alone (no
+    coordinator saw them), as they reported them since the node started"""
+    same_host_hit_blocks: int = 0
+    """blocks those lookups found"""
+    same_host_miss_blocks: int = 0
+    """blocks those lookups asked for and did not find"""
 
     @property
     def ucx_address(self) -> str:

@@ -90,6 +90,12 @@ class FastCounter(Collector):
         assert self._solo is not None, f"{self.name} has labels; use .labels(...)"
         self._solo.value += amount
 
+    @property
+    def value(self) -> float:
+        """The value of an unlabelled counter."""
+        assert self._solo is not None, f"{self.name} has labels; use .labels(...)"
+        return self._solo.value
+
     def collect(self) -> Iterator[Any]:
         fam = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
         if self._solo is not None:
@@ -223,5 +229,20 @@ class NodeMetrics:
         self.checksum_failures = FastCounter(
             "pegaflow_node_checksum_failures",
             "Blocks refused because their checksum mismatched",
+            registry=r,
+        )
+        self.same_host_lookups = FastCounter(
+            "pegaflow_node_same_host_lookups",
+            "Lookups answered by this node alone, as its host's connectors reported them",
+            registry=r,
+        )
+        self.same_host_hit_blocks = FastCounter(
+            "pegaflow_node_same_host_hit_blocks",
+            "Blocks found by the same-host lookups",
+            registry=r,
+        )
+        self.same_host_miss_blocks = FastCounter(
+            "pegaflow_node_same_host_miss_blocks",
+            "Blocks asked for by the same-host lookups and not found",
             registry=r,
         )

@@ -135,6 +135,7 @@ class FakeCluster:
         shards: Any = (0,),
         timeout: float | None = None,
         generations: bool = False,
+        warm_up: bool = False,
     ) -> FakeLookup:
         self.lookups += 1
         if self.lookup_error is not None:

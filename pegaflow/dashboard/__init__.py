@@ -9,8 +9,11 @@ coordinator (no CDN, no fonts), so it works on air-gapped machines.
 Where the numbers come from:
 
 * nodes, capacity, usage, index size: the coordinator's status document;
-* lookups, hit and miss blocks: this coordinator's own metrics registry (with several
-  coordinators, each dashboard shows the lookups *it* served);
+* lookups, hit and miss blocks: the cluster's, from the status document's
+  ``cluster_lookups``: those this coordinator served (with several coordinators, each
+  dashboard counts the lookups *it* served) and those the nodes answered alone for the
+  connectors on their host, as the connectors reported them (a coordinator without
+  that document: its own metrics registry);
 * transfer bytes, evictions, errors: each node's ``/metrics``, fetched by the
   coordinator from the ``http`` address the node published (a node whose HTTP endpoint
   is this process, as in ``pegaflow-server``, is read from the local registry).
@@ -236,7 +239,7 @@ class Dashboard:
         for gone in set(self._nodes) - seen:
             del self._nodes[gone]
 
-        coord = self._local_values(COORDINATOR_SAMPLES)
+        coord = _cluster_lookups(st) or self._local_values(COORDINATOR_SAMPLES)
         hit_rate = lookups_ps = None
         if self._coord and now > self._coord_t:
             dh = coord.get("hit_blocks", 0.0) - self._coord.get("hit_blocks", 0.0)
@@ -360,6 +363,8 @@ class Dashboard:
                 "hit_blocks": hits,
                 "miss_blocks": misses,
                 "hit_rate": hits / (hits + misses) if hits + misses else None,
+                "same_host_lookups": self._coord.get("same_host_lookups", 0.0),
+                "same_host_hit_blocks": self._coord.get("same_host_hit_blocks", 0.0),
                 "lookups_ps": last.get("lookups_ps"),
                 "get_bps": last.get("get_bps"),
                 "put_bps": last.get("put_bps"),
@@ -367,6 +372,23 @@ class Dashboard:
             "nodes": nodes_out,
             "history": [p for p in self.history if p["t"] > since],
         }
+
+
+_CLUSTER_LOOKUPS = (
+    "lookups", "hit_blocks", "miss_blocks", "same_host_lookups", "same_host_hit_blocks",
+)  # fmt: skip
+
+
+def _cluster_lookups(st: dict[str, Any]) -> dict[str, float]:
+    """The cluster's lookup counters from a status document ({} when it has none)."""
+    src = st.get("cluster_lookups")
+    if not isinstance(src, dict):
+        return {}
+    return {
+        k: float(v)
+        for k in _CLUSTER_LOOKUPS
+        if isinstance(v := src.get(k), int | float) and not isinstance(v, bool)
+    }
 
 
 def _capacity(rec: dict[str, Any], values: dict[str, float]) -> float:
