@@ -14,7 +14,7 @@ import signal
 
 from pegaflow import telemetry
 from pegaflow.config import ClusterConfig
-from pegaflow.service import run_service
+from pegaflow.service import run_service, taken_ports
 
 from .service import Coordinator
 
@@ -38,15 +38,15 @@ async def run(cfg: ClusterConfig) -> None:
         await coordinator.start()
     except OSError as e:
         await coordinator.close()
+        c = cfg.coordinator
+        hint = taken_ports([
+            (c.host, c.port, "--coordinator-port"),
+            (c.http_host, c.http_port, "--coordinator-http-port"),
+        ])  # fmt: skip
         log.error(
-            "cannot listen on %s:%d or http %s:%d: %s (pick free ports with "
-            "--coordinator-port / --coordinator-http-port)",
-            cfg.coordinator.host,
-            cfg.coordinator.port,
-            cfg.coordinator.http_host,
-            cfg.coordinator.http_port,
-            e,
-        )
+            "cannot listen on %s:%d or http %s:%d: %s",
+            c.host, c.port, c.http_host, c.http_port, f"{e} ({hint})" if hint else e,
+        )  # fmt: skip
         raise SystemExit(2) from None
     # Everything loaded so far lives as long as the process: keep it out of the
     # collector's full passes, which would otherwise stall lookups for milliseconds.

@@ -44,7 +44,7 @@ from pegaflow.coordinator.service import Coordinator
 from pegaflow.http import new_registry
 from pegaflow.inventory import InventorySink
 from pegaflow.loopthread import LoopThread
-from pegaflow.service import run_service
+from pegaflow.service import run_service, taken_ports
 from pegaflow.storage_node.node import StorageNode
 from pegaflow.storage_node.pool import PoolDoesNotFit, PoolInUse, human_bytes, memory_available
 
@@ -231,9 +231,13 @@ async def run(cfg: ClusterConfig) -> None:
         raise SystemExit(2) from None
     except OSError as e:
         await server.close(failed=True)
-        log.error(
-            "cannot start: %s (are the ports free? see --coordinator-port, --node-ucx-port)", e
-        )
+        c, n = cfg.coordinator, cfg.node
+        hint = taken_ports([
+            (c.host, c.port, "--coordinator-port"),
+            (c.http_host, c.http_port, "--coordinator-http-port"),
+            (n.host, n.ucx_port, "--node-ucx-port"),
+        ])  # fmt: skip
+        log.error("cannot start: %s%s", e, f" ({hint})" if hint else "")
         raise SystemExit(2) from None
     print(server.ready_line(), flush=True)
     try:

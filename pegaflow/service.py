@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import socket
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -68,3 +70,19 @@ def run_service(
         logging.getLogger(prog).debug("%s failed", prog, exc_info=True)
         hint = "" if args.log_level == "DEBUG" else " (--log-level DEBUG shows where)"
         parser.exit(2, f"{prog}: error: {e}{hint}\n")
+
+
+def taken_ports(ports: list[tuple[str, int, str]]) -> str:
+    """After a failed start: which of ``(host, port, flag)`` are in use now, as a hint
+    naming their flags (empty when none is, or all are 0 / -1: any port / off)."""
+    busy = []
+    for host, port, flag in ports:
+        if port <= 0:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    busy.append(f"{host}:{port} is in use ({flag} picks another)")
+    return "; ".join(busy)

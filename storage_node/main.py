@@ -19,7 +19,7 @@ from pegaflow.storage_node.node import NullSink, StorageNode
 from pegaflow import telemetry
 from pegaflow.config import ClusterConfig
 from pegaflow.inventory import InventorySink, NodeIdInUse
-from pegaflow.service import run_service
+from pegaflow.service import run_service, taken_ports
 
 log = logging.getLogger("pegaflow.node")
 
@@ -51,7 +51,8 @@ async def run(cfg: ClusterConfig) -> None:
     try:
         await node.start()
     except (OSError, ValueError, NodeIdInUse) as e:  # port taken, pool file in use, shm full
-        log.error("cannot start node: %s", e)
+        hint = taken_ports([(cfg.node.host, cfg.node.ucx_port, "--node-ucx-port")])
+        log.error("cannot start node: %s%s", e, f" ({hint})" if hint else "")
         raise SystemExit(2) from None
     except asyncio.CancelledError:
         log.info("stopped while starting")

@@ -162,3 +162,26 @@ def test_service_help_is_readable(prog: str) -> None:
     assert keep.startswith("--node-keep-pool [BOOL]") and keep.endswith("(default: true)")
     pool = entry(out, "--node-pool-bytes")
     assert pool.endswith("(default: 0)" if prog == "pegaflow-server" else "(default: 1GiB)")
+
+
+@pytest.mark.parametrize(
+    ("prog", "flag", "argv"),
+    [
+        ("pegaflow-server", "--coordinator-http-port",
+         ["--coordinator-port", "0", "--node-shm-dir", "/dev/shm", *SAFE]),
+        ("pegaflow-server", "--coordinator-port",
+         ["--coordinator-http-port", "0", "--node-shm-dir", "/dev/shm", *SAFE]),
+        ("pegaflow-coordinator", "--coordinator-http-port", ["--coordinator-port", "0"]),
+    ],
+)  # fmt: skip
+def test_a_port_in_use_is_named_by_its_flag(prog: str, flag: str, argv: list[str]) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = str(s.getsockname()[1])
+        p = run(prog, *argv, flag, port)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert "Traceback" not in p.stderr
+    assert f"127.0.0.1:{port} is in use ({flag} picks another)" in p.stderr, p.stderr[-2000:]
