@@ -167,10 +167,12 @@ class PegaClient:
         shards: Sequence[int] = (0,),
         timeout: float | None = None,
         generations: bool = False,
+        warm_up: bool = False,
     ) -> LookupResult:
         """The longest prefix of ``hashes`` stored with all ``shards``, and where (with
         ``generations``, also the generation of each shard: see
-        :attr:`LookupResult.generations`).
+        :attr:`LookupResult.generations`).  ``warm_up``: a lookup made only to connect
+        (engine start), left out of the coordinator's lookup metrics.
 
         Raises a :class:`~pegaflow.errors.PegaError` on failure or after ``timeout``
         (default ``lookup_timeout_s``).
@@ -186,6 +188,8 @@ class PegaClient:
             args: dict[str, Any] = {"ns": ns, "hashes": list(hashes), "shards": list(shards)}
             if generations:
                 args["gens"] = True
+            if warm_up:
+                args["warm_up"] = True
             res = await self._rpc.call(
                 "lookup", args, timeout=self.cfg.lookup_timeout_s if timeout is None else timeout
             )
@@ -410,6 +414,22 @@ class PegaClient:
         rec = await self._node(node_id, budget)
         await self._data.unpin(rec.ucx_address, pin, budget)
 
+    async def report_lookups(
+        self,
+        node_id: str,
+        lookups: int,
+        asked_blocks: int,
+        hit_blocks: int,
+        timeout: float | None = None,
+    ) -> None:
+        """Report to ``node_id`` the ``lookups`` this client answered from that node
+        alone (:meth:`locate` found every block: no coordinator was asked), with the
+        blocks they asked for and found; the node counts them, and the coordinators
+        add them to the cluster-wide hit rate."""
+        budget = self.cfg.rpc_timeout_s if timeout is None else timeout
+        rec = await self._node(node_id, budget)
+        await self._data.report(rec.ucx_address, lookups, asked_blocks, hit_blocks, budget)
+
     async def reserve_local(
         self,
         ns: str,
@@ -430,13 +450,16 @@ class PegaClient:
         accepted: Sequence[bool],
         timeout: float | None = None,
         digests: Sequence[int | None] | None = None,
+        on_taken: Callable[[], None] | None = None,
     ) -> PutResult:
         """Commit a :meth:`reserve_local` reservation (``accepted``: which blocks it
         reserved); the node hashes every slot (``digests``: optional device digests
-        kept with the blocks)."""
+        kept with the blocks).  ``on_taken``: called, on the client's loop, once the
+        node holds the commit and carries it out whatever happens to this process
+        (see :meth:`DataClient.commit`)."""
         budget = self.cfg.transfer_timeout_s if timeout is None else timeout
         rec = await self._node(node_id, budget)
-        return await self._data.commit(rec.ucx_address, seq, accepted, budget, digests)
+        return await self._data.commit(rec.ucx_address, seq, accepted, budget, digests, on_taken)
 
     async def abort_local(self, node_id: str, seq: int, timeout: float | None = None) -> None:
         """Drop a :meth:`reserve_local` reservation."""

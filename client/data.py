@@ -183,7 +183,7 @@ class DataClient:
     """Batched get/put against storage nodes over UCX.
 
     ``local_control``: send same-host requests (``locate``, ``unpin``, local ``reserve``,
-    ``commit``, ``abort``) over the node's Unix control socket when it offers one
+    ``commit``, ``abort``, ``report``) over the node's Unix control socket when it offers one
     (:mod:`pegaflow.storage_node.local_control`).  ``ucx_config``: UCX options for this
     client's worker only (see :class:`~pegaflow.ucx.UcxWorker`).
     """
@@ -623,6 +623,19 @@ class DataClient:
         """Release a pin taken by :meth:`locate` or :meth:`pin` (idempotent)."""
         await self._ask_local(addr, {"op": "unpin", "pin": pin}, timeout)
 
+    async def report(
+        self, addr: str, lookups: int, asked_blocks: int, hit_blocks: int, timeout: float
+    ) -> None:
+        """Report lookups this client answered from the node at ``addr`` alone (never
+        asked of a coordinator), for the cluster-wide hit rate."""
+        msg = {
+            "op": "report",
+            "lookups": lookups,
+            "asked_blocks": asked_blocks,
+            "hit_blocks": hit_blocks,
+        }
+        await self._ask_local(addr, msg, timeout)
+
     async def reserve_local(
         self, addr: str, ns: str, blocks: Sequence[tuple[bytes, int, int]], timeout: float
     ) -> tuple[int, list[int | None]]:
@@ -661,14 +674,39 @@ class DataClient:
         accepted: Sequence[bool],
         timeout: float,
         digests: Sequence[int | None] | None = None,
+        on_taken: Callable[[], None] | None = None,
     ) -> PutOutcome:
         """Commit a local reservation (``accepted``: which blocks it reserved): the node
         hashes each written slot, keeps that xxh3 as the block's checksum and publishes
-        it; ``digests``: the writer's device digests, kept with the blocks."""
+        it; ``digests``: the writer's device digests, kept with the blocks.
+
+        ``on_taken`` is called (once, on the client's loop) as soon as the node holds
+        the commit, which it then carries out whatever happens to this process: a
+        ``taken`` request sent right behind the commit says so within a round trip,
+        while the node still hashes.  Else (an older node, an error) it is called when
+        the commit's answer came, whatever it was."""
         msg: dict[str, Any] = {"op": "commit", "seq": seq, "xxh3": [None] * len(accepted)}
         if digests is not None:
             msg["digest"] = list(digests)
-        reply = await self._ask_local(addr, msg, timeout)
+        if on_taken is None:
+            reply = await self._ask_local(addr, msg, timeout)
+        else:
+            # both requests are queued in this order on one connection before either
+            # is written; the node takes the commit as it reads its frame
+            commit = asyncio.ensure_future(self._ask_local(addr, msg, timeout))
+            commit.add_done_callback(_retrieve)  # awaited below, unless cancelled first
+            ask = asyncio.ensure_future(self._ask_local(addr, {"op": "taken", "seq": seq}, timeout))
+            try:
+                held = (await ask).get("taken") is True
+            except PegaError:
+                held = False
+            if held:
+                on_taken()
+            try:
+                reply = await commit
+            finally:
+                if not held:
+                    on_taken()
         n_accepted = sum(1 for a in accepted if a)
         stored = int(reply.get("stored", 0))
         return PutOutcome(

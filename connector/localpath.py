@@ -13,7 +13,9 @@ cannot be evicted and reused while they are read.
 Saves: a local ``reserve`` gives slot offsets; the KV blocks are copied into them; the
 node hashes each slot (its xxh3 becomes the block's checksum, for UCX readers and
 restarts) and keeps the device digest the writer computed from its KV cache, which
-same-host readers check against what lands in their own KV cache.
+same-host readers check against what lands in their own KV cache.  The blocks are
+saved for good once the node holds the commit (it carries it out even if this process
+dies then), which it says within a round trip, while it still hashes.
 
 Anything that goes wrong makes the blocks misses (loads) or failures (saves), exactly
 like the UCX path: the caller falls back or recomputes.
@@ -25,7 +27,7 @@ import concurrent.futures
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,10 +270,14 @@ class LocalPath:
         shard: int,
         block_ids: Sequence[int],
         after: Any = None,
+        on_taken: Callable[[], None] | None = None,
     ) -> concurrent.futures.Future[Any]:
         """Store KV blocks through the pool file.  Returns when the blocks are copied out
-        of the KV cache (vLLM may reuse them), with a future of the node's put outcome
-        (the node hashes and publishes them meanwhile)."""
+        of the KV cache, with a future of the node's put outcome (the node hashes and
+        publishes them meanwhile).  ``on_taken`` is called (on the client's loop) once
+        the node holds the commit and stores the blocks whatever happens to this
+        process (see :meth:`DataClient.commit`): only then are the blocks saved for
+        good.  It is not called when this raises."""
         pool = self.pool
         assert pool is not None
         bb = self.io.block_bytes
@@ -305,7 +311,7 @@ class LocalPath:
                 digs[i] = int(d)
         return client.submit(
             lambda c: c.commit_local(
-                self.node_id, seq, [o is not None for o in offsets], self.timeout, digs
+                self.node_id, seq, [o is not None for o in offsets], self.timeout, digs, on_taken
             )
         )
 

@@ -15,10 +15,12 @@ Saves (``wait_for_save``) are queued after the forward pass and never wait on th
 network: a background thread copies the new full blocks into staging buffers (one
 memcpy per layer and block) and hands them to the client's asynchronous put; the
 buffers are recycled when the put completes.  vLLM keeps a finished request's blocks
-until their copy-out is done (``request_finished`` returned True; ``get_finished``
-reports the request as sent), and ``handle_preemptions`` waits for the copy-out of
-preempted requests before their blocks can be reused.  When staging memory is full or
-the cluster is failing, saves are dropped (counted), never waited for.
+until their copy-out is done and, on the same-host path, the node holds their commit
+(it then stores them even if the engine dies right after): ``request_finished``
+returned True, ``get_finished`` reports the request as sent.  ``handle_preemptions``
+waits the same way for preempted requests before their blocks can be reused.  When
+staging memory is full or the cluster is failing, saves are dropped (counted), never
+waited for.
 """
 
 from __future__ import annotations
@@ -529,6 +531,8 @@ class WorkerSide:
                 self._lock.wait_for(lambda: bool(self._done_loads), self.settings.idle_wait_s)
             sending = {r for r in self._delay_free if not self._pending_gathers.get(r, 0)}
             self._delay_free -= sending
+            if sending:
+                logger.debug("PegaFlow: saves done, blocks reusable: %s", sorted(sending))
             recving = set(self._done_loads)
             for rid, (failed, first) in self._done_loads.items():
                 self._load_errors.update(failed)
@@ -884,12 +888,34 @@ class WorkerSide:
         finally:
             with self._lock:
                 self._queued_saves -= len(job.hashes) - self._moved
-                left = self._pending_gathers.get(job.req_id, 1) - 1
-                if left > 0:
-                    self._pending_gathers[job.req_id] = left
-                else:
-                    self._pending_gathers.pop(job.req_id, None)
-                self._lock.notify_all()
+                self._gathered(job.req_id)
+
+    def _gathered(self, req_id: str) -> None:
+        """One hold on ``req_id``'s blocks is over (a save job, or a same-host commit the
+        node did not hold yet); at none, vLLM may reuse them.  Called with the lock."""
+        left = self._pending_gathers.get(req_id, 1) - 1
+        if left > 0:
+            self._pending_gathers[req_id] = left
+        else:
+            self._pending_gathers.pop(req_id, None)
+        self._lock.notify_all()
+
+    def _hold_until_taken(self, req_id: str) -> Callable[[], None]:
+        """Hold ``req_id``'s blocks from reuse until the callback returned is called (the
+        node holds their commit: they are stored even if this process dies now); calls
+        after the first do nothing."""
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            with self._lock:
+                if not done:
+                    done = True
+                    self._gathered(req_id)
+
+        with self._lock:
+            self._pending_gathers[req_id] = self._pending_gathers.get(req_id, 0) + 1
+        return release
 
     def _run_save(self, ns: str, job: SaveJob, marker: Any) -> None:
         io, staging = self.io, self._save_staging
@@ -949,25 +975,34 @@ class WorkerSide:
                 self._drop([SaveJob(job.req_id, [], job.hashes[rows.start :])], _BREAKER_OPEN)
                 return
             t0 = time.monotonic()
+            taken = self._hold_until_taken(job.req_id)
             try:
                 fut = local.save(
-                    client, ns, hashes, self.shard, job.block_ids[rows.start : rows.stop], marker
-                )
+                    client, ns, hashes, self.shard, job.block_ids[rows.start : rows.stop],
+                    marker, taken,
+                )  # fmt: skip
             except Exception as e:
                 fut = concurrent.futures.Future()
                 fut.set_exception(e)
             self.counters.add("copy_seconds", time.monotonic() - t0)
             self._sent(len(hashes))
             fut.add_done_callback(
-                lambda f, hashes=hashes, t0=t0: self._local_commit_done(f, hashes, t0)
+                lambda f, hashes=hashes, t0=t0, taken=taken: self._local_commit_done(
+                    f, hashes, t0, taken
+                )
             )
 
     def _local_commit_done(
-        self, fut: concurrent.futures.Future[Any], hashes: list[bytes], started: float
+        self,
+        fut: concurrent.futures.Future[Any],
+        hashes: list[bytes],
+        started: float,
+        taken: Callable[[], None],
     ) -> None:
         try:
             self._record_put(fut, hashes, started)
         finally:
+            taken()  # the commit failed, or the node never said it held it
             self._put_answered(len(hashes))
 
     def _put_done(

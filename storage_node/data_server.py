@@ -23,13 +23,26 @@ request, matched by ``id``; payloads are tagged messages, see :mod:`pegaflow.ucx
   posted straight into them with tag ``(seq, index)``.
 * ``commit {id, seq, xxh3: [int | None]}`` -> ``{stored, failed: [index]}``: once the
   payloads arrived, each block's xxh3 is verified against the writer's and only then
-  committed and published.  An unverified block is discarded.
+  committed and published.  An unverified block is discarded.  A commit the node has
+  taken (a well-formed one of a live reservation) is carried out by the node itself,
+  whatever happens to the connection that sent it: a writer killed right after sending
+  it loses nothing.
+* ``taken {id, seq}`` -> ``{taken: bool}``: whether the node holds a commit of ``seq``
+  now (it carries it out by itself).  Sent right behind the commit on the same
+  connection, its answer says, within a round trip, that the commit is safe while the
+  node still hashes; False (not taken, or already answered): wait for the commit's
+  own answer.
 * ``abort {id, seq}`` drops a reservation; reservations also expire.
 * ``pin {id, ns, ttl_ms, blocks: [[hash, shard], ...]}`` -> ``{pinned: [bool], pin}``
   keeps the present blocks from eviction for ``ttl_ms`` (a reader between its lookup
   and its get); ``unpin {id, pin}`` releases them early.
 * ``stats {id}`` -> the pool's counters (cluster token only: a tenant learns nothing
   node-wide and gets ``unauthorized``).
+* ``report {id, lookups, asked_blocks, hit_blocks}`` -> ``{}``: a connector on this host
+  reports the lookups it answered from this node alone (no coordinator saw them); the
+  node adds them to its ``pegaflow_node_same_host_*`` counters and its record, whence
+  the coordinator's cluster-wide hit rate (cluster token only; also on the control
+  socket).
 
 Ownership and quotas.  A reservation belongs to the connection that made it (a
 session of the control socket, below, is a connection of its own): ``commit`` of
@@ -104,7 +117,7 @@ from pegaflow.errors import (
     Unauthorized,
 )
 from pegaflow.inventory import InventorySink
-from pegaflow.ucx import UcxWorker, close_endpoint, make_tag
+from pegaflow.ucx import DEFAULT_TLS, SHARED_TLS, UcxWorker, close_endpoint, make_tag
 from pegaflow.wire import (
     MAX_HASH_BYTES,
     NO_SLOT,
@@ -127,9 +140,14 @@ MAX_INFLIGHT_PER_CONN = 32
 MAX_PIN_MS = 30_000
 MAX_HELLO_BYTES = 4096
 """largest message a connection may send before its hello"""
+MAX_REPORTED = 1 << 40
+"""most lookups (or blocks) one ``report`` may add"""
 OPS = frozenset(
-    ("hello", "get", "check", "reserve", "commit", "abort", "pin", "locate", "unpin", "stats")
-)
+    (
+        "hello", "get", "check", "reserve", "commit", "abort", "pin", "locate", "unpin",
+        "stats", "report", "taken",
+    )
+)  # fmt: skip
 """the protocol's ops: the only values the ``op`` label of the request metrics takes
 besides :data:`UNKNOWN_OP` (a peer's own strings never become labels)"""
 UNKNOWN_OP = "unknown"
@@ -166,6 +184,8 @@ class _Owner:
     use: _Usage = field(default_factory=_Usage)
     tenant_use: _Usage | None = None
     """the tenant's usage over all its connections (None: cluster-wide access)"""
+    gone: bool = False
+    """its connection or session closed"""
 
 
 @dataclass
@@ -184,6 +204,8 @@ class _Reservation:
     """bytes charged to its owner's quota"""
     recvs: list[Any] = field(default_factory=list)
     """the UCX receives posted into its slots"""
+    committing: bool = False
+    """its commit was taken: the node carries it out, its owner's end does not drop it"""
 
 
 @dataclass(eq=False)
@@ -231,6 +253,8 @@ class DataServer:
         self._control: LocalControl | None = None
         self._conns: set[_Conn] = set()
         self._reservations: dict[int, _Reservation] = {}
+        self._commits: dict[int, tuple[_Owner, asyncio.Task[dict[str, Any]]]] = {}
+        """commits taken and not yet carried out, by reservation"""
         self._sweeper: asyncio.Task[None] | None = None
         self._pins: dict[int, _Pin] = {}
         self._pin_ids = itertools.count(1)
@@ -261,7 +285,10 @@ class DataServer:
         devices = ucx_net_devices(self.cfg.ucx_net_devices, self.cfg.host)
         if devices:
             log.info("UCX network devices: %s", devices)
-        self._worker = UcxWorker({"NET_DEVICES": devices} if devices else None)
+        options = {"NET_DEVICES": devices} if devices else {}
+        if self.cfg.access_group and os.environ.get("UCX_TLS") == DEFAULT_TLS:
+            options["TLS"] = SHARED_TLS  # else an engine of another user cannot connect
+        self._worker = UcxWorker(options or None)
         self._listener = await self._worker.serve(self.cfg.host, self.cfg.ucx_port, self._accept)
         self._sweeper = asyncio.create_task(self._sweep())
         if self.cfg.local_access:
@@ -273,6 +300,8 @@ class DataServer:
                     "reserve": self._reserve_here,
                     "commit": self._commit_here,
                     "abort": self._abort_here,
+                    "report": self._report,
+                    "taken": self._taken_here,
                 },
                 self._auth.cluster_only(),
                 self.cfg.max_request_bytes,
@@ -283,9 +312,14 @@ class DataServer:
                 self._control = control
 
     async def close(self) -> None:
-        """Close every connection and the worker."""
+        """Finish the commits taken (bounded by ``reserve_timeout_s``), then close every
+        connection and the worker."""
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self._commits:
+            await asyncio.wait(
+                [t for _, t in self._commits.values()], timeout=self.cfg.reserve_timeout_s
+            )
         for conn in list(self._conns):
             self._close_conn(conn)
         for pin in list(self._pins):
@@ -347,11 +381,12 @@ class DataServer:
         if conn.closed:
             return
         conn.closed = True
+        conn.owner.gone = True
         self._conns.discard(conn)
         self._hello_done(conn)
         self.metrics.connections.dec()
         for seq, r in list(self._reservations.items()):
-            if r.conn is conn:
+            if r.conn is conn and not r.committing:
                 self._abort(seq)
         close_endpoint(conn.ep)
         for t in list(conn.tasks):
@@ -445,6 +480,8 @@ class DataServer:
                     result = await self._commit(conn, msg, owner)
             elif op == "abort":
                 result = self._abort_own(msg, owner)
+            elif op == "taken":
+                result = self._taken(msg, owner)
             elif op == "check":
                 result = self._check(msg)
             elif op == "pin":
@@ -457,6 +494,9 @@ class DataServer:
             elif op == "stats":
                 _cluster_only(owner, "see node-wide stats")
                 result = vars(self.pool.stats())
+            elif op == "report":
+                _cluster_only(owner, "report same-host lookups")
+                result = self._report(msg)
             else:
                 raise BadRequest(f"unknown op {op!r}")
             await self._reply(conn, {"id": rid, "ok": True, **result})
@@ -615,6 +655,19 @@ class DataServer:
             self._release_pin(pin)
         return {}
 
+    def _report(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """A connector's same-host lookups (answered by this node alone): counted."""
+        lookups = req_int(msg, "lookups", 0, MAX_REPORTED)
+        asked = req_int(msg, "asked_blocks", 0, MAX_REPORTED)
+        hits = req_int(msg, "hit_blocks", 0, asked)
+        m = self.metrics
+        m.same_host_lookups.inc(lookups)
+        m.same_host_hit_blocks.inc(hits)
+        m.same_host_miss_blocks.inc(asked - hits)
+        if self._on_change is not None and lookups:
+            self._on_change()  # the record carries them to the coordinators
+        return {}
+
     def _session(self) -> _Owner:
         """The owner of the control-socket session whose request is being served."""
         key = LocalControl.session()
@@ -625,12 +678,14 @@ class DataServer:
         return owner
 
     def _session_ended(self, key: object) -> None:
-        """A control-socket session closed: its reservations go (its pins expire)."""
+        """A control-socket session closed: its reservations go, but for those whose
+        commit was taken (its pins expire)."""
         owner = self._sessions.pop(key, None)
         if owner is None:
             return
+        owner.gone = True
         for seq, r in list(self._reservations.items()):
-            if r.owner is owner:
+            if r.owner is owner and not r.committing:
                 self._abort(seq)
 
     def _locate_here(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -642,8 +697,13 @@ class DataServer:
     def _reserve_here(self, msg: dict[str, Any]) -> dict[str, Any]:
         return self._reserve(None, msg, self._session())
 
-    async def _commit_here(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return await self._commit(None, msg, self._session())
+    def _commit_here(self, msg: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
+        # plain, not async: the commit is taken as its frame is read, before the next
+        # frame of the session (a ``taken`` right behind it, or the session's end)
+        return self._commit(None, msg, self._session())
+
+    def _taken_here(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return self._taken(msg, self._session())
 
     def _abort_here(self, msg: dict[str, Any]) -> dict[str, Any]:
         return self._abort_own(msg, self._session())
@@ -826,20 +886,58 @@ class DataServer:
             raise TooLarge(f"{n} blocks in one request; the limit is {self.cfg.max_batch}")
         return [blob[i : i + hl] for i in range(0, len(blob), hl)]
 
-    async def _commit(
+    def _commit(
         self, conn: _Conn | None, msg: dict[str, Any], owner: _Owner
-    ) -> dict[str, Any]:
+    ) -> asyncio.Future[dict[str, Any]]:
+        """Take a commit: checked here, then carried out by :meth:`_carry_out` in a task
+        of its own, which neither the end of ``owner``'s connection or session nor the
+        caller's deadline cancels.  Returns a future of the answer."""
         seq = req_int(msg, "seq")
         sums = req_list(msg, "xxh3", self.cfg.max_batch)
         res = self._reservations.get(seq)
-        if res is None or res.owner is not owner:
-            raise BadRequest(f"no reservation {seq} on this connection (expired or aborted?)")
+        if res is None or res.owner is not owner or res.committing:
+            raise BadRequest(
+                f"no reservation {seq} on this connection (expired, aborted or committed?)"
+            )
         digests = msg.get("digest")
         if len(sums) != len(res.entries) or (
             digests is not None and (not isinstance(digests, list) or len(digests) != len(sums))
         ):
             self._abort(seq)
             raise BadRequest("commit must carry one checksum (and digest) per reserved block")
+        res.committing = True
+        task = asyncio.ensure_future(self._carry_out(seq, res, sums, digests))
+        self._commits[seq] = (owner, task)
+        task.add_done_callback(lambda t: self._commit_done(seq, res, t))
+        return asyncio.shield(task)
+
+    def _taken(self, msg: dict[str, Any], owner: _Owner) -> dict[str, Any]:
+        """``taken``: whether ``owner``'s commit of ``seq`` is held (being carried out)."""
+        held = self._commits.get(req_int(msg, "seq"))
+        return {"taken": held is not None and held[0] is owner}
+
+    def _commit_done(self, seq: int, res: _Reservation, task: asyncio.Task[Any]) -> None:
+        self._commits.pop(seq, None)
+        if task.cancelled() or not res.owner.gone:
+            return  # the writer has the outcome (or the node is closing)
+        e = task.exception()
+        if e is not None:
+            log.warning(
+                "reservation %d: the commit its writer sent before it went away failed "
+                "(%s); its blocks are not stored",
+                seq, e,
+            )  # fmt: skip
+        else:
+            log.info(
+                "reservation %d committed (%d blocks) after its writer went away",
+                seq, task.result()["stored"],
+            )  # fmt: skip
+
+    async def _carry_out(
+        self, seq: int, res: _Reservation, sums: list[Any], digests: list[Any] | None
+    ) -> dict[str, Any]:
+        """Wait for the payloads, verify (or, for a local reservation, hash) every
+        block, commit and publish them."""
         try:
             await asyncio.shield(res.recv_done)
         except PegaError as e:
@@ -892,7 +990,7 @@ class DataServer:
         alone, as an unknown or expired one is."""
         seq = req_int(msg, "seq")
         res = self._reservations.get(seq)
-        if res is not None and res.owner is owner:
+        if res is not None and res.owner is owner and not res.committing:
             self._abort(seq)
         return {}
 
