@@ -85,11 +85,6 @@ class CircuitBreaker:
         """Whether a call may be made now."""
         return self._clock() >= self._open_until
 
-    @property
-    def is_open(self) -> bool:
-        """Whether calls are being refused now."""
-        return not self.allow()
-
     def success(self) -> None:
         """Record a successful call (closes the breaker)."""
         self._fails = 0

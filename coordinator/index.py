@@ -77,7 +77,7 @@ def _unpack(buf: bytes, size: int, k: int, gens: bool) -> list[int]:
     return out
 
 
-class LookupResult(NamedTuple):
+class PrefixMatch(NamedTuple):
     """``hits`` blocks of the prefix are stored; ``blocks[i][j]`` is the node holding
     shard ``shards[j]`` of block ``i`` (rows are shared tuples: do not mutate);
     ``nodes`` is every node id in ``blocks``.  With ``gens=True``, ``gens`` holds the
@@ -118,7 +118,7 @@ class BlockIndex:
         self._entries = 0
         self.catch_up: Callable[[], None] | None = None
         """called before every :meth:`lookup`: applies changes queued for this index
-        elsewhere (:class:`LocalSink` with an ``owner``), so a lookup sees every block
+        elsewhere (:class:`InProcessSink` with an ``owner``), so a lookup sees every block
         committed before it"""
 
     # -- nodes ------------------------------------------------------------------------
@@ -385,13 +385,13 @@ class BlockIndex:
 
     def lookup(
         self, ns: str, hashes: Sequence[bytes], shards: Sequence[int], gens: bool = False
-    ) -> LookupResult:
+    ) -> PrefixMatch:
         """The longest prefix of ``hashes`` whose every shard in ``shards`` is held by a
         known node, with the holder of each shard of each block in the prefix (and,
         with ``gens``, the generation of each)."""
         if self.catch_up is not None:
             self.catch_up()
-        empty = LookupResult(0, [], set(), [] if gens else None)
+        empty = PrefixMatch(0, [], set(), [] if gens else None)
         table = self._ns.get(ns)
         if table is None or not hashes:
             return empty
@@ -437,7 +437,7 @@ class BlockIndex:
             for p in picks.values():
                 nodes.update(p)  # type: ignore[arg-type]
         if not gens:
-            return LookupResult(k, blocks, nodes)
+            return PrefixMatch(k, blocks, nodes)
         if each is None:
             n = (size - 4) // 8
             allg = _unpack(joined, size, k, True)
@@ -450,7 +450,7 @@ class BlockIndex:
         else:
             got = map(itemgetter(*(s + 1 for s in want)), each[:k])
             out = list(got) if len(want) == 1 else list(chain.from_iterable(got))
-        return LookupResult(k, blocks, nodes, out)
+        return PrefixMatch(k, blocks, nodes, out)
 
     def _pick(self, row: Row, shards: tuple[int, ...]) -> tuple[str, ...] | None:
         """``row`` restricted to ``shards`` (``row`` itself when equal), or None when a
@@ -519,13 +519,8 @@ class BlockIndex:
         self.__dict__.update(other.__dict__)
         other.__init__()  # type: ignore[misc]
 
-    def bulk_add(self, ns: str, entries: Iterable[tuple[Any, ...]]) -> None:
-        """:meth:`add` for many ``(hash, shard, node id[, generation])`` of one namespace."""
-        for e in entries:
-            self.add(ns, *e)
 
-
-class LocalSink:
+class InProcessSink:
     """An :class:`~pegaflow.inventory.InventorySink` writing straight into a
     :class:`BlockIndex`: the single-host ``pegaflow-server`` runs its node with this sink
     and needs no etcd.

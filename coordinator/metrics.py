@@ -1,8 +1,8 @@
 """Prometheus metrics of the coordinator (names are stable; all start ``pegaflow_``).
 
-Hot-path figures (lookups, their latency and hit/miss blocks) are plain integers
-updated without locks and read by a collector at scrape time, so a lookup pays well
-under a microsecond for its metrics.
+Hot-path figures (lookups, their latency and hit/miss blocks) are plain integers and a
+:class:`~pegaflow.fastmetrics.FastHistogram`, updated without locks and read by a
+collector at scrape time, so a lookup pays well under a microsecond for its metrics.
 
 =============================================== ==================================
 ``pegaflow_coordinator_lookups_total``          lookups served
@@ -30,45 +30,19 @@ under a microsecond for its metrics.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from pegaflow.fastmetrics import FastHistogram
 
 from .index import BlockIndex
 
 LATENCY_BUCKETS = (
     0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 1.0,
 )  # fmt: skip
-
-
-class FastHistogram:
-    """A lock-free histogram for one event loop: ``observe`` is a bisect and two adds."""
-
-    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        """Record one value."""
-        self.counts[bisect_left(self.buckets, value)] += 1
-        self.sum += value
-
-    def family(self, name: str, doc: str) -> HistogramMetricFamily:
-        """The histogram as a Prometheus metric family (cumulative buckets)."""
-        acc = 0
-        buckets: list[tuple[str, float]] = []
-        for bound, c in zip((*self.buckets, float("inf")), self.counts, strict=True):
-            acc += c
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), acc))
-        return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=self.sum)
 
 
 class CoordinatorMetrics:
@@ -78,7 +52,11 @@ class CoordinatorMetrics:
         self.lookups = 0
         self.hit_blocks = 0
         self.miss_blocks = 0
-        self.lookup_seconds = FastHistogram()
+        self.lookup_seconds = FastHistogram(
+            "pegaflow_coordinator_lookup_seconds",
+            "time to handle one lookup",
+            buckets=LATENCY_BUCKETS,
+        )
         self.place: dict[str, int] = {}
         self.errors: dict[tuple[str, str], int] = {}
 
@@ -108,9 +86,7 @@ class CoordinatorCollector(Collector):
     def collect(self) -> Iterator[Any]:
         m = self.m
         yield _counter("pegaflow_coordinator_lookups", "lookups served", m.lookups)
-        yield m.lookup_seconds.family(
-            "pegaflow_coordinator_lookup_seconds", "time to handle one lookup"
-        )
+        yield from m.lookup_seconds.collect()
         yield _counter(
             "pegaflow_coordinator_lookup_hit_blocks", "blocks found by lookups", m.hit_blocks
         )

@@ -76,12 +76,6 @@ class NotFound(PegaError):
     code = "not_found"
 
 
-class ChecksumMismatch(PegaError):
-    """Bytes read or written do not match their xxh3 checksum."""
-
-    code = "checksum"
-
-
 class Internal(PegaError):
     """An unexpected failure inside the serving process (a bug: please report)."""
 
@@ -100,7 +94,6 @@ ERRORS_BY_CODE: dict[str, type[PegaError]] = {
         NoSpace,
         QuotaExceeded,
         NotFound,
-        ChecksumMismatch,
         Internal,
     )
 }

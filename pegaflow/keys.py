@@ -93,7 +93,7 @@ class NodeRecord:
 
 
 class Keyspace:
-    """Builds and parses the keys of one cluster prefix."""
+    """Builds the keys of one cluster prefix."""
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix.rstrip("/")
@@ -108,23 +108,6 @@ class Keyspace:
 
     def block_key(self, ns: str, block_hash: bytes, shard: int) -> bytes:
         return f"{self.blocks}{ns}/{block_hash.hex()}/{shard}".encode()
-
-    def parse_block_key(self, key: bytes) -> tuple[str, bytes, int]:
-        """``(namespace, hash, shard)`` of a block key; BadRequest when it is not one."""
-        s = key.decode()
-        if not s.startswith(self.blocks):
-            raise BadRequest(f"not a block key: {s!r}")
-        try:
-            ns, hhex, shard = s[len(self.blocks) :].rsplit("/", 2)
-            return ns, bytes.fromhex(hhex), int(shard)
-        except ValueError:
-            raise BadRequest(f"malformed block key: {s!r}") from None
-
-    def parse_node_key(self, key: bytes) -> str:
-        s = key.decode()
-        if not s.startswith(self.nodes):
-            raise BadRequest(f"not a node key: {s!r}")
-        return s[len(self.nodes) :]
 
 
 def new_cluster_epoch() -> bytes:

@@ -39,7 +39,7 @@ from typing import Any
 
 from pegaflow import telemetry
 from pegaflow.config import ClusterConfig
-from pegaflow.coordinator.index import BlockIndex, LocalSink
+from pegaflow.coordinator.index import BlockIndex, InProcessSink
 from pegaflow.coordinator.service import Coordinator
 from pegaflow.http import new_registry
 from pegaflow.inventory import InventorySink
@@ -152,7 +152,7 @@ class AllInOne:
 
     The coordinator runs on an event loop of its own (:class:`LoopThread`): lookups do
     not queue behind the node's bulk transfers on one loop.  Without etcd the node
-    feeds the coordinator's index through a :class:`LocalSink` that hands every change
+    feeds the coordinator's index through an :class:`InProcessSink` that hands every change
     to that loop."""
 
     def __init__(self, cfg: ClusterConfig) -> None:
@@ -188,7 +188,7 @@ class AllInOne:
 
             sink = EtcdPublisher(self.cfg.etcd, self.node.inventory, registry=self.registry)
         else:
-            sink = LocalSink(coord.index, owner=self._control)
+            sink = InProcessSink(coord.index, owner=self._control)
         self.node.sink = sink
         await self._control.run(coord.start())
         if coord.http_port is not None:

@@ -59,6 +59,8 @@ def _bench_datapath() -> Any:
 class _Noop:
     """Stands in for every metric object: accepts every update, records nothing."""
 
+    value = 0.0  # an unlabelled counter's value, as the node reads it for its record
+
     def labels(self, *args: Any, **kw: Any) -> _Noop:
         return self
 

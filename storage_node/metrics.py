@@ -2,25 +2,17 @@
 docs/metrics.md).
 
 The per-request and per-block metrics (gets, puts, bytes, latency, errors) sit on the
-data path, which runs on the node's event-loop thread.  prometheus_client's own
-``Counter.labels(...).inc()`` takes locks and costs about 3 µs on the development
-machines, which for a batch of small blocks is several percent of the transfer.  They
-are therefore :class:`FastCounter` / :class:`FastHistogram`: plain numbers updated
-without locks (one thread updates them) and read by a collector at scrape time, with
-the same names, types, labels and API (``.labels(...).inc()``, ``.observe()``).
-Pool gauges and the connection count are ordinary prometheus_client gauges.
+data path, which runs on the node's event-loop thread, so they are the lock-free
+:class:`~pegaflow.fastmetrics.FastCounter` / :class:`~pegaflow.fastmetrics.FastHistogram`
+(same names, types, labels and API as prometheus_client's).  Pool gauges and the
+connection count are ordinary prometheus_client gauges.
 """
 
 from __future__ import annotations
 
-import time
-from bisect import bisect_left
-from collections.abc import Iterator
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Gauge
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
-from prometheus_client.registry import Collector
+
+from pegaflow.fastmetrics import FastCounter, FastHistogram
 
 _LATENCY_BUCKETS = (
     0.0001,
@@ -37,142 +29,6 @@ _LATENCY_BUCKETS = (
     1,
     5,
 )
-
-
-class _CounterChild:
-    """One label set of a :class:`FastCounter`."""
-
-    __slots__ = ("created", "value")
-
-    def __init__(self) -> None:
-        self.value = 0.0
-        self.created = time.time()
-
-    def inc(self, amount: float = 1) -> None:
-        """Add ``amount`` (>= 0)."""
-        self.value += amount
-
-
-class FastCounter(Collector):
-    """A lock-free counter for one thread, exposed as a Prometheus counter ``name``
-    (``name_total``).  Same API as ``prometheus_client.Counter`` for ``inc`` and
-    ``labels``."""
-
-    def __init__(
-        self, name: str, doc: str, labelnames: tuple[str, ...] | list[str] = (), *,
-        registry: CollectorRegistry | None = None,
-    ) -> None:  # fmt: skip
-        self.name = name
-        self.doc = doc
-        self.labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], _CounterChild] = {}
-        self._solo = _CounterChild() if not self.labelnames else None
-        self._single = len(self.labelnames) == 1
-        self._first = self.labelnames[0] if self.labelnames else ""
-        if registry is not None:
-            registry.register(self)
-
-    def labels(self, *values: str, **kw: str) -> _CounterChild:
-        """The child of one label set (created on first use)."""
-        if kw:
-            key = (kw[self._first],) if self._single else tuple(kw[n] for n in self.labelnames)
-        else:
-            key = values
-        child = self._children.get(key)
-        if child is None:
-            if len(key) != len(self.labelnames):
-                raise ValueError(f"{self.name}: labels {self.labelnames} expected")
-            child = self._children[key] = _CounterChild()
-        return child
-
-    def inc(self, amount: float = 1) -> None:
-        """Add ``amount`` to an unlabelled counter."""
-        assert self._solo is not None, f"{self.name} has labels; use .labels(...)"
-        self._solo.value += amount
-
-    @property
-    def value(self) -> float:
-        """The value of an unlabelled counter."""
-        assert self._solo is not None, f"{self.name} has labels; use .labels(...)"
-        return self._solo.value
-
-    def collect(self) -> Iterator[Any]:
-        fam = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
-        if self._solo is not None:
-            fam.add_metric([], self._solo.value, created=self._solo.created)
-        for key, child in list(self._children.items()):
-            fam.add_metric(list(key), child.value, created=child.created)
-        yield fam
-
-    def describe(self) -> Iterator[Any]:
-        yield CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
-
-
-class _HistogramChild:
-    """One label set of a :class:`FastHistogram`."""
-
-    __slots__ = ("buckets", "counts", "sum")
-
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        """Record one value: a bisect and two adds."""
-        self.counts[bisect_left(self.buckets, value)] += 1
-        self.sum += value
-
-
-class FastHistogram(Collector):
-    """A lock-free labelled histogram for one thread, exposed as a Prometheus
-    histogram ``name`` (``_bucket``, ``_sum``, ``_count``)."""
-
-    def __init__(
-        self, name: str, doc: str, labelnames: tuple[str, ...] | list[str] = (), *,
-        buckets: tuple[float, ...] = _LATENCY_BUCKETS,
-        registry: CollectorRegistry | None = None,
-    ) -> None:  # fmt: skip
-        self.name = name
-        self.doc = doc
-        self.labelnames = tuple(labelnames)
-        self.bucket_bounds = tuple(float(b) for b in buckets)
-        self._single = len(self.labelnames) == 1
-        self._first = self.labelnames[0] if self.labelnames else ""
-        self._children: dict[tuple[str, ...], _HistogramChild] = {}
-        if registry is not None:
-            registry.register(self)
-
-    def labels(self, *values: str, **kw: str) -> _HistogramChild:
-        """The child of one label set (created on first use)."""
-        if kw:
-            key = (kw[self._first],) if self._single else tuple(kw[n] for n in self.labelnames)
-        else:
-            key = values
-        child = self._children.get(key)
-        if child is None:
-            if len(key) != len(self.labelnames):
-                raise ValueError(f"{self.name}: labels {self.labelnames} expected")
-            child = self._children[key] = _HistogramChild(self.bucket_bounds)
-        return child
-
-    def observe(self, value: float) -> None:
-        """Record one value (unlabelled histogram)."""
-        self.labels().observe(value)
-
-    def collect(self) -> Iterator[Any]:
-        fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
-        for key, child in list(self._children.items()):
-            acc = 0
-            buckets: list[tuple[str, float]] = []
-            for bound, c in zip((*child.buckets, float("inf")), child.counts, strict=True):
-                acc += c
-                buckets.append(("+Inf" if bound == float("inf") else repr(bound), acc))
-            fam.add_metric(list(key), buckets, child.sum)
-        yield fam
-
-    def describe(self) -> Iterator[Any]:
-        yield HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
 
 
 class NodeMetrics:

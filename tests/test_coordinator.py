@@ -1,6 +1,6 @@
 """Integration tests of the index path: EtcdPublisher -> real etcd -> coordinator
 processes (mirror + lookups over the control protocol), and the in-process coordinator
-fed by a LocalSink."""
+fed by an InProcessSink."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pegaflow.coordinator.index import BlockIndex, LocalSink
+from pegaflow.coordinator.index import BlockIndex, InProcessSink
 from pegaflow.coordinator.mirror import EtcdMirror
 from pegaflow.coordinator.service import Coordinator
 from pegaflow.storage_node.publisher import EtcdPublisher
@@ -384,8 +384,8 @@ async def test_in_process_coordinator_with_local_sink() -> None:
         security=SecurityConfig(token="t"),
     )
     await coord.start()
-    near = LocalSink(index)
-    far = LocalSink(index)
+    near = InProcessSink(index)
+    far = InProcessSink(index)
     client = RpcClient([coord.address], token="t")
     try:
         await near.start(NodeRecord("near", "hostA", 1, capacity_bytes=1000, used_bytes=900))

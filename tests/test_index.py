@@ -1,11 +1,11 @@
-"""Unit tests of the in-memory block index and LocalSink (pure logic, no I/O)."""
+"""Unit tests of the in-memory block index and InProcessSink (pure logic, no I/O)."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pegaflow.coordinator.index import MAX_SHARDS, BlockIndex, LocalSink
+from pegaflow.coordinator.index import MAX_SHARDS, BlockIndex, InProcessSink
 
 from pegaflow.errors import BadRequest
 from pegaflow.keys import BlockLocation, NodeRecord
@@ -156,7 +156,7 @@ def test_rows_are_shared_between_blocks() -> None:
 
 async def test_local_sink_feeds_the_index() -> None:
     idx = BlockIndex()
-    sink = LocalSink(idx)
+    sink = InProcessSink(idx)
     await sink.start(node("n1"))
     loc = BlockLocation(node="n1", slot=3, gen=1, size=4096, xxh3=7)
     sink.publish("ns", h(0), 0, loc)
