@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import itertools
 import logging
 import os
@@ -117,6 +118,7 @@ from pegaflow.errors import (
     Unauthorized,
 )
 from pegaflow.inventory import InventorySink
+from pegaflow.loopthread import LoopThread
 from pegaflow.ucx import DEFAULT_TLS, SHARED_TLS, UcxWorker, close_endpoint, make_tag
 from pegaflow.wire import (
     MAX_HASH_BYTES,
@@ -257,7 +259,13 @@ class DataServer:
         """commits taken and not yet carried out, by reservation"""
         self._sweeper: asyncio.Task[None] | None = None
         self._pins: dict[int, _Pin] = {}
+        """read pins taken over UCX (the data loop's)"""
+        self._socket_pins: dict[int, _Pin] = {}
+        """read pins taken over the control socket (its thread's)"""
         self._pin_ids = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """the data loop (UCX, reservations, commits)"""
+        self._control_thread: LoopThread | None = None
         # connections that have not said hello yet (oldest first), with their timers
         self._unauthed: dict[_Conn, asyncio.TimerHandle] = {}
         self._dropped_unauthed = 0
@@ -291,25 +299,67 @@ class DataServer:
         self._worker = UcxWorker(options or None)
         self._listener = await self._worker.serve(self.cfg.host, self.cfg.ucx_port, self._accept)
         self._sweeper = asyncio.create_task(self._sweep())
+        self._loop = asyncio.get_running_loop()
         if self.cfg.local_access:
-            control = LocalControl(
-                str(self.pool.path) + SOCKET_SUFFIX,
-                {
-                    "locate": self._locate_here,
-                    "unpin": self._unpin_here,
-                    "reserve": self._reserve_here,
-                    "commit": self._commit_here,
-                    "abort": self._abort_here,
-                    "report": self._report,
-                    "taken": self._taken_here,
-                },
-                self._auth.cluster_only(),
-                self.cfg.max_request_bytes,
-                self._observe_local,
-                self._session_ended,
-            )
-            if await control.start():
-                self._control = control
+            await self._start_control()
+
+    async def _start_control(self) -> None:
+        """Serve the same-host control socket on a thread and event loop of its own:
+        locates and pins are answered there at once, however busy the data loop is with
+        bulk transfers; the ops on reservations go on to the data loop, in the order
+        they arrive, with the session's end behind them."""
+        loop = self._loop
+        assert loop is not None
+        thread = LoopThread("pegaflow-node-control")
+        thread.start()
+        here = {"reserve": self._reserve_here, "commit": self._commit_here,
+                "abort": self._abort_here, "taken": self._taken_here,
+                "report": lambda msg, owner: self._report(msg)}  # fmt: skip
+        control = LocalControl(
+            str(self.pool.path) + SOCKET_SUFFIX,
+            {
+                "locate": self._locate_here,
+                "unpin": self._unpin_here,
+                **{op: self._on_data_loop(fn) for op, fn in here.items()},
+            },
+            self._auth.cluster_only(),
+            self.cfg.max_request_bytes,
+            lambda *a: loop.call_soon_threadsafe(self._observe_local, *a),
+            lambda key: loop.call_soon_threadsafe(self._session_ended, key),
+        )
+        if await thread.run(control.start()):
+            self._control, self._control_thread = control, thread
+        else:
+            thread.stop()
+
+    def _on_data_loop(
+        self, fn: Callable[[dict[str, Any], _Owner], Any]
+    ) -> Callable[[dict[str, Any]], asyncio.Future[Any]]:
+        """A control-socket handler (run on the socket's thread) that reads the
+        request's session there and has ``fn(msg, owner)`` run on the data loop, in
+        the order of the requests (its result awaited there when it is awaitable)."""
+        loop = self._loop
+        assert loop is not None
+
+        def handler(msg: dict[str, Any]) -> asyncio.Future[Any]:
+            owner = self._session()
+            done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+            def run() -> None:
+                try:
+                    result = fn(msg, owner)
+                except BaseException as e:
+                    done.set_exception(e)
+                    return
+                if not inspect.isawaitable(result):
+                    done.set_result(result)
+                    return
+                asyncio.ensure_future(result).add_done_callback(lambda t: _settle(done, t))
+
+            loop.call_soon_threadsafe(run)
+            return asyncio.wrap_future(done)
+
+        return handler
 
     async def close(self) -> None:
         """Finish the commits taken (bounded by ``reserve_timeout_s``), then close every
@@ -324,9 +374,16 @@ class DataServer:
             self._close_conn(conn)
         for pin in list(self._pins):
             self._release_pin(pin)
-        if self._control is not None:
-            await self._control.close()
-            self._control = None
+        if self._control is not None and self._control_thread is not None:
+            await self._control_thread.run(self._close_control(self._control))
+            self._control_thread.stop()
+            self._control, self._control_thread = None, None
+
+    async def _close_control(self, control: LocalControl) -> None:
+        """On the control thread: stop serving the socket, release its pins."""
+        await control.close()
+        for pin in list(self._socket_pins):
+            self._release_pin(pin, self._socket_pins)
         if self._listener is not None:
             self._listener.close()
         self._listener = None
@@ -622,37 +679,53 @@ class DataServer:
         pin = self._hold(found, ttl_ms, owner)
         return {"pinned": [e is not None for e in found], "pin": pin}
 
-    def _locate(self, msg: dict[str, Any], owner: _Owner) -> dict[str, Any]:
+    def _locate(
+        self, msg: dict[str, Any], owner: _Owner, pins: dict[int, _Pin] | None = None
+    ) -> dict[str, Any]:
         """Same-host reads: pin the named blocks and say where they lie in the pool file
-        (``hashes``: ``hash_len``-byte hashes back to back, all of one ``shard``)."""
+        (``hashes``: ``hash_len``-byte hashes back to back, all of one ``shard``).
+        ``pins``: the table of the calling thread's pins (default: the data loop's)."""
         ns = check_namespace(msg.get("ns"))
         ttl_ms = req_int(msg, "ttl_ms", 1, MAX_PIN_MS)
         shard = req_int(msg, "shard", 0, 65535)
         found = self.pool.get_many(ns, self._packed_hashes(msg), shard)
-        pin = self._hold(found, ttl_ms, owner)
-        self.metrics.get_blocks.labels(result="hit").inc(len(found) - found.count(None))
+        pin = self._hold(found, ttl_ms, owner, pins)
+        hits = self.metrics.get_blocks.labels(result="hit")
+        n = len(found) - found.count(None)
+        if pins is self._socket_pins and self._loop is not None:
+            self._loop.call_soon_threadsafe(hits.inc, n)  # the metrics are the data loop's
+        else:
+            hits.inc(n)
         return {"pin": pin, **LocatedBlocks.wire_rows([e and _wire(e) for e in found])}
 
-    def _hold(self, found: list[Any], ttl_ms: int, owner: _Owner) -> int:
-        """Pin the entries found until the pin is released or ``ttl_ms`` passes."""
+    def _hold(
+        self, found: list[Any], ttl_ms: int, owner: _Owner, pins: dict[int, _Pin] | None = None
+    ) -> int:
+        """Pin the entries found until the pin is released or ``ttl_ms`` passes (a
+        timer on the calling thread's loop; ``pins``: that thread's table)."""
+        table = self._pins if pins is None else pins
         pinned = [e for e in found if e is not None]
         if owner.tenant is not None:
             self._charge_pins(owner, pinned)
         self.pool.pin_many(pinned)
         pin = next(self._pin_ids)
-        timer = asyncio.get_running_loop().call_later(ttl_ms / 1000, self._release_pin, pin)
-        self._pins[pin] = _Pin(pinned, timer, owner)
+        timer = asyncio.get_running_loop().call_later(ttl_ms / 1000, self._release_pin, pin, table)
+        table[pin] = _Pin(pinned, timer, owner)
         return pin
 
-    def _unpin(self, msg: dict[str, Any], owner: _Owner) -> dict[str, Any]:
+    def _unpin(
+        self, msg: dict[str, Any], owner: _Owner, pins: dict[int, _Pin] | None = None
+    ) -> dict[str, Any]:
         """Release a pin of ``owner``'s (or, with cluster-wide access, any pin taken with
-        it); another's pin is left alone, as an unknown or expired one is."""
+        it on the same transport); another's pin is left alone, as an unknown or
+        expired one is."""
+        table = self._pins if pins is None else pins
         pin = req_int(msg, "pin")
-        held = self._pins.get(pin)
+        held = table.get(pin)
         if held is not None and (
             held.owner is owner or (held.owner.tenant is None and owner.tenant is None)
         ):
-            self._release_pin(pin)
+            self._release_pin(pin, table)
         return {}
 
     def _report(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -689,24 +762,24 @@ class DataServer:
                 self._abort(seq)
 
     def _locate_here(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return self._locate(msg, self._session())
+        return self._locate(msg, self._session(), self._socket_pins)
 
     def _unpin_here(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return self._unpin(msg, self._session())
+        return self._unpin(msg, self._session(), self._socket_pins)
 
-    def _reserve_here(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return self._reserve(None, msg, self._session())
+    def _reserve_here(self, msg: dict[str, Any], owner: _Owner) -> dict[str, Any]:
+        return self._reserve(None, msg, owner)
 
-    def _commit_here(self, msg: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
-        # plain, not async: the commit is taken as its frame is read, before the next
-        # frame of the session (a ``taken`` right behind it, or the session's end)
-        return self._commit(None, msg, self._session())
+    def _commit_here(self, msg: dict[str, Any], owner: _Owner) -> asyncio.Future[dict[str, Any]]:
+        # plain, not async: the commit is taken as soon as the data loop sees it, before
+        # the session's next request (a ``taken`` right behind it) or its end
+        return self._commit(None, msg, owner)
 
-    def _taken_here(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return self._taken(msg, self._session())
+    def _taken_here(self, msg: dict[str, Any], owner: _Owner) -> dict[str, Any]:
+        return self._taken(msg, owner)
 
-    def _abort_here(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return self._abort_own(msg, self._session())
+    def _abort_here(self, msg: dict[str, Any], owner: _Owner) -> dict[str, Any]:
+        return self._abort_own(msg, owner)
 
     def _observe_local(self, op: str, seconds: float, error: str | None) -> None:
         """Metrics of a request on the same-host control socket (as for UCX ones)."""
@@ -715,8 +788,8 @@ class DataServer:
         if error is not None:
             self.metrics.request_errors.labels(op=label, code=error).inc()
 
-    def _release_pin(self, pin: int) -> None:
-        held = self._pins.pop(pin, None)
+    def _release_pin(self, pin: int, pins: dict[int, _Pin] | None = None) -> None:
+        held = (self._pins if pins is None else pins).pop(pin, None)
         if held is None:
             return  # expired already, or never existed: releasing is idempotent
         held.timer.cancel()
@@ -1062,3 +1135,13 @@ def _block_ref(ns: str, b: Any) -> tuple[str, bytes, int]:
     if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard < 65536:
         raise BadRequest("shard must be an integer in [0, 65536)")
     return (ns, check_hash(b[0]), shard)
+
+
+def _settle(done: concurrent.futures.Future[Any], task: asyncio.Future[Any]) -> None:
+    """Pass ``task``'s outcome to ``done`` (another thread waits on it)."""
+    if task.cancelled():
+        done.cancel()
+    elif task.exception() is not None:
+        done.set_exception(task.exception())  # type: ignore[arg-type]
+    else:
+        done.set_result(task.result())

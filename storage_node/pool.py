@@ -34,16 +34,19 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import grp
 import logging
 import mmap
 import os
+import threading
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 from pegaflow.storage_node.journal import SLOT_ALIGN, Journal, SlotRecord
@@ -294,8 +297,26 @@ def apply_access(target: int | str | Path, gid: int | None) -> None:
         ) from None
 
 
+_T = TypeVar("_T")
+
+
+def _locked(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Run a :class:`BlockPool` method under the pool's lock."""
+
+    @functools.wraps(method)
+    def run(self: BlockPool, *args: Any, **kwargs: Any) -> _T:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class BlockPool:
     """Slot allocator, LRU and block table over a shared-memory pool file.
+
+    Thread-safe: the node serves its same-host control socket (locates, pins) on a
+    thread of its own while its data loop moves bulk data, and both use the pool; every
+    method that reads or changes the tables holds the pool's lock.
 
     With ``persist=True`` (the default) every commit and drop is journaled next to the
     pool file, and a pool file left by an earlier process of the same node is
@@ -330,6 +351,7 @@ class BlockPool:
         self.slab_bytes = slab_bytes
         self.capacity = n_slabs * slab_bytes
         self._on_evict = on_evict
+        self._lock = threading.RLock()
         self._size_flag = size_flag
         self.journal: Journal | None = None
         journal_path = self.path.with_suffix(".journal")
@@ -466,11 +488,13 @@ class BlockPool:
 
     # ---- queries -------------------------------------------------------------------
 
+    @_locked
     def get(self, key: BlockKey) -> Entry | None:
         """The committed entry of ``key``, or None."""
         e = self._blocks.get(key)
         return e if e is not None and e.committed else None
 
+    @_locked
     def get_many(self, ns: str, hashes: Sequence[bytes], shard: int) -> list[Entry | None]:
         """:meth:`get` of ``(ns, h, shard)`` for each hash."""
         blocks = self._blocks
@@ -491,6 +515,7 @@ class BlockPool:
         """Every committed entry."""
         return (e for e in self._blocks.values() if e.committed)
 
+    @_locked
     def stats(self) -> PoolStats:
         reserved = sum(1 for e in self._blocks.values() if not e.committed)
         pinned = sum(1 for e in self._blocks.values() if e.pins)
@@ -507,13 +532,16 @@ class BlockPool:
 
     # ---- reads ---------------------------------------------------------------------
 
+    @_locked
     def pin(self, e: Entry) -> None:
         """Keep ``e`` from eviction while it is being read; marks it recently used."""
         self.pin_many((e,))
 
+    @_locked
     def unpin(self, e: Entry) -> None:
         self.unpin_many((e,))
 
+    @_locked
     def pin_many(self, entries: Sequence[Entry]) -> None:
         """:meth:`pin` each entry (a locate of a long prefix pins hundreds)."""
         classes = self._classes
@@ -521,6 +549,7 @@ class BlockPool:
             e.pins += 1
             classes[e.stride].lru.pop(e.key, None)
 
+    @_locked
     def unpin_many(self, entries: Sequence[Entry]) -> None:
         """:meth:`unpin` each entry."""
         blocks, classes = self._blocks, self._classes
@@ -531,6 +560,7 @@ class BlockPool:
 
     # ---- writes --------------------------------------------------------------------
 
+    @_locked
     def reserve(self, key: BlockKey, size: int, ttl_s: float) -> Entry | None:
         """Reserve a slot for a new block; None when the key is already stored or in flight.
 
@@ -549,6 +579,7 @@ class BlockPool:
         self.used_bytes += stride
         return e
 
+    @_locked
     def commit(self, e: Entry, xxh3: int, digest: int | None = None) -> BlockLocation:
         """Make a reserved block visible and immutable; returns its location."""
         self._gen += 1
@@ -564,6 +595,7 @@ class BlockPool:
             self.maintain_journal()
         return e.location(self.node_id)
 
+    @_locked
     def maintain_journal(self) -> None:
         """Rewrite the journal compactly when it asks for it: dead records dominate, or
         it is degraded (a write failed) and may fit again (cheap; called often)."""
@@ -583,11 +615,13 @@ class BlockPool:
             return f"pool file {self.path} was replaced by another file"
         return None
 
+    @_locked
     def abort(self, e: Entry) -> None:
         """Drop a reservation (the put failed or expired)."""
         if self._blocks.get(e.key) is e and not e.committed:
             self._release(e)
 
+    @_locked
     def quarantine(self, e: Entry) -> None:
         """Take a reservation out of use while a transfer may still write its slot (UCX
         cannot cancel a receive under way): its key is free for new puts at once, its
@@ -596,12 +630,14 @@ class BlockPool:
             del self._blocks[e.key]
             self.quarantined_bytes += e.stride
 
+    @_locked
     def release_quarantined(self, e: Entry) -> None:
         """Give a quarantined slot back, once nothing can write it any more."""
         if self._by_offset.get(e.offset) is e:
             self._free_slot(e)
             self.quarantined_bytes -= e.stride
 
+    @_locked
     def drop(self, e: Entry) -> None:
         """Remove a committed block (invalid or evicted); reports it to ``on_evict``."""
         if self._blocks.get(e.key) is not e:
@@ -613,6 +649,7 @@ class BlockPool:
         if e.committed and self._on_evict is not None:
             self._on_evict(e)
 
+    @_locked
     def reclaim_expired(self, now: float | None = None) -> int:
         """Abort reservations past their deadline; returns how many."""
         now = time.monotonic() if now is None else now
