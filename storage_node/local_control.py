@@ -18,6 +18,11 @@ The node advertises the socket in its UCX ``hello`` reply (``pool.control``), ne
 the pool file; the ops and their answers are those of the UCX protocol
 (:mod:`pegaflow.storage_node.data_server`), as the ``args`` and ``result`` of control
 requests.  Clients that cannot open the socket keep asking over UCX.
+
+The node serves the socket on a thread and event loop of its own
+(:class:`~pegaflow.loopthread.LoopThread`): ``locate`` and ``unpin`` are answered there,
+however busy the data loop is with bulk transfers; the ops on reservations (``reserve``,
+``commit``, ``abort``, ``taken``) and ``report`` go on to the data loop in arrival order.
 """
 
 from __future__ import annotations
