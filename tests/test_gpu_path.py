@@ -8,6 +8,7 @@ pool and with the copy-engine (DMA) path; per-layer and cross-layer layouts.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -47,18 +48,34 @@ def _caches(layout: str, blocks: int, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("layout", ["per_layer", "cross_layer", "mla"])
-@pytest.mark.parametrize("mode", ["kernel", "dma2d", "dma"])
-def test_gpu_save_then_load_into_other_blocks(server: Proc, layout: str, mode: str) -> None:
+@contextlib.contextmanager
+def _pair(
+    server: Proc, layout: str, seed: int
+) -> Iterator[tuple[SyncPegaClient, dict, dict, LocalPath, LocalPath]]:
+    """A client, a source and a destination KV cache (96 blocks of ``layout``), and a
+    writer and a reader of the server's pool through them, attached and pinned."""
     node = server.ready["node"]
     client = SyncPegaClient(ClientConfig(coordinators=[server.ready["coordinator"]]))
-    src_kv, dst_kv = _caches(layout, 96, 1), _caches(layout, 96, 2)
-    src, dst = KVBlockIO(src_kv, 96), KVBlockIO(dst_kv, 96)
-    writer, reader = LocalPath(src, node, 10.0), LocalPath(dst, node, 10.0)
+    src_kv, dst_kv = _caches(layout, 96, seed), _caches(layout, 96, seed + 1)
+    writer = LocalPath(KVBlockIO(src_kv, 96), node, 10.0)
+    reader = LocalPath(KVBlockIO(dst_kv, 96), node, 10.0)
     try:
         assert writer.attach(client) and reader.attach(client)
         for path in (writer, reader):
             assert path.pool is not None and path.pool.wait_registered(60)
+        yield client, src_kv, dst_kv, writer, reader
+    finally:
+        writer.close()
+        reader.close()
+        client.close()
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "cross_layer", "mla"])
+@pytest.mark.parametrize("mode", ["kernel", "dma2d", "dma"])
+def test_gpu_save_then_load_into_other_blocks(server: Proc, layout: str, mode: str) -> None:
+    with _pair(server, layout, 1) as (client, src_kv, dst_kv, writer, reader):
+        src, dst = writer.io, reader.io
+        for path in (writer, reader):
             path.copy_mode = mode
         assert src.kernel_ok
         ns = f"gpu-{layout}-{mode}"
@@ -79,25 +96,14 @@ def test_gpu_save_then_load_into_other_blocks(server: Proc, layout: str, mode: s
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
             # per-layer events exist for layer-wise waiting
             assert len(pending.transfer.events) == len(dst.layers)
-    finally:
-        writer.close()
-        reader.close()
-        client.close()
 
 
 def test_gpu_loads_queued_together_go_layer_major(server: Proc) -> None:
     """:meth:`KVBlockIO.copy_in_many` of two loads, one with long runs (2-D copies) and
     one with runs of one block (the tile kernel), byte-identical, with their digests,
     and one event per layer shared by both."""
-    node = server.ready["node"]
-    client = SyncPegaClient(ClientConfig(coordinators=[server.ready["coordinator"]]))
-    src_kv, dst_kv = _caches("per_layer", 96, 3), _caches("per_layer", 96, 4)
-    src, dst = KVBlockIO(src_kv, 96), KVBlockIO(dst_kv, 96)
-    writer, reader = LocalPath(src, node, 10.0), LocalPath(dst, node, 10.0)
-    try:
-        assert writer.attach(client) and reader.attach(client)
-        for path in (writer, reader):
-            assert path.pool is not None and path.pool.wait_registered(60)
+    with _pair(server, "per_layer", 3) as (client, src_kv, dst_kv, writer, reader):
+        dst = reader.io
         ns = "gpu-layer-major"
         hashes = [bytes([i, 7]) * 8 for i in range(40)]
         ids = list(range(5, 45))
@@ -115,7 +121,3 @@ def test_gpu_loads_queued_together_go_layer_major(server: Proc) -> None:
         for name in src_kv:
             got = dst_kv[name][long_runs + singles].view(torch.int16)
             assert torch.equal(got, src_kv[name][ids].view(torch.int16)), name
-    finally:
-        writer.close()
-        reader.close()
-        client.close()

@@ -69,6 +69,17 @@ def _save_blocks_1_to_3(w: WorkerSide, c: Counters, ns: str, hashes: list[bytes]
     return c.totals().get("save_blocks", 0)
 
 
+def _forward(w: WorkerSide, kv: dict[str, torch.Tensor], device: str) -> tuple[set[int], Any]:
+    """A "forward pass": wait for every layer's loads, then what the step reports
+    (blocks that failed, the report for the scheduler), with the device caught up."""
+    for name in kv:
+        w.wait_layer(name)
+    errors, report = w.take_load_errors(), w.take_report()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return errors, report
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_layer_wise_load_from_the_local_pool(server: Proc, device: str) -> None:
     node = server.ready["node"]
@@ -83,14 +94,9 @@ def test_layer_wise_load_from_the_local_pool(server: Proc, device: str) -> None:
         # one step: the load is queued at its start; each layer waits for its blocks
         job = LoadJob("b", [9, 10, 11, 12], hashes, [[node]] * 4, sync=True)
         w2.start_step(StepPlan(NS, loads=[job]))
-        for name in dst:
-            w2.wait_layer(name)
-        errors = w2.take_load_errors()
+        errors, report = _forward(w2, dst, device)
         assert errors == {12}  # the 4th block was never stored: vLLM recomputes it
-        report = w2.take_report()
         assert report is not None and report.load_failed == {"b": 3}
-        if device == "cuda":
-            torch.cuda.synchronize()
         for name in src:
             assert torch.equal(dst[name][9:12].view(torch.int16), src[name][1:4].view(torch.int16))
             assert torch.equal(dst[name][:9], before[name][:9])
@@ -195,13 +201,9 @@ def test_a_steps_layer_wise_loads_are_queued_together(server: Proc, device: str)
         if device == "cuda":
             px, py = loads
             assert px.transfer.events and px.transfer.events == py.transfer.events
-        for name in dst:
-            w2.wait_layer(name)
-        assert w2.take_load_errors() == {14}
-        report = w2.take_report()
+        errors, report = _forward(w2, dst, device)
+        assert errors == {14}
         assert report is not None and report.load_failed == {"y": 1}
-        if device == "cuda":
-            torch.cuda.synchronize()
         for name in src:
             assert torch.equal(dst[name][9:11].view(torch.int16), src[name][1:3].view(torch.int16))
             assert torch.equal(dst[name][13].view(torch.int16), src[name][3].view(torch.int16))
