@@ -22,17 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from typing import Any
 
 from aetcd import rpc
 
 from pegaflow.errors import PegaError
-from pegaflow.etcd import DELETE, PUT, EtcdClient, put_op
+from pegaflow.etcd import DELETE, PUT, EtcdClient, KeptLease, put_op
+from pegaflow.lifecycle import Backoff, Supervised
 
 log = logging.getLogger(__name__)
-
-_MAX_BACKOFF_S = 5.0
 
 
 class Election:
@@ -49,10 +47,12 @@ class Election:
         self.key = key
         self.identity = identity
         self.ttl = max(1, int(ttl))
-        self._task: asyncio.Task[None] | None = None
-        self._lease = 0
+        self._backoff = Backoff(0.05)
+        self._loop = Supervised(
+            "election", self._round, on_error=self._round_failed, backoff=self._backoff
+        )
+        self._lease: KeptLease | None = None
         self._leader = False
-        self._valid_until = 0.0
         self._changed = asyncio.Event()
         #: The key's create revision while this candidate leads (the fencing token).
         self.create_revision = 0
@@ -67,29 +67,20 @@ class Election:
 
     async def start(self) -> None:
         """Start campaigning in the background."""
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="election")
+        self._loop.start()
 
     async def close(self, timeout: float = 2.0) -> None:
         """Stop campaigning; a leader resigns (its lease is revoked, so another
         candidate takes over at once)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        lease, self._lease = self._lease, 0
-        self._set_leader(False)
-        if lease:
-            with contextlib.suppress(PegaError):
-                await self.client.revoke(lease, timeout=timeout)
+        await self._loop.close()
+        await self._resign(timeout)
 
     # -- state ------------------------------------------------------------------------
 
     @property
     def is_leader(self) -> bool:
         """Whether this candidate leads now (False once its lease may have expired)."""
-        return self._leader and time.monotonic() < self._valid_until
+        return self._leader and self._lease is not None and self._lease.left() > 0
 
     async def wait_leader(self) -> None:
         """Return once this candidate leads."""
@@ -128,34 +119,32 @@ class Election:
 
     # -- loop -------------------------------------------------------------------------
 
-    async def _run(self) -> None:
-        failures = 0
-        while True:
-            try:
-                kv, revision = await self._read()
-                if kv is None:
-                    if await self._campaign():
-                        failures = 0
-                        await self._hold()
-                        log.warning("lost the leadership of %s", self.key.decode())
-                        await self._resign()
-                    continue
-                failures = 0
-                self.leader_id = kv.value.decode(errors="replace")
-                await self._follow(revision)
-            except asyncio.CancelledError:
-                raise
-            except PegaError as e:
-                self.errors += 1
-                if failures == 0:
-                    log.warning("election %s: etcd call failed (%s); retrying", self.key, e)
-                await self._resign()
-            except Exception:
-                self.errors += 1
-                log.exception("election %s failed; retrying", self.key)
-                await self._resign()
-            failures += 1
-            await asyncio.sleep(min(_MAX_BACKOFF_S, 0.05 * 2 ** min(failures, 10)))
+    async def _round(self) -> bool:
+        """Campaign when the key is free (and hold it while won), else follow the
+        leader's key until it goes; the loop pauses (by the backoff) after a follow."""
+        try:
+            kv, revision = await self._read()
+            if kv is None:
+                if await self._campaign():
+                    self._backoff.reset()
+                    await self._hold()
+                    log.warning("lost the leadership of %s", self.key.decode())
+                    await self._resign()
+                return True
+            self._backoff.reset()
+            self.leader_id = kv.value.decode(errors="replace")
+            await self._follow(revision)
+        except Exception:
+            await self._resign()
+            raise
+        return False
+
+    def _round_failed(self, e: Exception) -> None:
+        self.errors += 1
+        if not isinstance(e, PegaError):
+            log.exception("election %s failed; retrying", self.key)
+        elif self._backoff.failures == 0:
+            log.warning("election %s: etcd call failed (%s); retrying", self.key, e)
 
     async def _read(self) -> tuple[rpc.KeyValue | None, int]:
         """The election key (or None) and the revision it was read at."""
@@ -164,11 +153,10 @@ class Election:
 
     async def _campaign(self) -> bool:
         """Try to create the key under a fresh lease; True when this candidate won."""
-        t0 = time.monotonic()
-        lease = await self.client.grant(self.ttl)
+        lease = await KeptLease.grant(self.client, self.ttl)
         try:
             r = await self.client.txn(
-                [put_op(self.key, self.identity.encode(), lease)],
+                [put_op(self.key, self.identity.encode(), lease.id)],
                 compare=[
                     rpc.Compare(
                         key=self.key,
@@ -180,15 +168,14 @@ class Election:
             )
         except BaseException:
             with contextlib.suppress(PegaError):
-                await self.client.revoke(lease)
+                await lease.revoke()
             raise
         if not r.succeeded:
             with contextlib.suppress(PegaError):
-                await self.client.revoke(lease)
+                await lease.revoke()
             return False
         self._lease = lease
         self.create_revision = r.header.revision
-        self._valid_until = t0 + self.ttl
         self.leader_id = self.identity
         self.terms += 1
         self._set_leader(True)
@@ -197,34 +184,31 @@ class Election:
 
     async def _hold(self) -> None:
         """Keep the lease alive while leading; return when leadership is lost."""
-        interval = self.ttl / 3
+        lease = self._lease
+        assert lease is not None
         while True:
-            await asyncio.sleep(interval)
-            t0 = time.monotonic()
-            remaining = self._valid_until - t0
+            await asyncio.sleep(lease.due_in())
+            remaining = lease.left()
             if remaining <= 0:
                 return
             try:
-                ttl = await self.client.keepalive(self._lease, timeout=remaining)
-                if ttl <= 0:
+                if not await lease.refresh(timeout=remaining):
                     return  # the lease is gone, and the key with it
-                self._valid_until = t0 + ttl
                 kv, _ = await self._read()
             except PegaError as e:
                 self.errors += 1
                 log.warning("leader of %s: keep-alive failed (%s)", self.key.decode(), e)
-                interval = max(0.05, min(self.ttl / 3, (self._valid_until - time.monotonic()) / 3))
+                lease.retry_soon()
                 continue
-            interval = self.ttl / 3
             if kv is None or kv.create_revision != self.create_revision:
                 return  # deleted or replaced (by an operator?)
 
-    async def _resign(self) -> None:
-        lease, self._lease = self._lease, 0
+    async def _resign(self, timeout: float | None = None) -> None:
+        lease, self._lease = self._lease, None
         self._set_leader(False)
-        if lease:
+        if lease is not None:
             with contextlib.suppress(PegaError):
-                await self.client.revoke(lease)
+                await lease.revoke(timeout=timeout)
 
     async def _follow(self, revision: int) -> None:
         """Watch the key from ``revision + 1`` until it is deleted (at most ``ttl``

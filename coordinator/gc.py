@@ -22,7 +22,6 @@ record are left alone (they are never served, and their lease removes them).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from pegaflow.errors import PegaError
 from pegaflow.etcd import EtcdClient, delete_if_unmodified_op, range_op
 from pegaflow.keys import BlockLocation, Keyspace
+from pegaflow.lifecycle import Supervised
 
 from .election import Election
 from .index import BlockIndex
@@ -81,7 +81,7 @@ class IndexGC:
         self.grace_s = grace_s
         self._token = token
         self._data: DataClient | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Supervised("index-gc", self._round, on_error=self._pass_failed)
         self.passes = 0
         self.checked = 0
         self.deleted = 0
@@ -92,16 +92,12 @@ class IndexGC:
 
     async def start(self) -> None:
         """Run passes in the background whenever this coordinator leads."""
-        if self._task is None and self.interval_s > 0:
-            self._task = asyncio.create_task(self._run(), name="index-gc")
+        if self.interval_s > 0:
+            self._loop.start()
 
     async def close(self) -> None:
         """Stop (a pass in progress is abandoned between two batches)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._loop.close()
         if self._data is not None:
             await self._data.close()
             self._data = None
@@ -119,19 +115,16 @@ class IndexGC:
             "last_pass_deleted": self.last_pass_deleted,
         }
 
-    async def _run(self) -> None:
-        while True:
-            await self.election.wait_leader()
-            await asyncio.sleep(self.interval_s)  # a new leader waits one interval too
-            if not self.election.is_leader:
-                continue
-            try:
-                await self.run_pass()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                self.errors += 1
-                log.exception("index GC pass failed")
+    async def _round(self) -> bool:
+        await self.election.wait_leader()
+        await asyncio.sleep(self.interval_s)  # a new leader waits one interval too
+        if self.election.is_leader:
+            await self.run_pass()
+        return True
+
+    def _pass_failed(self, e: Exception) -> None:
+        self.errors += 1
+        log.exception("index GC pass failed")
 
     def _data_client(self) -> DataClient:
         if self._data is None:

@@ -36,12 +36,12 @@ from aetcd import rpc
 from pegaflow.errors import PegaError, Unavailable
 from pegaflow.etcd import PUT, EtcdClient, RevisionCompacted, Watch, prefix_range_end
 from pegaflow.keys import Keyspace, NodeRecord, new_cluster_epoch
+from pegaflow.lifecycle import Backoff, Supervised
 
 from .index import MAX_GEN, BlockIndex
 
 log = logging.getLogger(__name__)
 
-_MAX_BACKOFF_S = 5.0
 _HEX = [bytes((c,)) for c in b"0123456789abcdef"]
 _unpackb = msgpack.unpackb
 
@@ -76,7 +76,12 @@ class EtcdMirror:
         self._epoch_key = keys.epoch_key
         self._leases: dict[int, str] = {}
         self._ns_names: dict[bytes, str] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._backoff = Backoff(0.1)
+        self._loop = Supervised(
+            "etcd-mirror", self._round, on_error=self._round_failed, backoff=self._backoff
+        )
+        self._full = True  # the next round reads everything first
+        self._streak = 0  # reloads in a row without a watch that followed
         self._synced = asyncio.Event()
         self._last_rx = 0.0
         self._cluster_id = 0
@@ -105,8 +110,9 @@ class EtcdMirror:
     async def start(self, wait_s: float | None = None) -> bool:
         """Start mirroring; wait up to ``wait_s`` for the first full read.  Returns
         whether it completed (if not, the mirror keeps trying in the background)."""
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="etcd-mirror")
+        if not self._loop.running:
+            self._full, self._streak = True, 0  # every start reads everything first
+        self._loop.start()
         if wait_s is None:
             return self.synced
         try:
@@ -117,11 +123,7 @@ class EtcdMirror:
 
     async def close(self) -> None:
         """Stop mirroring (the index keeps its last state)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._loop.close()
         self.connected = False
 
     @property
@@ -157,62 +159,60 @@ class EtcdMirror:
 
     # -- loop -------------------------------------------------------------------------
 
-    async def _run(self) -> None:
-        failures = 0
-        streak = 0  # reloads in a row without a watch that followed
-        full = True
-        while True:
+    async def _round(self) -> bool:
+        """Load (when due), open a watch where the index stands and follow it until it
+        breaks; the loop then pauses by the backoff (reset by every watch that opened)."""
+        try:
+            if self._full:
+                await self._full_sync()
+                self._full = False
+            watch = await self.client.watch(self._root, self.revision + 1)
             try:
-                if full:
-                    await self._full_sync()
-                    full = False
-                watch = await self.client.watch(self._root, self.revision + 1)
-                try:
-                    # After the watch is open: a later epoch change arrives on it.
-                    await self._check_same_etcd(watch)
-                except BaseException:
-                    watch.cancel()
-                    raise
-                self._cluster_id = watch.cluster_id
-                self._set_connected(True)
-                failures = streak = 0
-                await self._follow(watch)
-            except asyncio.CancelledError:
+                # After the watch is open: a later epoch change arrives on it.
+                await self._check_same_etcd(watch)
+            except BaseException:
+                watch.cancel()
                 raise
-            except _OtherEtcd as e:
-                self._note_reload(
-                    f"etcd at {self.client.endpoint} is not the one the index was loaded from: {e}",
-                    "etcd rebuilt, restored or wiped? Nodes republish their blocks by themselves",
-                )
-                full = True
-                failures, streak = streak, streak + 1  # soon, not after an outage's backoff
-            except RevisionCompacted as e:
-                self._note_reload(
-                    f"etcd history compacted past revision {self.revision} ({e})",
-                    "the watch fell behind",
-                )
-                full = True
-                failures, streak = streak, streak + 1
-            except PegaError as e:
-                self.watch_errors += 1
-                if self.connected or failures == 0:
-                    if self.synced:
-                        state = f"serving the last state (revision {self.revision})"
-                    else:
-                        state = "no index loaded yet (check that etcd runs at those endpoints)"
-                    log.warning(
-                        "etcd unreachable for the index mirror (%s); %s; retrying with backoff",
-                        e,
-                        state,
-                    )
-            except Exception:
-                self.watch_errors += 1
-                log.exception("index mirror failed; retrying")
+            self._cluster_id = watch.cluster_id
+            self._set_connected(True)
+            self._backoff.reset()
+            self._streak = 0
+            await self._follow(watch)
+        finally:
             self._set_connected(False)
-            failures += 1
-            await asyncio.sleep(min(_MAX_BACKOFF_S, 0.1 * 2 ** min(failures, 10)))
+        return False
+
+    def _round_failed(self, e: Exception) -> None:
+        if isinstance(e, _OtherEtcd):
+            self._note_reload(
+                f"etcd at {self.client.endpoint} is not the one the index was loaded from: {e}",
+                "etcd rebuilt, restored or wiped? Nodes republish their blocks by themselves",
+            )
+        elif isinstance(e, RevisionCompacted):
+            self._note_reload(
+                f"etcd history compacted past revision {self.revision} ({e})",
+                "the watch fell behind",
+            )
+        elif isinstance(e, PegaError):
+            self.watch_errors += 1
+            if self._backoff.failures == 0:
+                if self.synced:
+                    state = f"serving the last state (revision {self.revision})"
+                else:
+                    state = "no index loaded yet (check that etcd runs at those endpoints)"
+                log.warning(
+                    "etcd unreachable for the index mirror (%s); %s; retrying with backoff",
+                    e,
+                    state,
+                )
+        else:
+            self.watch_errors += 1
+            log.exception("index mirror failed; retrying")
 
     def _note_reload(self, what: str, hint: str) -> None:
+        self._full = True
+        self._backoff.failures = self._streak  # soon, not after an outage's backoff
+        self._streak += 1
         self.reloads += 1
         self.last_reload = what
         log.warning(

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -53,15 +54,15 @@ from prometheus_client.registry import Collector
 
 from pegaflow.config import EtcdConfig
 from pegaflow.errors import BadRequest, NotFound, PegaError, TooLarge, Unavailable
-from pegaflow.etcd import EtcdClient, delete_if_lease_op, put_op
+from pegaflow.etcd import EtcdClient, KeptLease, delete_if_lease_op, put_op
 from pegaflow.inventory import NodeIdInUse
 from pegaflow.keys import BlockLocation, Keyspace, NodeRecord
+from pegaflow.lifecycle import Backoff, Supervised, close_all
 
 log = logging.getLogger(__name__)
 
 Inventory = Callable[[], Iterable[tuple[str, bytes, int, BlockLocation]]]
 
-_MAX_BACKOFF_S = 5.0
 _CLAIM_POLL_S = 0.5
 
 
@@ -108,6 +109,7 @@ class EtcdPublisher:
         self._batch_size = max(1, etcd.batch_size)
         self._flush_interval = max(0.0, etcd.flush_interval_ms / 1000)
         self._ttl = max(1, int(etcd.lease_ttl_s))
+        self._keepalive_s = max(0.2, self._ttl / 3)  # retried at the same pace
 
         self._record: NodeRecord | None = None
         self._node_key = b""
@@ -118,7 +120,7 @@ class EtcdPublisher:
         self._drained = asyncio.Event()  # set while no batch is in flight
         self._drained.set()
 
-        self._lease = 0
+        self._lease: KeptLease | None = None
         self._gen = 0
         self._old_lease = 0  # revoked once a rotation's snapshot is written
         self._rotate = True  # (re)register at the next chance
@@ -128,7 +130,14 @@ class EtcdPublisher:
         self._idle = asyncio.Event()
         self._wake = asyncio.Event()
         self._registered = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._supervise_backoff = Backoff(0.1)
+        self._supervisor = Supervised(
+            "publisher-supervisor",
+            self._supervise,
+            on_error=self._supervise_failed,
+            backoff=self._supervise_backoff,
+        )
+        self._tasks: list[Supervised] = []  # the supervisor and the writers, once started
         self._closing = False
         self._down_since: float | None = None
         self._claim_rev: int | None = None  # the node key's revision when found free
@@ -170,11 +179,17 @@ class EtcdPublisher:
                 record.node_id,
                 e,
             )
-        self._tasks = [asyncio.create_task(self._supervise(), name="publisher-supervisor")]
-        self._tasks += [
-            asyncio.create_task(self._write_loop(), name=f"publisher-writer-{i}")
-            for i in range(self._concurrency)
-        ]
+        self._tasks = [self._supervisor]
+        for i in range(self._concurrency):
+            backoff = Backoff(0.05)
+            write = functools.partial(self._write_batch, backoff)
+            self._tasks.append(
+                Supervised(
+                    f"publisher-writer-{i}", write, on_error=self._write_failed, backoff=backoff
+                )
+            )
+        for t in self._tasks:
+            t.start()
         try:
             await asyncio.wait_for(self._registered.wait(), self.cfg.timeout_s)
         except TimeoutError:
@@ -248,13 +263,11 @@ class EtcdPublisher:
         if not revoke and self._tasks:
             await self.flush(self.cfg.timeout_s if timeout is None else timeout)
         self._closing = True
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await close_all(self._tasks)
         self._tasks = []
         client = self._client
         if client is not None and revoke:
-            for lease in (self._lease, self._old_lease):
+            for lease in (self.lease_id, self._old_lease):
                 if lease:
                     try:
                         await client.revoke(lease)
@@ -263,7 +276,7 @@ class EtcdPublisher:
                     except PegaError as e:
                         log.warning("could not revoke lease %x (%s); entries expire in %d s",
                                     lease, e, self._ttl)  # fmt: skip
-        self._lease = self._old_lease = 0
+        self._lease, self._old_lease = None, 0
         if client is not None and self._own_client:
             await client.close()
 
@@ -272,7 +285,7 @@ class EtcdPublisher:
     @property
     def lease_id(self) -> int:
         """The current lease (0 while unregistered)."""
-        return self._lease
+        return self._lease.id if self._lease is not None else 0
 
     @property
     def registered(self) -> bool:
@@ -288,7 +301,7 @@ class EtcdPublisher:
         """Counters for status pages and tests."""
         return {
             "registered": self.registered,
-            "lease_id": self._lease,
+            "lease_id": self.lease_id,
             "pending": len(self._pending),
             "inflight_batches": self._inflight,
             "published": self.published,
@@ -371,72 +384,72 @@ class EtcdPublisher:
 
     # -- tasks ------------------------------------------------------------------------
 
-    async def _write_loop(self) -> None:
-        failures = 0
-        while True:
-            await self._lease_ok.wait()
-            if (
-                self._flush_interval
-                and self._snapshot is None
-                and 0 < len(self._pending) < self._batch_size
-            ):
-                await asyncio.sleep(self._flush_interval)  # let a batch fill up
-                if not self._lease_ok.is_set():
-                    continue
-            batch = self._take()
-            if not batch:
-                self._work.clear()
-                self._check_idle()
-                await self._work.wait()
-                continue
-            lease, gen = self._lease, self._gen
-            ops = [
-                put_op(k, v, lease) if type(v) is bytes else delete_if_lease_op(k, lease)
-                for k, v in batch
-            ]
-            self._inflight += 1
-            self._drained.clear()
-            backoff = 0.0
-            try:
-                assert self._client is not None
-                await self._client.txn(ops)
-            except NotFound as e:
-                # The lease is gone: the rotation rewrites the whole inventory, this
-                # batch included, under a new one.
-                self._lease_lost(gen, e)
-            except (BadRequest, TooLarge) as e:
-                if self._batch_size > 1:
-                    self._batch_size = max(1, self._batch_size // 2)
-                    log.warning(
-                        "etcd refused a %d-op transaction (%s): using %d ops per "
-                        "transaction; raise etcd's --max-txn-ops or lower [etcd] batch_size",
-                        len(ops),
-                        e,
-                        self._batch_size,
-                    )
-                    self._requeue(batch)
-                else:
-                    self.write_errors += 1
-                    log.error("etcd refused a write (%s); dropping it", e)
-            except PegaError as e:
-                self.write_errors += 1
-                failures += 1
+    async def _write_batch(self, backoff: Backoff) -> bool:
+        """One writer's round: one transaction of queued writes (or a wait for some);
+        False (pause by ``backoff``) after a failed one."""
+        await self._lease_ok.wait()
+        if (
+            self._flush_interval
+            and self._snapshot is None
+            and 0 < len(self._pending) < self._batch_size
+        ):
+            await asyncio.sleep(self._flush_interval)  # let a batch fill up
+            if not self._lease_ok.is_set():
+                return True
+        batch = self._take()
+        if not batch:
+            self._work.clear()
+            self._check_idle()
+            await self._work.wait()
+            return True
+        lease, gen = self.lease_id, self._gen
+        ops = [
+            put_op(k, v, lease) if type(v) is bytes else delete_if_lease_op(k, lease)
+            for k, v in batch
+        ]
+        self._inflight += 1
+        self._drained.clear()
+        try:
+            assert self._client is not None
+            await self._client.txn(ops)
+        except NotFound as e:
+            # The lease is gone: the rotation rewrites the whole inventory, this
+            # batch included, under a new one.
+            self._lease_lost(gen, e)
+        except (BadRequest, TooLarge) as e:
+            if self._batch_size > 1:
+                self._batch_size = max(1, self._batch_size // 2)
+                log.warning(
+                    "etcd refused a %d-op transaction (%s): using %d ops per "
+                    "transaction; raise etcd's --max-txn-ops or lower [etcd] batch_size",
+                    len(ops),
+                    e,
+                    self._batch_size,
+                )
                 self._requeue(batch)
-                self._note_down(e)
-                backoff = min(_MAX_BACKOFF_S, 0.05 * 2**failures)
             else:
-                failures = 0
-                self.batches += 1
-                self.keys_written += len(batch)
-                self._note_up()
-            finally:
-                self._inflight -= 1
-                if not self._inflight:
-                    self._drained.set()
-                self._inflight_keys.difference_update(k for k, _ in batch)
-                self._check_idle()
-            if backoff:
-                await asyncio.sleep(backoff)
+                self.write_errors += 1
+                log.error("etcd refused a write (%s); dropping it", e)
+        except PegaError as e:
+            self.write_errors += 1
+            self._requeue(batch)
+            self._note_down(e)
+            return False
+        else:
+            backoff.reset()
+            self.batches += 1
+            self.keys_written += len(batch)
+            self._note_up()
+        finally:
+            self._inflight -= 1
+            if not self._inflight:
+                self._drained.set()
+            self._inflight_keys.difference_update(k for k, _ in batch)
+            self._check_idle()
+        return True
+
+    def _write_failed(self, e: Exception) -> None:
+        log.exception("publisher writer failed; retrying")
 
     def _lease_lost(self, gen: int, why: object) -> None:
         if gen != self._gen or not self._lease_ok.is_set():
@@ -445,10 +458,10 @@ class EtcdPublisher:
         log.warning(
             "node %s: etcd lease %x lost (%s); re-registering and republishing the inventory",
             self._record.node_id if self._record else "?",
-            self._lease,
+            self.lease_id,
             why,
         )
-        self._lease = 0  # nothing to revoke
+        self._lease = None  # nothing to revoke
         self._rotate = True
         self._lease_ok.clear()
         self._wake.set()
@@ -465,59 +478,52 @@ class EtcdPublisher:
             log.info("etcd writes resumed after %.1f s", time.monotonic() - self._down_since)
             self._down_since = None
 
-    async def _supervise(self) -> None:
-        """Registers, keeps the lease alive, rotates it when lost or after drops."""
-        failures = 0
-        next_keepalive = 0.0
-        interval = max(0.2, self._ttl / 3)
-        while True:
-            try:
-                if self._rotate:
-                    await self._rotate_lease()
-                    failures = 0
-                    next_keepalive = time.monotonic() + interval
-                elif self._old_lease and self._snapshot is None and self._inflight == 0:
-                    await self._revoke_old()
-                elif (
-                    self._rotate_after_drops
-                    and len(self._pending) < self._max_pending // 2
-                    and self._snapshot is None
-                ):
-                    log.info("republishing the inventory after %d dropped writes", self.dropped)
-                    self._rotate_after_drops = False
-                    self._rotate = True
-                    continue
-                now = time.monotonic()
-                if now >= next_keepalive and self._lease:
-                    await self._keepalive()
-                    next_keepalive = time.monotonic() + interval
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(max(0.0, next_keepalive - time.monotonic())):
-                        await self._wake.wait()
-            except NodeIdInUse as e:
-                self.refused = str(e)
-                log.error("%s; this node publishes nothing", e)
-                self._registered.set()
-                return
-            except PegaError as e:
-                failures += 1
-                self._note_down(e)
-                await asyncio.sleep(min(_MAX_BACKOFF_S, 0.1 * 2**failures))
-            except Exception:
-                failures += 1
-                log.exception("publisher supervisor failed; retrying")
-                await asyncio.sleep(min(_MAX_BACKOFF_S, 0.1 * 2**failures))
-
-    async def _keepalive(self) -> None:
-        assert self._client is not None
+    async def _supervise(self) -> bool:
+        """Registers, keeps the lease alive, rotates it when lost or after drops (one
+        round: one duty, then a wait for the next keep-alive or a wake-up)."""
         try:
-            ttl = await self._client.keepalive(self._lease)
+            if self._rotate:
+                await self._rotate_lease()
+                self._supervise_backoff.reset()
+            elif self._old_lease and self._snapshot is None and self._inflight == 0:
+                await self._revoke_old()
+            elif (
+                self._rotate_after_drops
+                and len(self._pending) < self._max_pending // 2
+                and self._snapshot is None
+            ):
+                log.info("republishing the inventory after %d dropped writes", self.dropped)
+                self._rotate_after_drops = False
+                self._rotate = True
+                return True
+            if self._lease is not None and self._lease.due_in() <= 0:
+                await self._keepalive(self._lease)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                wait = self._lease.due_in() if self._lease is not None else 0.0
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
+        except NodeIdInUse as e:
+            self.refused = str(e)
+            log.error("%s; this node publishes nothing", e)
+            self._registered.set()
+            self._supervisor.finish()
+        return True
+
+    def _supervise_failed(self, e: Exception) -> None:
+        if isinstance(e, PegaError):
+            self._note_down(e)
+        else:
+            log.exception("publisher supervisor failed; retrying")
+
+    async def _keepalive(self, lease: KeptLease) -> None:
+        try:
+            alive = await lease.refresh()
         except PegaError as e:
             self.keepalive_errors += 1
             self._note_down(e)
             return
-        if ttl <= 0:
+        if not alive:
             self._lease_lost(self._gen, "keepalive: lease not found")
 
     async def _rotate_lease(self) -> None:
@@ -528,22 +534,23 @@ class EtcdPublisher:
         await self._drained.wait()
         if self._claim_rev is None and not self.rotations:
             await self._claim_node_id()
-        lease = await self._client.grant(self._ttl)
+        every = self._keepalive_s
+        lease = await KeptLease.grant(self._client, self._ttl, interval_s=every, min_retry_s=every)
         try:
             if self._claim_rev is not None:
-                await self._put_claimed(lease)
+                await self._put_claimed(lease.id)
             else:
-                await self._client.put(self._node_key, self._record.encode(), lease)
+                await self._client.put(self._node_key, self._record.encode(), lease.id)
         except (PegaError, NodeIdInUse):
             with contextlib.suppress(PegaError):
-                await self._client.revoke(lease)
+                await lease.revoke()
             raise
         self._claim_rev = None
         snapshot = list(self._inventory())
         self._pending.clear()  # the snapshot supersedes everything queued so far
         self._snapshot = iter(snapshot)
-        if self._lease and self._lease != lease:
-            self._old_lease = self._lease
+        if self._lease is not None:
+            self._old_lease = self._lease.id
         self._lease = lease
         self._gen += 1
         self._rotate = False
@@ -557,7 +564,7 @@ class EtcdPublisher:
         log.info(
             "node %s registered in etcd (lease %x, ttl %d s), publishing %d blocks",
             self._record.node_id,
-            lease,
+            lease.id,
             self._ttl,
             len(snapshot),
         )

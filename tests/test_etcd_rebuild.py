@@ -19,16 +19,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aetcd import rpc
 from pegaflow.coordinator.index import BlockIndex
 from pegaflow.coordinator.mirror import EtcdMirror
 
 from pegaflow.config import EtcdConfig
 from pegaflow.errors import PegaError
-from pegaflow.etcd import EtcdClient, delete_op
+from pegaflow.etcd import EtcdClient, delete_op, prefix_range_end
 from pegaflow.keys import BlockLocation, Keyspace, NodeRecord
 from pegaflow.rpc import RpcClient
 from tests.etcd_fixture import EtcdServer
 from tests.test_coordinator import NS, FakeNode, eventually, h
+
+
+async def _wipe_prefix(etcd: EtcdClient, prefix: bytes) -> None:
+    """Delete every key under ``prefix`` (an operator wiping the cluster's keys)."""
+    req = rpc.DeleteRangeRequest(key=prefix, range_end=prefix_range_end(prefix))
+    await etcd.call(lambda s: s.kv.DeleteRange, req)
 
 
 async def _write_node(
@@ -210,7 +217,7 @@ async def test_mirror_reloads_when_the_epoch_changes_on_its_watch(etcd_config: E
         assert first and (await etcd.get(keys.epoch_key)).value.decode() == first
         assert lookup(range(4)) == 4
 
-        await etcd.delete_prefix(f"{keys.prefix}/".encode())
+        await _wipe_prefix(etcd, f"{keys.prefix}/".encode())
         await eventually(lambda: reloaded(1), what="reload after the prefix was wiped")
         assert mirror.epoch not in ("", first) and lookup(range(4)) == 0
         assert (await etcd.get(keys.epoch_key)).value.decode() == mirror.epoch
