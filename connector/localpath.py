@@ -38,7 +38,7 @@ from pegaflow.wire import LocatedBlocks
 
 from .blockio import CopyIn, KVBlockIO, Transfer
 from .hostpool import MappedPool
-from .scheduler import LOCATE_PIN_S, MAX_LOCATE
+from .policy import LOCATE_PIN_S, MAX_LOCATE
 
 logger = logging.getLogger("pegaflow.connector")
 

@@ -29,6 +29,7 @@ from .discovery import LocalNodeFinder
 from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport
 from .metrics import Counters
 from .namespace import block_hash_bytes, block_hashes_bytes
+from .policy import LOCATE_PIN_S, MAX_LOCATE, WARM_UP_WAIT_S, CircuitBreaker
 from .report import SameHostReport
 from .settings import ConnectorSettings
 
@@ -36,12 +37,6 @@ logger = logging.getLogger("pegaflow.connector")
 
 WARM_UP_NS = "pegaflow.warm-up"
 """the namespace of the lookups made at engine start (it holds nothing)"""
-WARM_UP_WAIT_S = 1.0
-"""longest wait of an early lookup for the engine-start connections"""
-MAX_LOCATE = 4096
-"""most blocks in one ``locate`` call (a node's default ``max_batch``)"""
-LOCATE_PIN_S = 10.0
-"""how long a ``locate`` pins its blocks; the loader unpins them when its copies are done"""
 
 
 class LookupClient(Protocol):
@@ -55,52 +50,6 @@ class LookupClient(Protocol):
         timeout: float | None = None,
         generations: bool = False,
     ) -> Any: ...
-
-
-class CircuitBreaker:
-    """Stops calling a failing cluster for a while, with exponential backoff.
-
-    ``failures`` consecutive failures open the breaker for ``backoff_s``; after the
-    pause one trial call is let through: a success closes the breaker, a failure
-    reopens it for twice as long (capped at ``backoff_max_s``).
-    """
-
-    def __init__(
-        self,
-        failures: int,
-        backoff_s: float,
-        backoff_max_s: float,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._threshold = max(1, failures)
-        self._base = backoff_s
-        self._max = max(backoff_s, backoff_max_s)
-        self._clock = clock
-        self._fails = 0
-        self._backoff = backoff_s
-        self._open_until = 0.0
-        self._tripped = False
-
-    def allow(self) -> bool:
-        """Whether a call may be made now."""
-        return self._clock() >= self._open_until
-
-    def success(self) -> None:
-        """Record a successful call (closes the breaker)."""
-        self._fails = 0
-        self._backoff = self._base
-        self._tripped = False
-
-    def failure(self) -> bool:
-        """Record a failed call; True when this failure opened the breaker."""
-        self._fails += 1
-        if self._tripped or self._fails >= self._threshold:
-            self._open_until = self._clock() + self._backoff
-            self._backoff = min(self._backoff * 2, self._max)
-            self._tripped = True
-            self._fails = 0
-            return True
-        return False
 
 
 class KnownBlocks:

@@ -11,7 +11,8 @@ from pegaflow.connector.blockio import KVBlockIO
 from pegaflow.connector.metadata import LoadJob, SaveJob, StepPlan
 from pegaflow.connector.metrics import Counters
 from pegaflow.connector.settings import ConnectorSettings
-from pegaflow.connector.worker import Staging, WorkerSide
+from pegaflow.connector.staging import Staging
+from pegaflow.connector.worker import WorkerSide
 
 from tests.connector_fakes import DOWN, FakeCluster
 

@@ -1,0 +1,190 @@
+"""The pool-file medium: KV blocks moved straight between vLLM's cache and the mapped
+pool file of the storage node on this host (:class:`~.localpath.LocalPath`), no UCX hop.
+
+Whole loads run on the load thread; layer-wise loads (:meth:`PoolFileMedium.start_layerwise`)
+are queued for the step's forward pass to wait on layer by layer.  Saves are held from
+reuse until the node holds their commit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pegaflow.wire import LocatedBlocks
+
+from .blockio import KVBlockIO
+from .books import WorkerBooks
+from .costmodel import LOCAL
+from .localpath import LoadRequest, LocalPath, PendingLoad
+from .media import BREAKER_OPEN, chunks, gen_of, node_of
+from .metadata import LoadJob, SaveJob
+from .policy import LOCATE_PIN_S
+from .settings import ConnectorSettings
+
+logger = logging.getLogger("pegaflow.connector")
+
+SyncLoad = tuple[LoadJob, PendingLoad | list[bool], float]
+"""a layer-wise load of a step: its job, its queued copies (or, failed to start, every
+block's outcome) and when the step's loads started"""
+
+
+class PoolFileMedium:
+    """Loads and saves through the pool file of this host's node (module docstring).
+
+    Args:
+        path: the mapped pool of the node on this host.
+        io: the worker's KV block copier.
+        books: the worker's books (counters, reports, the save breaker, holds).
+        shard: this worker's shard.
+        settings: connector settings (chunk size).
+    """
+
+    name = "pool-file"
+
+    def __init__(
+        self,
+        path: LocalPath,
+        io: KVBlockIO,
+        books: WorkerBooks,
+        shard: int,
+        settings: ConnectorSettings,
+    ) -> None:
+        self.path = path
+        self.io = io
+        self.books = books
+        self.shard = shard
+        self.settings = settings
+
+    @property
+    def node_id(self) -> str:
+        """The node whose pool file this is."""
+        return self.path.node_id
+
+    def load(self, client: Any, ns: str, job: LoadJob, ok: list[bool], skip: set[int]) -> set[int]:
+        """Load the blocks held by this host's node through its pool file; returns the
+        indexes it handled (loaded or failed), which the UCX path then skips."""
+        local = self.path
+        idx = [
+            i
+            for i in range(len(job.block_ids))
+            if node_of(job, self.shard, i) == local.node_id and i not in skip
+        ]
+        if not idx or not local.attach(client):
+            return set()
+        t0 = time.monotonic()
+        try:
+            pending = local.start_load(
+                client,
+                ns,
+                [job.hashes[i] for i in idx],
+                self.shard,
+                [job.block_ids[i] for i in idx],
+            )
+            for i, good in zip(idx, pending.finish(), strict=True):
+                ok[i] = good
+            loaded = sum(ok[i] for i in idx)
+            self.books.counters.add("local_load_blocks", loaded)
+            if loaded:
+                self.books.sample(LOCAL, loaded * self.io.block_bytes, time.monotonic() - t0)
+        except Exception as e:
+            logger.warning("PegaFlow: local load of %d blocks failed: %s", len(idx), e)
+        self.books.counters.add("copy_seconds", time.monotonic() - t0)
+        return set(idx)
+
+    def start_layerwise(
+        self, client: Any, ns: str, jobs: list[LoadJob], t0: float
+    ) -> list[SyncLoad]:
+        """Queue the copies of those of ``jobs`` whose blocks are all on this host's node,
+        all at once so that their copies go layer-major (:meth:`LocalPath.start_loads`);
+        returns them (the worker loads the others whole)."""
+        local = self.path
+        here = [
+            j
+            for j in jobs
+            if all(node_of(j, self.shard, i) == local.node_id for i in range(len(j.block_ids)))
+        ]
+        if not here or not local.attach(client):
+            return []
+        out: list[SyncLoad] = []
+        reqs = []
+        for job in here:
+            located = self._located(job)
+            gens = [gen_of(job, self.shard, i) for i in range(len(job.block_ids))]
+            reqs.append(LoadRequest(job.hashes, self.shard, job.block_ids, gens, located))
+        try:
+            got: list[PendingLoad | Exception] = local.start_loads(client, ns, reqs)
+        except Exception as e:
+            got = [e] * len(here)
+        queued = time.monotonic() - t0
+        for job, req, pending in zip(here, reqs, got, strict=True):
+            if isinstance(pending, Exception):
+                logger.warning("PegaFlow: layer-wise load of %s failed: %s", job.req_id, pending)
+                out.append((job, [False] * len(job.block_ids), t0))
+                continue
+            out.append((job, pending, t0))
+            self.books.counters.add("located_load_jobs", req.located is not None)
+            pending.queued_s = queued
+            pending.located_here = req.located is None
+        self.books.counters.add("layerwise_start_seconds", queued)
+        return out
+
+    def _located(self, job: LoadJob) -> tuple[list[int], LocatedBlocks] | None:
+        """The scheduler's locations of this shard's blocks, if they are still pinned
+        for long enough (else None: the worker locates them itself)."""
+        where = job.located[self.shard] if self.shard < len(job.located) else None
+        if where is None or len(where) != len(job.block_ids) or self.shard >= len(job.pins):
+            return None
+        if time.monotonic() - job.located_at > LOCATE_PIN_S / 2:
+            return None  # pins about to lapse; they expire on the node
+        return [job.pins[self.shard]], where
+
+    def submit_save(self, client: Any, ns: str, job: SaveJob, marker: Any) -> bool:
+        """Copy ``job``'s blocks into reserved slots of the pool file and commit them,
+        each chunk held from reuse until the node holds its commit; False when the pool
+        file is not mapped (no client, or the node does not offer it)."""
+        local = self.path
+        if client is None or not local.attach(client):
+            return False
+        chunk = max(1, self.settings.chunk_bytes // self.io.block_bytes) * 4
+        for rows in chunks(len(job.block_ids), chunk):
+            hashes = job.hashes[rows.start : rows.stop]
+            if not self.books.save_breaker.allow():
+                self.books.drop([SaveJob(job.req_id, [], job.hashes[rows.start :])], BREAKER_OPEN)
+                return True
+            t0 = time.monotonic()
+            taken = self.books.hold_until_taken(job.req_id)
+            try:
+                fut = local.save(
+                    client, ns, hashes, self.shard, job.block_ids[rows.start : rows.stop],
+                    marker, taken,
+                )  # fmt: skip
+            except Exception as e:
+                fut = concurrent.futures.Future()
+                fut.set_exception(e)
+            self.books.counters.add("copy_seconds", time.monotonic() - t0)
+            self.books.sent(len(hashes))
+            fut.add_done_callback(
+                lambda f, hashes=hashes, t0=t0, taken=taken: self._commit_done(f, hashes, t0, taken)
+            )
+        return True
+
+    def _commit_done(
+        self,
+        fut: concurrent.futures.Future[Any],
+        hashes: list[bytes],
+        started: float,
+        taken: Callable[[], None],
+    ) -> None:
+        try:
+            self.books.record_put(fut, hashes, started)
+        finally:
+            taken()  # the commit failed, or the node never said it held it
+            self.books.put_answered(len(hashes))
+
+    def close(self) -> None:
+        """Unmap the pool file and stop the verify threads."""
+        self.path.close()

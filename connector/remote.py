@@ -1,0 +1,284 @@
+"""The remote medium: KV blocks moved over UCX to and from any node, through host
+staging memory.
+
+Loads fetch a job's blocks in chunks straight into staging buffers (the client verifies
+each block's checksum) and copy them whole into their vLLM blocks; the next chunks'
+fetches overlap the current chunk's copy (``LOAD_DEPTH`` in flight).  Saves copy the
+new blocks out into staging buffers (one memcpy per layer and block) and hand them to
+the client's asynchronous put; a buffer is recycled when its put is answered.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .blockio import KVBlockIO
+from .books import WorkerBooks
+from .discovery import LocalNodeFinder
+from .media import BREAKER_OPEN, chunks, gen_of, node_of
+from .metadata import LoadJob, SaveJob
+from .settings import ConnectorSettings
+from .staging import Buf, Staging
+
+logger = logging.getLogger("pegaflow.connector")
+
+LOAD_DEPTH = 3
+"""chunks of one load in flight at once"""
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+
+
+class RemoteMedium:
+    """Loads and saves over UCX through host staging memory (see the module docstring).
+
+    Args:
+        io: the worker's KV block copier.
+        books: the worker's books (counters, reports, the save breaker).
+        finder: the node on this host (saves go to it first).
+        shard: this worker's shard.
+        settings: connector settings (staging size, chunk size, deadlines).
+        retry: retry blocks that failed once more before reporting them.
+    """
+
+    name = "remote"
+
+    def __init__(
+        self,
+        io: KVBlockIO,
+        books: WorkerBooks,
+        finder: LocalNodeFinder,
+        shard: int,
+        settings: ConnectorSettings,
+        retry: bool = False,
+    ) -> None:
+        self.io = io
+        self.books = books
+        self.finder = finder
+        self.shard = shard
+        self.settings = settings
+        self.retry = retry
+        chunk_blocks = max(1, settings.chunk_bytes // io.block_bytes)
+        half = settings.max_staging_bytes // 2
+        self.load_staging = Staging(io, chunk_blocks, half, min_chunks=LOAD_DEPTH)
+        self.save_staging = Staging(io, chunk_blocks, half, min_chunks=1)
+        if settings.can_load:
+            self.load_staging.prefill(LOAD_DEPTH)
+        if settings.can_save:
+            self.save_staging.prefill(1)
+
+    def load(self, client: Any, ns: str, job: LoadJob, ok: list[bool], skip: set[int]) -> set[int]:
+        """Fetch every block of ``job`` that a node holds, except those in ``skip``;
+        one cost-model sample per node.  Handles all the job's blocks."""
+        t_remote = time.monotonic()
+        try:
+            self._run_remote(ns, job, ok, client, skip)
+        finally:
+            self._sample_remote(job, ok, skip, time.monotonic() - t_remote)
+        return set(range(len(job.block_ids)))
+
+    def _run_remote(
+        self,
+        ns: str,
+        job: LoadJob,
+        ok: list[bool],
+        client: Any,
+        done_local: set[int],
+    ) -> None:
+        """The UCX part of a load: chunks fetched into staging, copied into the cache."""
+        io, staging, timeout = self.io, self.load_staging, self.settings.transfer_timeout_s
+
+        def fetch(rows: range, buf: Buf, which: Sequence[int]) -> tuple[list[int], Any]:
+            items: list[tuple[str, bytes, int, Any]] = []
+            idx: list[int] = []
+            for i in which:
+                nodes = job.nodes[i] if i < len(job.nodes) else []
+                node = nodes[self.shard] if self.shard < len(nodes) else ""
+                if not node or i in done_local:
+                    continue
+                items.append((node, job.hashes[i], self.shard, buf[1][i - rows.start]))
+                idx.append(i)
+            if not items:
+                return idx, None
+            gens = [gen_of(job, self.shard, i) for i in idx]
+            fut = client.submit_get_blocks(
+                ns,
+                items,
+                timeout=timeout,
+                generations=gens if any(g is not None for g in gens) else None,
+            )
+            return idx, fut
+
+        def outcome(idx: list[int], fut: Any) -> tuple[list[int], list[int]]:
+            got: list[bool] = [False] * len(idx)
+            if fut is not None:
+                try:
+                    got = [bool(g) for g in fut.result(timeout + 5.0)]
+                except Exception as e:
+                    logger.warning("PegaFlow: get of %d blocks failed: %s", len(idx), e)
+            if len(got) != len(idx):
+                got = [False] * len(idx)
+            good = [i for i, g in zip(idx, got, strict=True) if g]
+            bad = [i for i, g in zip(idx, got, strict=True) if not g]
+            return good, bad
+
+        def complete(rows: range, buf: Buf, idx: list[int], fut: Any) -> None:
+            good, bad = outcome(idx, fut)
+            if bad and self.retry:
+                idx2, fut2 = fetch(rows, buf, bad)
+                good2, _ = outcome(idx2, fut2)
+                good = sorted(good + good2)
+            if good:
+                t0 = time.monotonic()
+                io.scatter([job.block_ids[i] for i in good], buf[0], [i - rows.start for i in good])
+                self.books.counters.add("copy_seconds", time.monotonic() - t0)
+                for i in good:
+                    ok[i] = True
+
+        def settled(buf: Buf) -> Callable[[], bool]:
+            return lambda: bool(client.settled(buf[1]))
+
+        pending: deque[tuple[range, Buf, list[int], Any]] = deque()
+        try:
+            for rows in chunks(len(job.block_ids), staging.chunk_blocks):
+                buf = staging.acquire(wait=True, timeout=timeout)
+                if buf is None:
+                    logger.warning("PegaFlow: no staging memory for a load; blocks fail")
+                    break
+                idx, fut = fetch(rows, buf, rows)
+                pending.append((rows, buf, idx, fut))
+                if len(pending) >= LOAD_DEPTH:  # later chunks in flight while one lands
+                    r, b, i, f = pending.popleft()
+                    try:
+                        complete(r, b, i, f)
+                    finally:
+                        staging.release(b, settled(b))
+            while pending:
+                r, b, i, f = pending.popleft()
+                try:
+                    complete(r, b, i, f)
+                finally:
+                    staging.release(b, settled(b))
+        finally:
+            for _r, b, _i, f in pending:  # after an error: let in-flight gets land first
+                if f is not None:
+                    try:
+                        f.result(timeout + 5.0)
+                    except Exception:
+                        pass
+                staging.release(b, settled(b))
+
+    def _sample_remote(
+        self, job: LoadJob, ok: list[bool], done_local: set[int], seconds: float
+    ) -> None:
+        """One measurement per node of a load's UCX part (its time split by bytes).  A
+        node whose blocks all failed counts when it took long (a timeout is slow)."""
+        loaded: dict[str, int] = {}
+        tried: dict[str, int] = {}
+        for i in range(len(job.block_ids)):
+            node = node_of(job, self.shard, i)
+            if not node or i in done_local:
+                continue
+            tried[node] = tried.get(node, 0) + 1
+            loaded[node] = loaded.get(node, 0) + ok[i]
+        total = sum(tried.values())
+        for node, n in tried.items():
+            blocks = loaded[node] or (n if seconds >= 0.1 else 0)
+            if blocks:
+                self.books.sample(node, blocks * self.io.block_bytes, seconds * n / total)
+
+    def probe(self, client: Any, ns: str, job: LoadJob) -> None:
+        """Fetch a probe's blocks into staging memory (never into the KV cache), chunk by
+        chunk, and report the time: the cost model's measurement of a declined node."""
+        staging = self.load_staging
+        buf = staging.acquire(wait=False)
+        if buf is None:
+            return  # loads need the staging memory more
+        nodes: dict[str, int] = {}
+        loaded = 0
+        t0 = time.monotonic()
+        try:
+            for rows in chunks(len(job.hashes), staging.chunk_blocks):
+                items = []
+                for j, i in enumerate(rows):
+                    node = node_of(job, self.shard, i)
+                    if node:
+                        nodes[node] = nodes.get(node, 0) + 1
+                        items.append((node, job.hashes[i], self.shard, buf[1][j]))
+                if items:
+                    got = client.get_blocks(ns, items, timeout=self.settings.transfer_timeout_s)
+                    loaded += sum(bool(g) for g in got)
+        except Exception as e:
+            logger.debug("PegaFlow: probe of %s failed: %s", job.req_id, e)
+        finally:
+            staging.release(buf)
+        seconds = time.monotonic() - t0
+        if len(nodes) == 1 and (loaded or seconds >= 0.1):
+            node = next(iter(nodes))
+            nbytes = (loaded or nodes[node]) * self.io.block_bytes
+            self.books.sample(node, nbytes, seconds)
+            self.books.counters.add("probe_bytes", loaded * self.io.block_bytes)
+
+    def submit_save(self, client: Any, ns: str, job: SaveJob, marker: Any) -> bool:
+        """Copy ``job``'s blocks out into staging chunk by chunk and hand each to an
+        asynchronous put (to this host's node first when there is one); chunks that
+        cannot go (no client, breaker open, staging full) are dropped.  Always True."""
+        io, staging = self.io, self.save_staging
+        rows_all = chunks(len(job.block_ids), staging.chunk_blocks)
+        for rows in rows_all:
+            hashes = job.hashes[rows.start : rows.stop]
+            if client is None or not self.books.save_breaker.allow():
+                rest = job.hashes[rows.start :]
+                why = "no connection to the cluster" if client is None else BREAKER_OPEN
+                self.books.drop([SaveJob(job.req_id, [], rest)], why)
+                return
+            buf = staging.acquire(wait=False)
+            if buf is None:
+                self.books.drop(
+                    [SaveJob(job.req_id, [], hashes)],
+                    f"the save staging memory is full ({_size(staging.max_bytes)}, half of "
+                    "max_staging_bytes): blocks come faster than the cluster stores them; "
+                    "raise max_staging_bytes, or run a node on this host",
+                )
+                continue
+            try:
+                t0 = time.monotonic()
+                io.gather(job.block_ids[rows.start : rows.stop], buf[0], after=marker)
+                self.books.counters.add("copy_seconds", time.monotonic() - t0)
+                items = [(h, self.shard, buf[1][j]) for j, h in enumerate(hashes)]
+                fut = client.submit_put_blocks(
+                    ns,
+                    items,
+                    node_id=self.finder.node or None,
+                    timeout=self.settings.transfer_timeout_s,
+                )
+            except Exception as e:
+                staging.release(buf)
+                self.books.drop([SaveJob(job.req_id, [], hashes)], f"{type(e).__name__}: {e}")
+                raise
+            started = time.monotonic()
+            self.books.sent(len(hashes))
+            fut.add_done_callback(
+                lambda f, buf=buf, hashes=hashes, started=started: self._put_done(
+                    f, buf, hashes, started
+                )
+            )
+        return True
+
+    def _put_done(
+        self, fut: concurrent.futures.Future[Any], buf: Buf, hashes: list[bytes], started: float
+    ) -> None:
+        self.save_staging.release(buf)
+        try:
+            self.books.record_put(fut, hashes, started)
+        finally:
+            self.books.put_answered(len(hashes))
+
+    def close(self) -> None:
+        """Nothing to release (the staging buffers go with the medium)."""
