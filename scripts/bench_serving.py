@@ -1,0 +1,1029 @@
+#!/usr/bin/env python3
+"""Serving benchmark: real ``vllm serve`` replicas sharing one PegaFlow cluster, under load.
+
+A load generator over the replicas' OpenAI HTTP API (streaming ``/v1/completions``,
+asyncio + aiohttp).  Per request it records the time to first token (TTFT), the
+inter-token times and ``usage.prompt_tokens_details.cached_tokens`` (the replicas run
+with ``--enable-prompt-tokens-details``).
+
+Workloads reuse prefixes the way serving does (all three mixed by ``--mix``):
+
+- multi-turn conversations: each turn's prompt is the whole history (earlier prompts and
+  answers) plus a new user message; ``--conversations`` of them are active at once;
+- long shared documents (``--docs``), each asked many different questions;
+- a share of unique prompts.
+
+Requests go to the replicas round robin or at random (``--route``), with no affinity, so
+only the shared cache carries a prefix from one replica to another.  Arrivals are Poisson
+at each rate of ``--rates`` (requests/s), or closed-loop at ``--concurrency``.  Every rate
+point uses its own content (documents, conversations), so no point warms the next.
+
+Setups compared in one run (``--setups``):
+
+- ``vllm``: the replicas with vLLM's own prefix caching and no connector;
+- ``pegaflow``: the replicas with the connector (the README's three keys) and one
+  ``pegaflow-server`` started empty;
+- ``warm``: the connector after the replicas are restarted (vLLM's caches empty, the
+  server's pool holds what ``pegaflow`` saved; the same content is replayed).
+
+Reported per setup and rate: request throughput, output tokens/s, TTFT mean/p50/p99,
+inter-token p50/p99, the hit rate (cached / prompt tokens), the connector's lookups,
+loads and saves per second (the replicas' ``/metrics``, ``vllm:pegaflow_*``) and the
+node's CPU seconds per second; per setup the throughput at the TTFT p99 objective
+(``--slo-ms``: the best rate point that meets it); the outputs of each setup against the
+first (``vllm``) on the first ``--compare`` requests of each point (greedy); a PNG with
+``--plot``.  The last line of the output is one JSON object.
+
+Examples::
+
+    # CPU, tiny model (a word-level tokenizer is written for it), a short sweep
+    python scripts/bench_serving.py --model tiny --replicas-n 2 --rates 1,2,4 --requests 60
+
+    # H200: four 8B-shaped replicas with dummy weights on one GPU
+    python scripts/bench_serving.py --model /models/llama-3.1-8b --replicas-n 4 \\
+        --gpu-memory-utilization 0.2 --max-model-len 16384 --doc-tokens 8000 \\
+        --first-tokens 2000 --rates 2,4,8,16 --requests 400 --slo-ms 2000 --plot out.png
+
+    # sustained: one rate for 10 minutes, a small pool, the node's RSS every 10 s
+    python scripts/bench_serving.py --model tiny --setups pegaflow --rates 2 \\
+        --duration 600 --pool-size 32MiB --sample-s 10
+
+    # replicas already running (one setup, labelled)
+    python scripts/bench_serving.py --replicas http://h:8000,http://h:8001 --label mine
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from pegaflow.devcluster import Proc, free_port, start_server  # noqa: E402
+
+#: The README's ``--kv-transfer-config``.
+THREE_KEYS: dict[str, Any] = {
+    "kv_connector": "PegaKVConnector",
+    "kv_role": "kv_both",
+    "kv_connector_module_path": "pegaflow.connector",
+}
+#: ``vllm serve`` arguments of the CPU preset ``--model tiny`` (as tests/vllm_engine.py).
+TINY_ARGS = [
+    "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
+    "--block-size", "32", "--max-model-len", "2048",
+    "--kv-cache-memory-bytes", str(128 << 20),
+]  # fmt: skip
+#: Connector counters reported per second (keys of ``connector.metrics.COUNTERS``).
+RATE_COUNTERS = ("lookups", "lookup_hit_blocks", "load_blocks", "local_load_blocks", "save_blocks")
+_PEGA = re.compile(r"^vllm:pegaflow_(?:connector_)?(\w+?)(?:_total)?$")
+
+
+# ---------------------------------------------------------------- workload
+
+
+def words(rng: random.Random, n: int) -> str:
+    """``n`` random words ``w3`` ... ``w1023``: one token each for the tiny model's
+    word-level tokenizer, a few each for a BPE tokenizer (see ``tokens_per_word``)."""
+    return " ".join(f"w{rng.randrange(3, 1024)}" for _ in range(max(1, n)))
+
+
+@dataclass
+class WorkloadSpec:
+    """Shape of a workload; lengths in tokens (turned into words by ``tokens_per_word``)."""
+
+    conversations: int = 8
+    turns: int = 4
+    first_tokens: int = 512
+    turn_tokens: int = 64
+    docs: int = 4
+    doc_tokens: int = 1024
+    question_tokens: int = 32
+    unique_tokens: int = 256
+    mix: tuple[float, float, float] = (1.0, 1.0, 0.2)  # conversation, document, unique
+    output_tokens: int = 16
+    tokens_per_word: float = 1.0
+    seed: int = 0
+
+    def nwords(self, tokens: int) -> int:
+        return max(1, round(tokens / self.tokens_per_word))
+
+
+class Conversation:
+    """One multi-turn conversation; ``history`` is the next turn's whole prompt."""
+
+    def __init__(self, cid: int, spec: WorkloadSpec) -> None:
+        self.cid = cid
+        self.turns = spec.turns
+        self._rng = random.Random(f"{spec.seed}-conv-{cid}")
+        self._turn_words = spec.nwords(spec.turn_tokens)
+        self.history = words(self._rng, spec.nwords(spec.first_tokens))
+        self.issued = 0
+        self.last_done: asyncio.Event | None = None
+
+    def advance(self, answer: str) -> None:
+        """The answer to the current prompt arrived: the next prompt is the history, the
+        answer and a new user message."""
+        self.history = f"{self.history} {answer.strip()} {words(self._rng, self._turn_words)}"
+        self.history = re.sub(r"\s+", " ", self.history).strip()
+
+
+@dataclass
+class Item:
+    """One request of a workload.  A conversation turn's prompt is known only once the
+    previous turn (``prev``) is answered; ``done`` is set when this one is."""
+
+    idx: int
+    kind: str  # "conv", "doc" or "unique"
+    stream: str
+    turn: int = 0
+    prompt: str | None = None
+    conv: Conversation | None = None
+    prev: asyncio.Event | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def ready_prompt(self) -> str:
+        """The prompt, after the previous turn of its conversation is answered."""
+        if self.prev is not None:
+            await self.prev.wait()
+        if self.conv is not None:
+            return self.conv.history
+        assert self.prompt is not None
+        return self.prompt
+
+    def finish(self, answer: str) -> None:
+        if self.conv is not None:
+            self.conv.advance(answer)
+        self.done.set()
+
+
+class Workload:
+    """An endless, deterministic (per seed) sequence of :class:`Item`."""
+
+    def __init__(self, spec: WorkloadSpec) -> None:
+        self.spec = spec
+        self._rng = random.Random(f"{spec.seed}-mix")
+        self._docs = [
+            words(random.Random(f"{spec.seed}-doc-{d}"), spec.nwords(spec.doc_tokens))
+            for d in range(spec.docs)
+        ]
+        self._slots: list[Conversation | None] = [None] * max(1, spec.conversations)
+        self._next_conv = 0
+        self._conv_items = 0
+
+    def items(self) -> Iterator[Item]:
+        s = self.spec
+        weights = [s.mix[0] if s.conversations else 0, s.mix[1] if s.docs else 0, s.mix[2]]
+        if sum(weights) <= 0:
+            raise ValueError("the workload mix has no kind of request")
+        for idx in range(10**12):
+            kind = self._rng.choices(("conv", "doc", "unique"), weights)[0]
+            if kind == "conv":
+                yield self._conv_item(idx)
+            elif kind == "doc":
+                d = self._rng.randrange(len(self._docs))
+                q = words(self._rng, s.nwords(s.question_tokens))
+                yield Item(idx, "doc", f"d{d}", prompt=f"{self._docs[d]} {q}")
+            else:
+                yield Item(
+                    idx, "unique", f"u{idx}", prompt=words(self._rng, s.nwords(s.unique_tokens))
+                )
+
+    def _conv_item(self, idx: int) -> Item:
+        slot = self._conv_items % len(self._slots)
+        self._conv_items += 1
+        conv = self._slots[slot]
+        if conv is None or conv.issued >= conv.turns:
+            conv = self._slots[slot] = Conversation(self._next_conv, self.spec)
+            self._next_conv += 1
+        item = Item(idx, "conv", f"c{conv.cid}", turn=conv.issued, conv=conv, prev=conv.last_done)
+        conv.last_done = item.done
+        conv.issued += 1
+        return item
+
+
+# ---------------------------------------------------------------- client
+
+
+@dataclass
+class Result:
+    """One request's measurements (times in seconds)."""
+
+    idx: int
+    kind: str
+    stream: str
+    turn: int
+    replica: int
+    t_send: float = 0.0
+    ttft: float = math.nan
+    e2e: float = math.nan
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    text: str = ""
+    prompt_sha: str = ""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+async def complete(
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    timeout: float = 600.0,
+    result: Result | None = None,
+) -> Result:
+    """One greedy streaming ``POST /v1/completions``; TTFT, inter-token times, usage."""
+    r = result or Result(-1, "", "", 0, -1)
+    r.prompt_sha = hashlib.sha1(prompt.encode()).hexdigest()[:16]
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    parts: list[str] = []
+    t0 = time.perf_counter()
+    r.t_send = time.time()
+    last = t0
+    try:
+        async with session.post(
+            url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
+            if resp.status != 200:
+                r.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return r
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    r.error = f"stream error: {chunk['error']}"
+                    return r
+                for choice in chunk.get("choices") or []:
+                    if choice.get("text"):
+                        now = time.perf_counter()
+                        if not parts:
+                            r.ttft = now - t0
+                        else:
+                            r.itl.append(now - last)
+                        last = now
+                        parts.append(choice["text"])
+                usage = chunk.get("usage")
+                if usage:
+                    r.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    r.output_tokens = int(usage.get("completion_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    r.cached_tokens = int(details.get("cached_tokens") or 0)
+    except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+        r.error = f"{type(e).__name__}: {e}"
+        return r
+    r.e2e = time.perf_counter() - t0
+    r.text = "".join(parts)
+    if not parts:
+        r.error = "no tokens in the answer"
+    return r
+
+
+async def scrape(
+    session: aiohttp.ClientSession, url: str, timeout: float = 10.0
+) -> dict[str, float]:
+    """``GET url`` (a Prometheus ``/metrics``): each sample's value, summed over its
+    labels, by sample name; empty if it cannot be read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            text = await resp.text()
+    except (TimeoutError, aiohttp.ClientError):
+        return {}
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def connector_counters(metrics: dict[str, float]) -> dict[str, float]:
+    """The connector's counters (``vllm:pegaflow_*``) of a replica's ``/metrics``."""
+    out: dict[str, float] = {}
+    for name, v in metrics.items():
+        m = _PEGA.match(name)
+        if m and not name.endswith(("_created", "_bucket", "_count", "_sum")):
+            out[m.group(1)] = out.get(m.group(1), 0.0) + v
+    return out
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` (from /proc), NaN if unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return math.nan
+
+
+def proc_rss_bytes(pid: int) -> float:
+    """VmRSS of ``pid`` in bytes (from /proc/<pid>/status), NaN if unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return math.nan
+
+
+@dataclass
+class Node:
+    """Where to read the PegaFlow node's figures: its ``/metrics`` and/or its pid."""
+
+    metrics_url: str | None = None
+    pid: int | None = None
+
+    async def sample(self, session: aiohttp.ClientSession) -> dict[str, float]:
+        m = await scrape(session, self.metrics_url) if self.metrics_url else {}
+        out = {
+            k: m[k]
+            for k in ("pegaflow_node_evictions", "pegaflow_node_used_bytes", "pegaflow_node_blocks")
+            if k in m
+        }
+        cpu = m.get("process_cpu_seconds_total", math.nan)
+        if math.isnan(cpu) and self.pid:
+            cpu = proc_cpu_seconds(self.pid)
+        out["cpu_seconds"] = cpu
+        out["rss_bytes"] = (
+            proc_rss_bytes(self.pid)
+            if self.pid
+            else m.get("process_resident_memory_bytes", math.nan)
+        )
+        return out
+
+
+# ---------------------------------------------------------------- load
+
+
+class Progress:
+    """tqdm if installed, else one line on stderr now and then."""
+
+    def __init__(self, total: int | None, desc: str) -> None:
+        self.n = 0
+        self.total = total
+        self.desc = desc
+        self._last = 0.0
+        try:
+            from tqdm import tqdm
+
+            self._bar: Any = tqdm(total=total, desc=desc, unit="req", file=sys.stderr)
+        except ImportError:
+            self._bar = None
+
+    def update(self, failed: int) -> None:
+        self.n += 1
+        if self._bar is not None:
+            self._bar.update(1)
+            if failed:
+                self._bar.set_postfix(failed=failed)
+        elif time.monotonic() - self._last > 2 or self.n == self.total:
+            self._last = time.monotonic()
+            print(f"\r{self.desc}: {self.n}/{self.total or '?'} failed={failed}", end="",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        else:
+            print(file=sys.stderr)
+
+
+async def run_point(
+    urls: Sequence[str],
+    model: str,
+    spec: WorkloadSpec,
+    *,
+    rate: float | None = None,
+    concurrency: int | None = None,
+    requests: int | None = None,
+    duration: float | None = None,
+    route: str = "rr",
+    timeout: float = 600.0,
+    desc: str = "",
+    node: Node | None = None,
+    sample_s: float = 0.0,
+) -> dict[str, Any]:
+    """Drive one load point: Poisson arrivals at ``rate`` requests/s (``inf``: all at
+    once) or closed loop at ``concurrency``, until ``requests`` were sent or
+    ``duration`` seconds passed.  Returns the results, the wall time, the counters'
+    deltas and (``sample_s`` > 0) a timeline sampled every ``sample_s`` seconds."""
+    if (rate is None) == (concurrency is None):
+        raise ValueError("give exactly one of rate and concurrency")
+    if requests is None and duration is None:
+        raise ValueError("give requests or duration")
+    rng = random.Random(f"{spec.seed}-arrivals")
+    results: list[Result] = []
+    failed = 0
+    bar = Progress(requests, desc)
+    tasks: set[asyncio.Task[None]] = set()
+    sem = asyncio.Semaphore(concurrency or 1)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        before = [connector_counters(await scrape(session, u + "/metrics")) for u in urls]
+        node_before = await node.sample(session) if node else {}
+
+        async def one(item: Item, replica: int) -> None:
+            nonlocal failed
+            r = Result(item.idx, item.kind, item.stream, item.turn, replica)
+            try:
+                prompt = await item.ready_prompt()
+                await complete(session, urls[replica], model, prompt, spec.output_tokens,
+                               timeout, r)  # fmt: skip
+            finally:
+                item.finish(r.text)
+                if concurrency is not None:
+                    sem.release()
+            results.append(r)
+            failed += not r.ok
+            bar.update(failed)
+
+        timeline: list[dict[str, Any]] = []
+        t_start = time.perf_counter()
+
+        async def sampler() -> None:
+            seen = 0
+            while True:
+                await asyncio.sleep(sample_s)
+                window = results[seen:]
+                seen = len(results)
+                prompt = sum(r.prompt_tokens for r in window if r.ok)
+                row: dict[str, Any] = {
+                    "t_s": round(time.perf_counter() - t_start, 1),
+                    "done": len(results),
+                    "failed": failed,
+                    "hit_rate": round(sum(r.cached_tokens for r in window if r.ok) / prompt, 4)
+                    if prompt
+                    else None,
+                }
+                if node:
+                    row.update(await node.sample(session))
+                now_c = [connector_counters(await scrape(session, u + "/metrics")) for u in urls]
+                for k in ("lookup_hit_blocks", "load_blocks", "save_blocks"):
+                    pairs = zip(before, now_c, strict=True)
+                    row[k] = sum(c.get(k, 0.0) - b.get(k, 0.0) for b, c in pairs)
+                timeline.append(row)
+
+        sampling = asyncio.create_task(sampler()) if sample_s > 0 else None
+        gen = Workload(spec).items()
+        next_at = t_start
+        for n, item in enumerate(gen):
+            now = time.perf_counter()
+            if (requests is not None and n >= requests) or (
+                duration is not None and now - t_start >= duration
+            ):
+                break
+            if concurrency is not None:
+                await sem.acquire()
+            else:
+                assert rate is not None
+                if math.isfinite(rate):
+                    next_at += rng.expovariate(rate)
+                    if next_at > now:
+                        await asyncio.sleep(next_at - now)
+            replica = n % len(urls) if route == "rr" else rng.randrange(len(urls))
+            t = asyncio.create_task(one(item, replica))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t_start
+        if sampling is not None:
+            sampling.cancel()
+        after = [connector_counters(await scrape(session, u + "/metrics")) for u in urls]
+        node_after = await node.sample(session) if node else {}
+    bar.close()
+    deltas: dict[str, float] = {}
+    for b, a in zip(before, after, strict=True):
+        for k, v in a.items():
+            deltas[k] = deltas.get(k, 0.0) + v - b.get(k, 0.0)
+    node_delta = {k: node_after[k] - node_before.get(k, math.nan) for k in node_after}
+    results.sort(key=lambda r: r.idx)
+    return {
+        "results": results,
+        "wall_s": wall,
+        "connector": deltas,
+        "node": node_delta,
+        "node_after": node_after,
+        "timeline": timeline,
+    }
+
+
+def pct(xs: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``xs``, linearly interpolated; NaN if empty."""
+    s = sorted(x for x in xs if not math.isnan(x))
+    if not s:
+        return math.nan
+    k = (len(s) - 1) * q / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(point: dict[str, Any]) -> dict[str, Any]:
+    """A load point's figures (times in ms)."""
+    rs: list[Result] = point["results"]
+    ok = [r for r in rs if r.ok]
+    wall = point["wall_s"] or math.nan
+    ttft = [r.ttft * 1e3 for r in ok]
+    itl = [x * 1e3 for r in ok for x in r.itl]
+    prompt = sum(r.prompt_tokens for r in ok)
+    out: dict[str, Any] = {
+        "requests": len(rs),
+        "failed": len(rs) - len(ok),
+        "errors": sorted({r.error[:120] for r in rs if not r.ok})[:5],
+        "wall_s": round(wall, 2),
+        "req_per_s": round(len(ok) / wall, 3),
+        "output_tok_per_s": round(sum(r.output_tokens for r in ok) / wall, 1),
+        "ttft_mean_ms": round(sum(ttft) / len(ttft), 1) if ttft else math.nan,
+        "ttft_p50_ms": round(pct(ttft, 50), 1),
+        "ttft_p99_ms": round(pct(ttft, 99), 1),
+        "itl_p50_ms": round(pct(itl, 50), 2),
+        "itl_p99_ms": round(pct(itl, 99), 2),
+        "prompt_tokens_mean": round(prompt / len(ok), 1) if ok else 0,
+        "hit_rate": round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else 0.0,
+    }
+    c = point["connector"]
+    out["connector_per_s"] = {k: round(c.get(k, 0.0) / wall, 2) for k in RATE_COUNTERS}
+    out["load_failed_blocks"] = c.get("load_failed_blocks", 0.0)
+    node = point["node"]
+    if "cpu_seconds" in node:
+        out["node_cpu_s_per_s"] = round(node["cpu_seconds"] / wall, 3)
+    if "pegaflow_node_evictions" in node:
+        out["node_evictions"] = node["pegaflow_node_evictions"]
+    tl = point["timeline"]
+    if tl:
+        rss = [
+            row["rss_bytes"] / 2**20 for row in tl if not math.isnan(row.get("rss_bytes", math.nan))
+        ]
+        if rss:
+            out["node_rss_mib"] = {
+                "first": round(rss[0], 1), "last": round(rss[-1], 1),
+                "min": round(min(rss), 1), "max": round(max(rss), 1),
+            }  # fmt: skip
+        out["timeline"] = tl
+    return out
+
+
+def compare_outputs(base: list[Result], other: list[Result], first: int) -> dict[str, Any]:
+    """Greedy outputs of the same prompts (by hash) in the first ``first`` requests."""
+    texts = {r.prompt_sha: r.text for r in base[:first] if r.ok}
+    same = diff = 0
+    examples: list[int] = []
+    for r in other[:first]:
+        if r.ok and r.prompt_sha in texts:
+            if texts[r.prompt_sha] == r.text:
+                same += 1
+            else:
+                diff += 1
+                examples.append(r.idx)
+    return {"compared": same + diff, "equal": same, "differ": diff, "differ_idx": examples[:5]}
+
+
+# ---------------------------------------------------------------- replicas
+
+
+class Replica:
+    """One ``vllm serve`` process on a free loopback port (its own process group)."""
+
+    def __init__(
+        self,
+        model: str,
+        args: Sequence[str],
+        kv_transfer_config: dict[str, Any] | None,
+        env: dict[str, str] | None = None,
+        name: str = "replica",
+    ) -> None:
+        self.name = name
+        self.model = model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [
+            str(Path(sys.executable).parent / "vllm"), "serve", model,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--enable-prompt-tokens-details", *args,
+        ]  # fmt: skip
+        if kv_transfer_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        self.log: list[str] = []
+        self.popen = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            cwd=REPO,
+            start_new_session=True,
+        )
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.log.append(line.rstrip("\n"))
+            if len(self.log) > 5000:
+                del self.log[:2500]
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until ``/health`` answers; kill and raise with the log's tail if the
+        process exits or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while not self.healthy():
+            if self.popen.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"{self.name} did not start:\n" + self.tail())
+            time.sleep(0.5)
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log[-n:])
+
+    def terminate(self, timeout: float = 120.0) -> int | None:
+        """SIGTERM (the connector drains its saves), wait, then kill what is left."""
+        rc: int | None = self.popen.poll()
+        if rc is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                rc = self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                rc = None
+        self.kill()
+        return rc
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(30)
+
+
+def start_replicas(
+    n: int,
+    model: str,
+    args: Sequence[str],
+    kv_transfer_config: dict[str, Any] | None,
+    env: dict[str, str] | None = None,
+    *,
+    gpus: Sequence[str] = (),
+    parallel: bool = True,
+    timeout: float = 600.0,
+    name: str = "replica",
+) -> list[Replica]:
+    """``n`` replicas, started together (``parallel``) or one after another (safer when
+    they share a GPU and size their memory from what is free); all or none."""
+    out: list[Replica] = []
+    try:
+        for i in range(n):
+            e = dict(env or {})
+            if gpus:
+                e["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+            out.append(Replica(model, args, kv_transfer_config, e, name=f"{name}{i}"))
+            if not parallel:
+                out[-1].wait_ready(timeout)
+        for r in out:
+            r.wait_ready(timeout)
+    except BaseException:
+        for r in out:
+            r.kill()
+        raise
+    return out
+
+
+def tiny_model(directory: Path) -> str:
+    """The tests' tiny Llama with a word-level tokenizer, written to ``directory``."""
+    from tests.vllm_engine import tiny_model_with_tokenizer
+
+    return tiny_model_with_tokenizer(directory)
+
+
+def tokens_per_word(url: str, model: str) -> float:
+    """How many tokens one workload word is for the replica's tokenizer (``/tokenize``)."""
+    sample = words(random.Random(0), 500)
+    req = urllib.request.Request(
+        url + "/tokenize",
+        data=json.dumps({"model": model, "prompt": sample, "add_special_tokens": False}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return float(json.loads(r.read())["count"]) / 500
+
+
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+        return str(json.loads(r.read())["data"][0]["id"])
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    g = ap.add_argument_group("replicas")
+    g.add_argument("--model", default="tiny", help="model path or name; 'tiny': the CPU preset")
+    g.add_argument("--replicas-n", type=int, default=2, help="replicas to start (default 2)")
+    g.add_argument("--replicas", default="", help="URL,URL: replicas already running")
+    g.add_argument("--label", default="external", help="the setup's name with --replicas")
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="per replica (several share a GPU: e.g. 0.2 each for four)",
+    )
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--real-weights", action="store_true", help="load weights (default dummy)")
+    g.add_argument("--vllm-args", default="", help="more `vllm serve` arguments (one string)")
+    g.add_argument("--gpus", default="", help="CUDA_VISIBLE_DEVICES per replica, round robin")
+    g.add_argument("--parallel-start", action="store_true", help="start replicas together")
+    g.add_argument("--start-timeout", type=float, default=900.0)
+    g.add_argument("--setups", default="vllm,pegaflow,warm", help="of vllm,pegaflow,warm")
+    g.add_argument("--pool-size", default="", help="pegaflow-server --pool-size (default auto)")
+    g.add_argument("--server-args", default="", help="more pegaflow-server arguments")
+    g.add_argument("--node-metrics", default="", help="with --replicas: the node's /metrics URL")
+    g.add_argument("--node-pid", type=int, default=0, help="with --replicas: the node's pid")
+    w = ap.add_argument_group("workload (lengths in tokens)")
+    w.add_argument("--conversations", type=int, default=8, help="active at once")
+    w.add_argument("--turns", type=int, default=4)
+    w.add_argument("--first-tokens", type=int, default=512)
+    w.add_argument("--turn-tokens", type=int, default=64)
+    w.add_argument("--docs", type=int, default=4)
+    w.add_argument("--doc-tokens", type=int, default=1024)
+    w.add_argument("--question-tokens", type=int, default=32)
+    w.add_argument("--unique-tokens", type=int, default=256)
+    w.add_argument("--mix", default="1,1,0.2", help="weights: conversation,document,unique")
+    w.add_argument("--output-tokens", type=int, default=16)
+    w.add_argument("--seed", type=int, default=0)
+    lo = ap.add_argument_group("load")
+    lo.add_argument("--rates", default="2", help="Poisson rates, req/s, comma separated (inf ok)")
+    lo.add_argument("--concurrency", default="", help="closed loop instead: concurrencies")
+    lo.add_argument("--requests", type=int, default=100, help="requests per point")
+    lo.add_argument("--duration", type=float, default=0.0, help="seconds per point instead")
+    lo.add_argument("--route", choices=("rr", "random"), default="rr")
+    lo.add_argument("--request-timeout", type=float, default=600.0)
+    lo.add_argument("--slo-ms", type=float, default=1000.0, help="TTFT p99 objective")
+    lo.add_argument("--sample-s", type=float, default=0.0, help="timeline every N s (0: off)")
+    lo.add_argument("--compare", type=int, default=32, help="requests per point compared")
+    lo.add_argument("--plot", default="", help="PNG path")
+    lo.add_argument("--out", default="", help="JSONL file of every request")
+    return ap.parse_args(argv)
+
+
+def replica_args(a: argparse.Namespace) -> list[str]:
+    args: list[str] = ["--seed", "0"]
+    if a.model == "tiny":
+        args += TINY_ARGS
+    elif not a.real_weights:
+        args += ["--load-format", "dummy"]
+    if a.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+    if a.max_model_len is not None:
+        args += ["--max-model-len", str(a.max_model_len)]
+    return args + shlex.split(a.vllm_args)
+
+
+def plot(path: str, setups: dict[str, list[dict[str, Any]]], slo_ms: float) -> None:
+    """TTFT p99 and throughput against the offered rate, one curve per setup."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot: matplotlib is not installed, no plot written", file=sys.stderr)
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, points in setups.items():
+        xs = [p["offered"] for p in points]
+        ax1.plot(xs, [p["ttft_p99_ms"] for p in points], marker="o", label=name)
+        ax2.plot(xs, [p["req_per_s"] for p in points], marker="o", label=name)
+    ax1.axhline(slo_ms, color="grey", linestyle="--", linewidth=1, label="objective")
+    ax1.set(xlabel="offered load", ylabel="TTFT p99 (ms)", yscale="log", title="TTFT p99")
+    ax2.set(xlabel="offered load", ylabel="requests/s", title="throughput")
+    ax1.legend()
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}", file=sys.stderr)
+
+
+def run_setup(
+    name: str,
+    urls: list[str],
+    model: str,
+    specs: list[WorkloadSpec],
+    loads: list[tuple[str, float]],
+    a: argparse.Namespace,
+    node: Node | None,
+) -> tuple[list[dict[str, Any]], list[list[Result]]]:
+    """Every load point of one setup on running replicas."""
+    points: list[dict[str, Any]] = []
+    raw: list[list[Result]] = []
+    for spec, (mode, value) in zip(specs, loads, strict=True):
+        point = asyncio.run(
+            run_point(
+                urls, model, spec,
+                rate=value if mode == "rate" else None,
+                concurrency=int(value) if mode == "concurrency" else None,
+                requests=None if a.duration else a.requests,
+                duration=a.duration or None,
+                route=a.route, timeout=a.request_timeout,
+                desc=f"{name} {mode}={value:g}", node=node, sample_s=a.sample_s,
+            )
+        )  # fmt: skip
+        s = {"setup": name, mode: value, "offered": value, **summarize(point)}
+        points.append(s)
+        raw.append(point["results"])
+        print(
+            f"{name:>9} {mode}={value:<6g} {s['req_per_s']:7.2f} req/s "
+            f"{s['output_tok_per_s']:8.1f} tok/s  TTFT mean/p50/p99 {s['ttft_mean_ms']:.0f}/"
+            f"{s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f} ms  hit {s['hit_rate']:.2f}  "
+            f"failed {s['failed']}  connector/s {s['connector_per_s']}",
+            flush=True,
+        )
+        if a.out:
+            with open(a.out, "a") as fh:
+                for r in point["results"]:
+                    fh.write(json.dumps({"setup": name, mode: value, **asdict(r)}) + "\n")
+    return points, raw
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse_args(argv)
+    mix = tuple(float(x) for x in a.mix.split(","))
+    if len(mix) != 3:
+        raise SystemExit("--mix takes three weights: conversation,document,unique")
+    if a.concurrency:
+        loads = [("concurrency", float(x)) for x in a.concurrency.split(",")]
+    else:
+        loads = [("rate", float(x)) for x in a.rates.split(",")]
+    base = WorkloadSpec(
+        conversations=a.conversations, turns=a.turns, first_tokens=a.first_tokens,
+        turn_tokens=a.turn_tokens, docs=a.docs, doc_tokens=a.doc_tokens,
+        question_tokens=a.question_tokens, unique_tokens=a.unique_tokens,
+        mix=mix,  # type: ignore[arg-type]
+        output_tokens=a.output_tokens, seed=a.seed,
+    )  # fmt: skip
+    results: dict[str, list[dict[str, Any]]] = {}
+    raws: dict[str, list[list[Result]]] = {}
+    server: Proc | None = None
+    replicas: list[Replica] = []
+
+    def specs_for(url: str, model: str) -> list[WorkloadSpec]:
+        tpw = tokens_per_word(url, model)
+        return [
+            WorkloadSpec(**{**asdict(base), "tokens_per_word": tpw, "seed": a.seed * 1000 + i})
+            for i in range(len(loads))
+        ]
+
+    try:
+        if a.replicas:
+            urls = [u.rstrip("/") for u in a.replicas.split(",")]
+            model = served_model(urls[0])
+            node = Node(a.node_metrics or None, a.node_pid or None)
+            specs = specs_for(urls[0], model)
+            results[a.label], raws[a.label] = run_setup(a.label, urls, model, specs, loads, a, node)
+        else:
+            tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
+            model = tiny_model(tmp / "model") if a.model == "tiny" else a.model
+            args = replica_args(a)
+            gpus = [g for g in a.gpus.split(",") if g]
+            setups = [s for s in a.setups.split(",") if s]
+            unknown = set(setups) - {"vllm", "pegaflow", "warm"}
+            if unknown:
+                raise SystemExit(f"unknown setups {sorted(unknown)}: use vllm,pegaflow,warm")
+            node = None
+            specs: list[WorkloadSpec] = []
+            for name in setups:
+                kv: dict[str, Any] | None = None
+                env: dict[str, str] = {}
+                if name in ("pegaflow", "warm"):
+                    if server is None:
+                        extra = ["--pool-size", a.pool_size] if a.pool_size else []
+                        server = start_server(extra=[*extra, *shlex.split(a.server_args)])
+                        http = server.ready.get("http", "-1")
+                        node = Node(
+                            f"http://127.0.0.1:{http}/metrics" if http != "-1" else None,
+                            server.pid,
+                        )
+                        print(f"pegaflow-server: {server.ready}", file=sys.stderr)
+                    kv = THREE_KEYS
+                    env["PEGAFLOW_CLIENT_COORDINATORS"] = server.ready["coordinator"]
+                print(f"starting {a.replicas_n} replicas for {name} ...", file=sys.stderr)
+                replicas = start_replicas(
+                    a.replicas_n, model, args, kv, env, gpus=gpus,
+                    parallel=a.parallel_start, timeout=a.start_timeout, name=f"{name}-",
+                )  # fmt: skip
+                urls = [r.url for r in replicas]
+                if not specs:
+                    specs = specs_for(urls[0], model)
+                results[name], raws[name] = run_setup(
+                    name, urls, model, specs, loads, a, node if kv else None
+                )
+                for r in replicas:
+                    if r.terminate() is None:
+                        print(f"{r.name} did not exit on SIGTERM:\n{r.tail(20)}", file=sys.stderr)
+                replicas = []
+    finally:
+        for r in replicas:
+            r.kill()
+        if server is not None:
+            server.terminate()
+
+    summary: dict[str, Any] = {"setups": {}, "config": {**vars(a), "mix": list(mix)}}
+    first = next(iter(raws))
+    for name, points in results.items():
+        ok = [p for p in points if p["failed"] == 0 and p["ttft_p99_ms"] <= a.slo_ms]
+        entry: dict[str, Any] = {
+            "points": points,
+            "throughput_at_slo": max((p["req_per_s"] for p in ok), default=0.0),
+        }
+        if name != first:
+            entry["outputs_vs_" + first] = [
+                compare_outputs(b, o, a.compare)
+                for b, o in zip(raws[first], raws[name], strict=True)
+            ]
+        summary["setups"][name] = entry
+    if first in summary["setups"] and len(results) > 1:
+        b = summary["setups"][first]
+        for name, entry in summary["setups"].items():
+            if name == first:
+                continue
+            entry["throughput_at_slo_ratio"] = (
+                round(entry["throughput_at_slo"] / b["throughput_at_slo"], 3)
+                if b["throughput_at_slo"]
+                else None
+            )
+            entry["ttft_p99_ratio"] = [
+                round(p0["ttft_p99_ms"] / p["ttft_p99_ms"], 2) if p["ttft_p99_ms"] else None
+                for p0, p in zip(b["points"], entry["points"], strict=True)
+            ]
+    if a.plot:
+        plot(a.plot, results, a.slo_ms)
+    for name, entry in summary["setups"].items():
+        print(f"{name}: throughput at TTFT p99 <= {a.slo_ms:g} ms: "
+              f"{entry['throughput_at_slo']:.2f} req/s", flush=True)  # fmt: skip
+    print(json.dumps(_json_safe(summary), default=str), flush=True)
+    return 0
+
+
+def _json_safe(x: Any) -> Any:
+    """``x`` with NaN and infinities as ``null`` (strict JSON)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+if __name__ == "__main__":
+    sys.exit(main())
