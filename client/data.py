@@ -1,4 +1,4 @@
-"""The client side of the node data plane (see :mod:`pegaflow.storage_node.data_server`).
+"""The client side of the node data plane (its protocol: :mod:`pegaflow.storage_node.protocol`).
 
 One :class:`DataClient` per event loop holds a UCX worker and one endpoint per node,
 reused across calls.  Payloads land directly in the caller's buffers; every block is
@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from pegaflow.storage_node import protocol as proto
 
 from pegaflow import telemetry
 from pegaflow.checksum import checksum
 from pegaflow.errors import BadRequest, PegaError, Unavailable, error_from_wire
 from pegaflow.rpc import UNIX_PREFIX, RpcClient, parse_address
 from pegaflow.ucx import UcxWorker, close_endpoint, make_tag
-from pegaflow.wire import NO_SLOT, PROTOCOL_VERSION, LocatedBlocks, pack, unpack
+from pegaflow.wire import LocatedBlocks, pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -301,11 +302,7 @@ class DataClient:
         conn = _NodeConn(addr, ep)
         conn.reader = asyncio.create_task(self._read_loop(conn))
         try:
-            hello = await self._request(
-                conn,
-                {"op": "hello", "version": PROTOCOL_VERSION, "token": self._token},
-                _left(deadline),
-            )
+            hello = await self._request(conn, proto.encode_hello(self._token), _left(deadline))
         except PegaError:
             self._drop(conn, Unavailable(f"handshake with {addr} failed"))
             raise
@@ -396,24 +393,9 @@ class DataClient:
                 landed.reqs.append(req)
                 w.on_done(req, landed.callback(i), landed.fut)
             try:
-                reply = await self._request(
-                    conn,
-                    {
-                        "op": "get",
-                        "ns": ns,
-                        "seq": seq,
-                        "blocks": (
-                            [[h, s] for h, s, _ in items]
-                            if gens is None
-                            else [
-                                [h, s] if g is None else [h, s, g]
-                                for (h, s, _), g in zip(items, gens, strict=True)
-                            ]
-                        ),
-                        **telemetry.wire_context(),
-                    },
-                    _left(deadline),
-                )
+                msg = proto.encode_get(ns, seq, [(h, s) for h, s, _ in items], gens)
+                msg.update(telemetry.wire_context())
+                reply = await self._request(conn, msg, _left(deadline))
                 await asyncio.wait_for(landed.fut, _left(deadline))
             except BaseException as e:
                 w.forget([landed.fut])
@@ -425,13 +407,10 @@ class DataClient:
                     raise Unavailable(f"get from {addr} timed out") from None
                 raise
             sums = landed.sums
-            header = reply.get("blocks")
-            if not isinstance(header, list) or len(header) != len(items):
-                raise Unavailable("malformed get reply")
             ok = [False] * len(items)
-            for i, h in enumerate(header):
-                if not isinstance(h, list) or len(h) != 3 or h[0] != len(views[i]):
-                    if h == "stale":
+            for i, h in enumerate(proto.get_reply(reply, len(items))):
+                if not isinstance(h, tuple) or h[0] != len(views[i]):
+                    if h == proto.STALE:
                         self.stale_misses += 1
                     continue
                 if gens is not None and gens[i] is not None and h[1] != gens[i]:
@@ -462,21 +441,15 @@ class DataClient:
         try:
             conn = await self._connection(addr, deadline)
             w = self.worker
-            reply = await self._request(
-                conn,
-                {
-                    "op": "reserve",
-                    "ns": ns,
-                    **telemetry.wire_context(),
-                    "blocks": [[h, s, len(v)] for (h, s, _), v in zip(items, views, strict=True)],
-                },
-                _left(deadline),
-            )
-            seq = int(reply["seq"])
-            accept = reply.get("accept")
-            if not isinstance(accept, list) or len(accept) != len(items):
-                self._drop(conn, Unavailable("malformed reserve reply"))
-                raise Unavailable("malformed reserve reply")
+            blocks = [(h, s, len(v)) for (h, s, _), v in zip(items, views, strict=True)]
+            msg = proto.encode_reserve(ns, blocks)
+            msg.update(telemetry.wire_context())
+            reply = await self._request(conn, msg, _left(deadline))
+            try:
+                seq, accept = proto.reserve_reply(reply, len(items))
+            except Unavailable as e:
+                self._drop(conn, e)
+                raise
             futs = [
                 w.track(w.tag_send(conn.ep, v, make_tag(seq, i)))
                 for i, v in enumerate(views)
@@ -484,18 +457,11 @@ class DataClient:
             ]
             sums = await hashing
             # the node waits for the payloads before it verifies and commits
-            commit = asyncio.ensure_future(
-                self._request(
-                    conn,
-                    {
-                        "op": "commit",
-                        "seq": seq,
-                        **telemetry.wire_context(),
-                        "xxh3": [x if a else None for x, a in zip(sums, accept, strict=True)],
-                    },
-                    _left(deadline),
-                )
+            msg = proto.encode_commit(
+                seq, [x if a else None for x, a in zip(sums, accept, strict=True)]
             )
+            msg.update(telemetry.wire_context())
+            commit = asyncio.ensure_future(self._request(conn, msg, _left(deadline)))
             sent = asyncio.gather(*futs)
             try:
                 _, done = await asyncio.wait_for(asyncio.gather(sent, commit), _left(deadline))
@@ -512,7 +478,7 @@ class DataClient:
             hashing.cancel()
             hashing.add_done_callback(_retrieve)
             raise
-        stored = int(done.get("stored", 0))
+        stored = proto.commit_reply(done)
         n_accepted = sum(1 for a in accept if a)
         return PutOutcome(
             stored=stored, skipped=len(items) - n_accepted, failed=n_accepted - stored
@@ -525,8 +491,7 @@ class DataClient:
         lookup and get); per block, whether it is stored and now pinned."""
         if not blocks:
             return []
-        reply = await self._call(addr, _pin_msg("pin", ns, blocks, ttl_s), timeout)
-        return [bool(x) for x in reply.get("pinned", [])]
+        return proto.pin_reply(await self._call(addr, proto.encode_pin(ns, blocks, ttl_s), timeout))
 
     async def _call(self, addr: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
         """One control request to the node at ``addr`` within ``timeout`` (connecting
@@ -568,19 +533,8 @@ class DataClient:
             return []
         deadline = time.monotonic() + timeout
         conn = await self._connection(addr, deadline)
-        reply = await self._request(
-            conn,
-            {
-                "op": "check",
-                "ns": ns,
-                "blocks": [[h, s] if g is None else [h, s, g] for h, s, g in blocks],
-            },
-            _left(deadline),
-        )
-        valid = reply.get("valid")
-        if not isinstance(valid, list) or len(valid) != len(blocks):
-            raise Unavailable(f"malformed check reply from {addr}")
-        return [v is True for v in valid]
+        reply = await self._request(conn, proto.encode_check(ns, blocks), _left(deadline))
+        return proto.check_reply(reply, len(blocks), addr)
 
     async def node_id(self, addr: str, timeout: float) -> str:
         """The id the node at ``addr`` announced in its handshake."""
@@ -607,34 +561,19 @@ class DataClient:
         The caller copies the bytes out of its own mapping of the file, checks each
         block's digest or xxh3 and then releases the pin with :meth:`unpin`.
         """
-        packed = _packed(hashes)
-        if packed is None:
-            raise BadRequest("locate: every hash must have the same length")
-        msg = {"op": "locate", "ns": ns, "ttl_ms": max(1, int(ttl_s * 1000)), "shard": shard}
-        msg.update(packed)
-        reply = await self._ask_local(addr, msg, timeout)
-        try:
-            where = LocatedBlocks.from_wire(reply, len(hashes))
-        except BadRequest as e:
-            raise Unavailable(f"malformed locate reply: {e}") from None
-        return int(reply.get("pin", 0)), where
+        msg = proto.encode_locate(ns, hashes, shard, ttl_s)
+        return proto.locate_reply(await self._ask_local(addr, msg, timeout), len(hashes))
 
     async def unpin(self, addr: str, pin: int, timeout: float) -> None:
         """Release a pin taken by :meth:`locate` or :meth:`pin` (idempotent)."""
-        await self._ask_local(addr, {"op": "unpin", "pin": pin}, timeout)
+        await self._ask_local(addr, proto.encode_unpin(pin), timeout)
 
     async def report(
         self, addr: str, lookups: int, asked_blocks: int, hit_blocks: int, timeout: float
     ) -> None:
         """Report lookups this client answered from the node at ``addr`` alone (never
         asked of a coordinator), for the cluster-wide hit rate."""
-        msg = {
-            "op": "report",
-            "lookups": lookups,
-            "asked_blocks": asked_blocks,
-            "hit_blocks": hit_blocks,
-        }
-        await self._ask_local(addr, msg, timeout)
+        await self._ask_local(addr, proto.encode_report(lookups, asked_blocks, hit_blocks), timeout)
 
     async def reserve_local(
         self, addr: str, ns: str, blocks: Sequence[tuple[bytes, int, int]], timeout: float
@@ -642,30 +581,10 @@ class DataClient:
         """Reserve slots for ``(hash, shard, size)`` blocks that the caller writes through
         the pool file; returns (reservation, slot offset or None when already stored).
         Finish with :meth:`commit` (or :meth:`abort`)."""
-        packed = _packed([h for h, _, _ in blocks]) if blocks else None
-        if packed is not None and len({(s, z) for _, s, z in blocks}) == 1:
-            # one shard and size (a connector's save): packed, as hundreds of blocks are
-            _, shard, size = blocks[0]
-            msg: dict[str, Any] = {
-                "op": "reserve",
-                "ns": ns,
-                "local": True,
-                "shard": shard,
-                "size": size,
-            }
-            msg.update(packed)
-            reply = await self._ask_local(addr, msg, timeout)
-            raw = reply.get("offsets")
-            if not isinstance(raw, bytes) or len(raw) != 8 * len(blocks):
-                raise Unavailable("malformed reserve reply")
-            offs = np.frombuffer(raw, dtype="<u8").tolist()
-            return int(reply["seq"]), [None if o == NO_SLOT else o for o in offs]
-        msg = {"op": "reserve", "ns": ns, "local": True, "blocks": [list(b) for b in blocks]}
-        reply = await self._ask_local(addr, msg, timeout)
-        offsets = reply.get("offsets")
-        if not isinstance(offsets, list) or len(offsets) != len(blocks):
-            raise Unavailable("malformed reserve reply")
-        return int(reply["seq"]), [o if isinstance(o, int) else None for o in offsets]
+        msg = proto.encode_reserve_local(ns, blocks)
+        return proto.reserve_local_reply(
+            msg, await self._ask_local(addr, msg, timeout), len(blocks)
+        )
 
     async def commit(
         self,
@@ -685,9 +604,7 @@ class DataClient:
         ``taken`` request sent right behind the commit says so within a round trip,
         while the node still hashes.  Else (an older node, an error) it is called when
         the commit's answer came, whatever it was."""
-        msg: dict[str, Any] = {"op": "commit", "seq": seq, "xxh3": [None] * len(accepted)}
-        if digests is not None:
-            msg["digest"] = list(digests)
+        msg = proto.encode_commit(seq, [None] * len(accepted), digests)
         if on_taken is None:
             reply = await self._ask_local(addr, msg, timeout)
         else:
@@ -695,9 +612,9 @@ class DataClient:
             # is written; the node takes the commit as it reads its frame
             commit = asyncio.ensure_future(self._ask_local(addr, msg, timeout))
             commit.add_done_callback(_retrieve)  # awaited below, unless cancelled first
-            ask = asyncio.ensure_future(self._ask_local(addr, {"op": "taken", "seq": seq}, timeout))
+            ask = asyncio.ensure_future(self._ask_local(addr, proto.encode_taken(seq), timeout))
             try:
-                held = (await ask).get("taken") is True
+                held = proto.taken_reply(await ask)
             except PegaError:
                 held = False
             if held:
@@ -708,14 +625,14 @@ class DataClient:
                 if not held:
                     on_taken()
         n_accepted = sum(1 for a in accepted if a)
-        stored = int(reply.get("stored", 0))
+        stored = proto.commit_reply(reply)
         return PutOutcome(
             stored=stored, skipped=len(accepted) - n_accepted, failed=n_accepted - stored
         )
 
     async def abort(self, addr: str, seq: int, timeout: float) -> None:
         """Drop a local reservation (its slots go back to the pool)."""
-        await self._ask_local(addr, {"op": "abort", "seq": seq}, timeout)
+        await self._ask_local(addr, proto.encode_abort(seq), timeout)
 
 
 def _left(deadline: float) -> float:
@@ -727,20 +644,3 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
     """Mark a future's failure as seen (it was given up on; its caller has its error)."""
     if not fut.cancelled():
         fut.exception()
-
-
-def _packed(hashes: Sequence[bytes]) -> dict[str, Any] | None:
-    """``hash_len`` and ``hashes`` (back to back) of hashes of one length, else None."""
-    hl = len(hashes[0]) if hashes else 32
-    if any(len(h) != hl for h in hashes):
-        return None
-    return {"hash_len": hl, "hashes": b"".join(hashes)}
-
-
-def _pin_msg(op: str, ns: str, blocks: Sequence[tuple[bytes, int]], ttl_s: float) -> dict[str, Any]:
-    return {
-        "op": op,
-        "ns": ns,
-        "ttl_ms": max(1, int(ttl_s * 1000)),
-        "blocks": [[h, s] for h, s in blocks],
-    }

@@ -31,12 +31,12 @@ from typing import Any, NamedTuple
 from pegaflow.errors import BadRequest
 from pegaflow.keys import BlockLocation, NodeRecord
 from pegaflow.loopthread import LoopThread
+from pegaflow.wire import GEN_MAX as MAX_GEN
+from pegaflow.wire import INDEX_SHARDS as MAX_SHARDS
 from pegaflow.wire import pack
 
-#: Highest shard number + 1 the index stores (a block's row is a tuple this long at most).
-MAX_SHARDS = 4096
-#: Generations are unsigned 64-bit integers.
-MAX_GEN = (1 << 64) - 1
+# MAX_SHARDS: highest shard number + 1 the index stores (a block's row is a tuple this
+# long at most); MAX_GEN: the largest generation
 _MAX_ROWS = (1 << 32) - 1
 
 Row = tuple[str | None, ...]

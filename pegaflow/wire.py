@@ -24,6 +24,12 @@ PROTOCOL_VERSION = 1
 MAX_LIST = 65536
 #: Longest block hash accepted (vLLM uses 32-byte sha256 digests).
 MAX_HASH_BYTES = 64
+#: Shard numbers on the wire are in ``[0, SHARD_LIMIT)`` (the node stores any of them).
+SHARD_LIMIT = 1 << 16
+#: The coordinators index shards ``[0, INDEX_SHARDS)``; a lookup names at most this many.
+INDEX_SHARDS = 4096
+#: Generations are unsigned 64-bit integers: ``[0, GEN_MAX]``.
+GEN_MAX = (1 << 64) - 1
 NO_SLOT = (1 << 64) - 1
 """a packed local ``reserve`` reply's offset for a block that is stored already"""
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._:=+,@-]{1,256}$")
@@ -124,12 +130,12 @@ def check_hashes(msg: dict[str, Any], key: str, max_len: int = MAX_LIST) -> list
 
 def check_shards(msg: dict[str, Any], key: str = "shards") -> list[int]:
     """A non-empty list of distinct shard numbers (rank of the worker that owns them)."""
-    shards = req_list(msg, key, 4096)
+    shards = req_list(msg, key, INDEX_SHARDS)
     if not shards:
         raise BadRequest(f"field {key!r} must not be empty")
     for s in shards:
-        if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < 65536:
-            raise BadRequest(f"shard {s!r} must be an integer in [0, 65536)")
+        if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < SHARD_LIMIT:
+            raise BadRequest(f"shard {s!r} must be an integer in [0, {SHARD_LIMIT})")
     if len(set(shards)) != len(shards):
         raise BadRequest("shards must be distinct")
     return shards

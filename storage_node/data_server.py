@@ -1,48 +1,12 @@
 """The node's data plane: batched get and two-phase put over UCX.
 
-Protocol (control messages are msgpack maps in UCX active messages, one reply per
-request, matched by ``id``; payloads are tagged messages, see :mod:`pegaflow.ucx`):
-
-* ``hello {version, token}`` -> ``{node_id, version}``; required first when a token is
-  configured, said once per connection.  A connection that has not said it within
-  ``[node] hello_timeout_s`` is closed (in an open cluster, one that has sent nothing),
-  and at most ``[node] max_unauthenticated`` wait for it at once (past that the oldest
-  is closed); before it, messages are handled one at a time and may be at most
-  :data:`MAX_HELLO_BYTES` long.
-* ``get {id, ns, seq, blocks: [[hash, shard] | [hash, shard, gen], ...]}`` -> ``{blocks:
-  [[size, gen, xxh3] | None | "stale", ...]}``, then every present block is sent with tag
-  ``(seq, index)`` straight from the pool.  Blocks are pinned (not evictable) until their
-  send completes.  A block asked for with ``gen`` (the generation a lookup returned)
-  whose slot now holds another generation is a typed miss, ``"stale"``; ``None`` is a
-  block not stored.  Every miss gets an empty payload message.
-* ``check {id, ns, blocks: [[hash, shard(, gen)], ...]}`` -> ``{valid: [bool]}``: whether
-  each block is stored and committed (with that generation); the coordinators' index GC
-  asks this before it deletes index entries.
-* ``reserve {id, ns, blocks: [[hash, shard, size], ...]}`` -> ``{seq, accept: [bool]}``:
-  slots are reserved for the accepted blocks (not already stored) and receives are
-  posted straight into them with tag ``(seq, index)``.
-* ``commit {id, seq, xxh3: [int | None]}`` -> ``{stored, failed: [index]}``: once the
-  payloads arrived, each block's xxh3 is verified against the writer's and only then
-  committed and published.  An unverified block is discarded.  A commit the node has
-  taken (a well-formed one of a live reservation) is carried out by the node itself,
-  whatever happens to the connection that sent it: a writer killed right after sending
-  it loses nothing.
-* ``taken {id, seq}`` -> ``{taken: bool}``: whether the node holds a commit of ``seq``
-  now (it carries it out by itself).  Sent right behind the commit on the same
-  connection, its answer says, within a round trip, that the commit is safe while the
-  node still hashes; False (not taken, or already answered): wait for the commit's
-  own answer.
-* ``abort {id, seq}`` drops a reservation; reservations also expire.
-* ``pin {id, ns, ttl_ms, blocks: [[hash, shard], ...]}`` -> ``{pinned: [bool], pin}``
-  keeps the present blocks from eviction for ``ttl_ms`` (a reader between its lookup
-  and its get); ``unpin {id, pin}`` releases them early.
-* ``stats {id}`` -> the pool's counters (cluster token only: a tenant learns nothing
-  node-wide and gets ``unauthorized``).
-* ``report {id, lookups, asked_blocks, hit_blocks}`` -> ``{}``: a connector on this host
-  reports the lookups it answered from this node alone (no coordinator saw them); the
-  node adds them to its ``pegaflow_node_same_host_*`` counters and its record, whence
-  the coordinator's cluster-wide hit rate (cluster token only; also on the control
-  socket).
+The protocol (its ops, their fields, bounds and replies, and which transport serves
+each) is :mod:`~pegaflow.storage_node.protocol`; both transports here, UCX and the
+same-host control socket, dispatch through its table :data:`~.protocol.OPS`.  A UCX
+connection that has not said ``hello`` within ``[node] hello_timeout_s`` is closed (in
+an open cluster, one that has sent nothing), and at most ``[node] max_unauthenticated``
+wait for it at once (past that the oldest is closed).  ``stats``, ``locate`` and
+``report`` need cluster-wide access (a tenant gets ``unauthorized``).
 
 Ownership and quotas.  A reservation belongs to the connection that made it (a
 session of the control socket, below, is a connection of its own): ``commit`` of
@@ -90,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 import itertools
 import logging
@@ -100,9 +65,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from pegaflow.storage_node import protocol as proto
 from pegaflow.storage_node.local_control import SOCKET_SUFFIX, LocalControl
 from pegaflow.storage_node.metrics import NodeMetrics
 from pegaflow.storage_node.netdev import ucx_net_devices
+from pegaflow.storage_node.protocol import (
+    MAX_HELLO_BYTES,
+    OPS,
+    UNKNOWN_OP,
+    Loop,
+    Op,
+    Site,
+    op_label,
+)
 
 from pegaflow import telemetry
 from pegaflow.auth import Authenticator, check_access
@@ -114,54 +89,21 @@ from pegaflow.errors import (
     PegaError,
     ProtocolError,
     QuotaExceeded,
-    TooLarge,
     Unauthorized,
 )
 from pegaflow.inventory import InventorySink
 from pegaflow.loopthread import LoopThread
 from pegaflow.ucx import DEFAULT_TLS, SHARED_TLS, UcxWorker, close_endpoint, make_tag
-from pegaflow.wire import (
-    MAX_HASH_BYTES,
-    NO_SLOT,
-    PROTOCOL_VERSION,
-    LocatedBlocks,
-    check_hash,
-    check_namespace,
-    pack,
-    req_int,
-    req_list,
-    req_map,
-    req_str,
-    unpack,
-)
+from pegaflow.wire import LocatedBlocks, check_namespace, pack, req_map, req_str, unpack
 
 log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT_S = 600.0
 MAX_INFLIGHT_PER_CONN = 32
-MAX_PIN_MS = 30_000
-MAX_HELLO_BYTES = 4096
-"""largest message a connection may send before its hello"""
-MAX_REPORTED = 1 << 40
-"""most lookups (or blocks) one ``report`` may add"""
-OPS = frozenset(
-    (
-        "hello", "get", "check", "reserve", "commit", "abort", "pin", "locate", "unpin",
-        "stats", "report", "taken",
-    )
-)  # fmt: skip
-"""the protocol's ops: the only values the ``op`` label of the request metrics takes
-besides :data:`UNKNOWN_OP` (a peer's own strings never become labels)"""
-UNKNOWN_OP = "unknown"
 _DROP_LOG_EVERY_S = 60.0
 _PROBE_FIRST_S = 0.00025
 _PROBE_MAX_S = 0.05
 _EMPTY = np.empty(0, dtype=np.uint8)
-
-
-def op_label(op: str) -> str:
-    """The ``op`` label of a request: its op if the protocol has it, else ``unknown``."""
-    return op if op in OPS else UNKNOWN_OP
 
 
 @dataclass(eq=False)
@@ -188,6 +130,20 @@ class _Owner:
     """the tenant's usage over all its connections (None: cluster-wide access)"""
     gone: bool = False
     """its connection or session closed"""
+
+
+@dataclass(eq=False)
+class _Caller:
+    """Who asks an op, and through which transport."""
+
+    owner: _Owner
+    conn: _Conn | None
+    """the UCX connection; None: a session of the same-host control socket"""
+    pins: dict[int, _Pin]
+    """the read pins of the transport's thread"""
+
+
+_Handler = Callable[[dict[str, Any], _Caller], Any]
 
 
 @dataclass
@@ -224,6 +180,7 @@ class _Conn:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     closed: bool = False
     owner: _Owner = field(default_factory=_Owner)
+    caller: _Caller | None = None
     said_hello: bool = False
     # requests in flight on this connection; the reader stops reading at the bound
     slots: asyncio.Semaphore = field(
@@ -270,7 +227,14 @@ class DataServer:
         self._unauthed: dict[_Conn, asyncio.TimerHandle] = {}
         self._dropped_unauthed = 0
         self._drop_log_at = 0.0
-        self._sessions: dict[object, _Owner] = {}  # control-socket sessions
+        self._sessions: dict[object, _Caller] = {}  # control-socket sessions
+        self._ops: dict[Op, _Handler] = {
+            Op.HELLO: self._hello, Op.GET: self._get, Op.CHECK: self._check,
+            Op.RESERVE: self._reserve, Op.COMMIT: self._commit, Op.ABORT: self._abort_own,
+            Op.PIN: self._pin, Op.LOCATE: self._locate, Op.UNPIN: self._unpin,
+            Op.STATS: self._stats, Op.REPORT: self._report, Op.TAKEN: self._taken,
+        }  # fmt: skip
+        """the handler of each op of :data:`~.protocol.OPS`, for every transport"""
         self._tenant_use: dict[str, _Usage] = {}
         for name in ("conn_quota_share", "tenant_quota_share"):
             share = getattr(cfg, name)
@@ -312,16 +276,14 @@ class DataServer:
         assert loop is not None
         thread = LoopThread("pegaflow-node-control")
         thread.start()
-        here = {"reserve": self._reserve_here, "commit": self._commit_here,
-                "abort": self._abort_here, "taken": self._taken_here,
-                "report": lambda msg, owner: self._report(msg)}  # fmt: skip
+        handlers = {
+            op.value: (self._on_control if spec.loop is Loop.CONTROL else self._on_data_loop)(op)
+            for op, spec in OPS.items()
+            if Site.SOCKET in spec.sites
+        }
         control = LocalControl(
             str(self.pool.path) + SOCKET_SUFFIX,
-            {
-                "locate": self._locate_here,
-                "unpin": self._unpin_here,
-                **{op: self._on_data_loop(fn) for op, fn in here.items()},
-            },
+            handlers,
             self._auth.cluster_only(),
             self.cfg.max_request_bytes,
             lambda *a: loop.call_soon_threadsafe(self._observe_local, *a),
@@ -332,22 +294,24 @@ class DataServer:
         else:
             thread.stop()
 
-    def _on_data_loop(
-        self, fn: Callable[[dict[str, Any], _Owner], Any]
-    ) -> Callable[[dict[str, Any]], asyncio.Future[Any]]:
+    def _on_control(self, op: Op) -> Callable[[dict[str, Any]], Any]:
+        """A control-socket handler of ``op`` run on the socket's thread."""
+        return lambda msg: self._dispatch(op, msg, self._session())
+
+    def _on_data_loop(self, op: Op) -> Callable[[dict[str, Any]], asyncio.Future[Any]]:
         """A control-socket handler (run on the socket's thread) that reads the
-        request's session there and has ``fn(msg, owner)`` run on the data loop, in
-        the order of the requests (its result awaited there when it is awaitable)."""
+        request's session there and has ``op`` run on the data loop, in the order of
+        the requests (its result awaited there when it is awaitable)."""
         loop = self._loop
         assert loop is not None
 
         def handler(msg: dict[str, Any]) -> asyncio.Future[Any]:
-            owner = self._session()
+            caller = self._session()
             done: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
             def run() -> None:
                 try:
-                    result = fn(msg, owner)
+                    result = self._dispatch(op, msg, caller)
                 except BaseException as e:
                     done.set_exception(e)
                     return
@@ -360,6 +324,13 @@ class DataServer:
             return asyncio.wrap_future(done)
 
         return handler
+
+    def _dispatch(self, op: Op, msg: dict[str, Any], caller: _Caller) -> Any:
+        """Run ``op``'s handler (plain, or an awaitable of its result)."""
+        what = OPS[op].cluster_only
+        if what is not None:
+            _cluster_only(caller.owner, what)
+        return self._ops[op](msg, caller)
 
     async def close(self) -> None:
         """Finish the commits taken (bounded by ``reserve_timeout_s``), then close every
@@ -395,6 +366,7 @@ class DataServer:
 
     def _accept(self, ep: Any) -> None:
         conn = _Conn(ep=ep, authed=not self._auth.required)
+        conn.caller = _Caller(conn.owner, conn, self._pins)
         self._conns.add(conn)
         self.metrics.connections.inc()
         self._await_hello(conn)
@@ -517,45 +489,22 @@ class DataServer:
             op = req_str(msg, "op", 32)
             if owner.tenant is not None and "ns" in msg:
                 check_access(msg["ns"], owner.tenant)
-            if op == "hello":
-                result = self._hello(conn, msg)
-            elif not conn.authed:
+            if op != Op.HELLO and not conn.authed:
                 raise Unauthorized("send hello with the cluster token first")
-            elif op == "get":
-                with telemetry.remote_span("pegaflow.node.get", msg.get(telemetry.TRACEPARENT_KEY)):
-                    await self._get(conn, msg, rid)
-                return
-            elif op == "reserve":
-                with telemetry.remote_span(
-                    "pegaflow.node.reserve", msg.get(telemetry.TRACEPARENT_KEY)
-                ):
-                    result = self._reserve(conn, msg, owner)
-            elif op == "commit":
-                with telemetry.remote_span(
-                    "pegaflow.node.commit", msg.get(telemetry.TRACEPARENT_KEY)
-                ):
-                    result = await self._commit(conn, msg, owner)
-            elif op == "abort":
-                result = self._abort_own(msg, owner)
-            elif op == "taken":
-                result = self._taken(msg, owner)
-            elif op == "check":
-                result = self._check(msg)
-            elif op == "pin":
-                result = self._pin(msg, owner)
-            elif op == "locate":
-                _cluster_only(owner, "locate blocks (where blocks lie is not a tenant's)")
-                result = self._locate(msg, owner)
-            elif op == "unpin":
-                result = self._unpin(msg, owner)
-            elif op == "stats":
-                _cluster_only(owner, "see node-wide stats")
-                result = vars(self.pool.stats())
-            elif op == "report":
-                _cluster_only(owner, "report same-host lookups")
-                result = self._report(msg)
-            else:
+            spec = OPS.get(op)  # type: ignore[call-overload]
+            if spec is None or Site.UCX not in spec.sites:
                 raise BadRequest(f"unknown op {op!r}")
+            assert conn.caller is not None
+            with (
+                telemetry.remote_span(spec.span, msg.get(telemetry.TRACEPARENT_KEY))
+                if spec.span is not None
+                else contextlib.nullcontext()
+            ):
+                result = self._dispatch(Op(op), msg, conn.caller)
+                if inspect.isawaitable(result):
+                    result = await result
+            if result is None:
+                return  # a get: it replied itself, ahead of its payloads
             await self._reply(conn, {"id": rid, "ok": True, **result})
         except PegaError as e:
             self.metrics.request_errors.labels(op=op_label(op), code=e.code).inc()
@@ -568,21 +517,18 @@ class DataServer:
         finally:
             self.metrics.request_seconds.labels(op=op_label(op)).observe(time.perf_counter() - t0)
 
-    def _hello(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
+    def _hello(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
+        conn = caller.conn
+        assert conn is not None, "hello is said over UCX"
         if conn.said_hello:
             raise ProtocolError("hello was said already on this connection")
-        version = req_int(msg, "version", 0, 1 << 16)
-        if version != PROTOCOL_VERSION:
-            raise ProtocolError(
-                f"protocol version {version} not supported (want {PROTOCOL_VERSION})"
-            )
-        tenant = self._auth.authenticate(msg.get("token"))
+        tenant = self._auth.authenticate(proto.decode_hello(msg))
         conn.owner.tenant = tenant
         if tenant is not None:
             conn.owner.tenant_use = self._tenant_use.setdefault(tenant, _Usage())
         conn.authed = conn.said_hello = True
         self._hello_done(conn)
-        reply: dict[str, Any] = {"node_id": self.pool.node_id, "version": PROTOCOL_VERSION}
+        reply: dict[str, Any] = {"node_id": self.pool.node_id, "version": proto.PROTOCOL_VERSION}
         if self.cfg.local_access and tenant is None:
             st = os.stat(self.pool.path)
             reply["pool"] = {
@@ -597,14 +543,12 @@ class DataServer:
 
     # ---- get -----------------------------------------------------------------------
 
-    async def _get(self, conn: _Conn, msg: dict[str, Any], rid: Any) -> None:
+    async def _get(self, msg: dict[str, Any], caller: _Caller) -> None:
         w = self._worker
-        assert w is not None
-        ns = check_namespace(msg.get("ns"))
-        seq = req_int(msg, "seq", 0, 2**44 - 1)
-        items = req_list(msg, "blocks", self.cfg.max_batch)
-        keys = [_block_ref(ns, b) for b in items]
-        want = _wanted_gens(items)
+        conn = caller.conn
+        assert w is not None and conn is not None, "get is asked over UCX"
+        rid = msg.get("id")
+        _, seq, keys, want = proto.decode_get(msg, self.cfg.max_batch)
         pool = self.pool
         ep = conn.ep
         pinned: list[Any] = []
@@ -622,13 +566,13 @@ class DataServer:
                 if e is None:
                     header.append(None)
                 elif want is not None and want[i] is not None and e.gen != want[i]:
-                    header.append("stale")  # the slot holds another generation now
+                    header.append(proto.STALE)  # the slot holds another generation now
                     stale += 1
                     e = None
                 else:
                     pool.pin(e)
                     pinned.append(e)
-                    header.append([e.size, e.gen, e.xxh3])
+                    header.append(proto.get_hit(e.size, e.gen, e.xxh3))
                 reqs.append(w.tag_send(ep, _EMPTY if e is None else pool.view(e), make_tag(seq, i)))
             # the reply goes right behind the announcements, ahead of every payload (the
             # reader has it before the last block lands), then payloads start moving now
@@ -657,53 +601,40 @@ class DataServer:
             for e in pinned:
                 pool.unpin(e)
 
-    def _check(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _check(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
         """Whether each block is stored and committed (with the generation given)."""
-        ns = check_namespace(msg.get("ns"))
-        items = req_list(msg, "blocks", self.cfg.max_batch)
-        keys = [_block_ref(ns, b) for b in items]
-        want = _wanted_gens(items)
+        _, keys, want = proto.decode_check(msg, self.cfg.max_batch)
         valid = []
         for i, key in enumerate(keys):
             e = self.pool.get(key)
             valid.append(e is not None and (want is None or want[i] in (None, e.gen)))
         return {"valid": valid}
 
-    def _pin(self, msg: dict[str, Any], owner: _Owner) -> dict[str, Any]:
+    def _pin(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
         """Read pins: keep the named blocks from eviction for ``ttl_ms`` (between a
         reader's lookup and its get), so a hit is not lost to a racing writer."""
-        ns = check_namespace(msg.get("ns"))
-        ttl_ms = req_int(msg, "ttl_ms", 1, MAX_PIN_MS)
-        keys = [_block_ref(ns, b) for b in req_list(msg, "blocks", self.cfg.max_batch)]
+        ttl_ms, keys = proto.decode_pin(msg, self.cfg.max_batch)
         found = [self.pool.get(k) for k in keys]
-        pin = self._hold(found, ttl_ms, owner)
+        pin = self._hold(found, ttl_ms, caller.owner, caller.pins)
         return {"pinned": [e is not None for e in found], "pin": pin}
 
-    def _locate(
-        self, msg: dict[str, Any], owner: _Owner, pins: dict[int, _Pin] | None = None
-    ) -> dict[str, Any]:
+    def _locate(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
         """Same-host reads: pin the named blocks and say where they lie in the pool file
-        (``hashes``: ``hash_len``-byte hashes back to back, all of one ``shard``).
-        ``pins``: the table of the calling thread's pins (default: the data loop's)."""
-        ns = check_namespace(msg.get("ns"))
-        ttl_ms = req_int(msg, "ttl_ms", 1, MAX_PIN_MS)
-        shard = req_int(msg, "shard", 0, 65535)
-        found = self.pool.get_many(ns, self._packed_hashes(msg), shard)
-        pin = self._hold(found, ttl_ms, owner, pins)
+        (``hashes``: ``hash_len``-byte hashes back to back, all of one ``shard``)."""
+        ns, ttl_ms, shard, hashes = proto.decode_locate(msg, self.cfg.max_batch)
+        found = self.pool.get_many(ns, hashes, shard)
+        pin = self._hold(found, ttl_ms, caller.owner, caller.pins)
         hits = self.metrics.get_blocks.labels(result="hit")
         n = len(found) - found.count(None)
-        if pins is self._socket_pins and self._loop is not None:
+        if caller.pins is self._socket_pins and self._loop is not None:
             self._loop.call_soon_threadsafe(hits.inc, n)  # the metrics are the data loop's
         else:
             hits.inc(n)
-        return {"pin": pin, **LocatedBlocks.wire_rows([e and _wire(e) for e in found])}
+        return proto.encode_locate_reply(pin, [e and _wire(e) for e in found])
 
-    def _hold(
-        self, found: list[Any], ttl_ms: int, owner: _Owner, pins: dict[int, _Pin] | None = None
-    ) -> int:
+    def _hold(self, found: list[Any], ttl_ms: int, owner: _Owner, table: dict[int, _Pin]) -> int:
         """Pin the entries found until the pin is released or ``ttl_ms`` passes (a
-        timer on the calling thread's loop; ``pins``: that thread's table)."""
-        table = self._pins if pins is None else pins
+        timer on the calling thread's loop; ``table``: that thread's pins)."""
         pinned = [e for e in found if e is not None]
         if owner.tenant is not None:
             self._charge_pins(owner, pinned)
@@ -713,14 +644,12 @@ class DataServer:
         table[pin] = _Pin(pinned, timer, owner)
         return pin
 
-    def _unpin(
-        self, msg: dict[str, Any], owner: _Owner, pins: dict[int, _Pin] | None = None
-    ) -> dict[str, Any]:
-        """Release a pin of ``owner``'s (or, with cluster-wide access, any pin taken with
-        it on the same transport); another's pin is left alone, as an unknown or
+    def _unpin(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
+        """Release a pin of the caller's (or, with cluster-wide access, any pin taken
+        with it on the same transport); another's pin is left alone, as an unknown or
         expired one is."""
-        table = self._pins if pins is None else pins
-        pin = req_int(msg, "pin")
+        owner, table = caller.owner, caller.pins
+        pin = proto.decode_unpin(msg)
         held = table.get(pin)
         if held is not None and (
             held.owner is owner or (held.owner.tenant is None and owner.tenant is None)
@@ -728,11 +657,12 @@ class DataServer:
             self._release_pin(pin, table)
         return {}
 
-    def _report(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _stats(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
+        return vars(self.pool.stats())
+
+    def _report(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
         """A connector's same-host lookups (answered by this node alone): counted."""
-        lookups = req_int(msg, "lookups", 0, MAX_REPORTED)
-        asked = req_int(msg, "asked_blocks", 0, MAX_REPORTED)
-        hits = req_int(msg, "hit_blocks", 0, asked)
+        lookups, asked, hits = proto.decode_report(msg)
         m = self.metrics
         m.same_host_lookups.inc(lookups)
         m.same_host_hit_blocks.inc(hits)
@@ -741,45 +671,26 @@ class DataServer:
             self._on_change()  # the record carries them to the coordinators
         return {}
 
-    def _session(self) -> _Owner:
-        """The owner of the control-socket session whose request is being served."""
+    def _session(self) -> _Caller:
+        """The control-socket session whose request is being served."""
         key = LocalControl.session()
         assert key is not None, "called outside a control-socket request"
-        owner = self._sessions.get(key)
-        if owner is None:
-            owner = self._sessions[key] = _Owner()
-        return owner
+        caller = self._sessions.get(key)
+        if caller is None:
+            caller = self._sessions[key] = _Caller(_Owner(), None, self._socket_pins)
+        return caller
 
     def _session_ended(self, key: object) -> None:
         """A control-socket session closed: its reservations go, but for those whose
         commit was taken (its pins expire)."""
-        owner = self._sessions.pop(key, None)
-        if owner is None:
+        caller = self._sessions.pop(key, None)
+        if caller is None:
             return
+        owner = caller.owner
         owner.gone = True
         for seq, r in list(self._reservations.items()):
             if r.owner is owner and not r.committing:
                 self._abort(seq)
-
-    def _locate_here(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return self._locate(msg, self._session(), self._socket_pins)
-
-    def _unpin_here(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return self._unpin(msg, self._session(), self._socket_pins)
-
-    def _reserve_here(self, msg: dict[str, Any], owner: _Owner) -> dict[str, Any]:
-        return self._reserve(None, msg, owner)
-
-    def _commit_here(self, msg: dict[str, Any], owner: _Owner) -> asyncio.Future[dict[str, Any]]:
-        # plain, not async: the commit is taken as soon as the data loop sees it, before
-        # the session's next request (a ``taken`` right behind it) or its end
-        return self._commit(None, msg, owner)
-
-    def _taken_here(self, msg: dict[str, Any], owner: _Owner) -> dict[str, Any]:
-        return self._taken(msg, owner)
-
-    def _abort_here(self, msg: dict[str, Any], owner: _Owner) -> dict[str, Any]:
-        return self._abort_own(msg, owner)
 
     def _observe_local(self, op: str, seconds: float, error: str | None) -> None:
         """Metrics of a request on the same-host control socket (as for UCX ones)."""
@@ -868,19 +779,19 @@ class DataServer:
 
     # ---- put -----------------------------------------------------------------------
 
-    def _reserve(self, conn: _Conn | None, msg: dict[str, Any], owner: _Owner) -> dict[str, Any]:
-        """``conn`` None: a same-host reservation asked on the control socket; ``owner``:
-        who may commit or abort it, charged for its bytes."""
+    def _reserve(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
+        """A reservation of the caller's (who may commit or abort it, charged for its
+        bytes); on the control socket a same-host one only."""
         w = self._worker
         assert w is not None
+        conn, owner = caller.conn, caller.owner
         ns = check_namespace(msg.get("ns"))
-        local = msg.get("local") is True
+        local = proto.reserve_is_local(msg)
         if conn is None and not local:
             raise BadRequest("the control socket takes same-host (local) reservations only")
         if local and (not self.cfg.local_access or owner.tenant is not None):
             raise Unauthorized("this connection may not write the pool file directly")
-        packed = "hashes" in msg
-        parsed = self._packed_blocks(ns, msg) if packed else self._listed_blocks(ns, msg)
+        parsed = proto.decode_reserve_blocks(ns, msg, self.cfg.max_batch)
         self._charge_reserve(owner, parsed)
         seq = w.next_seq()
         entries: list[Any] = []
@@ -917,62 +828,21 @@ class DataServer:
                 self._close_conn(conn)
 
         done.add_done_callback(_failed)
-        if packed:  # offsets as little-endian uint64, NO_SLOT where already stored
-            offs = [NO_SLOT if e is None else e.offset for e in entries]
-            return {"seq": seq, "offsets": np.array(offs, dtype="<u8").tobytes()}
-        reply: dict[str, Any] = {"seq": seq, "accept": [e is not None for e in entries]}
-        if local:
-            reply["offsets"] = [None if e is None else e.offset for e in entries]
-        return reply
+        return proto.encode_reserve_reply(msg, seq, [e and e.offset for e in entries])
 
-    def _listed_blocks(self, ns: str, msg: dict[str, Any]) -> list[tuple[Any, int]]:
-        """``blocks: [[hash, shard, size], ...]`` -> ``[(key, size)]``."""
-        parsed = []
-        for b in req_list(msg, "blocks", self.cfg.max_batch):
-            if not isinstance(b, list) or len(b) != 3:
-                raise BadRequest("each block must be [hash, shard, size]")
-            key = _block_ref(ns, b[:2])
-            size = b[2]
-            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-                raise BadRequest("block size must be a positive integer")
-            parsed.append((key, size))
-        return parsed
-
-    def _packed_blocks(self, ns: str, msg: dict[str, Any]) -> list[tuple[Any, int]]:
-        """A local reservation of blocks of one shard and size, their hashes back to back
-        (``shard``, ``size``, ``hash_len``, ``hashes``) -> ``[(key, size)]``."""
-        if msg.get("local") is not True:
-            raise BadRequest("packed reservations are same-host (local) ones")
-        shard = req_int(msg, "shard", 0, 65535)
-        size = req_int(msg, "size", 1, 1 << 40)
-        return [((ns, h, shard), size) for h in self._packed_hashes(msg)]
-
-    def _packed_hashes(self, msg: dict[str, Any]) -> list[bytes]:
-        """The ``hash_len``-byte hashes packed back to back in ``hashes`` (at most
-        ``max_batch`` of them)."""
-        hl = req_int(msg, "hash_len", 1, MAX_HASH_BYTES)
-        blob = msg.get("hashes")
-        if not isinstance(blob, bytes) or len(blob) % hl:
-            raise BadRequest("hashes must be bytes, a multiple of hash_len long")
-        n = len(blob) // hl
-        if n > self.cfg.max_batch:
-            raise TooLarge(f"{n} blocks in one request; the limit is {self.cfg.max_batch}")
-        return [blob[i : i + hl] for i in range(0, len(blob), hl)]
-
-    def _commit(
-        self, conn: _Conn | None, msg: dict[str, Any], owner: _Owner
-    ) -> asyncio.Future[dict[str, Any]]:
+    def _commit(self, msg: dict[str, Any], caller: _Caller) -> asyncio.Future[dict[str, Any]]:
         """Take a commit: checked here, then carried out by :meth:`_carry_out` in a task
-        of its own, which neither the end of ``owner``'s connection or session nor the
-        caller's deadline cancels.  Returns a future of the answer."""
-        seq = req_int(msg, "seq")
-        sums = req_list(msg, "xxh3", self.cfg.max_batch)
+        of its own, which neither the end of the caller's connection or session nor its
+        deadline cancels.  Returns a future of the answer.  Plain, not async: the commit
+        is taken as soon as the data loop sees it, before the caller's next request (a
+        ``taken`` right behind it) or its end."""
+        owner = caller.owner
+        seq, sums, digests = proto.decode_commit(msg, self.cfg.max_batch)
         res = self._reservations.get(seq)
         if res is None or res.owner is not owner or res.committing:
             raise BadRequest(
                 f"no reservation {seq} on this connection (expired, aborted or committed?)"
             )
-        digests = msg.get("digest")
         if len(sums) != len(res.entries) or (
             digests is not None and (not isinstance(digests, list) or len(digests) != len(sums))
         ):
@@ -984,10 +854,10 @@ class DataServer:
         task.add_done_callback(lambda t: self._commit_done(seq, res, t))
         return asyncio.shield(task)
 
-    def _taken(self, msg: dict[str, Any], owner: _Owner) -> dict[str, Any]:
-        """``taken``: whether ``owner``'s commit of ``seq`` is held (being carried out)."""
-        held = self._commits.get(req_int(msg, "seq"))
-        return {"taken": held is not None and held[0] is owner}
+    def _taken(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
+        """``taken``: whether the caller's commit of ``seq`` is held (being carried out)."""
+        held = self._commits.get(proto.decode_seq(msg))
+        return {"taken": held is not None and held[0] is caller.owner}
 
     def _commit_done(self, seq: int, res: _Reservation, task: asyncio.Task[Any]) -> None:
         self._commits.pop(seq, None)
@@ -1031,9 +901,8 @@ class DataServer:
                 self.pool.abort(e)
                 failed.append(i)
                 continue
-            d = None if digests is None else digests[i]
-            ok = isinstance(d, int) and not isinstance(d, bool) and -(2**63) <= d < 2**63
-            loc = self.pool.commit(e, got, d if ok else None)
+            d = None if digests is None else proto.digest_of(digests[i])
+            loc = self.pool.commit(e, got, d)
             self.sink.publish(e.key[0], e.key[1], e.key[2], loc)
             stored += 1
             nbytes += e.size
@@ -1058,12 +927,12 @@ class DataServer:
         )
         return [x for part in parts for x in part]
 
-    def _abort_own(self, msg: dict[str, Any], owner: _Owner) -> dict[str, Any]:
-        """``abort``: drop reservation ``seq`` if it is ``owner``'s; another's is left
+    def _abort_own(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
+        """``abort``: drop reservation ``seq`` if it is the caller's; another's is left
         alone, as an unknown or expired one is."""
-        seq = req_int(msg, "seq")
+        seq = proto.decode_seq(msg)
         res = self._reservations.get(seq)
-        if res is not None and res.owner is owner and not res.committing:
+        if res is not None and res.owner is caller.owner and not res.committing:
             self._abort(seq)
         return {}
 
@@ -1112,29 +981,6 @@ def _wire(e: Any) -> tuple[int, bytes]:
     if e.wire is None:
         e.wire = LocatedBlocks.wire_row(e.offset, e.size, e.gen, e.xxh3, e.digest)
     return e.wire
-
-
-def _wanted_gens(items: list[Any]) -> list[int | None] | None:
-    """The expected generation of each ``[hash, shard, gen]`` item (None where an item
-    has none); None when no item carries one.  Items are already checked as lists."""
-    if all(len(b) == 2 for b in items):
-        return None
-    out: list[int | None] = []
-    for b in items:
-        g = b[2] if len(b) > 2 else None
-        if g is not None and (type(g) is not int or not 0 <= g < 1 << 64):
-            raise BadRequest("a block's generation must be an integer in [0, 2**64)")
-        out.append(g)
-    return out
-
-
-def _block_ref(ns: str, b: Any) -> tuple[str, bytes, int]:
-    if not isinstance(b, list) or len(b) < 2:
-        raise BadRequest("each block must be [hash, shard, ...]")
-    shard = b[1]
-    if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard < 65536:
-        raise BadRequest("shard must be an integer in [0, 65536)")
-    return (ns, check_hash(b[0]), shard)
 
 
 def _settle(done: concurrent.futures.Future[Any], task: asyncio.Future[Any]) -> None:

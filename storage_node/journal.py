@@ -64,7 +64,7 @@ from typing import Any
 import msgpack
 
 from pegaflow.errors import BadRequest, PegaError
-from pegaflow.wire import check_hash, check_namespace, unpack
+from pegaflow.wire import SHARD_LIMIT, check_hash, check_namespace, unpack
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ _BACKOFF_MAX_S = 60.0  # and the longest wait after a failed rewrite
 _FRAME = struct.Struct("<2sHI")
 _FRAME_MAGIC = b"PJ"
 _MAX_BODY = 4096
-_MAX_SHARD = 65535  # as the data plane accepts
+_MAX_SHARD = SHARD_LIMIT - 1  # as the data plane accepts
 _U64 = (1 << 64) - 1
 _RECORD_ESTIMATE = 128  # bytes of a typical C frame, to tell if a rewrite can fit
 _POOL_ID = re.compile(r"^[0-9a-f]{8,64}$")

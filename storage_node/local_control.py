@@ -15,9 +15,10 @@ socket is committed or aborted on that session only, and is dropped when it clos
 Each session is an owner of its own for the node's quotas and read pins.
 
 The node advertises the socket in its UCX ``hello`` reply (``pool.control``), next to
-the pool file; the ops and their answers are those of the UCX protocol
-(:mod:`pegaflow.storage_node.data_server`), as the ``args`` and ``result`` of control
-requests.  Clients that cannot open the socket keep asking over UCX.
+the pool file; the ops and their answers are those of the node's protocol
+(:mod:`pegaflow.storage_node.protocol`, whose table says which ops the socket serves),
+as the ``args`` and ``result`` of control requests.  Clients that cannot open the
+socket keep asking over UCX.
 
 The node serves the socket on a thread and event loop of its own
 (:class:`~pegaflow.loopthread.LoopThread`): ``locate`` and ``unpin`` are answered there,
