@@ -101,6 +101,13 @@ class LocalNodeFinder:
         level = logging.INFO if self.announce and first else logging.DEBUG
         t0 = self._last = self._clock()
         try:
+            return self._search(client, level, first, t0)
+        finally:  # waiters wake once the outcome is recorded and logged
+            self._last = self._clock()
+            self._done.set()
+
+    def _search(self, client: Any, level: int, first: bool, t0: float) -> str:
+        try:
             found = list(client.local_nodes(timeout=self.timeout))
         except Exception as e:
             logger.log(
@@ -110,9 +117,6 @@ class LocalNodeFinder:
                 type(e).__name__, e, self.retry_s,
             )  # fmt: skip
             return ""
-        finally:
-            self._last = self._clock()
-            self._done.set()
         if not found:
             logger.log(
                 level if first else logging.DEBUG,
@@ -125,7 +129,6 @@ class LocalNodeFinder:
             )  # fmt: skip
             return ""
         best = found[0]
-        self._found, self.pool = best.record.node_id, best.pool
         others = [n.record.node_id for n in found[1:]]
         logger.log(
             logging.INFO if self.announce or not first else logging.DEBUG,
@@ -135,6 +138,7 @@ class LocalNodeFinder:
             f" (also on this host: {', '.join(others)}; local_node picks another)"
             if others else "",
         )  # fmt: skip
+        self._found, self.pool = best.record.node_id, best.pool
         return self.node
 
     def _known(self, client: Any) -> str:
