@@ -63,11 +63,8 @@ import os
 import random
 import re
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -81,7 +78,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pegaflow.devcluster import Proc, free_port, start_server  # noqa: E402
+from pegaflow.devcluster import Proc, start_server  # noqa: E402
+from tests.vllm_engine import ServeProcess  # noqa: E402
 
 #: The README's ``--kv-transfer-config``.
 THREE_KEYS: dict[str, Any] = {
@@ -623,8 +621,8 @@ def compare_outputs(base: list[Result], other: list[Result], first: int) -> dict
 # ---------------------------------------------------------------- replicas
 
 
-class Replica:
-    """One ``vllm serve`` process on a free loopback port (its own process group)."""
+class Replica(ServeProcess):
+    """One replica: ``vllm serve`` reporting ``cached_tokens`` in its usage."""
 
     def __init__(
         self,
@@ -634,76 +632,9 @@ class Replica:
         env: dict[str, str] | None = None,
         name: str = "replica",
     ) -> None:
-        self.name = name
-        self.model = model
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        argv = [
-            str(Path(sys.executable).parent / "vllm"), "serve", model,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--enable-prompt-tokens-details", *args,
-        ]  # fmt: skip
-        if kv_transfer_config is not None:
-            argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        self.log: list[str] = []
-        self.popen = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            cwd=REPO,
-            start_new_session=True,
+        super().__init__(
+            model, ["--enable-prompt-tokens-details", *args], kv_transfer_config, env, name
         )
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self.log.append(line.rstrip("\n"))
-            if len(self.log) > 5000:
-                del self.log[:2500]
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                return bool(r.status == 200)
-        except OSError:
-            return False
-
-    def wait_ready(self, timeout: float) -> None:
-        """Block until ``/health`` answers; kill and raise with the log's tail if the
-        process exits or ``timeout`` passes."""
-        deadline = time.monotonic() + timeout
-        while not self.healthy():
-            if self.popen.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"{self.name} did not start:\n" + self.tail())
-            time.sleep(0.5)
-
-    def tail(self, n: int = 60) -> str:
-        return "\n".join(self.log[-n:])
-
-    def terminate(self, timeout: float = 120.0) -> int | None:
-        """SIGTERM (the connector drains its saves), wait, then kill what is left."""
-        rc: int | None = self.popen.poll()
-        if rc is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                rc = self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                rc = None
-        self.kill()
-        return rc
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait(30)
 
 
 def start_replicas(
@@ -968,7 +899,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     name, urls, model, specs, loads, a, node if kv else None
                 )
                 for r in replicas:
-                    if r.terminate() is None:
+                    if r.terminate(120.0) is None:
                         print(f"{r.name} did not exit on SIGTERM:\n{r.tail(20)}", file=sys.stderr)
                 replicas = []
     finally:

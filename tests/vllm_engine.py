@@ -192,18 +192,18 @@ def text_prompt(length: int, seed: int = 0) -> str:
     return " ".join(f"w{t}" for t in prompts(1, length, seed=seed)[0])
 
 
-class VllmServe:
-    """``vllm serve`` (vLLM's OpenAI-compatible HTTP server) as a real process, started
-    with the CLI exactly as an operator runs it; talked to over HTTP on loopback."""
+class ServeProcess:
+    """``vllm serve MODEL ARGS...`` as a real process on a free loopback port, in its own
+    process group (its engine core dies with it), started at once: :meth:`wait_ready`
+    blocks until its ``/health`` answers."""
 
     def __init__(
         self,
         model: str,
+        args: list[str],
         kv_transfer_config: dict[str, Any] | None,
         env: dict[str, str] | None = None,
-        extra: list[str] | None = None,
         name: str = "vllm-serve",
-        start_timeout: float = 300.0,
     ) -> None:
         from pegaflow.devcluster import free_port
 
@@ -213,14 +213,10 @@ class VllmServe:
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [
             str(Path(sys.executable).parent / "vllm"), "serve", model,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
-            "--block-size", "32", "--max-model-len", "2048",
-            "--kv-cache-memory-bytes", str(128 << 20), "--seed", "0",
+            "--host", "127.0.0.1", "--port", str(self.port), *args,
         ]  # fmt: skip
         if kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        argv += extra or []
         self.log: list[str] = []
         self.popen = subprocess.Popen(
             argv,
@@ -232,12 +228,6 @@ class VllmServe:
             start_new_session=True,  # its own process group: EngineCore dies with it
         )
         threading.Thread(target=self._pump, daemon=True).start()
-        deadline = time.monotonic() + start_timeout
-        while not self._healthy():
-            if self.popen.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"{name} did not start:\n" + self.tail())
-            time.sleep(0.5)
 
     def _pump(self) -> None:
         assert self.popen.stdout is not None
@@ -246,7 +236,8 @@ class VllmServe:
             if len(self.log) > 5000:
                 del self.log[:2500]
 
-    def _healthy(self) -> bool:
+    def healthy(self) -> bool:
+        """Whether ``/health`` answers 200 now."""
         import urllib.request
 
         try:
@@ -255,9 +246,67 @@ class VllmServe:
         except OSError:
             return False
 
+    def wait_ready(self, timeout: float) -> None:
+        """Block until ``/health`` answers; kill and raise with the log's tail if the
+        process exits or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while not self.healthy():
+            if self.popen.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"{self.name} did not start:\n" + self.tail())
+            time.sleep(0.5)
+
     def tail(self, n: int = 60) -> str:
         """The end of the server's output."""
         return "\n".join(self.log[-n:])
+
+    def terminate(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM the server (as systemd or Kubernetes stop it) and wait for it; kill
+        whatever of its process group is left.  Returns its exit status (None: killed)."""
+        rc: int | None = None
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                rc = self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                rc = None
+        else:
+            rc = self.popen.returncode
+        self.kill()
+        return rc
+
+    def kill(self) -> None:
+        """SIGKILL the server and every process it started."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(30)
+
+
+class VllmServe(ServeProcess):
+    """``vllm serve`` (vLLM's OpenAI-compatible HTTP server) as a real process, started
+    with the CLI exactly as an operator runs it, the tiny test model's settings first;
+    talked to over HTTP on loopback.  Returns once it is up."""
+
+    def __init__(
+        self,
+        model: str,
+        kv_transfer_config: dict[str, Any] | None,
+        env: dict[str, str] | None = None,
+        extra: list[str] | None = None,
+        name: str = "vllm-serve",
+        start_timeout: float = 300.0,
+    ) -> None:
+        args = [
+            "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
+            "--block-size", "32", "--max-model-len", "2048",
+            "--kv-cache-memory-bytes", str(128 << 20), "--seed", "0", *(extra or []),
+        ]  # fmt: skip
+        super().__init__(model, args, kv_transfer_config, env, name)
+        self.wait_ready(start_timeout)
 
     def complete(self, prompt: str, max_tokens: int = 8, timeout: float = 120.0) -> dict[str, Any]:
         """One greedy ``POST /v1/completions``; the decoded JSON answer."""
@@ -295,28 +344,3 @@ class VllmServe:
             for s in fam.samples:
                 out[s.name] = out.get(s.name, 0.0) + s.value
         return out
-
-    def terminate(self, timeout: float = 60.0) -> int | None:
-        """SIGTERM the server (as systemd or Kubernetes stop it) and wait for it; kill
-        whatever of its process group is left.  Returns its exit status (None: killed)."""
-        rc: int | None = None
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                rc = self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                rc = None
-        else:
-            rc = self.popen.returncode
-        self.kill()
-        return rc
-
-    def kill(self) -> None:
-        """SIGKILL the server and every process it started."""
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait(30)
