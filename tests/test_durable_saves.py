@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +137,16 @@ def _found(c: SyncPegaClient, node: str, hashes: list[bytes]) -> list[bool]:
     return where.found.tolist()
 
 
+def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Whether ``cond`` holds within ``timeout`` (polled)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return cond()
+        time.sleep(0.05)
+    return True
+
+
 def _reserved(c: SyncPegaClient, node: str) -> int:
     addr = c.call(lambda a: a._node(node, 5.0), 5.0).ucx_address
     return int(c.call(lambda a: a._data._call(addr, {"op": "stats"}, 5.0), 5.0)["reserved"])
@@ -150,10 +160,7 @@ def test_a_commit_sent_by_a_writer_killed_at_once_is_carried_out(server: Proc) -
         assert info is not None and info.control is not None
         hashes = [bytes([0xD0, i]) * 8 for i in range(16)]
         _write_and_die(server, info.control, info.path, hashes, commit=True)
-        deadline = time.monotonic() + 10
-        while not all(_found(c, node, hashes)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert all(_found(c, node, hashes)), "a commit the node received was lost"
+        assert _until(lambda: all(_found(c, node, hashes))), "a commit the node received was lost"
         bufs = [bytearray(BLOCK) for _ in hashes]
         ok = c.get_blocks(NS, [(node, h, 0, b) for h, b in zip(hashes, bufs, strict=True)], 5.0)
         assert ok == [True] * len(hashes)  # over UCX, checked against the node's xxh3
@@ -172,10 +179,7 @@ def test_a_writer_killed_before_its_commit_stores_nothing(server: Proc) -> None:
         assert info is not None and info.control is not None
         hashes = [bytes([0xD1, i]) * 8 for i in range(4)]
         _write_and_die(server, info.control, info.path, hashes, commit=False)
-        deadline = time.monotonic() + 10
-        while _reserved(c, node) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _reserved(c, node) == 0
+        assert _until(lambda: _reserved(c, node) == 0)
         assert _found(c, node, hashes) == [False] * 4
     finally:
         c.close()

@@ -69,6 +69,21 @@ def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
     return val(after, name, **labels) - val(before, name, **labels)
 
 
+async def malformed_requests(
+    client: PegaClient, ucx: str, coordinator: str, h: bytes, ns: str = NS
+) -> None:
+    """A malformed data-plane request (a bad namespace: a miss) and a malformed control
+    request (a typed error), for the error metrics to count."""
+    wrong = np.zeros(BLOCK, dtype=np.uint8)
+    assert await client._data.get(ucx, "bad/ns", [(h, 0, wrong)], 5) == [False]
+    rpc = RpcClient([coordinator], timeout=5)
+    try:
+        with pytest.raises(BadRequest):
+            await rpc.call("lookup", {"ns": ns, "hashes": "not a list"})
+    finally:
+        await rpc.close()
+
+
 async def eventually(cond: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -159,15 +174,9 @@ async def test_documented_metrics_are_served_and_count_real_traffic(
         bad = await client.put_blocks(NS, [(os.urandom(32), 0, d1[0])], "m1")
         assert (bad.stored, bad.failed) == (0, 1)
         monkeypatch.undo()
-        # a malformed data-plane request and a malformed control request
-        assert await client._data.get(cluster.nodes["m1"].ready["ucx"], "bad/ns",
-                                      [(h1[0], 0, wrong)], 5) == [False]  # fmt: skip
-        rpc = RpcClient([cluster.coordinator.ready["address"]], timeout=5)
-        try:
-            with pytest.raises(BadRequest):
-                await rpc.call("lookup", {"ns": NS, "hashes": "not a list"})
-        finally:
-            await rpc.close()
+        await malformed_requests(
+            client, cluster.nodes["m1"].ready["ucx"], cluster.coordinator.ready["address"], h1[0]
+        )
     finally:
         await client.close()
 

@@ -299,8 +299,7 @@ async def _traffic(srv: Proc) -> None:
     from pegaflow.client import PegaClient
 
     from pegaflow.config import ClientConfig
-    from pegaflow.errors import BadRequest
-    from pegaflow.rpc import RpcClient
+    from tests.test_metrics import malformed_requests
 
     address = srv.ready["coordinator"]
     client = PegaClient(
@@ -319,15 +318,7 @@ async def _traffic(srv: Proc) -> None:
         items = [(res.blocks[i][0], h, 0, out[i]) for i, h in enumerate(hashes)]
         assert all(await client.get_blocks(NS, items))
         assert np.array_equal(out, data)
-        wrong = np.zeros(BLOCK, dtype=np.uint8)
-        ucx = srv.ready["ucx"]
-        assert await client._data.get(ucx, "bad/ns", [(hashes[0], 0, wrong)], 5) == [False]
-        rpc = RpcClient([address], timeout=5)
-        try:
-            with pytest.raises(BadRequest):
-                await rpc.call("lookup", {"ns": NS, "hashes": "not a list"})
-        finally:
-            await rpc.close()
+        await malformed_requests(client, srv.ready["ucx"], address, hashes[0], NS)
     finally:
         await client.close()
 
