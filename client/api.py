@@ -1,9 +1,12 @@
 """The client library: lookups through the coordinator, blocks straight from the nodes.
 
 :class:`PegaClient` is the asyncio API; :class:`SyncPegaClient` runs one on a private
-event-loop thread for synchronous callers (the vLLM connector, scripts).  Calls have
-deadlines and never hang; per-block failures of a get are misses (``False``), not
-exceptions, because the caller's answer to a miss is always the same: recompute.
+event-loop thread for synchronous callers (the vLLM connector, scripts) and offers each
+of its operations twice, built from it by one helper: ``op(...)`` blocks for the answer,
+``submit_op(...)`` returns a future.  Calls have deadlines (:mod:`pegaflow.deadline`,
+carried across the hop to the loop) and never hang; per-block failures of a get are
+misses (``False``), not exceptions, because the caller's answer to a miss is always the
+same: recompute.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
+import functools
+import inspect
 import ipaddress
 import logging
 import os
@@ -26,6 +31,7 @@ import uvloop
 
 from pegaflow import telemetry
 from pegaflow.config import ClientConfig
+from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import PegaError, Unavailable
 from pegaflow.keys import NodeRecord
 from pegaflow.rpc import RpcClient
@@ -33,6 +39,7 @@ from pegaflow.rpc import RpcClient
 from .data import DataClient, LocatedBlocks, PoolFile, PutOutcome
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Coroutine[Any, Any, Any]])
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +130,23 @@ def _same_file(info: PoolFile) -> bool:
     return True
 
 
+_TIMEOUT_OF: dict[str, str] = {}
+"""Each operation of :class:`PegaClient` (by name): the :class:`ClientConfig` field its
+``timeout`` defaults to.  :class:`SyncPegaClient` offers exactly these operations."""
+
+
+def _op(default: str) -> Callable[[F], F]:
+    """Declare an operation of :class:`PegaClient` whose ``timeout`` defaults to
+    ``ClientConfig.<default>`` (the blocking and the future form of
+    :class:`SyncPegaClient` follow from it)."""
+
+    def register(fn: F) -> F:
+        _TIMEOUT_OF[fn.__name__] = default
+        return fn
+
+    return register
+
+
 def _by_node(items: Sequence[tuple[Any, ...]]) -> dict[str, list[int]]:
     """Indexes of ``items`` grouped by their first field, the node id."""
     by_node: dict[str, list[int]] = defaultdict(list)
@@ -146,6 +170,10 @@ class PegaClient:
         await self._rpc.close()
         await self._data.close()
 
+    def _deadline(self, op: str, timeout: Timeout) -> Deadline:
+        """The deadline of operation ``op`` given its ``timeout`` (see :data:`_TIMEOUT_OF`)."""
+        return Deadline.of(timeout, getattr(self.cfg, _TIMEOUT_OF[op]))
+
     @property
     def stale_misses(self) -> int:
         """Blocks of fenced gets (``get_blocks(..., generations=...)``) that were misses
@@ -160,12 +188,13 @@ class PegaClient:
 
     # ---- control plane -------------------------------------------------------------
 
+    @_op("lookup_timeout_s")
     async def lookup(
         self,
         ns: str,
         hashes: Sequence[bytes],
         shards: Sequence[int] = (0,),
-        timeout: float | None = None,
+        timeout: Timeout = None,
         generations: bool = False,
         warm_up: bool = False,
     ) -> LookupResult:
@@ -190,9 +219,7 @@ class PegaClient:
                 args["gens"] = True
             if warm_up:
                 args["warm_up"] = True
-            res = await self._rpc.call(
-                "lookup", args, timeout=self.cfg.lookup_timeout_s if timeout is None else timeout
-            )
+            res = await self._rpc.call("lookup", args, timeout=self._deadline("lookup", timeout))
             span.set_attribute("pegaflow.hits", int(res["hits"]))
         nodes = {nid: NodeRecord.from_wire(rec) for nid, rec in res.get("nodes", {}).items()}
         self._nodes.update(nodes)
@@ -205,35 +232,38 @@ class PegaClient:
             gens = [flat[i : i + k] for i in range(0, hits * k, k)]
         return LookupResult(hits, nodes, [list(b) for b in res.get("blocks", [])], gens)
 
+    @_op("rpc_timeout_s")
     async def place(
-        self, ns: str, count: int, block_bytes: int, timeout: float | None = None
+        self, ns: str, count: int, block_bytes: int, timeout: Timeout = None
     ) -> NodeRecord:
         """The node the coordinator picks for ``count`` new blocks of ``block_bytes``."""
         res = await self._rpc.call(
             "place",
             {"ns": ns, "count": count, "block_bytes": block_bytes, "client_host": self.cfg.host},
-            timeout=timeout,
+            timeout=self._deadline("place", timeout),
         )
         rec = NodeRecord.from_wire(res["node"])
         self._nodes[rec.node_id] = rec
         return rec
 
-    async def status(self, timeout: float | None = None) -> dict[str, Any]:
+    @_op("rpc_timeout_s")
+    async def status(self, timeout: Timeout = None) -> dict[str, Any]:
         """The cluster status document (nodes, usage, index size)."""
-        return await self._rpc.call("status", {}, timeout=timeout)
+        return await self._rpc.call("status", {}, timeout=self._deadline("status", timeout))
 
-    async def nodes(self, timeout: float | None = None) -> dict[str, NodeRecord]:
+    @_op("rpc_timeout_s")
+    async def nodes(self, timeout: Timeout = None) -> dict[str, NodeRecord]:
         """Every node of the cluster, by id."""
-        res = await self._rpc.call("nodes", {}, timeout=timeout)
+        res = await self._rpc.call("nodes", {}, timeout=self._deadline("nodes", timeout))
         recs = [NodeRecord.from_wire(r) for r in res.get("nodes", [])]
         self._nodes = {r.node_id: r for r in recs}
         self._nodes_at = time.monotonic()
         return dict(self._nodes)
 
-    async def _node(self, node_id: str, timeout: float) -> NodeRecord:
+    async def _node(self, node_id: str, deadline: Deadline) -> NodeRecord:
         rec = self._nodes.get(node_id)
         if rec is None and time.monotonic() - self._nodes_at > 1.0:
-            await self.nodes(timeout=timeout)
+            await self.nodes(timeout=deadline)
             rec = self._nodes.get(node_id)
         if rec is None:
             raise Unavailable(f"node {node_id!r} is not a member of the cluster")
@@ -241,11 +271,12 @@ class PegaClient:
 
     # ---- data plane ----------------------------------------------------------------
 
+    @_op("transfer_timeout_s")
     async def get_blocks(
         self,
         ns: str,
         items: Sequence[GetItem],
-        timeout: float | None = None,
+        timeout: Timeout = None,
         generations: Sequence[int | None] | None = None,
     ) -> list[bool]:
         """Fetch blocks into caller-owned buffers, batched per node, nodes in parallel.
@@ -257,13 +288,13 @@ class PegaClient:
         """
         if generations is not None and len(generations) != len(items):
             raise ValueError("generations must have one entry per item")
-        budget = self.cfg.transfer_timeout_s if timeout is None else timeout
+        deadline = self._deadline("get_blocks", timeout)
         by_node = _by_node(items)
         ok = [False] * len(items)
 
         async def one(node_id: str, idx: list[int]) -> None:
             try:
-                rec = await self._node(node_id, budget)
+                rec = await self._node(node_id, deadline)
             except Exception:
                 return
             attrs = (
@@ -276,7 +307,7 @@ class PegaClient:
                     rec.ucx_address,
                     ns,
                     [(items[i][1], items[i][2], items[i][3]) for i in idx],
-                    budget,
+                    deadline,
                     None if generations is None else [generations[i] for i in idx],
                 )
                 span.set_attribute("pegaflow.loaded", sum(got))
@@ -286,25 +317,26 @@ class PegaClient:
         await asyncio.gather(*(one(n, idx) for n, idx in by_node.items()))
         return ok
 
+    @_op("rpc_timeout_s")
     async def pin_blocks(
         self,
         ns: str,
         items: Sequence[tuple[str, bytes, int]],
         ttl_s: float = 5.0,
-        timeout: float | None = None,
+        timeout: Timeout = None,
     ) -> list[bool]:
         """Read pins: keep ``(node id, hash, shard)`` blocks from eviction for ``ttl_s``,
         between a lookup and the get that follows it.  Per item: stored and pinned.
         Best effort: failures are ``False``, never raised."""
-        budget = self.cfg.rpc_timeout_s if timeout is None else timeout
+        deadline = self._deadline("pin_blocks", timeout)
         by_node = _by_node(items)
         ok = [False] * len(items)
 
         async def one(node_id: str, idx: list[int]) -> None:
             try:
-                rec = await self._node(node_id, budget)
+                rec = await self._node(node_id, deadline)
                 got = await self._data.pin(
-                    rec.ucx_address, ns, [(items[i][1], items[i][2]) for i in idx], ttl_s, budget
+                    rec.ucx_address, ns, [(items[i][1], items[i][2]) for i in idx], ttl_s, deadline
                 )
             except PegaError:
                 return
@@ -314,12 +346,13 @@ class PegaClient:
         await asyncio.gather(*(one(n, idx) for n, idx in by_node.items()))
         return ok
 
+    @_op("transfer_timeout_s")
     async def put_blocks(
         self,
         ns: str,
         items: Sequence[PutItem],
         node_id: str | None = None,
-        timeout: float | None = None,
+        timeout: Timeout = None,
     ) -> PutResult:
         """Store blocks (two-phase) on ``node_id``, else the local node, else placement.
 
@@ -328,13 +361,13 @@ class PegaClient:
         """
         if not items:
             return PutResult()
-        budget = self.cfg.transfer_timeout_s if timeout is None else timeout
+        deadline = self._deadline("put_blocks", timeout)
         target = node_id or self.cfg.local_node
         if target:
-            rec = await self._node(target, budget)
+            rec = await self._node(target, deadline)
         else:
             rec = await self.place(
-                ns, len(items), len(memoryview(items[0][2]).cast("B")), timeout=budget
+                ns, len(items), len(memoryview(items[0][2]).cast("B")), timeout=deadline
             )
         attrs = (
             {"pegaflow.node": rec.node_id, "pegaflow.blocks": len(items)}
@@ -342,35 +375,34 @@ class PegaClient:
             else None
         )
         with telemetry.span("pegaflow.client.put", attrs) as span:
-            out = await self._data.put(rec.ucx_address, ns, items, budget)
+            out = await self._data.put(rec.ucx_address, ns, items, deadline)
             span.set_attribute("pegaflow.stored", out.stored)
         return out
 
     # ---- same-host shortcut: the caller maps the node's pool file itself ------------
 
-    async def local_pool(self, node_id: str, timeout: float | None = None) -> PoolFile | None:
+    @_op("rpc_timeout_s")
+    async def local_pool(self, node_id: str, timeout: Timeout = None) -> PoolFile | None:
         """The pool file of ``node_id`` if the node offers it to this client (same-host
         shortcut; whether this process can open it is for the caller to check)."""
-        budget = self.cfg.rpc_timeout_s if timeout is None else timeout
-        rec = await self._node(node_id, budget)
-        return await self._data.pool_file(rec.ucx_address, budget)
+        deadline = self._deadline("local_pool", timeout)
+        rec = await self._node(node_id, deadline)
+        return await self._data.pool_file(rec.ucx_address, deadline)
 
-    async def local_nodes(self, timeout: float | None = None) -> list[LocalNode]:
+    @_op("rpc_timeout_s")
+    async def local_nodes(self, timeout: Timeout = None) -> list[LocalNode]:
         """The nodes on this host: among every node the coordinator knows, those whose
         address may be this machine's (:func:`on_this_host`) and whose pool file, offered
         in the data-plane handshake, this process can open as the same file
         (:func:`open_pool_file`).  Largest pool first, then by id, so every process of
         an engine picks the same one.  Nodes that do not answer within ``timeout``
         (default ``rpc_timeout_s``, for the whole call) are left out."""
-        budget = self.cfg.rpc_timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + budget
-        records = await self.nodes(timeout=budget)
+        deadline = self._deadline("local_nodes", timeout)
+        records = await self.nodes(timeout=deadline)
 
         async def probe(rec: NodeRecord) -> LocalNode | None:
             try:
-                pool = await self._data.pool_file(
-                    rec.ucx_address, max(0.001, deadline - time.monotonic())
-                )
+                pool = await self._data.pool_file(rec.ucx_address, deadline)
             except PegaError as e:
                 log.debug("node %s (%s): no handshake: %s", rec.node_id, rec.ucx_address, e)
                 return None
@@ -383,15 +415,15 @@ class PegaClient:
             return []
         try:
             got = await asyncio.wait_for(
-                asyncio.gather(*(probe(r) for r in candidates)),
-                max(0.001, deadline - time.monotonic()),
+                asyncio.gather(*(probe(r) for r in candidates)), deadline.left()
             )
         except TimeoutError:
-            raise Unavailable(f"nodes on this host did not answer within {budget:.3f} s") from None
+            raise Unavailable("nodes on this host did not answer within the deadline") from None
         found = [n for n in got if n is not None]
         found.sort(key=lambda n: (-n.record.capacity_bytes, n.record.node_id))
         return found
 
+    @_op("rpc_timeout_s")
     async def locate(
         self,
         ns: str,
@@ -399,56 +431,60 @@ class PegaClient:
         hashes: Sequence[bytes],
         shard: int = 0,
         ttl_s: float = 5.0,
-        timeout: float | None = None,
+        timeout: Timeout = None,
     ) -> tuple[int, LocatedBlocks]:
         """Pin blocks ``(h, shard)`` on ``node_id`` for ``ttl_s``; returns (pin id,
         where each block is in the pool file).  See :meth:`DataClient.locate`; release
         with :meth:`unpin`."""
-        budget = self.cfg.rpc_timeout_s if timeout is None else timeout
-        rec = await self._node(node_id, budget)
-        return await self._data.locate(rec.ucx_address, ns, hashes, shard, ttl_s, budget)
+        deadline = self._deadline("locate", timeout)
+        rec = await self._node(node_id, deadline)
+        return await self._data.locate(rec.ucx_address, ns, hashes, shard, ttl_s, deadline)
 
-    async def unpin(self, node_id: str, pin: int, timeout: float | None = None) -> None:
+    @_op("rpc_timeout_s")
+    async def unpin(self, node_id: str, pin: int, timeout: Timeout = None) -> None:
         """Release a pin of :meth:`locate` early."""
-        budget = self.cfg.rpc_timeout_s if timeout is None else timeout
-        rec = await self._node(node_id, budget)
-        await self._data.unpin(rec.ucx_address, pin, budget)
+        deadline = self._deadline("unpin", timeout)
+        rec = await self._node(node_id, deadline)
+        await self._data.unpin(rec.ucx_address, pin, deadline)
 
+    @_op("rpc_timeout_s")
     async def report_lookups(
         self,
         node_id: str,
         lookups: int,
         asked_blocks: int,
         hit_blocks: int,
-        timeout: float | None = None,
+        timeout: Timeout = None,
     ) -> None:
         """Report to ``node_id`` the ``lookups`` this client answered from that node
         alone (:meth:`locate` found every block: no coordinator was asked), with the
         blocks they asked for and found; the node counts them, and the coordinators
         add them to the cluster-wide hit rate."""
-        budget = self.cfg.rpc_timeout_s if timeout is None else timeout
-        rec = await self._node(node_id, budget)
-        await self._data.report(rec.ucx_address, lookups, asked_blocks, hit_blocks, budget)
+        deadline = self._deadline("report_lookups", timeout)
+        rec = await self._node(node_id, deadline)
+        await self._data.report(rec.ucx_address, lookups, asked_blocks, hit_blocks, deadline)
 
+    @_op("transfer_timeout_s")
     async def reserve_local(
         self,
         ns: str,
         node_id: str,
         blocks: Sequence[tuple[bytes, int, int]],
-        timeout: float | None = None,
+        timeout: Timeout = None,
     ) -> tuple[int, list[int | None]]:
         """Reserve slots for ``(hash, shard, size)`` blocks written through the pool file;
         returns (reservation, slot offset or None if already stored)."""
-        budget = self.cfg.transfer_timeout_s if timeout is None else timeout
-        rec = await self._node(node_id, budget)
-        return await self._data.reserve_local(rec.ucx_address, ns, blocks, budget)
+        deadline = self._deadline("reserve_local", timeout)
+        rec = await self._node(node_id, deadline)
+        return await self._data.reserve_local(rec.ucx_address, ns, blocks, deadline)
 
+    @_op("transfer_timeout_s")
     async def commit_local(
         self,
         node_id: str,
         seq: int,
         accepted: Sequence[bool],
-        timeout: float | None = None,
+        timeout: Timeout = None,
         digests: Sequence[int | None] | None = None,
         on_taken: Callable[[], None] | None = None,
     ) -> PutResult:
@@ -457,19 +493,29 @@ class PegaClient:
         kept with the blocks).  ``on_taken``: called, on the client's loop, once the
         node holds the commit and carries it out whatever happens to this process
         (see :meth:`DataClient.commit`)."""
-        budget = self.cfg.transfer_timeout_s if timeout is None else timeout
-        rec = await self._node(node_id, budget)
-        return await self._data.commit(rec.ucx_address, seq, accepted, budget, digests, on_taken)
+        deadline = self._deadline("commit_local", timeout)
+        rec = await self._node(node_id, deadline)
+        return await self._data.commit(rec.ucx_address, seq, accepted, deadline, digests, on_taken)
 
-    async def abort_local(self, node_id: str, seq: int, timeout: float | None = None) -> None:
+    @_op("rpc_timeout_s")
+    async def abort_local(self, node_id: str, seq: int, timeout: Timeout = None) -> None:
         """Drop a :meth:`reserve_local` reservation."""
-        budget = self.cfg.rpc_timeout_s if timeout is None else timeout
-        rec = await self._node(node_id, budget)
-        await self._data.abort(rec.ucx_address, seq, budget)
+        deadline = self._deadline("abort_local", timeout)
+        rec = await self._node(node_id, deadline)
+        await self._data.abort(rec.ucx_address, seq, deadline)
 
 
 class SyncPegaClient:
-    """A thread-safe, blocking facade over a :class:`PegaClient` on its own loop thread."""
+    """A thread-safe, blocking facade over a :class:`PegaClient` on its own loop thread.
+
+    Every operation of :class:`PegaClient` is here twice, with its signature: ``op(...)``
+    blocks until the answer, ``submit_op(...)`` returns a
+    :class:`concurrent.futures.Future` of it at once.  The call's deadline is made from
+    its ``timeout`` on the caller's thread and carried to the loop (a
+    :class:`~pegaflow.deadline.Deadline` passed as ``timeout`` is carried as it is), so
+    the wait for the loop counts against it; a blocking call waits at most
+    :data:`~pegaflow.deadline.HOP_MARGIN_S` past it.
+    """
 
     def __init__(self, cfg: ClientConfig, token: str | None = None) -> None:
         self.cfg = cfg
@@ -481,7 +527,9 @@ class SyncPegaClient:
             target=self._loop.run_forever, name="pegaflow-client", daemon=True
         )
         self._thread.start()
-        self._client: PegaClient = self._run(self._make(cfg, token), None)
+        self._client: PegaClient = self._wait(
+            self._submit(self._make(cfg, token)), Deadline.of(cfg.rpc_timeout_s)
+        )
 
     @staticmethod
     async def _make(cfg: ClientConfig, token: str | None) -> PegaClient:
@@ -491,104 +539,40 @@ class SyncPegaClient:
         # bind_context: the caller's trace context follows the call onto the loop thread
         return asyncio.run_coroutine_threadsafe(telemetry.bind_context(coro), self._loop)
 
-    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
-        fut = self._submit(coro)
+    def _wait(self, fut: concurrent.futures.Future[T], deadline: Deadline) -> T:
         try:
-            # the coroutine enforces its own deadline; this only guards a wedged loop
-            return fut.result(None if timeout is None else timeout + 1.0)
+            # the coroutine enforces the deadline itself; this only guards a wedged loop
+            return fut.result(deadline.hop_wait())
         except concurrent.futures.TimeoutError:
             fut.cancel()
             raise Unavailable("client event loop did not answer in time") from None
 
-    def call(self, fn: Callable[[PegaClient], Coroutine[Any, Any, T]], timeout: float) -> T:
-        """Run ``fn(async_client)`` on the client's loop and wait (at most ``timeout``
-        plus a second) for its result; for the async API's less common calls."""
-        return self._run(fn(self._client), timeout)
+    def _on_loop(self, fn: Callable[[PegaClient], Coroutine[Any, Any, T]], timeout: float) -> T:
+        """``fn(async_client)`` on the loop, waited for: only for tests that reach into
+        the async client's internals (callers use the operations)."""
+        return self._wait(self._submit(fn(self._client)), Deadline.of(timeout))
 
-    def submit(
-        self, fn: Callable[[PegaClient], Coroutine[Any, Any, T]]
-    ) -> concurrent.futures.Future[T]:
-        """:meth:`call` without waiting (the coroutine keeps its own deadline)."""
-        return self._submit(fn(self._client))
-
-    def lookup(
-        self,
-        ns: str,
-        hashes: Sequence[bytes],
-        shards: Sequence[int] = (0,),
-        timeout: float | None = None,
-        generations: bool = False,
-    ) -> LookupResult:
-        """See :meth:`PegaClient.lookup`."""
-        t = self.cfg.lookup_timeout_s if timeout is None else timeout
-        return self._run(self._client.lookup(ns, hashes, shards, t, generations), t)
-
-    def get_blocks(
-        self,
-        ns: str,
-        items: Sequence[GetItem],
-        timeout: float | None = None,
-        generations: Sequence[int | None] | None = None,
-    ) -> list[bool]:
-        """See :meth:`PegaClient.get_blocks`."""
-        t = self.cfg.transfer_timeout_s if timeout is None else timeout
-        return self._run(self._client.get_blocks(ns, items, t, generations), t)
-
-    def put_blocks(
-        self,
-        ns: str,
-        items: Sequence[PutItem],
-        node_id: str | None = None,
-        timeout: float | None = None,
-    ) -> PutResult:
-        """See :meth:`PegaClient.put_blocks`."""
-        t = self.cfg.transfer_timeout_s if timeout is None else timeout
-        return self._run(self._client.put_blocks(ns, items, node_id, t), t)
-
-    def submit_get_blocks(
-        self,
-        ns: str,
-        items: Sequence[GetItem],
-        timeout: float | None = None,
-        generations: Sequence[int | None] | None = None,
-    ) -> concurrent.futures.Future[list[bool]]:
-        """:meth:`get_blocks` without waiting."""
-        return self._submit(self._client.get_blocks(ns, items, timeout, generations))
+    def _carry(
+        self, op: str, pos: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Deadline, tuple[Any, ...]]:
+        """The deadline of a call of ``op`` (``timeout`` at position ``pos`` of ``args``
+        or in ``kwargs``), put back into its arguments in place of the timeout."""
+        default = getattr(self.cfg, _TIMEOUT_OF[op])
+        if len(args) > pos:
+            deadline = Deadline.of(args[pos], default)
+            args = (*args[:pos], deadline, *args[pos + 1 :])
+        else:
+            deadline = kwargs["timeout"] = Deadline.of(kwargs.get("timeout"), default)
+        return deadline, args
 
     def settled(self, buf: Any) -> bool:
         """See :meth:`PegaClient.settled`."""
         return self._client.settled(buf)
 
-    def submit_pin_blocks(
-        self, ns: str, items: Sequence[tuple[str, bytes, int]], ttl_s: float = 5.0
-    ) -> concurrent.futures.Future[list[bool]]:
-        """:meth:`PegaClient.pin_blocks` without waiting (fire and forget after a lookup)."""
-        return self._submit(self._client.pin_blocks(ns, items, ttl_s))
-
-    def submit_put_blocks(
-        self,
-        ns: str,
-        items: Sequence[PutItem],
-        node_id: str | None = None,
-        timeout: float | None = None,
-    ) -> concurrent.futures.Future[PutResult]:
-        """:meth:`put_blocks` without waiting."""
-        return self._submit(self._client.put_blocks(ns, items, node_id, timeout))
-
-    def status(self, timeout: float | None = None) -> dict[str, Any]:
-        """See :meth:`PegaClient.status`."""
-        t = self.cfg.rpc_timeout_s if timeout is None else timeout
-        return self._run(self._client.status(t), t)
-
-    def nodes(self, timeout: float | None = None) -> dict[str, NodeRecord]:
-        """See :meth:`PegaClient.nodes`."""
-        t = self.cfg.rpc_timeout_s if timeout is None else timeout
-        return self._run(self._client.nodes(t), t)
-
-    def local_nodes(self, timeout: float | None = None) -> list[LocalNode]:
-        """See :meth:`PegaClient.local_nodes`."""
-        t = self.cfg.rpc_timeout_s if timeout is None else timeout
-        return self._run(self._client.local_nodes(t), t)
+    @property
+    def stale_misses(self) -> int:
+        """See :attr:`PegaClient.stale_misses`."""
+        return self._client.stale_misses
 
     async def _shutdown(self) -> None:
         await self._client.close()
@@ -603,8 +587,57 @@ class SyncPegaClient:
         if not self._loop.is_running():
             return
         try:
-            self._run(self._shutdown(), 5.0)
+            self._wait(self._submit(self._shutdown()), Deadline.of(5.0))
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
             self._loop.close()
+
+
+def _blocking(op: str) -> Callable[..., Any]:
+    """``SyncPegaClient.<op>``: :meth:`PegaClient.<op>` on the loop, waited for."""
+    fn = getattr(PegaClient, op)
+    pos = _timeout_index(fn)
+
+    @functools.wraps(fn)
+    def call(self: SyncPegaClient, *args: Any, **kwargs: Any) -> Any:
+        deadline, args = self._carry(op, pos, args, kwargs)
+        return self._wait(self._submit(fn(self._client, *args, **kwargs)), deadline)
+
+    call.__doc__ = f"Blocking :meth:`PegaClient.{op}` (see there)."
+    return call
+
+
+def _submitting(op: str) -> Callable[..., concurrent.futures.Future[Any]]:
+    """``SyncPegaClient.submit_<op>``: :meth:`PegaClient.<op>` on the loop, not waited for."""
+    fn = getattr(PegaClient, op)
+    pos = _timeout_index(fn)
+
+    @functools.wraps(fn)
+    def submit(self: SyncPegaClient, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        _deadline, args = self._carry(op, pos, args, kwargs)
+        return self._submit(fn(self._client, *args, **kwargs))
+
+    sig = inspect.signature(fn)
+    submit.__name__ = submit.__qualname__ = f"submit_{op}"
+    submit.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        return_annotation=f"concurrent.futures.Future[{sig.return_annotation}]"
+    )
+    submit.__doc__ = (
+        f":meth:`PegaClient.{op}` without waiting: a future of its answer (its deadline "
+        "runs from this call; pass a Deadline as ``timeout`` to wait for it with "
+        "``fut.result(deadline.hop_wait())``)."
+    )
+    return submit
+
+
+def _timeout_index(fn: Callable[..., Any]) -> int:
+    """Where ``timeout`` is among the positional arguments of method ``fn`` after self."""
+    names = list(inspect.signature(fn).parameters)[1:]
+    return names.index("timeout")
+
+
+for _op_name in _TIMEOUT_OF:
+    setattr(SyncPegaClient, _op_name, _blocking(_op_name))
+    setattr(SyncPegaClient, f"submit_{_op_name}", _submitting(_op_name))
+del _op_name

@@ -20,7 +20,6 @@ import concurrent.futures
 import functools
 import itertools
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ from pegaflow.storage_node import protocol as proto
 
 from pegaflow import telemetry
 from pegaflow.checksum import checksum
+from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import BadRequest, PegaError, Unavailable, error_from_wire
 from pegaflow.rpc import UNIX_PREFIX, RpcClient, parse_address
 from pegaflow.ucx import UcxWorker, close_endpoint, make_tag
@@ -278,31 +278,29 @@ class DataClient:
         except PegaError as e:
             self._drop(conn, Unavailable(f"data connection to {conn.addr} failed: {e}"))
 
-    async def _connection(self, addr: str, deadline: float) -> _NodeConn:
+    async def _connection(self, addr: str, deadline: Deadline) -> _NodeConn:
         conn = self._conns.get(addr)
         if conn is not None:
             return conn
         pending = self._connecting.get(addr)
         if pending is None:
             # the connection outlives this call: it gets the connect timeout, not our budget
-            pending = asyncio.ensure_future(
-                self._open(addr, time.monotonic() + self._connect_timeout)
-            )
+            pending = asyncio.ensure_future(self._open(addr, Deadline.after(self._connect_timeout)))
             self._connecting[addr] = pending
             pending.add_done_callback(lambda _f: self._connecting.pop(addr, None))
             pending.add_done_callback(_retrieve)
         try:
-            return await asyncio.wait_for(asyncio.shield(pending), _left(deadline))
+            return await asyncio.wait_for(asyncio.shield(pending), deadline.left())
         except TimeoutError:
             raise Unavailable(f"connecting to {addr} took longer than the deadline") from None
 
-    async def _open(self, addr: str, deadline: float) -> _NodeConn:
+    async def _open(self, addr: str, deadline: Deadline) -> _NodeConn:
         host, port = parse_address(addr)
-        ep = await self.worker.connect(host, port, _left(deadline))
+        ep = await self.worker.connect(host, port, deadline)
         conn = _NodeConn(addr, ep)
         conn.reader = asyncio.create_task(self._read_loop(conn))
         try:
-            hello = await self._request(conn, proto.encode_hello(self._token), _left(deadline))
+            hello = await self._request(conn, proto.encode_hello(self._token), deadline)
         except PegaError:
             self._drop(conn, Unavailable(f"handshake with {addr} failed"))
             raise
@@ -318,7 +316,7 @@ class DataClient:
         return conn
 
     async def _request(
-        self, conn: _NodeConn, msg: dict[str, Any], timeout: float
+        self, conn: _NodeConn, msg: dict[str, Any], deadline: Deadline
     ) -> dict[str, Any]:
         rid = next(self._ids)
         msg["id"] = rid
@@ -333,7 +331,7 @@ class DataClient:
 
         w.on_done(w.am_send(conn.ep, pack(msg)), sent)
         try:
-            await asyncio.wait_for(fut, timeout)
+            await asyncio.wait_for(fut, deadline.left())
         except PegaError:
             conn.pending.pop(rid, None)
             raise
@@ -341,7 +339,7 @@ class DataClient:
             conn.pending.pop(rid, None)
             self._drop(conn, Unavailable(f"{msg['op']} to {conn.addr} timed out"))
             raise Unavailable(
-                f"{msg['op']} to {conn.addr} timed out after {timeout:.3f} s"
+                f"{msg['op']} to {conn.addr} timed out (its deadline passed)"
             ) from None
         reply = fut.result()
         if not reply.get("ok"):
@@ -355,7 +353,7 @@ class DataClient:
         addr: str,
         ns: str,
         items: Sequence[tuple[bytes, int, Any]],
-        timeout: float,
+        timeout: Timeout,
         gens: Sequence[int | None] | None = None,
     ) -> list[bool]:
         """Fetch ``(hash, shard, buffer)`` blocks from the node at ``addr``.
@@ -368,7 +366,7 @@ class DataClient:
         """
         if not items:
             return []
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.of(timeout)
         views = [_byte_view(b) for _, _, b in items]
         if self._unsettled.overlaps(views):
             log.warning(
@@ -395,8 +393,8 @@ class DataClient:
             try:
                 msg = proto.encode_get(ns, seq, [(h, s) for h, s, _ in items], gens)
                 msg.update(telemetry.wire_context())
-                reply = await self._request(conn, msg, _left(deadline))
-                await asyncio.wait_for(landed.fut, _left(deadline))
+                reply = await self._request(conn, msg, deadline)
+                await asyncio.wait_for(landed.fut, deadline.left())
             except BaseException as e:
                 w.forget([landed.fut])
                 if not landed.fut.cancelled():
@@ -425,7 +423,7 @@ class DataClient:
             return [False] * len(items)
 
     async def put(
-        self, addr: str, ns: str, items: Sequence[tuple[bytes, int, Any]], timeout: float
+        self, addr: str, ns: str, items: Sequence[tuple[bytes, int, Any]], timeout: Timeout
     ) -> PutOutcome:
         """Store ``(hash, shard, buffer)`` blocks on the node at ``addr`` (two-phase).
 
@@ -433,7 +431,7 @@ class DataClient:
         """
         if not items:
             return PutOutcome()
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.of(timeout)
         views = [_byte_view(b) for _, _, b in items]
         loop = asyncio.get_running_loop()
         # checksums are computed off the loop thread while the reservation round-trips
@@ -444,7 +442,7 @@ class DataClient:
             blocks = [(h, s, len(v)) for (h, s, _), v in zip(items, views, strict=True)]
             msg = proto.encode_reserve(ns, blocks)
             msg.update(telemetry.wire_context())
-            reply = await self._request(conn, msg, _left(deadline))
+            reply = await self._request(conn, msg, deadline)
             try:
                 seq, accept = proto.reserve_reply(reply, len(items))
             except Unavailable as e:
@@ -461,10 +459,10 @@ class DataClient:
                 seq, [x if a else None for x, a in zip(sums, accept, strict=True)]
             )
             msg.update(telemetry.wire_context())
-            commit = asyncio.ensure_future(self._request(conn, msg, _left(deadline)))
+            commit = asyncio.ensure_future(self._request(conn, msg, deadline))
             sent = asyncio.gather(*futs)
             try:
-                _, done = await asyncio.wait_for(asyncio.gather(sent, commit), _left(deadline))
+                _, done = await asyncio.wait_for(asyncio.gather(sent, commit), deadline.left())
             except BaseException as e:
                 w.forget(futs)
                 for f in (commit, sent):
@@ -485,7 +483,12 @@ class DataClient:
         )
 
     async def pin(
-        self, addr: str, ns: str, blocks: Sequence[tuple[bytes, int]], ttl_s: float, timeout: float
+        self,
+        addr: str,
+        ns: str,
+        blocks: Sequence[tuple[bytes, int]],
+        ttl_s: float,
+        timeout: Timeout,
     ) -> list[bool]:
         """Ask the node to keep blocks from eviction for ``ttl_s`` (a read pin between
         lookup and get); per block, whether it is stored and now pinned."""
@@ -493,58 +496,58 @@ class DataClient:
             return []
         return proto.pin_reply(await self._call(addr, proto.encode_pin(ns, blocks, ttl_s), timeout))
 
-    async def _call(self, addr: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    async def _call(self, addr: str, msg: dict[str, Any], timeout: Timeout) -> dict[str, Any]:
         """One control request to the node at ``addr`` within ``timeout`` (connecting
         first if needed)."""
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.of(timeout)
         conn = await self._connection(addr, deadline)
-        return await self._request(conn, msg, _left(deadline))
+        return await self._request(conn, msg, deadline)
 
-    async def _ask_local(self, addr: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    async def _ask_local(self, addr: str, msg: dict[str, Any], timeout: Timeout) -> dict[str, Any]:
         """A same-host request (``locate``, ``unpin``, a local ``reserve`` and its
         ``commit`` or ``abort``): over the node's control socket when it serves one and
         this process can reach it, else like :meth:`_call`.  Once the socket failed, the
         connection keeps to UCX (a reservation made on one transport is committed on it)."""
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.of(timeout)
         conn = await self._connection(addr, deadline)
         rpc = conn.control
         if rpc is not None:
             args = {k: v for k, v in msg.items() if k != "op"}
             try:
-                return await rpc.call(msg["op"], args, _left(deadline))
+                return await rpc.call(msg["op"], args, deadline)
             except Unavailable as e:  # not this host after all, or the socket went away
                 if conn.control is rpc:
                     conn.control = None
                     rpc.close_now()
                     log.info("node %s: control socket unusable (%s); asking over UCX", addr, e)
-        return await self._request(conn, msg, _left(deadline))
+        return await self._request(conn, msg, deadline)
 
     async def check(
         self,
         addr: str,
         ns: str,
         blocks: Sequence[tuple[bytes, int, int | None]],
-        timeout: float,
+        timeout: Timeout,
     ) -> list[bool]:
         """Per ``(hash, shard, generation or None)``: whether the node at ``addr`` holds
         that block committed (with that generation).  Raises a typed error when the node
         cannot answer (never guess: the index GC deletes what this says is gone)."""
         if not blocks:
             return []
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.of(timeout)
         conn = await self._connection(addr, deadline)
-        reply = await self._request(conn, proto.encode_check(ns, blocks), _left(deadline))
+        reply = await self._request(conn, proto.encode_check(ns, blocks), deadline)
         return proto.check_reply(reply, len(blocks), addr)
 
-    async def node_id(self, addr: str, timeout: float) -> str:
+    async def node_id(self, addr: str, timeout: Timeout) -> str:
         """The id the node at ``addr`` announced in its handshake."""
-        return (await self._connection(addr, time.monotonic() + timeout)).node_id
+        return (await self._connection(addr, Deadline.of(timeout))).node_id
 
     # ---- same-host shortcut (the caller maps the node's pool file itself) ----------
 
-    async def pool_file(self, addr: str, timeout: float) -> PoolFile | None:
+    async def pool_file(self, addr: str, timeout: Timeout) -> PoolFile | None:
         """The node's pool file, if it offers direct access to this client."""
-        return (await self._connection(addr, time.monotonic() + timeout)).pool
+        return (await self._connection(addr, Deadline.of(timeout))).pool
 
     async def locate(
         self,
@@ -553,7 +556,7 @@ class DataClient:
         hashes: Sequence[bytes],
         shard: int,
         ttl_s: float,
-        timeout: float,
+        timeout: Timeout,
     ) -> tuple[int, LocatedBlocks]:
         """Pin blocks ``(h, shard)`` for ``ttl_s`` and return (pin id, where each one is
         in the pool file).  The hashes must all have the same length.
@@ -564,19 +567,19 @@ class DataClient:
         msg = proto.encode_locate(ns, hashes, shard, ttl_s)
         return proto.locate_reply(await self._ask_local(addr, msg, timeout), len(hashes))
 
-    async def unpin(self, addr: str, pin: int, timeout: float) -> None:
+    async def unpin(self, addr: str, pin: int, timeout: Timeout) -> None:
         """Release a pin taken by :meth:`locate` or :meth:`pin` (idempotent)."""
         await self._ask_local(addr, proto.encode_unpin(pin), timeout)
 
     async def report(
-        self, addr: str, lookups: int, asked_blocks: int, hit_blocks: int, timeout: float
+        self, addr: str, lookups: int, asked_blocks: int, hit_blocks: int, timeout: Timeout
     ) -> None:
         """Report lookups this client answered from the node at ``addr`` alone (never
         asked of a coordinator), for the cluster-wide hit rate."""
         await self._ask_local(addr, proto.encode_report(lookups, asked_blocks, hit_blocks), timeout)
 
     async def reserve_local(
-        self, addr: str, ns: str, blocks: Sequence[tuple[bytes, int, int]], timeout: float
+        self, addr: str, ns: str, blocks: Sequence[tuple[bytes, int, int]], timeout: Timeout
     ) -> tuple[int, list[int | None]]:
         """Reserve slots for ``(hash, shard, size)`` blocks that the caller writes through
         the pool file; returns (reservation, slot offset or None when already stored).
@@ -591,7 +594,7 @@ class DataClient:
         addr: str,
         seq: int,
         accepted: Sequence[bool],
-        timeout: float,
+        timeout: Timeout,
         digests: Sequence[int | None] | None = None,
         on_taken: Callable[[], None] | None = None,
     ) -> PutOutcome:
@@ -605,6 +608,7 @@ class DataClient:
         while the node still hashes.  Else (an older node, an error) it is called when
         the commit's answer came, whatever it was."""
         msg = proto.encode_commit(seq, [None] * len(accepted), digests)
+        timeout = Deadline.of(timeout)  # the commit and its taken share one deadline
         if on_taken is None:
             reply = await self._ask_local(addr, msg, timeout)
         else:
@@ -630,14 +634,9 @@ class DataClient:
             stored=stored, skipped=len(accepted) - n_accepted, failed=n_accepted - stored
         )
 
-    async def abort(self, addr: str, seq: int, timeout: float) -> None:
+    async def abort(self, addr: str, seq: int, timeout: Timeout) -> None:
         """Drop a local reservation (its slots go back to the pool)."""
         await self._ask_local(addr, proto.encode_abort(seq), timeout)
-
-
-def _left(deadline: float) -> float:
-    """Seconds left until ``deadline`` (at least 1 ms, so a call still fails by itself)."""
-    return max(0.001, deadline - time.monotonic())
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:

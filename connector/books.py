@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pegaflow.deadline import Deadline
+
 from .metadata import SaveJob, WorkerReport
 from .metrics import Counters
 from .policy import CircuitBreaker
@@ -196,21 +198,19 @@ class WorkerBooks:
 
     def wait_for_copies(self, req_ids: Sequence[str], timeout: float) -> None:
         """Block until no copy-out of ``req_ids`` is pending (their blocks may be reused)."""
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.after(timeout)
         with self.lock:
             while any(self.pending_gathers.get(r, 0) for r in req_ids):
-                left = deadline - time.monotonic()
-                if left <= 0:
+                if deadline.expired:
                     logger.error("PegaFlow: copy-out of preempted requests still pending")
                     return
-                self.lock.wait(left)
+                self.lock.wait(deadline.remaining())
 
-    def close(self, deadline: float) -> tuple[int, int]:
-        """Wait until ``deadline`` (``time.monotonic()``) for the saves in flight to be
-        answered, then stop counting answers; returns the (queued, in flight) blocks
-        still pending."""
+    def close(self, deadline: Deadline) -> tuple[int, int]:
+        """Wait until ``deadline`` for the saves in flight to be answered, then stop
+        counting answers; returns the (queued, in flight) blocks still pending."""
         with self.lock:
-            while self.inflight_saves and time.monotonic() < deadline:
-                self.lock.wait(max(0.0, deadline - time.monotonic()))
+            while self.inflight_saves and not deadline.expired:
+                self.lock.wait(deadline.remaining())
             self.closed = True
             return self.queued_saves, self.inflight_saves

@@ -110,7 +110,7 @@ class LocalPath:
         if self._failed:
             return False
         try:
-            info = client.call(lambda c: c.local_pool(self.node_id, self.timeout), self.timeout)
+            info = client.local_pool(self.node_id, self.timeout)
             if info is None:
                 raise OSError("the node does not offer its pool file to this client")
             self.pool = MappedPool(info, self.io.device)
@@ -237,12 +237,7 @@ class LocalPath:
         try:
             for i in range(0, len(hashes), MAX_LOCATE):
                 part = hashes[i : i + MAX_LOCATE]
-                pin, got = client.call(
-                    lambda c, part=part: c.locate(
-                        ns, self.node_id, part, shard, LOCATE_PIN_S, self.timeout
-                    ),
-                    self.timeout,
-                )
+                pin, got = client.locate(ns, self.node_id, part, shard, LOCATE_PIN_S, self.timeout)
                 pins.append(pin)
                 parts.append(got)
         except BaseException:
@@ -255,7 +250,7 @@ class LocalPath:
         unpin only keeps the blocks from eviction until the pin expires on the node)."""
         for pin in pins:
             try:
-                fut = client.submit(lambda c, pin=pin: c.unpin(self.node_id, pin, self.timeout))
+                fut = client.submit_unpin(self.node_id, pin, self.timeout)
                 fut.add_done_callback(_log_unpin_failure)
             except Exception as e:
                 logger.debug("PegaFlow: unpin failed: %s", e)
@@ -281,11 +276,8 @@ class LocalPath:
         pool = self.pool
         assert pool is not None
         bb = self.io.block_bytes
-        seq, offsets = client.call(
-            lambda c: c.reserve_local(
-                ns, self.node_id, [(h, shard, bb) for h in hashes], self.timeout
-            ),
-            self.timeout,
+        seq, offsets = client.reserve_local(
+            ns, self.node_id, [(h, shard, bb) for h in hashes], self.timeout
         )
         idx = [i for i, o in enumerate(offsets) if o is not None]
         ids = [block_ids[i] for i in idx]
@@ -300,7 +292,7 @@ class LocalPath:
             )
         except BaseException:
             try:
-                client.call(lambda c: c.abort_local(self.node_id, seq, self.timeout), self.timeout)
+                client.abort_local(self.node_id, seq, self.timeout)
             except Exception:
                 pass  # the reservation expires on the node
             raise
@@ -309,10 +301,8 @@ class LocalPath:
             digs = [None] * len(hashes)
             for i, d in zip(idx, digests.tolist(), strict=True):
                 digs[i] = int(d)
-        return client.submit(
-            lambda c: c.commit_local(
-                self.node_id, seq, [o is not None for o in offsets], self.timeout, digs, on_taken
-            )
+        return client.submit_commit_local(
+            self.node_id, seq, [o is not None for o in offsets], self.timeout, digs, on_taken
         )
 
     def close(self) -> None:

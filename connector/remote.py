@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pegaflow.deadline import HOP_MARGIN_S
+
 from .blockio import KVBlockIO
 from .books import WorkerBooks
 from .discovery import LocalNodeFinder
@@ -93,6 +95,9 @@ class RemoteMedium:
     ) -> None:
         """The UCX part of a load: chunks fetched into staging, copied into the cache."""
         io, staging, timeout = self.io, self.load_staging, self.settings.transfer_timeout_s
+        # a get gives up by itself within its timeout; a wait that starts after its submit
+        # and lasts the hop margin longer only guards a wedged client loop
+        wait_s = timeout + HOP_MARGIN_S
 
         def fetch(rows: range, buf: Buf, which: Sequence[int]) -> tuple[list[int], Any]:
             items: list[tuple[str, bytes, int, Any]] = []
@@ -119,7 +124,7 @@ class RemoteMedium:
             got: list[bool] = [False] * len(idx)
             if fut is not None:
                 try:
-                    got = [bool(g) for g in fut.result(timeout + 5.0)]
+                    got = [bool(g) for g in fut.result(wait_s)]
                 except Exception as e:
                     logger.warning("PegaFlow: get of %d blocks failed: %s", len(idx), e)
             if len(got) != len(idx):
@@ -169,7 +174,7 @@ class RemoteMedium:
             for _r, b, _i, f in pending:  # after an error: let in-flight gets land first
                 if f is not None:
                     try:
-                        f.result(timeout + 5.0)
+                        f.result(wait_s)
                     except Exception:
                         pass
                 staging.release(b, settled(b))

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from pegaflow.deadline import Deadline
 
 from .blockio import KVBlockIO
 
@@ -44,7 +45,7 @@ class Staging:
 
     def acquire(self, wait: bool, timeout: float = 0.0) -> Buf | None:
         """A buffer; ``None`` when none is free (after ``timeout`` if ``wait``)."""
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.after(timeout)
         with self._cond:
             while True:
                 self._reclaim()
@@ -53,10 +54,9 @@ class Staging:
                 if self._made < self.max_chunks:
                     self._made += 1
                     break
-                left = deadline - time.monotonic()
-                if not wait or left <= 0:
+                if not wait or deadline.expired:
                     return None
-                self._cond.wait(left)
+                self._cond.wait(deadline.remaining())
         try:
             return self.io.new_staging(self.chunk_blocks)
         except Exception:

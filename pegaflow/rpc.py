@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, cast
 
 from pegaflow.auth import Authenticator, check_access
+from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import (
     BadRequest,
     DeadlineExceeded,
@@ -730,7 +731,7 @@ class RpcClient:
             raise error_from_wire(reply.get("error"))
         return conn
 
-    async def _connection(self, deadline: float) -> _ClientConnection:
+    async def _connection(self, deadline: Deadline) -> _ClientConnection:
         if self._conn is not None:
             return self._conn
         if self._connecting is None:
@@ -741,7 +742,7 @@ class RpcClient:
             errors: list[str] = []
             for i in range(len(self.addresses)):
                 idx = (self._current + i) % len(self.addresses)
-                remaining = deadline - asyncio.get_running_loop().time()
+                remaining = deadline.remaining()
                 if remaining <= 0:
                     break
                 try:
@@ -761,22 +762,22 @@ class RpcClient:
             )
 
     async def call(
-        self, op: str, args: dict[str, Any] | None = None, timeout: float | None = None
+        self, op: str, args: dict[str, Any] | None = None, timeout: Timeout = None
     ) -> Any:
-        """Run ``op`` remotely; fail over to another address if the connection breaks."""
-        budget = self.timeout if timeout is None else timeout
+        """Run ``op`` remotely within ``timeout`` (default: the client's); fail over to
+        another address if the connection breaks."""
+        deadline = Deadline.of(timeout, self.timeout)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget
         last: PegaError | None = None
         for _attempt in range(len(self.addresses) + 1):
             conn = self._conn
             if conn is None:
                 try:
-                    async with asyncio.timeout_at(deadline):
+                    async with asyncio.timeout(deadline.left()):
                         conn = await self._connection(deadline)
                 except TimeoutError:
                     break
-            remaining = deadline - loop.time()
+            remaining = deadline.remaining()
             if remaining <= 0:
                 break
             rid = next(self._ids)
@@ -787,7 +788,7 @@ class RpcClient:
                 "deadline_ms": max(1, int(remaining * 1000)),
             }
             sent_at = loop.time()
-            fut = conn.request(rid, encode_frame(frame), deadline)
+            fut = conn.request(rid, encode_frame(frame), sent_at + remaining)
             try:
                 return await fut
             except _Expired:
@@ -802,7 +803,9 @@ class RpcClient:
                         op, addr, remaining, self.current_address,
                     )  # fmt: skip
                     conn.drop(Unavailable(f"{addr} sent nothing within a deadline"))
-                raise DeadlineExceeded(f"{op} to {addr} exceeded {budget:.3f} s") from None
+                raise DeadlineExceeded(
+                    f"{op} to {addr} got no answer within {remaining:.3f} s"
+                ) from None
             except Unavailable as e:
                 if not conn.lost:  # the server's own answer
                     raise
@@ -813,4 +816,4 @@ class RpcClient:
                 raise
         if last is not None:
             raise last
-        raise DeadlineExceeded(f"{op} exceeded {budget:.3f} s")
+        raise DeadlineExceeded(f"{op} passed its deadline")

@@ -85,6 +85,7 @@ import numpy as np  # noqa: E402
 import ucxx._lib.libucxx as ucx_api  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 
+from pegaflow.deadline import Deadline  # noqa: E402
 from pegaflow.errors import DeadlineExceeded, Unavailable  # noqa: E402
 from pegaflow.ucx_address import (  # noqa: E402
     MAX_ADDRESS_BYTES,
@@ -219,11 +220,11 @@ class UcxWorker:
         self.on_done(req, done, fut)
         return fut
 
-    async def wait(self, req: Any, timeout: float) -> None:
+    async def wait(self, req: Any, timeout: float | Deadline) -> None:
         """Wait for one request; see :meth:`wait_all`."""
         await self.wait_all([req], timeout)
 
-    async def wait_all(self, reqs: list[Any], timeout: float) -> None:
+    async def wait_all(self, reqs: list[Any], timeout: float | Deadline) -> None:
         """Wait for all requests, raising DeadlineExceeded when ``timeout`` passes.
 
         UCX cannot cancel a request that is under way: after a timeout or error the
@@ -249,7 +250,8 @@ class UcxWorker:
 
         self._pending.extend((r, done, fut) for r in reqs)
         self.kick()
-        timer = self._loop.call_later(timeout, expire, fut, timeout)
+        budget = Deadline.of(timeout).left()
+        timer = self._loop.call_later(budget, expire, fut, budget)
         try:
             await fut
         finally:
@@ -341,10 +343,10 @@ class UcxWorker:
         """This worker's UCX address (what a peer needs to reach it)."""
         return bytes(self.worker.address.tobytes())
 
-    async def connect(self, host: str, port: int, timeout: float) -> Any:
+    async def connect(self, host: str, port: int, timeout: float | Deadline) -> Any:
         """An endpoint to the worker serving ``host:port`` (see :meth:`serve`)."""
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(Deadline.of(timeout).left()):
                 reader, writer = await asyncio.open_connection(host, port)
                 try:
                     writer.write(_frame(self.address))

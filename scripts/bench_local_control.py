@@ -136,9 +136,9 @@ def reserve(client: Any, node: str, n: int, size: int, calls: int) -> list[float
     for _ in range(calls):
         blocks = [(os.urandom(16), 0, size) for _ in range(n)]
         t0 = time.perf_counter()
-        seq, _ = client.call(lambda a, b=blocks: a.reserve_local(NS, node, b, 30.0), 30.0)
+        seq, _ = client.reserve_local(NS, node, blocks, 30.0)
         out.append((time.perf_counter() - t0) * 1e3)
-        client.call(lambda a, q=seq: a.abort_local(node, q, 30.0), 30.0)
+        client.abort_local(node, seq, 30.0)
     return out
 
 
@@ -149,10 +149,10 @@ def commits(client: Any, node: str, n: int, size: int, rounds: int) -> list[floa
     for r in range(rounds + 1):  # the first round warms up
         hashes = [f"save-{r}-{i}".encode().ljust(16, b".") for i in range(n)]
         blocks = [(h, 0, size) for h in hashes]
-        seq, offsets = client.call(lambda a, b=blocks: a.reserve_local(NS, node, b, 30.0), 30.0)
+        seq, offsets = client.reserve_local(NS, node, blocks, 30.0)
         accepted = [o is not None for o in offsets]
         t0 = time.perf_counter()
-        res = client.call(lambda a, q=seq, k=accepted: a.commit_local(node, q, k, 30.0), 30.0)
+        res = client.commit_local(node, seq, accepted, 30.0)
         if res.stored != n:
             raise SystemExit(f"the node stored {res.stored} of {n} blocks")
         if r:
@@ -231,10 +231,10 @@ def main() -> None:
             clients["socket"].put_blocks(NS, [(h, 0, buf) for h in hashes[k : k + 128]], node)
 
         def locate(c: SyncPegaClient, m: int) -> None:
-            pin, where = c.submit(lambda a: a.locate(NS, node, hashes[:m], 0, 10.0, 5.0)).result(5)
+            pin, where = c.submit_locate(NS, node, hashes[:m], 0, 10.0, 5.0).result(5)
             if not where.found.all():
                 raise SystemExit(f"locate found {int(where.found.sum())} of {m} blocks")
-            c.submit(lambda a: a.unpin(node, pin, 5.0))
+            c.submit_unpin(node, pin, 5.0)
 
         def lookup(c: SyncPegaClient, m: int) -> None:
             if c.lookup(NS, hashes[:m], timeout=5.0).hits != m:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import hashlib
 import threading
@@ -12,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from pegaflow.deadline import Deadline
 from pegaflow.errors import DeadlineExceeded, Unavailable
 from pegaflow.wire import LocatedBlocks
 
@@ -137,6 +137,7 @@ class FakeCluster:
         generations: bool = False,
         warm_up: bool = False,
     ) -> FakeLookup:
+        self._connect(timeout)
         self.lookups += 1
         if self.lookup_error is not None:
             raise self.lookup_error
@@ -235,56 +236,58 @@ class FakeCluster:
         threading.Thread(target=run, daemon=True).start()
         return f
 
-    def call(self, fn: Any, timeout: float) -> Any:
-        """``SyncPegaClient.call`` (after ``connect_gate``, when one is set)."""
-        if self.connect_gate is not None and not self.connect_gate.wait(timeout):
+    def _connect(self, timeout: Any) -> None:
+        """Wait for ``connect_gate``, when one is set (the first calls' connections)."""
+        gate = self.connect_gate
+        if gate is not None and not gate.wait(Deadline.of(timeout, 5.0).remaining()):
             raise DeadlineExceeded("connect gate")
-        return self.submit(fn).result(timeout)
 
-    def submit(self, fn: Any) -> concurrent.futures.Future[Any]:
-        """``SyncPegaClient.submit``: ``fn`` of the async client, run to completion."""
-        f: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        try:
-            f.set_result(asyncio.run(fn(_AsyncFace(self))))
-        except Exception as e:
-            f.set_exception(e)
-        return f
-
-    def close(self) -> None:
-        pass
-
-
-class _AsyncFace:
-    """The async client calls the fakes support (``locate`` on the pool of a node)."""
-
-    def __init__(self, cluster: FakeCluster) -> None:
-        self.c = cluster
-
-    async def lookup(self, *args: Any, **kwargs: Any) -> FakeLookup:
-        return self.c.lookup(*args, **kwargs)
-
-    async def locate(
+    # same host ------------------------------------------------------------------------
+    def locate(
         self,
         ns: str,
         node: str,
         hashes: Any,
         shard: int = 0,
         ttl_s: float = 5.0,
-        timeout: float | None = None,
+        timeout: Any = None,
     ) -> tuple[int, LocatedBlocks]:
-        c = self.c
-        c.locates.append((node, [(h, shard) for h in hashes], ttl_s))
-        if c.locate_error is not None:
-            raise c.locate_error
+        """Where the blocks of ``node`` are in its pool (``SyncPegaClient.locate``)."""
+        self._connect(timeout)
+        self.locates.append((node, [(h, shard) for h in hashes], ttl_s))
+        if self.locate_error is not None:
+            raise self.locate_error
         rows: list[Any] = []
         for k, h in enumerate(hashes):
-            loc = c.blocks.get((ns, h, shard))
-            if loc is None or loc[0] != node or h in c.unlocatable:
+            loc = self.blocks.get((ns, h, shard))
+            if loc is None or loc[0] != node or h in self.unlocatable:
                 rows.append(None)
                 continue
-            gen = c.gens.get((ns, h, shard), 0)
+            gen = self.gens.get((ns, h, shard), 0)
             rows.append((k * len(loc[1]), len(loc[1]), gen, 0, None))
-        return len(c.locates), LocatedBlocks.build(rows)
+        return len(self.locates), LocatedBlocks.build(rows)
+
+    def submit_locate(self, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        return _done(self.locate, *args, **kwargs)
+
+    def submit_unpin(
+        self, node: str, pin: int, timeout: Any = None
+    ) -> concurrent.futures.Future[None]:
+        """Pins of the fake expire by themselves: an unpin has nothing to do."""
+        return _done(lambda: None)
+
+    def close(self) -> None:
+        pass
+
+
+def _done(fn: Any, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+    """A future of ``fn(*args, **kwargs)``, run now (as the fakes' ``submit_*``)."""
+    f: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    try:
+        f.set_result(fn(*args, **kwargs))
+    except Exception as e:
+        f.set_exception(e)
+    return f
 
 
 DEADLINE = DeadlineExceeded("lookup deadline")

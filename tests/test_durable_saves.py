@@ -132,8 +132,8 @@ def _write_and_die(
 
 
 def _found(c: SyncPegaClient, node: str, hashes: list[bytes]) -> list[bool]:
-    pin, where = c.call(lambda a: a.locate(NS, node, hashes, 0, 1.0), 5.0)
-    c.call(lambda a: a.unpin(node, pin), 5.0)
+    pin, where = c.locate(NS, node, hashes, 0, 1.0)
+    c.unpin(node, pin)
     return where.found.tolist()
 
 
@@ -148,15 +148,15 @@ def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
 
 
 def _reserved(c: SyncPegaClient, node: str) -> int:
-    addr = c.call(lambda a: a._node(node, 5.0), 5.0).ucx_address
-    return int(c.call(lambda a: a._data._call(addr, {"op": "stats"}, 5.0), 5.0)["reserved"])
+    addr = c._on_loop(lambda a: a._node(node, 5.0), 5.0).ucx_address
+    return int(c._on_loop(lambda a: a._data._call(addr, {"op": "stats"}, 5.0), 5.0)["reserved"])
 
 
 def test_a_commit_sent_by_a_writer_killed_at_once_is_carried_out(server: Proc) -> None:
     node = server.ready["node"]
     c = _client(server)
     try:
-        info = c.call(lambda a: a.local_pool(node), 5.0)
+        info = c.local_pool(node)
         assert info is not None and info.control is not None
         hashes = [bytes([0xD0, i]) * 8 for i in range(16)]
         _write_and_die(server, info.control, info.path, hashes, commit=True)
@@ -175,7 +175,7 @@ def test_a_writer_killed_before_its_commit_stores_nothing(server: Proc) -> None:
     node = server.ready["node"]
     c = _client(server)
     try:
-        info = c.call(lambda a: a.local_pool(node), 5.0)
+        info = c.local_pool(node)
         assert info is not None and info.control is not None
         hashes = [bytes([0xD1, i]) * 8 for i in range(4)]
         _write_and_die(server, info.control, info.path, hashes, commit=False)
@@ -191,7 +191,7 @@ def test_taken_says_whether_the_node_holds_a_commit(server: Proc) -> None:
     node = server.ready["node"]
     c = _client(server)
     try:
-        info = c.call(lambda a: a.local_pool(node), 5.0)
+        info = c.local_pool(node)
         assert info is not None and info.control is not None
     finally:
         c.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +18,7 @@ from pegaflow.connector.hostpool import MappedPool
 from pegaflow.connector.localpath import LocalPath
 
 from pegaflow.config import ClientConfig
+from pegaflow.deadline import Deadline
 from pegaflow.devcluster import Proc, start_server
 from pegaflow.errors import BadRequest, TooLarge, Unauthorized
 from pegaflow.rpc import UNIX_PREFIX, RpcClient
@@ -47,21 +47,21 @@ def _client(server: Proc, token: str = "admin") -> SyncPegaClient:
 
 def _data_address(c: SyncPegaClient, node: str) -> str:
     """The UCX address of ``node``."""
-    return c.call(lambda a: a._node(node, 5.0), 5.0).ucx_address
+    return c._on_loop(lambda a: a._node(node, 5.0), 5.0).ucx_address
 
 
 def _connection(c: SyncPegaClient, addr: str) -> Any:
     """``c``'s data-plane connection to the node at ``addr``."""
-    return c.call(lambda a: a._data._connection(addr, time.monotonic() + 5), 5.0)
+    return c._on_loop(lambda a: a._data._connection(addr, Deadline.after(5.0)), 5.0)
 
 
 def _refused_on_both_transports(c: SyncPegaClient, addr: str, bad: list[dict[str, Any]]) -> None:
     """Each malformed request gets a typed error over UCX and over the control socket."""
     for msg in bad:
         with pytest.raises((BadRequest, TooLarge)):
-            c.call(lambda a, msg=msg: a._data._call(addr, dict(msg), 5.0), 5.0)
+            c._on_loop(lambda a, msg=msg: a._data._call(addr, dict(msg), 5.0), 5.0)
         with pytest.raises((BadRequest, TooLarge)):
-            c.call(lambda a, msg=msg: a._data._ask_local(addr, dict(msg), 5.0), 5.0)
+            c._on_loop(lambda a, msg=msg: a._data._ask_local(addr, dict(msg), 5.0), 5.0)
 
 
 def _kv(num_blocks: int, seed: int) -> dict[str, torch.Tensor]:
@@ -114,10 +114,10 @@ def test_a_corrupted_slot_is_never_loaded(server: Proc) -> None:
         assert path.attach(c)
         hashes = [b"c" * 15 + bytes([i]) for i in range(2)]
         assert path.save(c, NS, hashes, 0, [0, 1]).result(30).stored == 2
-        pin, where = c.call(lambda a: a.locate(NS, node, [hashes[1]], 0, 5.0), 5.0)
+        pin, where = c.locate(NS, node, [hashes[1]], 0, 5.0)
         assert where[0] is not None and path.pool is not None
         path.pool.view(where[0].offset, 64)[:] ^= 0xFF  # flip bits in the stored slot
-        c.call(lambda a: a.unpin(node, pin), 5.0)
+        c.unpin(node, pin)
         before = {k: v.clone() for k, v in kv.items()}
         ok = path.start_load(c, NS, hashes, 0, [5, 6]).finish()
         assert ok == [True, False]
@@ -154,9 +154,9 @@ def test_tenants_get_no_pool_access(server: Proc) -> None:
     node = server.ready["node"]
     acme = _client(server, "a-secret")
     try:
-        assert acme.call(lambda a: a.local_pool(node), 5.0) is None
+        assert acme.local_pool(node) is None
         with pytest.raises(Unauthorized):
-            acme.call(lambda a: a.reserve_local("acme@m", node, [(b"x" * 16, 0, 4096)]), 5.0)
+            acme.reserve_local("acme@m", node, [(b"x" * 16, 0, 4096)])
     finally:
         acme.close()
 
@@ -164,7 +164,7 @@ def test_tenants_get_no_pool_access(server: Proc) -> None:
 def test_mapped_pool_refuses_a_different_file(server: Proc, tmp_path: object) -> None:
     c = _client(server)
     try:
-        info = c.call(lambda a: a.local_pool(server.ready["node"]), 5.0)
+        info = c.local_pool(server.ready["node"])
         assert info is not None
         with MappedPool(info) as pool:
             assert pool.size == info.size
@@ -191,7 +191,7 @@ def test_malformed_locates_get_typed_errors_and_the_node_keeps_serving(server: P
             {**base, "hashes": b"x" * 16 * 5000},  # more than max_batch
         ]
         _refused_on_both_transports(c, addr, bad)
-        pin, where = c.call(lambda a: a.locate(NS, node, [b"y" * 16], 0, 1.0), 5.0)
+        pin, where = c.locate(NS, node, [b"y" * 16], 0, 1.0)
         assert len(where) == 1 and where[0] is None and pin > 0
     finally:
         c.close()
@@ -215,15 +215,15 @@ def test_locate_goes_over_the_control_socket_and_falls_back_to_ucx(server: Proc)
     c = _client(server)
     try:
         hashes = _stored(server, c, 7)  # saved through the socket (reserve, commit)
-        pool = c.call(lambda a: a.local_pool(node), 5.0)
+        pool = c.local_pool(node)
         assert pool is not None and pool.control and os.path.exists(pool.control)
         assert stat.S_IMODE(os.stat(pool.control).st_mode) & 0o077 == 0  # the node's user only
         addr = _data_address(c, node)
         conn = _connection(c, addr)
         assert conn.control is not None and conn.control._conn is not None
-        pin, where = c.call(lambda a: a.locate(NS, node, hashes, 0, 5.0), 5.0)
+        pin, where = c.locate(NS, node, hashes, 0, 5.0)
         assert where.found.all()
-        c.call(lambda a: a.unpin(node, pin), 5.0)
+        c.unpin(node, pin)
     finally:
         c.close()
     # a client that cannot reach the socket (another host, say) is answered over UCX,
@@ -231,16 +231,16 @@ def test_locate_goes_over_the_control_socket_and_falls_back_to_ucx(server: Proc)
     c2 = _client(server)
     moved = pool.control + ".away"
     try:
-        assert c2.call(lambda a: a.local_pool(node), 5.0).control == pool.control
+        assert c2.local_pool(node).control == pool.control
         os.rename(pool.control, moved)
         try:
-            pin2, where2 = c2.call(lambda a: a.locate(NS, node, hashes, 0, 5.0), 5.0)
+            pin2, where2 = c2.locate(NS, node, hashes, 0, 5.0)
         finally:
             os.rename(moved, pool.control)
         conn2 = _connection(c2, addr)
         assert conn2.control is None
         assert where2.to_wire() == where.to_wire()
-        c2.call(lambda a: a.unpin(node, pin2), 5.0)
+        c2.unpin(node, pin2)
         _stored(server, c2, 8)
     finally:
         c2.close()
@@ -254,9 +254,9 @@ def test_packed_reservations_and_their_malformed_forms(server: Proc) -> None:
         addr = _data_address(c, node)
         fresh = [b"\xf1\xf2" * 8, b"\xf1\xf3" * 8]
         blocks = [(h, 0, 4096) for h in [*stored[:2], *fresh]]  # one shard, one size: packed
-        seq, offsets = c.call(lambda a: a.reserve_local(NS, node, blocks, 5.0), 5.0)
+        seq, offsets = c.reserve_local(NS, node, blocks, 5.0)
         assert offsets[:2] == [None, None] and None not in offsets[2:]  # stored: no slot
-        c.call(lambda a: a.abort_local(node, seq), 5.0)
+        c.abort_local(node, seq)
         base = {"op": "reserve", "ns": NS, "local": True, "shard": 0, "size": 4096}
         bad = [
             {**base, "hash_len": 16, "hashes": b"x" * 17},  # not a multiple of hash_len
@@ -266,7 +266,7 @@ def test_packed_reservations_and_their_malformed_forms(server: Proc) -> None:
             {**base, "hash_len": 16, "hashes": b"x" * 16 * 70000},  # more than max_batch
         ]
         _refused_on_both_transports(c, addr, bad)
-        assert c.call(lambda a: a.locate(NS, node, stored, 0, 1.0), 5.0)[1].found.all()
+        assert c.locate(NS, node, stored, 0, 1.0)[1].found.all()
     finally:
         c.close()
 
@@ -276,16 +276,14 @@ def test_a_socket_reservation_is_committed_on_the_socket_only(server: Proc) -> N
     c = _client(server)
     try:
         addr = _data_address(c, node)
-        seq, offsets = c.call(
-            lambda a: a.reserve_local(NS, node, [(b"\x31" * 16, 0, 4096)], 5.0), 5.0
-        )
+        seq, offsets = c.reserve_local(NS, node, [(b"\x31" * 16, 0, 4096)], 5.0)
         assert offsets[0] is not None
         commit = {"op": "commit", "seq": seq, "xxh3": [None]}
         with pytest.raises(BadRequest):  # over UCX: not that connection's reservation
-            c.call(lambda a: a._data._call(addr, dict(commit), 5.0), 5.0)
-        c.call(lambda a: a.abort_local(node, seq), 5.0)
+            c._on_loop(lambda a: a._data._call(addr, dict(commit), 5.0), 5.0)
+        c.abort_local(node, seq)
         with pytest.raises(BadRequest):  # aborted: gone
-            c.call(lambda a: a._data._ask_local(addr, dict(commit), 5.0), 5.0)
+            c._on_loop(lambda a: a._data._ask_local(addr, dict(commit), 5.0), 5.0)
     finally:
         c.close()
 
@@ -294,7 +292,7 @@ def test_the_control_socket_admits_the_cluster_token_only(server: Proc) -> None:
     node = server.ready["node"]
     c = _client(server)
     try:
-        path = c.call(lambda a: a.local_pool(node), 5.0).control
+        path = c.local_pool(node).control
     finally:
         c.close()
 
