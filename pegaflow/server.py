@@ -205,12 +205,12 @@ class AllInOne:
         self._control.stop()
 
     def ready_line(self) -> str:
-        assert self.node.data is not None and self.coordinator is not None
+        assert self.coordinator is not None
         http: Any = self.coordinator.http_port if self.coordinator.http_port is not None else -1
         pool = self.node.pool.capacity if self.node.pool is not None else 0
         return (
             f"READY coordinator={self.coordinator.address} node={self.node.node_id} "
-            f"ucx={self.cfg.node.host}:{self.node.data.port} http={http} pool={pool}"
+            f"ucx={self.cfg.node.host}:{self.node.ucx_port} http={http} pool={pool}"
         )
 
 

@@ -78,10 +78,9 @@ async def run(cfg: ClusterConfig) -> None:
             raise SystemExit(2) from None
         node.http_address = f"{cfg.node.http_host}:{http.port}"
         await node.sink.update_node(node.record())
-    assert node.data is not None
     http_port = http.port if http else -1
     print(
-        f"READY node={node.node_id} ucx={cfg.node.host}:{node.data.port} http={http_port}",
+        f"READY node={node.node_id} ucx={cfg.node.host}:{node.ucx_port} http={http_port}",
         flush=True,
     )
     await stop.wait()

@@ -10,6 +10,7 @@ connection count are ordinary prometheus_client gauges.
 
 from __future__ import annotations
 
+from pegaflow.storage_node.protocol import op_label
 from prometheus_client import CollectorRegistry, Gauge
 
 from pegaflow.fastmetrics import FastCounter, FastHistogram
@@ -102,3 +103,12 @@ class NodeMetrics:
             "Blocks asked for by the same-host lookups and not found",
             registry=r,
         )
+
+    def request_done(self, op: str, seconds: float) -> None:
+        """A request of ``op`` (a peer's string: labelled ``unknown`` if not an op) took
+        ``seconds``."""
+        self.request_seconds.labels(op=op_label(op)).observe(seconds)
+
+    def request_failed(self, op: str, code: str) -> None:
+        """A request of ``op`` failed with error ``code``."""
+        self.request_errors.labels(op=op_label(op), code=code).inc()

@@ -1,12 +1,15 @@
-"""A storage node: pool + data server + inventory publishing + HTTP, with one lifecycle.
+"""A storage node: pool, block service, its sites and inventory publishing, with one lifecycle.
 
-Start brings up the pool (created, or re-attached from an earlier process), the data
-server and membership, in this order.  A pool that does not fit the memory or
-``shm_dir`` is refused before anything is allocated.  A start that fails at any step
-(no space for the pool, a port taken, a bad address, a node id held by another live
-node) takes down what it brought up and removes the pool file, journal and control
-socket *this start created*; a pool file it found, and was re-attaching, is left for
-the next start (and a process killed while preparing a new pool leaves none: see
+Start brings up the pool (created, or re-attached from an earlier process), the block
+service (:mod:`~pegaflow.storage_node.node_service`), then the sites in front of it (the
+same-host control socket, :mod:`~pegaflow.storage_node.local_control`, and UCX,
+:mod:`~pegaflow.storage_node.ucx_site`) and membership, in this order; close takes them
+down in reverse (membership, the sites, the service, the pool).  A pool that does not
+fit the memory or ``shm_dir`` is refused before anything is allocated.  A start that
+fails at any step (no space for the pool, a port taken, a bad address, a node id held
+by another live node) takes down what it brought up and removes the pool file, journal
+and control socket *this start created*; a pool file it found, and was re-attaching, is
+left for the next start (and a process killed while preparing a new pool leaves none: see
 :mod:`~pegaflow.storage_node.pool`).
 
 Access: with ``[node] access_group`` the pool file and the control socket are given to
@@ -15,7 +18,7 @@ same-host path; without, they are owner-only.  UCX's shared-memory transports re
 peers of other users, so such a node runs with ``UCX_TLS=^shm`` in its environment
 (docs/operations.md): same-host data goes through the pool file anyway.
 
-Health: the node is healthy while it can serve: pool mapped, data server listening,
+Health: the node is healthy while it can serve: pool mapped, UCX site listening,
 the pool file still at its path (every handshake and same-host client needs it: a file
 deleted under the node is reported, and logged once at ERROR), and its node id not
 refused by the cluster.  A degraded journal (see :mod:`~pegaflow.storage_node.journal`)
@@ -36,10 +39,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from pegaflow.storage_node.data_server import DataServer
-from pegaflow.storage_node.local_control import SOCKET_SUFFIX
+from pegaflow.storage_node.local_control import SOCKET_SUFFIX, LocalControl
 from pegaflow.storage_node.metrics import NodeMetrics
+from pegaflow.storage_node.node_service import NodeService
 from pegaflow.storage_node.pool import BlockPool, Entry, apply_access, resolve_group
+from pegaflow.storage_node.ucx_site import UcxSite
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -78,9 +82,10 @@ class NullSink:
 
 
 class StorageNode:
-    """Owns a :class:`BlockPool`, serves it over UCX and publishes it to a sink.
+    """Owns a :class:`BlockPool`, serves it (a :class:`NodeService` behind its sites)
+    and publishes it to a sink.
 
-    ``await start()`` brings everything up in order (pool, data server, membership);
+    ``await start()`` brings everything up in order (pool, service, sites, membership);
     ``await close()`` takes it down in reverse.  ``sink`` decides where the inventory
     goes (etcd in a cluster, the embedded coordinator's index in ``pegaflow-server``);
     ``size_flag`` is the option a refused pool size names.
@@ -103,7 +108,10 @@ class StorageNode:
         self.metrics = NodeMetrics(self.registry)
         self._auth = Authenticator(token, tenant_tokens)
         self.pool: BlockPool | None = None
-        self.data: DataServer | None = None
+        self.service: NodeService | None = None
+        self.control: LocalControl | None = None
+        """the same-host control socket (None: not served)"""
+        self.ucx: UcxSite | None = None
         self.node_id = cfg.node_id
         self.started_at = time.time()
         self._refresh: asyncio.Task[None] | None = None
@@ -113,15 +121,21 @@ class StorageNode:
         self.http_address = ""
         self.registry.register(JournalCollector(self))
 
+    @property
+    def ucx_port(self) -> int:
+        """The port the UCX site listens on (once started)."""
+        assert self.ucx is not None, "the node is not serving"
+        return self.ucx.port
+
     def record(self) -> NodeRecord:
         """This node as published in the index."""
-        assert self.pool is not None and self.data is not None
+        assert self.pool is not None
         st = self.pool.stats()
         m = self.metrics
         return NodeRecord(
             node_id=self.node_id,
             host=self.cfg.host,
-            ucx_port=self.data.port,
+            ucx_port=self.ucx_port,
             http=self.http_address,
             capacity_bytes=st.capacity_bytes,
             used_bytes=st.used_bytes,
@@ -135,6 +149,8 @@ class StorageNode:
         )
 
     def _on_evict(self, e: Entry) -> None:
+        if self.service is not None:
+            self.service.forget(e)
         self.sink.unpublish(e.key[0], e.key[1], e.key[2], e.location(self.node_id))
         self._dirty.set()
 
@@ -151,7 +167,7 @@ class StorageNode:
         return self.pool is not None and self.pool.created
 
     async def start(self) -> None:
-        """Bring up pool, data server and membership; on failure, take down what came
+        """Bring up pool, service, sites and membership; on failure, take down what came
         up and remove a pool file this start created (see the module docstring)."""
         try:
             await self._start()
@@ -165,10 +181,8 @@ class StorageNode:
                 task.cancel()
         with contextlib.suppress(Exception):
             await self.sink.close()
-        if self.data is not None:
-            with contextlib.suppress(Exception):
-                await self.data.close()
-        pool, self.pool, self.data = self.pool, None, None
+        await self._close_serving(quiet=True)
+        pool, self.pool = self.pool, None
         if pool is not None:
             pool.close(unlink=pool.created)
             if pool.created:
@@ -176,7 +190,6 @@ class StorageNode:
 
     async def _start(self) -> None:
         cfg = self.cfg
-        self.data = None
         if not self.node_id:
             if cfg.ucx_port:
                 self.node_id = f"{socket.gethostname()}-{cfg.ucx_port}"
@@ -200,10 +213,25 @@ class StorageNode:
             size_flag=self.size_flag,
         )
         self.update_gauges()  # capacity is known now, not only after the first change
-        self.data = DataServer(
-            self.pool, cfg, self.sink, self.metrics, auth=self._auth, on_change=self._dirty.set
+        self.service = NodeService(
+            self.pool, cfg, self.sink, self.metrics, on_change=self._dirty.set
         )
-        await self.data.start()
+        await self.service.start()
+        control = None
+        if cfg.local_access:
+            self.control = LocalControl(
+                self.service,
+                str(path) + SOCKET_SUFFIX,
+                self._auth,
+                cfg.max_request_bytes,
+                self.metrics,
+            )
+            if await self.control.start():
+                control = self.control.path
+            else:
+                self.control = None
+        self.ucx = UcxSite(self.service, cfg, self.metrics, self._auth, control_path=control)
+        await self.ucx.start()
         if gid is not None:  # before the node is published to anyone
             _share_socket(Path(str(path) + SOCKET_SUFFIX), gid)
             log.info("pool file and control socket open to group %s (mode 0660)", cfg.access_group)
@@ -222,7 +250,7 @@ class StorageNode:
             self.node_id,
             self.pool.capacity >> 20,
             cfg.host,
-            self.data.port,
+            self.ucx_port,
         )
 
     async def _refresh_loop(self) -> None:
@@ -260,7 +288,7 @@ class StorageNode:
         """Why this node cannot serve as it should (see the module docstring), else
         None.  A new problem is logged once, at ERROR."""
         problem: str | None
-        if self.pool is None or self.data is None:
+        if self.pool is None or self.ucx is None:
             problem = "not serving (starting or stopped)"
         elif (why := self.pool.file_problem()) is not None:
             problem = (
@@ -270,7 +298,7 @@ class StorageNode:
             )
         else:
             problem = getattr(self.sink, "refused", None)
-        if problem is not None and problem != self._reported and self.data is not None:
+        if problem is not None and problem != self._reported and self.ucx is not None:
             log.error("node %s unhealthy: %s", self.node_id, problem)
         self._reported = problem
         return problem
@@ -316,10 +344,24 @@ class StorageNode:
             if task is not None:
                 task.cancel()
         await self.sink.close()
-        if self.data is not None:
-            await self.data.close()
+        await self._close_serving()
         if self.pool is not None:
             self.pool.close(unlink=unlink)
+
+    async def _close_serving(self, quiet: bool = False) -> None:
+        """Close the sites, then the service (the reverse of their start); ``quiet``:
+        a failure to close one is logged, and the others still close."""
+        parts = (self.ucx, self.control, self.service)
+        self.ucx = self.control = self.service = None
+        for part in parts:
+            if part is None:
+                continue
+            try:
+                await part.close()
+            except Exception:
+                if not quiet:
+                    raise
+                log.warning("closing %s failed", type(part).__name__, exc_info=True)
 
 
 def _share_socket(sock: Path, gid: int) -> None:

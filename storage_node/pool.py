@@ -86,8 +86,6 @@ class Entry:
     digest: int | None = None
     """the writer's device digest of the block (same-host GPU readers check it on the
     device); kept in memory only: after a restart readers fall back to the xxh3"""
-    wire: tuple[int, bytes] | None = None
-    """its ``locate`` answer once computed (a committed block never changes)"""
 
     def location(self, node_id: str) -> BlockLocation:
         return BlockLocation(node_id, self.offset, self.gen, self.size, self.xxh3)

@@ -7,9 +7,11 @@ control socket (:mod:`~pegaflow.storage_node.local_control`) as the ``args`` and
 ``result`` of :mod:`pegaflow.rpc` requests.  :data:`OPS` says, per op, what a request
 carries (with its bounds), what the reply is, which transports serve it and whether
 it needs the cluster token.  The client (:mod:`pegaflow.client.data`) builds requests
-and reads replies with the ``encode_*``/``*_reply`` functions here, the node
-(:mod:`~pegaflow.storage_node.data_server`) reads requests with the ``decode_*`` ones:
-a field or bound is defined here once.
+and reads replies with the ``encode_*``/``*_reply`` functions here, the node (its
+service, :mod:`~pegaflow.storage_node.node_service`, and its UCX site,
+:mod:`~pegaflow.storage_node.ucx_site`) reads requests with the ``decode_*`` ones: a
+field or bound is defined here once.  Adding an op: its entry in :data:`OPS` and its
+codecs here, its handler in the service's table, its call in the client.
 
 ``hello`` is required first on a UCX connection when a token is configured (said once
 per connection; before it, messages are handled one at a time and may be at most

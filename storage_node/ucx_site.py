@@ -1,0 +1,383 @@
+"""The node's UCX site: connections, hello, and the streaming of gets and puts.
+
+Each UCX connection is a :class:`~pegaflow.storage_node.node_service.Session` of the
+node service; the site serves the transport's own ops (``hello``, and ``get``, whose
+payloads it streams straight from the pool) and passes every other op of the protocol
+table (:data:`~.protocol.OPS`) to the service, posting the receives of a reservation's
+payloads into its slots when the service asks.  A connection that has not said
+``hello`` within ``[node] hello_timeout_s`` is closed (in an open cluster, one that has
+sent nothing), and at most ``[node] max_unauthenticated`` wait for it at once (past that
+the oldest is closed).
+
+The ``hello`` reply carries ``pool {path, dev, ino, bytes, control}`` (only to
+connections with cluster-wide access, never to a tenant's: the file holds every
+tenant's blocks); ``control`` is the node's same-host control socket
+(:mod:`~pegaflow.storage_node.local_control`), which answers ``locate``, ``unpin`` and
+same-host ``reserve``/``commit``/``abort`` faster than UCX does on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+from pegaflow.storage_node import protocol as proto
+from pegaflow.storage_node.metrics import NodeMetrics
+from pegaflow.storage_node.netdev import ucx_net_devices
+from pegaflow.storage_node.node_service import NodeService, Session
+from pegaflow.storage_node.protocol import MAX_HELLO_BYTES, OPS, UNKNOWN_OP, Op, Site, op_label
+
+from pegaflow import telemetry
+from pegaflow.auth import Authenticator, check_access
+from pegaflow.config import NodeConfig
+from pegaflow.errors import BadRequest, DeadlineExceeded, PegaError, ProtocolError, Unauthorized
+from pegaflow.ucx import DEFAULT_TLS, SHARED_TLS, UcxWorker, close_endpoint, make_tag
+from pegaflow.wire import pack, req_map, req_str, unpack
+
+log = logging.getLogger(__name__)
+
+IDLE_TIMEOUT_S = 600.0
+MAX_INFLIGHT_PER_CONN = 32
+_DROP_LOG_EVERY_S = 60.0
+_PROBE_FIRST_S = 0.00025
+_PROBE_MAX_S = 0.05
+_EMPTY = np.empty(0, dtype=np.uint8)
+
+
+@dataclass(eq=False)
+class _Conn:
+    ep: Any
+    authed: bool
+    session: Session
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    closed: bool = False
+    said_hello: bool = False
+    # requests in flight on this connection; the reader stops reading at the bound
+    slots: asyncio.Semaphore = field(
+        default_factory=lambda: asyncio.Semaphore(MAX_INFLIGHT_PER_CONN)
+    )
+
+
+@dataclass(eq=False)
+class _UcxInflow:
+    """A reservation's payloads coming over one connection (an
+    :class:`~pegaflow.storage_node.node_service.Inflow`)."""
+
+    site: UcxSite
+    conn: _Conn
+    recvs: list[Any]
+    done: asyncio.Future[None]
+
+    def cut(self) -> None:
+        self.site._close_conn(self.conn)
+
+    def landing(self) -> bool:
+        return any(not r.completed for r in self.recvs)
+
+    def when_landed(self, then: Callable[[], None]) -> None:
+        assert self.site._worker is not None
+        self.site._worker.settle(self.recvs, then)
+
+
+_SiteHandler = Callable[[dict[str, Any], _Conn], Any]
+
+
+class UcxSite:
+    """Serves a :class:`~pegaflow.storage_node.node_service.NodeService` over UCX."""
+
+    def __init__(
+        self,
+        service: NodeService,
+        cfg: NodeConfig,
+        metrics: NodeMetrics,
+        auth: Authenticator,
+        *,
+        control_path: str | None = None,
+    ) -> None:
+        """``control_path``: the same-host control socket, advertised in hello replies."""
+        self.service = service
+        self.cfg = cfg
+        self.metrics = metrics
+        self._auth = auth
+        self._control_path = control_path
+        self._worker: UcxWorker | None = None
+        self._listener: asyncio.Server | None = None
+        self._conns: set[_Conn] = set()
+        self._pins = service.pin_table()
+        # connections that have not said hello yet (oldest first), with their timers
+        self._unauthed: dict[_Conn, asyncio.TimerHandle] = {}
+        self._dropped_unauthed = 0
+        self._drop_log_at = 0.0
+        self._ops: dict[Op, _SiteHandler] = {Op.HELLO: self._hello, Op.GET: self._get}
+        """the transport's own ops; the others are the service's"""
+        assert set(OPS) == set(self._ops) | set(service.ops)
+
+    @property
+    def port(self) -> int:
+        assert self._listener is not None
+        return int(self._listener.sockets[0].getsockname()[1])
+
+    async def start(self) -> None:
+        """Create the UCX worker (on the devices of ``[node] ucx_net_devices``) and
+        listen on the configured port."""
+        devices = ucx_net_devices(self.cfg.ucx_net_devices, self.cfg.host)
+        if devices:
+            log.info("UCX network devices: %s", devices)
+        options = {"NET_DEVICES": devices} if devices else {}
+        if self.cfg.access_group and os.environ.get("UCX_TLS") == DEFAULT_TLS:
+            options["TLS"] = SHARED_TLS  # else an engine of another user cannot connect
+        self._worker = UcxWorker(options or None)
+        self._listener = await self._worker.serve(self.cfg.host, self.cfg.ucx_port, self._accept)
+
+    async def close(self) -> None:
+        """Stop accepting, let the commits taken finish (bounded by
+        ``reserve_timeout_s``: their payloads may still be arriving), then close every
+        connection and the worker."""
+        if self._listener is not None:
+            self._listener.close()
+        await self.service.finish_commits()
+        for conn in list(self._conns):
+            self._close_conn(conn)
+        self.service.release_pins(self._pins)
+        if self._worker is not None:
+            self._worker.close()
+
+    # ---- connections ---------------------------------------------------------------
+
+    def _accept(self, ep: Any) -> None:
+        session = Session(self._pins)
+        conn = _Conn(ep, not self._auth.required, session)
+        session.receive = partial(self._receive, conn)
+        self._conns.add(conn)
+        self.metrics.connections.inc()
+        self._await_hello(conn)
+        t = asyncio.get_running_loop().create_task(self._serve(conn))
+        conn.tasks.add(t)
+        t.add_done_callback(conn.tasks.discard)
+
+    def _await_hello(self, conn: _Conn) -> None:
+        """Close ``conn`` unless it says hello within ``hello_timeout_s``; at most
+        ``max_unauthenticated`` connections wait at once (past that, the oldest goes)."""
+        while len(self._unauthed) >= max(1, self.cfg.max_unauthenticated):
+            self._drop_unauthed(next(iter(self._unauthed)), "limit")
+        self._unauthed[conn] = asyncio.get_running_loop().call_later(
+            self.cfg.hello_timeout_s, self._drop_unauthed, conn, "timeout"
+        )
+
+    def _hello_done(self, conn: _Conn) -> None:
+        """``conn`` no longer waits for its hello (it said it, or it closed)."""
+        timer = self._unauthed.pop(conn, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _drop_unauthed(self, conn: _Conn, reason: str) -> None:
+        self._hello_done(conn)
+        self.metrics.unauthenticated_closed.labels(reason=reason).inc()
+        self._dropped_unauthed += 1
+        now = time.monotonic()
+        if now >= self._drop_log_at:
+            self._drop_log_at = now + _DROP_LOG_EVERY_S
+            log.warning(
+                "closed %d data connection(s) that did not say hello within [node] "
+                "hello_timeout_s (%.1f s) or were the oldest of more than [node] "
+                "max_unauthenticated (%d) waiting at once: clients with no or a wrong "
+                "token, or a flood of handshakes (pegaflow_node_unauthenticated_closed_total)",
+                self._dropped_unauthed, self.cfg.hello_timeout_s, self.cfg.max_unauthenticated,
+            )  # fmt: skip
+            self._dropped_unauthed = 0
+        self._close_conn(conn)
+
+    def _close_conn(self, conn: _Conn) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        self._conns.discard(conn)
+        self._hello_done(conn)
+        self.metrics.connections.dec()
+        self.service.end_session(conn.session)
+        close_endpoint(conn.ep)
+        for t in list(conn.tasks):
+            if t is not asyncio.current_task():
+                t.cancel()
+
+    async def _serve(self, conn: _Conn) -> None:
+        w = self._worker
+        assert w is not None
+        try:
+            while not conn.closed and conn in self._unauthed:
+                # until the hello, messages are taken one at a time
+                await self._message_waiting(conn)
+                req = w.am_recv(conn.ep)  # completes at once
+                await w.wait(req, self.cfg.reserve_timeout_s)
+                if not self._auth.required:
+                    self._hello_done(conn)  # an open cluster: any first message will do
+                await self._handle(conn, req.recv_buffer)
+            while not conn.closed:
+                req = w.am_recv(conn.ep)
+                try:
+                    await w.wait(req, IDLE_TIMEOUT_S)
+                except DeadlineExceeded:
+                    log.info("closing an idle data connection")
+                    break
+                data = req.recv_buffer
+                await conn.slots.acquire()
+                t = asyncio.create_task(self._handle(conn, data))
+                conn.tasks.add(t)
+                t.add_done_callback(conn.tasks.discard)
+                t.add_done_callback(lambda _t, c=conn: c.slots.release())
+        except PegaError as e:
+            log.debug("data connection ended: %s", e)
+        finally:
+            self._close_conn(conn)
+
+    async def _message_waiting(self, conn: _Conn) -> None:
+        """Return once a message from ``conn``'s peer has arrived, probing for it.
+
+        A connection that has not said hello posts no receive: ucxx (0.52) keeps a
+        receive cancelled by closing its endpoint queued under the endpoint's handle,
+        which UCX hands to the next endpoint, and that endpoint's first message then
+        vanishes into it; the silent connections closed here would each cost a later
+        client its hello.  Probes back off from 0.25 ms to 50 ms: a client's hello is
+        seen within about a millisecond, a silent connection costs a few dozen probes.
+        """
+        delay = _PROBE_FIRST_S
+        while not conn.ep.am_probe():
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, _PROBE_MAX_S)
+
+    async def _reply(self, conn: _Conn, msg: dict[str, Any]) -> None:
+        w = self._worker
+        assert w is not None
+        if conn.closed:
+            return
+        try:
+            await w.wait(w.am_send(conn.ep, pack(msg)), self.cfg.reserve_timeout_s)
+        except PegaError:
+            self._close_conn(conn)
+
+    async def _handle(self, conn: _Conn, data: Any) -> None:
+        rid: Any = None
+        op = UNKNOWN_OP
+        t0 = time.perf_counter()
+        try:
+            limit = self.cfg.max_request_bytes if conn.authed else MAX_HELLO_BYTES
+            msg = req_map(unpack(memoryview(data).cast("B"), limit))
+            rid = msg.get("id")
+            op = req_str(msg, "op", 32)
+            tenant = conn.session.tenant
+            if tenant is not None and "ns" in msg:
+                check_access(msg["ns"], tenant)
+            if op != Op.HELLO and not conn.authed:
+                raise Unauthorized("send hello with the cluster token first")
+            spec = OPS.get(op)  # type: ignore[call-overload]
+            if spec is None or Site.UCX not in spec.sites:
+                raise BadRequest(f"unknown op {op!r}")
+            with (
+                telemetry.remote_span(spec.span, msg.get(telemetry.TRACEPARENT_KEY))
+                if spec.span is not None
+                else contextlib.nullcontext()
+            ):
+                result = self._dispatch(Op(op), msg, conn)
+                if inspect.isawaitable(result):
+                    result = await result
+            if result is None:
+                return  # a get: it replied itself, ahead of its payloads
+            await self._reply(conn, {"id": rid, "ok": True, **result})
+        except PegaError as e:
+            self.metrics.request_failed(op, e.code)
+            await self._reply(conn, {"id": rid, "ok": False, "error": e.to_wire()})
+        except Exception as e:  # a bug: report it, keep serving
+            log.exception("data-plane %s failed", op_label(op))
+            self.metrics.request_failed(op, "internal")
+            err = {"code": "internal", "message": f"{type(e).__name__}: {e}"}
+            await self._reply(conn, {"id": rid, "ok": False, "error": err})
+        finally:
+            self.metrics.request_done(op, time.perf_counter() - t0)
+
+    def _dispatch(self, op: Op, msg: dict[str, Any], conn: _Conn) -> Any:
+        """Run ``op``: the transport's own, or the service's."""
+        own = self._ops.get(op)
+        if own is None:
+            return self.service.call(op, msg, conn.session)
+        self.service.check_access(op, conn.session)
+        return own(msg, conn)
+
+    def _hello(self, msg: dict[str, Any], conn: _Conn) -> dict[str, Any]:
+        if conn.said_hello:
+            raise ProtocolError("hello was said already on this connection")
+        tenant = self._auth.authenticate(proto.decode_hello(msg))
+        self.service.admit(conn.session, tenant)
+        conn.authed = conn.said_hello = True
+        self._hello_done(conn)
+        pool = self.service.pool
+        reply: dict[str, Any] = {"node_id": pool.node_id, "version": proto.PROTOCOL_VERSION}
+        if self.cfg.local_access and tenant is None:
+            st = os.stat(pool.path)
+            reply["pool"] = {
+                "path": str(pool.path),
+                "dev": st.st_dev,
+                "ino": st.st_ino,
+                "bytes": pool.capacity,
+            }
+            if self._control_path is not None:
+                reply["pool"]["control"] = self._control_path
+        return reply
+
+    # ---- get and put payloads --------------------------------------------------------
+
+    async def _get(self, msg: dict[str, Any], conn: _Conn) -> None:
+        w = self._worker
+        assert w is not None
+        rid = msg.get("id")
+        _, seq, keys, want = proto.decode_get(msg, self.cfg.max_batch)
+        found, header = self.service.open_get(keys, want)
+        pool = self.service.pool
+        ep = conn.ep
+        ok = False
+        try:
+            # Every index gets a message so that the reader's pre-posted receives all
+            # complete: the block, or an empty message for a miss.  A rendezvous send
+            # only announces itself (a small RTS), so all of them reach the reader
+            # before any payload, the reader answers them at once and the payloads then
+            # stream back to back.
+            reqs = [
+                w.tag_send(ep, _EMPTY if e is None else pool.view(e), make_tag(seq, i))
+                for i, e in enumerate(found)
+            ]
+            # the reply goes right behind the announcements, ahead of every payload (the
+            # reader has it before the last block lands), then payloads start moving now
+            # (the reader's answers may be in), not once the loop has come round
+            reqs.append(w.am_send(ep, pack({"id": rid, "ok": True, "blocks": header})))
+            w.worker.progress()
+            w.kick()
+            await w.wait_all(reqs, self.cfg.reserve_timeout_s)
+            ok = True
+        except PegaError as e:
+            self.metrics.transfer_errors.labels(kind=e.code).inc()
+            self._close_conn(conn)
+        except BaseException:
+            # sends may still read these slots: they die with the connection before
+            # the blocks are unpinned
+            self._close_conn(conn)
+            raise
+        finally:
+            self.service.close_get(found, ok)
+
+    def _receive(self, conn: _Conn, seq: int, slots: list[tuple[int, Any]]) -> _UcxInflow:
+        """Post the receives of reservation ``seq``'s payloads (tag ``(seq, index)``)
+        into its slots."""
+        w = self._worker
+        assert w is not None
+        recvs = [w.tag_recv(conn.ep, view, make_tag(seq, i)) for i, view in slots]
+        w.kick()
+        done = asyncio.ensure_future(w.wait_all(recvs, self.cfg.reserve_timeout_s))
+        return _UcxInflow(self, conn, recvs, done)
