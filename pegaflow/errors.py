@@ -76,6 +76,13 @@ class NotFound(PegaError):
     code = "not_found"
 
 
+class IncompatibleFormat(PegaError):
+    """Stored data (e.g. a disk tier's files) was written by an incompatible version or
+    for another geometry: it is refused, never misread."""
+
+    code = "incompatible_format"
+
+
 class Internal(PegaError):
     """An unexpected failure inside the serving process (a bug: please report)."""
 
@@ -94,6 +101,7 @@ ERRORS_BY_CODE: dict[str, type[PegaError]] = {
         NoSpace,
         QuotaExceeded,
         NotFound,
+        IncompatibleFormat,
         Internal,
     )
 }

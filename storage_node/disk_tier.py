@@ -1,0 +1,813 @@
+"""The disk tier: blocks spilled from the memory pool to preallocated slab files.
+
+A :class:`DiskTier` owns one directory (format: :mod:`~pegaflow.storage_node.disk_format`):
+a few large preallocated slab files carved into fixed-size slots (the block size given
+at open, rounded up to 4 KiB) and an index of one small record per slot.
+
+I/O.  Slab files are opened with ``O_DIRECT`` where the file system allows it (else
+buffered, logged once), from page-aligned buffers, with whole 4 KiB-multiple writes
+and reads.  Spills run on ``write_threads`` threads, reads on ``read_threads`` others
+(``os.pwritev``/``os.preadv`` release the GIL, so several I/Os are in flight and a
+spill never delays a read behind it in a queue).  :meth:`DiskTier.spill` never waits
+for I/O: it copies the block into one of ``queue_depth`` staging buffers and returns;
+with none free the spill is dropped and counted.  Reads return
+``concurrent.futures.Future`` objects (``await asyncio.wrap_future(f)`` in a loop).
+
+Eviction.  When every slot is used, a spill takes the least recently used block's slot
+(a read marks a block used) and reports the evicted key to ``on_evict``, which is also
+told of blocks dropped because they failed verification.  ``on_evict`` runs on an I/O
+thread, outside the tier's lock: it must be quick and thread-safe.
+
+Verification.  Every read checks the payload's xxh3 against its record before the
+bytes are handed out: a mismatch, a short read or an I/O error is a miss, counted in
+``errors``, and frees the slot.  :meth:`DiskTier.recover` reads the records only (one
+sequential pass of the index: about 0.5 KiB a slot), so a tier of tens of GB reopens
+in well under a second; payloads are verified lazily, on their first read (or all up
+front with ``recover(verify=True)``, or later in the background with :meth:`scrub`).
+
+Crash safety.  A record is written only after its payload write completed, and a slot's
+old record is cleared before the slot is reused, so after a ``kill -9`` mid-spill
+every record left describes a whole payload (records go through the page cache, which
+outlives the process; after a power loss, records of recent writes may be lost, and
+one whose payload did not reach the disk fails its checksum at its first read).
+
+Failures (a full disk, an I/O error, a file that vanished) never raise out of
+:meth:`spill` or the reads: they are misses or dropped spills, counted in ``errors``
+and logged (at most once every 10 s).  Opening raises typed errors:
+:class:`~pegaflow.errors.IncompatibleFormat` for files of another format version or
+geometry, :class:`~pegaflow.errors.NoSpace` when the tier does not fit its file system,
+:class:`DiskInUse` when another process holds the directory.
+
+Test hook: ``io`` (a :class:`DiskIO`) performs every data and record read and write;
+tests pass a subclass that raises ``OSError`` to inject faults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pegaflow.storage_node.disk_format import (
+    ALIGN,
+    EMPTY_RECORD,
+    HEADER_BYTES,
+    INDEX_MAGIC,
+    RECORD_BYTES,
+    SLAB_MAGIC,
+    BlockKey,
+    CorruptRecord,
+    Header,
+    SlotRecord,
+    align_up,
+    check_key,
+    decode_record,
+    encode_record,
+)
+
+from pegaflow.checksum import checksum
+from pegaflow.errors import BadRequest, IncompatibleFormat, NoSpace
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FILE_BYTES = 64 << 30
+"""largest slab file; a bigger tier is split over several"""
+_LOG_EVERY_S = 10.0
+_SCAN_CHUNK = 8 << 20
+
+
+class DiskInUse(OSError):
+    """Another live process holds this disk tier's directory."""
+
+
+class DiskIO:
+    """The tier's system calls (the fault-injection hook: override and raise OSError)."""
+
+    def pwritev(self, fd: int, bufs: Sequence[Any], offset: int) -> int:
+        return os.pwritev(fd, bufs, offset)
+
+    def preadv(self, fd: int, bufs: Sequence[Any], offset: int) -> int:
+        return os.preadv(fd, bufs, offset)
+
+
+@dataclass
+class DiskTierStats:
+    """Counters of a tier (totals since it opened)."""
+
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    spills: int
+    spill_drops: int
+    evictions: int
+    reads: int
+    hits: int
+    misses: int
+    errors: int
+    read_bytes: int
+    write_bytes: int
+    read_seconds: float
+    write_seconds: float
+    recovered: int
+    recover_dropped: int
+    direct_io: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DiskBlock:
+    """What the tier knows of one block on disk (to publish its location)."""
+
+    gen: int
+    length: int
+    xxh3: int
+
+
+@dataclass(slots=True, eq=False)
+class _Slot:
+    idx: int
+    key: BlockKey
+    gen: int
+    length: int
+    xxh3: int
+    seq: int
+    verified: bool = False
+    pins: int = 0
+    dead: bool = False
+    """dropped while a read held it: freed at the last unpin"""
+
+
+class DiskTier:
+    """A directory of slab files holding blocks of at most ``block_size`` bytes, within
+    ``capacity_bytes``.  Open, then call :meth:`recover` once before any other call."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        capacity_bytes: int,
+        block_size: int,
+        *,
+        on_evict: Callable[[BlockKey], None] | None = None,
+        on_spilled: Callable[[BlockKey, bool], None] | None = None,
+        read_threads: int = 4,
+        write_threads: int = 2,
+        queue_depth: int = 16,
+        file_bytes: int = DEFAULT_FILE_BYTES,
+        direct: bool = True,
+        preallocate: bool = True,
+        io: DiskIO | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.block_size = block_size
+        self.stride = align_up(block_size)
+        slot_count = capacity_bytes // self.stride if block_size > 0 else 0
+        if slot_count < 1:
+            raise BadRequest(
+                f"disk tier of {capacity_bytes} bytes cannot hold one block of {block_size}"
+            )
+        self._on_evict = on_evict
+        self._on_spilled = on_spilled
+        self._io = io or DiskIO()
+        self._lock = threading.Lock()
+        self._last_log = 0.0
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(self.path / "pegaflow-disk.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise DiskInUse(
+                errno.EBUSY,
+                f"disk tier {self.path} is in use by another process: give each node "
+                "its own [node] disk_path",
+            ) from None
+        self._fds: list[int] = []
+        self._index_fd = -1
+        try:
+            self._open_files(slot_count, file_bytes, direct, preallocate)
+        except BaseException:
+            self._close_fds()
+            raise
+        self.slot_count = self.header.slot_count
+        self.capacity = self.slot_count * self.stride
+        self._index: dict[BlockKey, _Slot] = {}
+        self._lru: OrderedDict[BlockKey, _Slot] = OrderedDict()
+        self._free: list[int] = []
+        self._pending: set[BlockKey] = set()
+        self._seq = 0
+        self._recovered = False
+        self._closed = False
+        self._staging_mem = mmap.mmap(-1, queue_depth * self.stride)
+        whole = memoryview(self._staging_mem)
+        self._staging = [whole[i * self.stride : (i + 1) * self.stride] for i in range(queue_depth)]
+        self._bounce = threading.local()
+        self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix="pegaflow-disk-w")
+        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="pegaflow-disk-r")
+        self._inflight: set[Future[Any]] = set()
+        self.spills = self.spill_drops = self.evictions = 0
+        self.reads = self.hits = self.misses = self.errors = 0
+        self.read_bytes = self.write_bytes = 0
+        self.read_seconds = self.write_seconds = 0.0
+        self.recovered = self.recover_dropped = 0
+
+    # ---- opening -------------------------------------------------------------------
+
+    def _slab_path(self, n: int) -> Path:
+        return self.path / f"pegaflow-disk.{n}.slab"
+
+    def _open_files(self, slot_count: int, file_bytes: int, direct: bool, prealloc: bool) -> None:
+        index_path = self.path / "pegaflow-disk.index"
+        per_file = max(1, (max(file_bytes, HEADER_BYTES + self.stride) - HEADER_BYTES))
+        per_file //= self.stride
+        want = Header(
+            block_size=self.block_size,
+            stride=self.stride,
+            slot_count=slot_count,
+            slots_per_file=min(per_file, slot_count),
+            file_count=-(-slot_count // min(per_file, slot_count)),
+            tier_id=uuid.uuid4().bytes,
+        )
+        self._fresh_files: set[int] = set()
+        if index_path.exists():
+            self._index_fd = os.open(index_path, os.O_RDWR)
+            head = os.pread(self._index_fd, HEADER_BYTES, 0)
+            got = Header.decode(head, INDEX_MAGIC, str(index_path))
+            geometry = (got.block_size, got.slot_count, got.slots_per_file)
+            if geometry != (want.block_size, want.slot_count, want.slots_per_file):
+                raise IncompatibleFormat(
+                    f"{index_path}: written for blocks of {got.block_size} bytes x "
+                    f"{got.slot_count} slots ({got.slots_per_file} a file), configured "
+                    f"{want.block_size} x {want.slot_count} ({want.slots_per_file}); set "
+                    "disk_bytes and the block size back, or remove the directory's "
+                    "pegaflow-disk.* files to start the tier empty"
+                )
+            self.header = got
+            size = HEADER_BYTES + got.slot_count * RECORD_BYTES
+            if os.fstat(self._index_fd).st_size < size:  # cut short: the rest reads empty
+                os.ftruncate(self._index_fd, size)
+        else:
+            self.header = want
+            self._check_room(want, prealloc)
+        fresh = self._index_fd < 0
+        for n in range(self.header.file_count):
+            self._fds.append(self._open_slab(n, prealloc, fresh))
+        if self._index_fd < 0:
+            self._index_fd = self._create_index(index_path, prealloc)
+        self.direct_io = direct and self._try_direct()
+        if not self.direct_io and direct:
+            log.info("disk tier %s: O_DIRECT not supported here, using buffered I/O", self.path)
+
+    def _check_room(self, h: Header, prealloc: bool) -> None:
+        need = h.slot_count * (h.stride + RECORD_BYTES) + (h.file_count + 1) * HEADER_BYTES
+        st = os.statvfs(self.path)
+        free = st.f_bavail * st.f_frsize
+        if prealloc and need > free:
+            raise NoSpace(
+                f"disk tier of {need >> 20} MiB does not fit: {free >> 20} MiB free in "
+                f"{self.path}; lower disk_bytes, or make room"
+            )
+
+    def _slab_bytes(self, n: int) -> int:
+        h = self.header
+        slots = min(h.slots_per_file, h.slot_count - n * h.slots_per_file)
+        return HEADER_BYTES + slots * h.stride
+
+    def _open_slab(self, n: int, prealloc: bool, fresh: bool) -> int:
+        """The slab file ``n``, checked against the index (``fresh``: made anew); one
+        that is missing or not of this tier is made anew (its slots' records are
+        cleared by :meth:`recover`)."""
+        p = self._slab_path(n)
+        want = dataclasses.replace(self.header, file_no=n)
+        fd = -1
+        if not fresh:
+            try:
+                fd = os.open(p, os.O_RDWR)
+            except FileNotFoundError:
+                log.warning("disk tier: %s is missing; making it anew (its blocks are lost)", p)
+        if fd >= 0:
+            try:
+                got = Header.decode(os.pread(fd, HEADER_BYTES, 0), SLAB_MAGIC, str(p))
+                if got != want:
+                    raise IncompatibleFormat(f"{p}: belongs to another disk tier")
+            except IncompatibleFormat as e:
+                log.warning("disk tier: %s; making it anew (its blocks are lost)", e)
+                os.close(fd)
+                fd = -1
+        if fd < 0:
+            fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            self._fresh_files.add(n)
+            os.pwrite(fd, want.encode(SLAB_MAGIC), 0)
+        size = self._slab_bytes(n)
+        if os.fstat(fd).st_size < size:
+            _allocate(fd, size, prealloc, p)
+        return fd
+
+    def _create_index(self, path: Path, prealloc: bool) -> int:
+        """Write a new, empty index next to the slabs (named only once it is whole)."""
+        tmp = path.with_suffix(".index.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.pwrite(fd, self.header.encode(INDEX_MAGIC), 0)
+            _allocate(fd, HEADER_BYTES + self.header.slot_count * RECORD_BYTES, prealloc, tmp)
+            os.fsync(fd)
+            os.rename(tmp, path)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        return fd
+
+    def _try_direct(self) -> bool:
+        """Reopen the slab files with O_DIRECT; False where the file system refuses."""
+        direct: list[int] = []
+        for n in range(len(self._fds)):
+            try:
+                direct.append(os.open(self._slab_path(n), os.O_RDWR | os.O_DIRECT))
+            except OSError as e:
+                for fd in direct:
+                    os.close(fd)
+                if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                    return False
+                raise
+        for old in self._fds:
+            os.close(old)
+        self._fds = direct
+        return True
+
+    def _close_fds(self) -> None:
+        for fd in [*self._fds, self._index_fd, self._lock_fd]:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._fds = []
+        self._index_fd = self._lock_fd = -1
+
+    # ---- recovery ------------------------------------------------------------------
+
+    def recover(self, verify: bool = False) -> list[BlockKey]:
+        """Rebuild the tier from its records; returns the keys kept, least recently
+        written first.  A record that does not verify is cleared and counted in
+        ``recover_dropped``; of two records of one key the later write wins.  Payloads
+        are verified lazily at their first read, or here with ``verify=True`` (reads
+        every payload: seconds a GB)."""
+        if self._recovered:
+            raise RuntimeError("DiskTier.recover() was already called")
+        h = self.header
+        t0 = time.perf_counter()
+        found: dict[BlockKey, SlotRecord] = {}
+        empty: list[int] = []
+        bad: list[int] = []
+        span = h.slot_count * RECORD_BYTES
+        for start in range(0, span, _SCAN_CHUNK):
+            chunk = os.pread(self._index_fd, min(_SCAN_CHUNK, span - start), HEADER_BYTES + start)
+            mv = memoryview(chunk)
+            first = start // RECORD_BYTES
+            for i in range(len(chunk) // RECORD_BYTES):
+                slot = first + i
+                rec_buf = mv[i * RECORD_BYTES : (i + 1) * RECORD_BYTES]
+                if slot // h.slots_per_file in self._fresh_files:
+                    (bad if rec_buf[:4] != EMPTY_RECORD[:4] else empty).append(slot)
+                    continue
+                try:
+                    r = decode_record(rec_buf, slot, h.block_size)
+                except CorruptRecord as e:
+                    log.debug("disk tier: %s", e)
+                    bad.append(slot)
+                    continue
+                if r is None:
+                    empty.append(slot)
+                    continue
+                old = found.get(r.key)
+                if old is not None:
+                    keep, lose = (r, old) if r.seq > old.seq else (old, r)
+                    found[r.key] = keep
+                    bad.append(lose.slot)
+                else:
+                    found[r.key] = r
+        with self._lock:
+            for slot in bad:
+                self._clear_record(slot)
+            for r in sorted(found.values(), key=lambda r: r.seq):
+                s = _Slot(r.slot, r.key, r.gen, r.length, r.xxh3, r.seq)
+                self._index[r.key] = self._lru[r.key] = s
+                self._seq = max(self._seq, r.seq)
+            self._free = sorted(empty + bad, reverse=True)
+            self.recover_dropped = len(bad)
+            self._recovered = True
+        if verify:
+            self.scrub().result()
+        keys = list(self._lru)
+        self.recovered = len(keys)
+        if keys or bad:
+            log.info(
+                "disk tier %s: recovered %d blocks (%d records dropped) in %.2f s",
+                self.path,
+                len(keys),
+                len(bad),
+                time.perf_counter() - t0,
+            )
+        return keys
+
+    def scrub(self) -> Future[list[BlockKey]]:
+        """Verify every block not yet verified, on the read threads; the future gives the
+        keys dropped (each also reported to ``on_evict``)."""
+        with self._lock:
+            todo = [s.key for s in self._index.values() if not s.verified]
+        futs = [self._readers.submit(self._verify_one, k) for k in todo]
+        done: Future[list[BlockKey]] = Future()
+
+        def finish() -> None:
+            wait(futs)
+            done.set_result([k for k, f in zip(todo, futs, strict=True) if not f.result()])
+
+        threading.Thread(target=finish, name="pegaflow-disk-scrub", daemon=True).start()
+        return done
+
+    def _verify_one(self, key: BlockKey) -> bool:
+        s = self._pin(key, count=False)
+        if s is None:
+            return True  # gone meanwhile: nothing to drop
+        return self._read_slot(s, None, count=False) is not None
+
+    # ---- spills --------------------------------------------------------------------
+
+    def spill(self, key: BlockKey, gen: int, data: Any, xxh3: int | None = None) -> bool:
+        """Write a copy of ``data`` (a block of at most ``block_size`` bytes) in the
+        background; returns at once, False when it was dropped (no staging buffer free:
+        the write queue is full; too large; tier closed).  ``xxh3``: the block's
+        checksum when the caller has it (else computed on the write thread).  A key
+        already on disk or queued is not written again.  Once the write is done (or
+        failed) ``on_spilled(key, ok)`` is called on the write thread.  Raises
+        BadRequest for a key the wire would refuse."""
+        check_key(key)
+        mv = memoryview(data).cast("B")
+        n = mv.nbytes
+        with self._lock:
+            if not self._recovered or self._closed:
+                self.spill_drops += 1
+                return False
+            if key in self._index or key in self._pending:
+                return True
+            if not 0 < n <= self.block_size or not self._staging:
+                self.spill_drops += 1
+                return False
+            buf = self._staging.pop()
+            self._pending.add(key)
+        buf[:n] = mv
+        try:
+            fut = self._writers.submit(self._write, key, gen, buf, n, xxh3)
+        except RuntimeError:  # closed meanwhile
+            with self._lock:
+                self._pending.discard(key)
+                self._staging.append(buf)
+                self.spill_drops += 1
+            return False
+        with self._lock:
+            self._inflight.add(fut)
+        fut.add_done_callback(self._done)
+        return True
+
+    def _done(self, fut: Future[Any]) -> None:
+        with self._lock:
+            self._inflight.discard(fut)
+
+    def _write(self, key: BlockKey, gen: int, buf: memoryview, n: int, xxh3: int | None) -> None:
+        slot: int | None = None
+        evicted: BlockKey | None = None
+        ok = False
+        try:
+            if xxh3 is None:
+                xxh3 = checksum(buf[:n])
+            padded = align_up(n)
+            buf[n:padded] = bytes(padded - n)
+            with self._lock:
+                slot, evicted = self._alloc()
+                self._seq += 1
+                seq = self._seq
+            if evicted is not None:
+                self._report(evicted)
+            if slot is None:
+                with self._lock:
+                    self.spill_drops += 1
+                return
+            fd, off = self._where(slot)
+            t0 = time.perf_counter()
+            _write_all(self._io, fd, buf[:padded], off)
+            dt = time.perf_counter() - t0
+            rec = encode_record(SlotRecord(slot, key, seq, gen, n, xxh3))
+            with self._lock:
+                _write_all(self._io, self._index_fd, rec, self._rec_off(slot))
+                s = _Slot(slot, key, gen, n, xxh3, seq, verified=True)
+                self._index[key] = self._lru[key] = s
+                self.spills += 1
+                self.write_bytes += padded
+                self.write_seconds += dt
+                slot = None
+                ok = True
+        except OSError as e:
+            with self._lock:
+                self.errors += 1
+                self.spill_drops += 1
+            self._log_error(f"a spill failed ({e}): that block is not kept on disk")
+        finally:
+            with self._lock:
+                if slot is not None:
+                    self._free.append(slot)
+                self._pending.discard(key)
+                self._staging.append(buf)
+            if self._on_spilled is not None:
+                try:
+                    self._on_spilled(key, ok)
+                except Exception:
+                    log.exception("disk tier: on_spilled callback failed")
+
+    def _alloc(self) -> tuple[int | None, BlockKey | None]:
+        """A free slot (lock held), taking the least recently used block's when none is
+        free; returns it and the key evicted, if any."""
+        if self._free:
+            return self._free.pop(), None
+        if not self._lru:
+            return None, None
+        key, s = self._lru.popitem(last=False)
+        del self._index[key]
+        self.evictions += 1
+        self._clear_record(s.idx)
+        return s.idx, key
+
+    def _clear_record(self, slot: int) -> None:
+        try:
+            _write_all(self._io, self._index_fd, EMPTY_RECORD, self._rec_off(slot))
+        except OSError as e:
+            self.errors += 1
+            self._log_error(f"clearing a slot record failed ({e})")
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the spills queued so far; False if some are still running at
+        ``timeout``."""
+        with self._lock:
+            pending = list(self._inflight)
+        return not wait(pending, timeout).not_done
+
+    # ---- reads ---------------------------------------------------------------------
+
+    def contains(self, key: BlockKey) -> bool:
+        """Whether ``key`` is on disk (written, not dropped)."""
+        return key in self._index
+
+    def info(self, key: BlockKey) -> DiskBlock | None:
+        """Generation, length and xxh3 of ``key`` on disk, or None."""
+        s = self._index.get(key)
+        return None if s is None else DiskBlock(s.gen, s.length, s.xxh3)
+
+    def keys(self) -> list[BlockKey]:
+        """Every key on disk, least recently used first."""
+        with self._lock:
+            return [*self._lru, *(k for k, s in self._index.items() if s.pins)]
+
+    def read(self, key: BlockKey) -> Future[bytes | None]:
+        """The verified bytes of ``key``, or None (not on disk, failed verification, I/O
+        error)."""
+        s = self._pin(key)
+        if s is None:
+            return _resolved(None)
+        return self._readers.submit(self._read_bytes, s)
+
+    def read_into(self, key: BlockKey, buffer: Any) -> Future[int | None]:
+        """Read ``key`` into the start of ``buffer`` (writable, at least the block's
+        length); the future gives the length, or None on a miss (then ``buffer``'s
+        contents are undefined).  Raises BadRequest when the buffer is too small."""
+        mv = memoryview(buffer).cast("B")
+        if mv.readonly:
+            raise BadRequest("read_into needs a writable buffer")
+        s = self._pin(key)
+        if s is None:
+            return _resolved(None)
+        if mv.nbytes < s.length:
+            self._unpin(s, drop=False)
+            raise BadRequest(f"buffer of {mv.nbytes} bytes cannot hold a block of {s.length}")
+        return self._readers.submit(self._read_slot, s, mv)
+
+    def _pin(self, key: BlockKey, count: bool = True) -> _Slot | None:
+        with self._lock:
+            s = None if self._closed else self._index.get(key)
+            if count:
+                self.reads += 1
+                if s is None:
+                    self.misses += 1
+            if s is not None:
+                s.pins += 1
+                self._lru.pop(key, None)
+            return s
+
+    def _unpin(self, s: _Slot, drop: bool) -> bool:
+        """Release a read's pin (``drop``: and drop the block); whether it dropped it."""
+        with self._lock:
+            s.pins -= 1
+            dropped = drop and not s.dead and self._index.get(s.key) is s
+            if dropped:
+                s.dead = True
+                del self._index[s.key]
+                self._clear_record(s.idx)
+            if s.pins:
+                return dropped
+            if s.dead:
+                self._free.append(s.idx)
+            elif self._index.get(s.key) is s:
+                self._lru[s.key] = s
+            return dropped
+
+    def _read_bytes(self, s: _Slot) -> bytes | None:
+        n = self._read_slot(s, None)
+        return None if n is None else bytes(self._bounce_buf()[:n])
+
+    def _bounce_buf(self) -> memoryview:
+        mem = getattr(self._bounce, "mem", None)
+        if mem is None:
+            mem = self._bounce.mem = memoryview(mmap.mmap(-1, self.stride))
+        return mem
+
+    def _read_slot(self, s: _Slot, dest: memoryview | None, count: bool = True) -> int | None:
+        """Read and verify slot ``s`` into ``dest`` (None: into this thread's bounce
+        buffer), unpinning it; the length, or None after dropping it."""
+        ok = False
+        try:
+            n = s.length
+            padded = align_up(n)
+            whole = n & ~(ALIGN - 1)
+            bounce = self._bounce_buf()
+            copy_at = -1  # where in dest the bounce buffer's first bytes go
+            if dest is None:
+                dest = bounce
+                bufs = [bounce[:padded]]
+            elif not self.direct_io:
+                bufs = [dest[:n]]
+            elif _aligned(dest):
+                bufs = [dest[:whole]] if whole else []
+                if padded > whole:
+                    bufs.append(bounce[: padded - whole])
+                    copy_at = whole
+            else:
+                bufs = [bounce[:padded]]
+                copy_at = 0
+            fd, off = self._where(s.idx)
+            t0 = time.perf_counter()
+            got = self._io.preadv(fd, bufs, off)
+            dt = time.perf_counter() - t0
+            if got < sum(b.nbytes for b in bufs):
+                raise OSError(errno.EIO, f"short read: {got} bytes")
+            if copy_at >= 0:
+                dest[copy_at:n] = bounce[: n - copy_at]
+            if checksum(dest[:n]) != s.xxh3:
+                self._count(count, error=True)
+                self._log_error(f"a block failed its checksum (slot {s.idx}): dropped")
+                return None
+            s.verified = ok = True
+            with self._lock:
+                if count:
+                    self.hits += 1
+                self.read_bytes += padded
+                self.read_seconds += dt
+            return n
+        except OSError as e:
+            self._count(count, error=True)
+            self._log_error(f"a read failed ({e}): a miss, block dropped")
+            return None
+        finally:
+            if self._unpin(s, drop=not ok):
+                self._report(s.key)
+
+    def _report(self, key: BlockKey) -> None:
+        if self._on_evict is None:
+            return
+        try:
+            self._on_evict(key)
+        except Exception:
+            log.exception("disk tier: on_evict callback failed")
+
+    def _count(self, count: bool, error: bool) -> None:
+        with self._lock:
+            if count:
+                self.misses += 1
+            if error:
+                self.errors += 1
+
+    def discard(self, key: BlockKey) -> bool:
+        """Drop ``key`` from the tier (not reported to ``on_evict``); whether it was
+        there."""
+        with self._lock:
+            s = self._index.pop(key, None)
+            if s is None:
+                return False
+            self._lru.pop(key, None)
+            s.dead = True
+            self._clear_record(s.idx)
+            if not s.pins:
+                self._free.append(s.idx)
+            return True
+
+    # ---- helpers -------------------------------------------------------------------
+
+    def _where(self, slot: int) -> tuple[int, int]:
+        per = self.header.slots_per_file
+        return self._fds[slot // per], HEADER_BYTES + (slot % per) * self.stride
+
+    @staticmethod
+    def _rec_off(slot: int) -> int:
+        return HEADER_BYTES + slot * RECORD_BYTES
+
+    def _log_error(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= _LOG_EVERY_S:
+            self._last_log = now
+            log.error(
+                "disk tier %s: %s (%d errors so far; check the disk and its free space)",
+                self.path,
+                what,
+                self.errors,
+            )
+
+    def stats(self) -> DiskTierStats:
+        """A snapshot of the tier's counters."""
+        with self._lock:
+            return DiskTierStats(
+                capacity_bytes=self.capacity,
+                used_bytes=len(self._index) * self.stride,
+                blocks=len(self._index),
+                spills=self.spills,
+                spill_drops=self.spill_drops,
+                evictions=self.evictions,
+                reads=self.reads,
+                hits=self.hits,
+                misses=self.misses,
+                errors=self.errors,
+                read_bytes=self.read_bytes,
+                write_bytes=self.write_bytes,
+                read_seconds=self.read_seconds,
+                write_seconds=self.write_seconds,
+                recovered=self.recovered,
+                recover_dropped=self.recover_dropped,
+                direct_io=self.direct_io,
+            )
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Finish the queued spills (up to ``timeout``), then close the files."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.flush(timeout)
+        self._writers.shutdown(wait=True, cancel_futures=True)
+        self._readers.shutdown(wait=True)  # reads under way finish; later ones are misses
+        self._close_fds()
+
+
+def _aligned(mv: memoryview) -> bool:
+    if mv.readonly or not mv.nbytes:
+        return False
+    return np.frombuffer(mv, dtype=np.uint8).ctypes.data % ALIGN == 0
+
+
+def _allocate(fd: int, size: int, prealloc: bool, path: Path) -> None:
+    """Grow ``fd`` to ``size`` bytes, reserving the blocks where ``prealloc`` and the file
+    system allow (NoSpace when they do not fit)."""
+    if prealloc:
+        try:
+            os.posix_fallocate(fd, 0, size)
+            return
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise NoSpace(
+                    f"disk tier file {path} ({size >> 20} MiB) does not fit: {e.strerror}; "
+                    "lower disk_bytes, or make room"
+                ) from None
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+    os.ftruncate(fd, size)
+
+
+def _write_all(io: DiskIO, fd: int, buf: Any, offset: int) -> None:
+    mv = memoryview(buf).cast("B")
+    while mv.nbytes:
+        n = io.pwritev(fd, [mv], offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        mv, offset = mv[n:], offset + n
+
+
+def _resolved(value: Any) -> Future[Any]:
+    f: Future[Any] = Future()
+    f.set_result(value)
+    return f
