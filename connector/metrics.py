@@ -43,6 +43,9 @@ COUNTERS: dict[str, str] = {
     "cost_declined": "hits not claimed at all: computing them was expected to be faster",
     "cost_declined_blocks": "hit blocks not claimed (computed instead of loaded)",
     "probes": "background fetches that timed a declined node (no request waits on them)",
+    "handoffs": "requests that came with a usable prefill/decode handoff (kv_consumer)",
+    "handoff_short": "handoffs of which not every block was stored by the end of the wait",
+    "handoff_rejected": "handoffs not usable (malformed, expired, another namespace or prompt)",
     # worker side
     "load_jobs": "requests whose blocks were loaded",
     "load_blocks": "blocks loaded into the KV cache",

@@ -22,10 +22,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from pegaflow import telemetry
+from pegaflow.deadline import Deadline
+from pegaflow.errors import BadRequest, PegaError
 from pegaflow.wire import LocatedBlocks
 
 from .costmodel import LOCAL, CostModel, Decision
 from .discovery import LocalNodeFinder
+from .handoff import POLL_S, Handoff
 from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport
 from .metrics import Counters
 from .namespace import block_hash_bytes, block_hashes_bytes
@@ -125,6 +128,11 @@ class _ReqState:
     loading: bool = False
     saved_any: bool = False
     started_ns: int = field(default_factory=time.time_ns)  # root span of its trace
+    handoff: Handoff | None = None
+    """a producer's handoff this request still waits for (see :meth:`SchedulerSide._await`)"""
+    handoff_read: bool = False
+    handoff_until: float = 0.0
+    handoff_poll: float = 0.0
 
 
 def _group0(block_ids: Any) -> list[int]:
@@ -198,6 +206,7 @@ class SchedulerSide:
         self._pending_loads: list[LoadJob] = []
         self._delay_free: list[str] = []
         self._last_error_log = -1e9
+        self._last_handoff_warn = -1e9
         self._client_lock = threading.Lock()
         self._closed = False
         self._connected = threading.Event()
@@ -271,8 +280,7 @@ class SchedulerSide:
         if self.settings.mode == "off":
             return
         client = self._client_or_none()
-        call = getattr(client, "call", None)
-        if call is None:
+        if client is None:
             return
         t0 = time.monotonic()
         node = self.finder.find(client)
@@ -282,9 +290,9 @@ class SchedulerSide:
         probe = [bytes(32)]  # a block nobody stores, in a namespace of its own
         try:
             if node:  # fetches the node records, opens the data plane and control socket
-                call(lambda c: c.locate(WARM_UP_NS, node, probe, 0, 0.001, timeout), timeout)
+                client.locate(WARM_UP_NS, node, probe, 0, 0.001, timeout)
             # flagged: the coordinator leaves it out of its lookup counts
-            call(lambda c: c.lookup(WARM_UP_NS, probe, self.shards, timeout, warm_up=True), timeout)
+            client.lookup(WARM_UP_NS, probe, self.shards, timeout, warm_up=True)
             logger.debug("PegaFlow: connected in %.1f ms", (time.monotonic() - t0) * 1e3)
         except Exception as e:
             logger.info("PegaFlow: could not connect ahead of the first lookup: %s", e)
@@ -319,7 +327,14 @@ class SchedulerSide:
             return 0, False
         lk = st.lookup
         now = self._clock()
-        if not (
+        ho = self._handoff(st, ns, hashes, now)
+        if ho is not None:
+            lk, wait = self._await(st, ho, ns, hashes, start, now)
+            if wait:
+                return None, False
+            if lk is None:
+                return 0, False
+        elif not (
             lk is not None
             and lk.start == start
             and lk.n_hashes == n
@@ -339,6 +354,82 @@ class SchedulerSide:
         lk.sync = False
         return lk.hits * bs, True
 
+    def _handoff(self, st: _ReqState, ns: str, hashes: Sequence[Any], now: float) -> Handoff | None:
+        """The producer's handoff in the request's ``kv_transfer_params`` that it still
+        waits for; read and checked on first use (an unusable one: a warning, None)."""
+        if st.handoff_read:
+            return st.handoff
+        st.handoff_read = True
+        rid = st.request.request_id
+        try:
+            ho = Handoff.from_params(getattr(st.request, "kv_transfer_params", None))
+            if ho is None:
+                return None
+            if ho.namespace != ns:
+                raise BadRequest(
+                    f"its namespace {ho.namespace} is not this engine's {ns} (the producer "
+                    "runs another model or cache configuration)"
+                )
+            if ho.blocks > len(hashes) or block_hash_bytes(hashes[ho.blocks - 1]) != ho.last_hash:
+                raise BadRequest("its blocks are not this prompt's (the prompt differs)")
+            if ho.expired(int(time.time() * 1000)):
+                raise BadRequest(f"it expired at {ho.expires_ms} ms (unix time)")
+        except PegaError as e:
+            self.counters.add("handoff_rejected")
+            if now - self._last_handoff_warn >= 10.0:
+                self._last_handoff_warn = now
+                logger.warning(
+                    "PegaFlow: the handoff (kv_transfer_params) of %s is unusable: %s: %s; "
+                    "recomputing what the cluster does not hold. The producer and consumer "
+                    "must run the same model and settings, and the proxy must pass the "
+                    "producer's kv_transfer_params unchanged (at most one warning per 10 s)",
+                    rid, type(e).__name__, e,
+                )  # fmt: skip
+            return None
+        self.counters.add("handoffs")
+        st.handoff = ho
+        st.handoff_until = now + self.settings.handoff_wait_s
+        return ho
+
+    def _await(
+        self,
+        st: _ReqState,
+        ho: Handoff,
+        ns: str,
+        hashes: Sequence[Any],
+        start: int,
+        now: float,
+    ) -> tuple[_Lookup | None, bool]:
+        """Look up a handed-off request's blocks: ``(lookup, False)`` once all are stored
+        (but the block of the prompt's last token, which vLLM computes anyway), once
+        ``handoff_wait_s`` is over, or when the cluster cannot answer (``None``); else
+        ``(None, True)``: vLLM asks again in a later step (a new lookup every
+        :data:`~.handoff.POLL_S`), serving the other requests meanwhile.  The hit is
+        claimed whole: the point of the handoff is that the consumer does not prefill."""
+        want = min(ho.blocks, (st.request.num_tokens - 1) // self.block_size)
+        if now < st.handoff_poll:
+            return None, True
+        lk = self._lookup(st, ns, hashes, start, whole=True)
+        if lk is not None and start + lk.hits < want and now < st.handoff_until:
+            if lk.located:  # this poll's locate pinned what it found: not loaded yet
+                self._unpin(lk.pins)
+            st.lookup = None
+            st.handoff_poll = now + POLL_S
+            return None, True
+        st.handoff = None
+        waited = now - (st.handoff_until - self.settings.handoff_wait_s)
+        got = start + (lk.hits if lk is not None else 0)
+        if got < want:
+            self.counters.add("handoff_short")
+            logger.info(
+                "PegaFlow: %s: %d of the %d blocks handed off by its producer%s were stored "
+                "after %.2f s (handoff_wait_s %.2f); computing the rest. Often: the "
+                "producer's saves are dropped or slow (its 'PegaFlow cache:' lines).",
+                st.request.request_id, got, want, f" (node {ho.node})" if ho.node else "",
+                waited, self.settings.handoff_wait_s,
+            )  # fmt: skip
+        return lk, False
+
     def _all_local(self, lk: _Lookup) -> bool:
         s = self.settings
         local = self.local_node
@@ -346,7 +437,9 @@ class SchedulerSide:
             return False
         return _on_node(lk.nodes, local, self.world_size)
 
-    def _lookup(self, st: _ReqState, ns: str, hashes: Sequence[Any], start: int) -> _Lookup | None:
+    def _lookup(
+        self, st: _ReqState, ns: str, hashes: Sequence[Any], start: int, whole: bool = False
+    ) -> _Lookup | None:
         if not self.lookup_breaker.allow():
             self.counters.add("lookup_skipped")
             return None
@@ -382,7 +475,7 @@ class SchedulerSide:
                         self.lookup_breaker.success()
                         self._account(asked, local.hits, "lookups_local")
                         self.same_host.add(self.local_node, len(asked), local.hits)
-                        self._claim(st, asked, local)
+                        self._claim(st, asked, local, whole)
                         self._debug_lookup(st, asked, local, t0, "answered by the local node")
                         st.lookup = local
                         return local
@@ -414,7 +507,7 @@ class SchedulerSide:
             isinstance(g, list | tuple) and len(g) == self.world_size for g in gens[:hits]
         ):
             lk.gens = [list(g) for g in gens[:hits]]
-        self._claim(st, asked, lk)
+        self._claim(st, asked, lk, whole)
         if located is not None:
             self._keep_located(lk, located)
         self._debug_lookup(st, asked, lk, t0, "coordinator")
@@ -433,11 +526,12 @@ class SchedulerSide:
             out.append(far[0] if far else LOCAL)
         return out
 
-    def _claim(self, st: _ReqState, asked: list[bytes], lk: _Lookup) -> None:
+    def _claim(self, st: _ReqState, asked: list[bytes], lk: _Lookup, whole: bool = False) -> None:
         """Keep of the hit only what the cost model expects to load faster than vLLM
         computes it (the whole hit, a leading part, or nothing); count the decision.
-        A remote node declined for want of recent measurements is probed."""
-        if lk.hits <= 0 or not self.costs.enabled:
+        A remote node declined for want of recent measurements is probed.  ``whole``:
+        keep it all (a handoff)."""
+        if lk.hits <= 0 or not self.costs.enabled or whole:
             return
         sources = self._sources(lk)
         s = self.settings
@@ -467,13 +561,12 @@ class SchedulerSide:
         """Release the local node's pins of a locate whose blocks will not be loaded
         (fire and forget: an unpin lost only keeps them from eviction a little longer)."""
         client, node = self._client_or_none(), self.local_node
-        submit = getattr(client, "submit", None)
-        if submit is None or not node:
+        if client is None or not node:
             return
         timeout = self.settings.rpc_timeout_s
         for pin in pins:
             try:
-                submit(lambda c, pin=pin: c.unpin(node, pin, timeout))
+                client.submit_unpin(node, pin, timeout)
             except Exception as e:
                 logger.debug("PegaFlow: unpin failed: %s", e)
 
@@ -560,23 +653,18 @@ class SchedulerSide:
         for a while (a breaker), so a sick node costs lookups no more than a deadline."""
         s = self.settings
         node = self.local_node
-        submit = getattr(client, "submit", None)
-        if not (s.layerwise and s.same_host_shortcut and node and submit is not None):
+        if not (s.layerwise and s.same_host_shortcut and node and client is not None):
             return None
         if not self.locate_breaker.allow():
             return None
         part = asked[:MAX_LOCATE]
         try:
+            deadline = Deadline.after(s.lookup_timeout_s)
             futs = [
-                submit(
-                    lambda c, shard=shard: c.locate(
-                        ns, node, part, shard, LOCATE_PIN_S, s.lookup_timeout_s
-                    )
-                )
+                client.submit_locate(ns, node, part, shard, LOCATE_PIN_S, deadline)
                 for shard in self.shards
             ]
-            deadline = time.monotonic() + s.lookup_timeout_s
-            got = [f.result(max(0.0, deadline - time.monotonic())) for f in futs]
+            got = [f.result(deadline.remaining()) for f in futs]
         except Exception as e:
             self.locate_breaker.failure()
             self._log_error("locate failed", e)
@@ -610,8 +698,7 @@ class SchedulerSide:
     def _pin(self, client: Any, ns: str, hashes: Sequence[bytes], nodes: list[list[str]]) -> None:
         """Read pins: ask the nodes to keep the hit blocks from eviction until the load
         (fire and forget; a lost pin only means a possible miss, never wrong bytes)."""
-        submit = getattr(client, "submit_pin_blocks", None)
-        if submit is None:
+        if client is None:
             return
         items = [
             (node, h, shard)
@@ -619,7 +706,7 @@ class SchedulerSide:
             for shard, node in enumerate(row)
         ]
         try:
-            submit(ns, items, self.settings.read_pin_s)
+            client.submit_pin_blocks(ns, items, self.settings.read_pin_s)
         except Exception as e:
             self._log_error("read pin failed", e)
 
@@ -735,6 +822,8 @@ class SchedulerSide:
         if full <= st.next_save:
             return
         lo, st.next_save = st.next_save, full
+        if not self.settings.saves_prompt:  # a consumer's prompt blocks are its producer's
+            lo = max(lo, int(getattr(req, "num_prompt_tokens", 0)) // self.block_size)
         if not self.namespace:
             return
         ids: list[int] = []
@@ -766,6 +855,22 @@ class SchedulerSide:
         self._delay_free.append(request.request_id)
         return True
 
+    def handoff_params(self, request: Any) -> dict[str, Any] | None:
+        """A ``kv_producer``'s ``kv_transfer_params`` for a finished request: the
+        :class:`~.handoff.Handoff` of the prompt blocks it saved or found stored (None:
+        not a producer, or no full block)."""
+        st = self._reqs.get(request.request_id)
+        ns = self.namespace
+        if not self.settings.hands_off or st is None or not ns:
+            return None
+        hashes = request.block_hashes
+        n = min(st.next_save, len(hashes))
+        if n <= 0:
+            return None
+        expires_ms = int((time.time() + self.settings.handoff_ttl_s) * 1000)
+        ho = Handoff(ns, n, block_hash_bytes(hashes[n - 1]), self.local_node, expires_ms)
+        return ho.to_params()
+
     def update_connector_output(self, report: WorkerReport | None) -> None:
         """Learn from the workers: failed saves may be saved again, failed loads too."""
         if report is None:
@@ -787,10 +892,9 @@ class SchedulerSide:
     def _send_report(self, node: str, lookups: int, asked: int, hits: int, timeout: float) -> None:
         """One :class:`SameHostReport` report to ``node`` (raises when it fails)."""
         client = self._client_or_none()
-        call = getattr(client, "call", None)
-        if call is None:
+        if client is None:
             raise RuntimeError("no cluster client")
-        call(lambda c: c.report_lookups(node, lookups, asked, hits, timeout), timeout)
+        client.report_lookups(node, lookups, asked, hits, timeout)
 
     def close(self) -> None:
         """Report the last same-host lookups, then close the lookup client."""

@@ -40,6 +40,9 @@ log = logging.getLogger("pegaflow.connector")
 
 Mode = Literal["read_write", "save_only", "load_only", "off"]
 _MODES: tuple[str, ...] = ("read_write", "save_only", "load_only", "off")
+KV_ROLES: tuple[str, ...] = ("kv_both", "kv_producer", "kv_consumer")
+"""vLLM's ``kv_role`` values: a producer (prefill) saves and never loads; a consumer
+(decode) loads and saves nothing but, with ``save_decode_blocks``, its decode blocks"""
 
 DEFAULT_COORDINATOR_PORT = 7700
 """the port of a ``pegaflow.host`` given without ``pegaflow.port`` (PegaFlow's own
@@ -197,7 +200,18 @@ class ConnectorSettings:
     backoff_max_s: float = _f(30.0, "longest pause of the failure backoff")
     failures_to_backoff: int = _f(3, "consecutive failures that open the circuit breaker")
     save_decode_blocks: bool = _f(
-        False, "also save blocks filled by generated tokens (default: prompt blocks only)"
+        False,
+        "also save blocks filled by generated tokens (default: prompt blocks only); on a "
+        "kv_consumer, save those and nothing else",
+    )
+    handoff_wait_s: float = _f(
+        2.0,
+        "kv_consumer: how long a request given a producer's handoff waits for its blocks "
+        "still being committed (other requests are served meanwhile); then what is stored "
+        "is loaded and the rest computed",
+    )
+    handoff_ttl_s: float = _f(
+        60.0, "kv_producer: how long after a request the handoff it returns stays valid"
     )
     chunk_bytes: int = _f(
         8 << 20, "bytes per transfer chunk (a load keeps up to 3 in flight while copying)"
@@ -253,38 +267,68 @@ class ConnectorSettings:
         "level of the connector's log ('debug': one line per lookup and per layer-wise load, "
         "with timings); empty: as the engine sets it",
     )
+    kv_role: str = field(
+        default="kv_both",
+        metadata={
+            "help": "vLLM's kv_role (from --kv-transfer-config, not an extra key)",
+            "vllm": True,
+        },
+    )
 
     # ---- derived -------------------------------------------------------------------
 
     @property
     def can_load(self) -> bool:
-        """Whether lookups and loads are enabled."""
-        return self.mode in ("read_write", "load_only")
+        """Whether lookups and loads are enabled (never on a ``kv_producer``)."""
+        return self.mode in ("read_write", "load_only") and self.kv_role != "kv_producer"
 
     @property
     def can_save(self) -> bool:
-        """Whether saves are enabled."""
+        """Whether saves are enabled (on a ``kv_consumer`` only with
+        ``save_decode_blocks``)."""
+        if self.kv_role == "kv_consumer" and not self.save_decode_blocks:
+            return False
         return self.mode in ("read_write", "save_only")
+
+    @property
+    def saves_prompt(self) -> bool:
+        """Whether prompt blocks are saved (a consumer's came from its producer)."""
+        return self.kv_role != "kv_consumer"
+
+    @property
+    def hands_off(self) -> bool:
+        """Whether finished requests return a handoff (``kv_producer`` that saves)."""
+        return self.kv_role == "kv_producer" and self.can_save
 
     @classmethod
     def keys(cls) -> list[str]:
         """The accepted ``kv_connector_extra_config`` keys."""
-        return [f.name for f in dataclasses.fields(cls)]
+        return [f.name for f in dataclasses.fields(cls) if not f.metadata.get("vllm")]
 
     @classmethod
     def load(
-        cls, extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+        cls,
+        extra: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        kv_role: str | None = None,
     ) -> ConnectorSettings:
-        """Build settings from vLLM's extra config and the environment.
+        """Build settings from vLLM's extra config, the environment and ``kv_role``.
 
         Unknown extra-config keys raise ``ValueError`` (a typo must not silently fall
-        back to a default); so do malformed values and an unknown ``mode``.
+        back to a default); so do malformed values, an unknown ``mode`` and an unknown
+        ``kv_role`` (None: ``kv_both``).
         """
         env = os.environ if env is None else env
         extra, from_pegaflow, from_pegaflow_env = _translate_pegaflow(dict(extra or {}), env)
         s = cls()
+        if kv_role is not None:
+            if kv_role not in KV_ROLES:
+                raise ValueError(
+                    f"PegaKVConnector kv_role must be one of {KV_ROLES}, not {kv_role!r}"
+                )
+            s.kv_role = kv_role
         hints = get_type_hints(cls)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("vllm")}
         # lowest precedence first
         shared = {
             "coordinators": env.get("PEGAFLOW_CLIENT_COORDINATORS"),
@@ -329,7 +373,7 @@ class ConnectorSettings:
         for name in ("lookup_timeout_s", "rpc_timeout_s", "transfer_timeout_s"):
             if getattr(s, name) <= 0:
                 raise ValueError(f"PegaKVConnector {name} must be > 0")
-        for name in ("report_interval_s", "shutdown_wait_s"):
+        for name in ("report_interval_s", "shutdown_wait_s", "handoff_wait_s", "handoff_ttl_s"):
             if getattr(s, name) < 0:
                 raise ValueError(f"PegaKVConnector {name} must be >= 0")
         if s.chunk_bytes <= 0 or s.max_staging_bytes <= 0:
