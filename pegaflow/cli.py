@@ -1,6 +1,7 @@
 """``pegaflow``: the operator's command line.
 
     pegaflow [--config FILE] status [--coordinators HOST:PORT,...] [--json] [--no-health]
+                                    [--router URL]
 
 prints the cluster as the coordinator sees it: every node with its health, capacity,
 usage and blocks, then the totals, the lookup hit rate and the coordinator's state.
@@ -13,7 +14,8 @@ address the node published): ``ok``, ``unhealthy`` (it answered 503), ``unreacha
 (no answer: a firewall, or the node is going down; it is still in the index while its
 lease lives) or ``-`` (no HTTP endpoint published).  ``--no-health`` skips asking.
 Exit status: 0 when the coordinator answered and no node is ``unhealthy`` or
-``unreachable``, 1 when some node is, 2 when no coordinator answered or the command
+``unreachable``, 1 when some node is (or, with ``--router``, the router cannot be reached
+or one of its replicas is out of rotation), 2 when no coordinator answered or the command
 line or configuration is wrong (one line on stderr says why).
 """
 
@@ -236,6 +238,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p_status.add_argument("--json", action="store_true", help="print the raw status document")
     p_status.add_argument("--no-health", action="store_true", help="do not ask each node's /health")
+    p_status.add_argument(
+        "--router", metavar="URL", help="also show this pegaflow-router's replicas and their load"
+    )
     args = parser.parse_args(argv)
     if args.cmd is None:
         parser.error("a command is required: status")
@@ -253,13 +258,24 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
         sys.exit(2)
+    router: dict[str, Any] | None = None
+    if args.router:
+        from pegaflow.router.status import fetch_router_status, render_router, router_healthy
+
+        router = asyncio.run(fetch_router_status(args.router, args.timeout))
     if args.json:
         if health is not None:
             st = {**st, "health": health}
+        if router is not None:
+            st = {**st, "router": router}
         print(json.dumps(st, indent=2, default=str))
     else:
         print(render_status(st, health))
+        if router is not None:
+            print(render_router(router))
     if health and any(v in ("unhealthy", "unreachable") for v in health.values()):
+        sys.exit(1)
+    if router is not None and not router_healthy(router):
         sys.exit(1)
 
 

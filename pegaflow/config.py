@@ -6,7 +6,7 @@ into argparse flags and ``docs/configuration.md`` is generated from the same sch
 (``python -m pegaflow.config``), so flags, env vars and docs cannot drift apart.
 
 A TOML file has one table per component: ``[etcd]``, ``[coordinator]``, ``[node]``,
-``[client]``, ``[security]``, ``[telemetry]``.  Environment variables are
+``[client]``, ``[security]``, ``[telemetry]``, ``[router]``.  Environment variables are
 ``PEGAFLOW_<TABLE>_<FIELD>``, e.g. ``PEGAFLOW_NODE_POOL_BYTES=8GiB``.
 """
 
@@ -286,6 +286,58 @@ class TelemetryConfig:
 
 
 @dataclass
+class RouterConfig:
+    """``pegaflow-router``: the OpenAI-compatible proxy in front of vLLM replicas."""
+
+    host: str = opt("127.0.0.1", "interface the router's HTTP server binds to")
+    port: int = opt(7790, "the router's HTTP port (0: any free port)")
+    mode: str = opt(
+        "rr",
+        "rr: round robin; cache: to the replica whose host's node holds the longest stored "
+        "prefix; pd: prefill on a prefill replica, then decode on a decode replica",
+    )
+    replicas: list[str] = opt(
+        [],
+        "vLLM servers, each URL[;role=ROLE][;node=NODE_ID][;host=HOST]; ROLE: both "
+        "(default), prefill or decode",
+        metavar="URL[;KEY=VALUE...][,...]",
+    )
+    namespace: str = opt(
+        "",
+        "cache mode: the engines' PegaFlow namespace (they log 'PegaFlow namespace ...' at "
+        "their first request); empty: routed by load",
+    )
+    tokenizer: str = opt(
+        "",
+        "cache mode: model or tokenizer directory for text prompts (empty: token ids only)",
+        metavar="DIR",
+    )
+    block_size: int = opt(16, "cache mode: the engines' --block-size")
+    hash_algo: str = opt("sha256", "cache mode: the engines' --prefix-caching-hash-algo")
+    hash_seed: str = opt(
+        "",
+        "cache mode: the engines' PYTHONHASHSEED (empty: this process's, else vLLM's fixed seed)",
+    )
+    max_inflight: int = opt(
+        64, "requests in flight on a replica past which affinity sends to the least loaded"
+    )
+    affinity_memory: int = opt(65536, "cache mode: recent prompts remembered with their replica")
+    lookup_timeout_s: float = opt(0.2, "cache mode: deadline of the coordinator lookup")
+    connect_timeout_s: float = opt(5.0, "deadline of connecting to a replica")
+    read_timeout_s: float = opt(300.0, "longest wait for the next bytes of a replica's stream")
+    request_timeout_s: float = opt(1800.0, "deadline of one whole upstream request (streams too)")
+    prefill_timeout_s: float = opt(
+        120.0, "pd mode: deadline of the prefill request; past it the decode replica recomputes"
+    )
+    health_interval_s: float = opt(2.0, "seconds between two health checks of every replica")
+    health_timeout_s: float = opt(2.0, "deadline of one replica's /health")
+    retries: int = opt(
+        2, "other replicas tried when one fails before any byte of its answer was sent"
+    )
+    max_body_bytes: int = opt(64 << 20, "largest request body accepted", size=True)
+
+
+@dataclass
 class ClusterConfig:
     """Everything one process may need, one table per component."""
 
@@ -295,6 +347,7 @@ class ClusterConfig:
     node: NodeConfig = field(default_factory=NodeConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
 
 
 SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(ClusterConfig)}  # type: ignore[misc]

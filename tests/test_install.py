@@ -22,8 +22,17 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-COMMANDS = ("pegaflow", "pegaflow-node", "pegaflow-coordinator", "pegaflow-server")
-IMPORTS = "import pegaflow.connector, pegaflow.coordinator, pegaflow.storage_node, pegaflow.client"
+COMMANDS = (
+    "pegaflow",
+    "pegaflow-node",
+    "pegaflow-coordinator",
+    "pegaflow-server",
+    "pegaflow-router",
+)
+IMPORTS = (
+    "import pegaflow.connector, pegaflow.coordinator, pegaflow.storage_node, pegaflow.client, "
+    "pegaflow.router"
+)
 
 
 def sh(*argv: str | Path, cwd: Path) -> subprocess.CompletedProcess:

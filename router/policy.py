@@ -1,0 +1,211 @@
+"""Replicas and the choice of one per request: round robin, least loaded, cache affinity.
+
+Pure logic (no I/O): the server (:mod:`pegaflow.router.server`) keeps each replica's
+health and in-flight count up to date and asks a :class:`Picker` where to send.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from pegaflow.errors import BadRequest
+
+ROLES = ("both", "prefill", "decode")
+MODES = ("rr", "cache", "pd")
+REPLICA_SPEC = "URL[;role=both|prefill|decode][;node=NODE_ID][;host=HOST]"
+
+
+@dataclass
+class Replica:
+    """One vLLM OpenAI server behind the router."""
+
+    url: str
+    role: str = "both"
+    node: str = ""
+    """id of the storage node on the replica's host (cache mode)"""
+    host: str = ""
+    """the replica's host as the nodes' records name it (cache mode; default: the URL's)"""
+    healthy: bool = False
+    inflight: int = 0
+    requests: int = 0
+    failures: int = 0
+    last_error: str = ""
+
+    def serves(self, role: str) -> bool:
+        """Whether this replica takes requests of ``role`` (``both``: any)."""
+        return role == "both" or self.role in (role, "both")
+
+    def status(self) -> dict[str, object]:
+        """The replica as ``/v1/status`` shows it."""
+        return {
+            "url": self.url,
+            "role": self.role,
+            "node": self.node,
+            "host": self.host,
+            "healthy": self.healthy,
+            "inflight": self.inflight,
+            "requests": self.requests,
+            "failures": self.failures,
+            "last_error": self.last_error,
+        }
+
+
+def parse_replica(spec: str) -> Replica:
+    """A replica from ``URL[;role=...][;node=...][;host=...]``; ``BadRequest`` naming
+    what is wrong otherwise."""
+    parts = [p.strip() for p in spec.split(";")]
+    url = parts[0].rstrip("/")
+    u = urlsplit(url)
+    if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/"):
+        raise BadRequest(f"replica {spec!r}: not a base URL like http://10.0.0.5:8000")
+    try:
+        u.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise BadRequest(f"replica {spec!r}: bad port") from None
+    rep = Replica(url=url, host=u.hostname)
+    for p in parts[1:]:
+        key, sep, value = p.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not value or key not in ("role", "node", "host"):
+            raise BadRequest(f"replica {spec!r}: {p!r} is not role=, node= or host= (a value)")
+        if key == "role" and value not in ROLES:
+            raise BadRequest(f"replica {spec!r}: role must be one of {', '.join(ROLES)}")
+        setattr(rep, key, value)
+    return rep
+
+
+def parse_replicas(specs: Iterable[str], mode: str) -> list[Replica]:
+    """Every replica of ``specs`` for ``mode``; ``BadRequest`` when the set cannot serve
+    it (none at all, a URL twice, P/D without a prefill or a decode replica)."""
+    if mode not in MODES:
+        raise BadRequest(f"unknown router mode {mode!r} (one of {', '.join(MODES)})")
+    reps = [parse_replica(s) for s in specs]
+    if not reps:
+        raise BadRequest(f"no replicas: give --router-replicas {REPLICA_SPEC}[,...]")
+    urls = [r.url for r in reps]
+    if len(set(urls)) != len(urls):
+        raise BadRequest(f"a replica is listed twice: {', '.join(urls)}")
+    if mode == "pd":
+        for role in ("prefill", "decode"):
+            if not any(r.role == role or r.role == "both" for r in reps):
+                raise BadRequest(f"pd mode needs a replica with role={role} (or role=both)")
+    return reps
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Where one request goes, and why (a ``pegaflow_router_routes_total`` decision)."""
+
+    replica: Replica | None
+    decision: str
+    blocks: int = 0
+    """stored prefix blocks on the chosen replica's node (cache mode)"""
+
+
+@dataclass
+class Picker:
+    """Chooses replicas; ``max_inflight`` caps what affinity may send to one replica."""
+
+    replicas: Sequence[Replica]
+    max_inflight: int = 64
+    _rr: itertools.count[int] = field(default_factory=itertools.count)
+
+    def candidates(self, role: str, exclude: Iterable[str] = ()) -> list[Replica]:
+        """Healthy replicas serving ``role``, not among the URLs of ``exclude``."""
+        ex = set(exclude)
+        return [r for r in self.replicas if r.healthy and r.serves(role) and r.url not in ex]
+
+    def round_robin(self, role: str = "both", exclude: Iterable[str] = ()) -> Replica | None:
+        """The next healthy replica in turn (``None``: none is healthy)."""
+        cands = self.candidates(role, exclude)
+        if not cands:
+            return None
+        return cands[next(self._rr) % len(cands)]
+
+    def least_loaded(self, role: str = "both", exclude: Iterable[str] = ()) -> Replica | None:
+        """The healthy replica with the fewest requests in flight; ties in turn."""
+        cands = self.candidates(role, exclude)
+        if not cands:
+            return None
+        low = min(r.inflight for r in cands)
+        tied = [r for r in cands if r.inflight == low]
+        return tied[next(self._rr) % len(tied)]
+
+    def by_affinity(
+        self,
+        scores: Mapping[str, int],
+        role: str = "both",
+        exclude: Iterable[str] = (),
+    ) -> Choice:
+        """The replica with the highest score (stored prefix blocks on its host, by
+        replica URL) among those under the in-flight cap; ties to the least loaded.
+        No score: ``miss``; every scored replica at the cap: ``capped``; both go to the
+        least loaded replica."""
+        cands = [r for r in self.candidates(role, exclude) if scores.get(r.url, 0) > 0]
+        if not cands:
+            return Choice(self.least_loaded(role, exclude), "miss")
+        open_ = [r for r in cands if r.inflight < self.max_inflight]
+        if not open_:
+            return Choice(self.least_loaded(role, exclude), "capped")
+        best = max(scores[r.url] for r in open_)
+        top = [r for r in open_ if scores[r.url] == best]
+        low = min(r.inflight for r in top)
+        return Choice(next(r for r in top if r.inflight == low), "affinity", best)
+
+
+def node_scores(
+    replicas: Sequence[Replica],
+    block_nodes: Sequence[str],
+    node_hosts: Mapping[str, str],
+) -> dict[str, int]:
+    """Per replica URL, how many of a lookup's hit blocks lie on its host's node.
+
+    ``block_nodes``: the node id holding each hit block (shard 0); ``node_hosts``: node
+    id -> data-plane host.  A replica configured with ``node=`` matches that node only;
+    else its ``host`` matches nodes on the same host."""
+    per_node: dict[str, int] = {}
+    for nid in block_nodes:
+        per_node[nid] = per_node.get(nid, 0) + 1
+    out: dict[str, int] = {}
+    for r in replicas:
+        if r.node:
+            n = per_node.get(r.node, 0)
+        else:
+            n = sum(c for nid, c in per_node.items() if node_hosts.get(nid) == r.host)
+        if n:
+            out[r.url] = n
+    return out
+
+
+class RecentRoutes:
+    """Bounded memory of where recent prompts went: last full-block hash -> replica
+    URL.  Covers the moments before a replica's saves are committed in the index (a
+    conversation's next turn may come sooner)."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self._map: OrderedDict[bytes, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def remember(self, hashes: Sequence[bytes], url: str) -> None:
+        """Note that the prompt of ``hashes`` went to ``url``."""
+        if not hashes or self.capacity <= 0:
+            return
+        self._map[hashes[-1]] = url
+        self._map.move_to_end(hashes[-1])
+        while len(self._map) > self.capacity:
+            self._map.popitem(last=False)
+
+    def longest(self, hashes: Sequence[bytes]) -> tuple[int, str]:
+        """``(blocks, url)`` of the longest remembered prefix of ``hashes`` (0, "")."""
+        for i in range(len(hashes) - 1, -1, -1):
+            url = self._map.get(hashes[i])
+            if url is not None:
+                return i + 1, url
+        return 0, ""

@@ -1,0 +1,63 @@
+"""The router's part of ``pegaflow status --router URL``: its replicas and their load."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+async def fetch_router_status(url: str, timeout: float) -> dict[str, Any]:
+    """``GET <url>/v1/status`` of a router within ``timeout`` seconds; on failure a
+    document ``{"url": url, "error": why}``."""
+    import aiohttp
+
+    base = url.rstrip("/")
+    if "://" not in base:
+        base = "http://" + base
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s,
+            s.get(base + "/v1/status") as r,
+        ):
+            if r.status != 200:
+                return {"url": base, "error": f"/v1/status answered {r.status}"}
+            doc = await r.json()
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
+        return {"url": base, "error": f"unreachable ({type(e).__name__}: {e})"}
+    if not isinstance(doc, dict) or not isinstance(doc.get("replicas"), list):
+        return {"url": base, "error": "not a pegaflow-router /v1/status document"}
+    return {"url": base, **doc}
+
+
+def router_healthy(doc: dict[str, Any]) -> bool:
+    """Whether the router answered and every replica of it is in rotation."""
+    return "error" not in doc and all(r.get("healthy") for r in doc.get("replicas", []))
+
+
+def render_router(doc: dict[str, Any]) -> str:
+    """The router's status as terminal lines."""
+    if "error" in doc:
+        return f"router {doc['url']}: {doc['error']}"
+    info = doc.get("router", {})
+    reps = doc.get("replicas", [])
+    up = sum(1 for r in reps if r.get("healthy"))
+    lines = [
+        f"router {doc['url']}: mode {info.get('mode', '?')}, {up} of {len(reps)} replicas "
+        f"healthy, affinity cap {info.get('max_inflight', '?')} in flight"
+    ]
+    lines.append(
+        f"  {'replica':<32} {'role':<8} {'node/host':<20} {'health':<9} "
+        f"{'inflight':>8} {'requests':>9} {'failures':>8}"
+    )
+    for r in reps:
+        where = r.get("node") or r.get("host") or "-"
+        health = "ok" if r.get("healthy") else "DOWN"
+        lines.append(
+            f"  {r.get('url', '?'):<32} {r.get('role', '?'):<8} {where:<20} {health:<9} "
+            f"{r.get('inflight', 0):>8} {r.get('requests', 0):>9} {r.get('failures', 0):>8}"
+        )
+        if not r.get("healthy") and r.get("last_error"):
+            lines.append(f"    last error: {r['last_error']}")
+    counters = doc.get("counters") or {}
+    if counters:
+        lines.append("  routes: " + ", ".join(f"{k} {v}" for k, v in counters.items()))
+    return "\n".join(lines)
