@@ -661,14 +661,17 @@ class Transfer:
         return float(self.timing[0].elapsed_time(self.timing[1]))
 
     def wait_layer(self, i: int) -> None:
-        """Make the current stream wait (on the device, not the CPU) for layer ``i``."""
+        """Make the current stream wait (on the device, not the CPU) for layer ``i``;
+        at the last layer, for the digests too (the step's work then follows every read
+        of its blocks, even when its checks are read later)."""
         if self.events:
             torch.cuda.current_stream().wait_event(self.events[i])
+            if self.tail is not None and i in (-1, len(self.events) - 1):
+                torch.cuda.current_stream().wait_event(self.tail)
 
     def wait_all(self) -> None:
-        """Make the current stream wait for every layer."""
-        if self.events:
-            torch.cuda.current_stream().wait_event(self.events[-1])
+        """Make the current stream wait for every layer (and the digests)."""
+        self.wait_layer(-1)
 
     def synchronize(self) -> None:
         """Block the calling thread until every copy is done."""

@@ -39,6 +39,7 @@ from .compat import (
     kv_load_failure_policy,
     parallel_ranks,
 )
+from .loadcheck import defer_possible
 from .metadata import StepPlan
 from .metrics import Counters
 from .namespace import NamespaceFactors, hash_stability, make_namespace, shard_of
@@ -82,7 +83,8 @@ class PegaKVConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.settings = ConnectorSettings.load(extra)
+        kv_role = getattr(self._kv_transfer_config, "kv_role", None)
+        self.settings = ConnectorSettings.load(extra, kv_role=kv_role)
         _setup_logging(self.settings.log_level)
         self.geometry = engine_geometry(vllm_config, kv_cache_config)
         if self.geometry.groups != 1 and self.settings.mode != "off":
@@ -112,6 +114,7 @@ class PegaKVConnector(KVConnectorBase_V1):
                 self.counters,
                 self._make_client,
                 retry_failed_loads=self.policy == "fail",
+                defer_checks=defer_possible(vllm_config),
             )
         else:
             self._scheduler = SchedulerSide(
@@ -439,10 +442,18 @@ class PegaKVConnector(KVConnectorBase_V1):
 
         Returns:
             (True when vLLM must wait for :meth:`get_finished` before freeing the
-            blocks, no KV transfer params).
+            blocks; on a ``kv_producer``, the handoff a ``kv_consumer`` loads the
+            request's blocks by, as vLLM's ``kv_transfer_params`` (see
+            :mod:`.handoff`), else None).
         """
         assert self._scheduler is not None
-        return self._scheduler.request_finished(request), None
+        delay = self._scheduler.request_finished(request)
+        try:
+            params = self._scheduler.handoff_params(request)
+        except Exception:
+            logger.exception("PegaFlow: cannot build the handoff of %s", request.request_id)
+            params = None
+        return delay, params
 
     @classmethod
     def build_kv_connector_stats(

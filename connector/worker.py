@@ -24,21 +24,25 @@ failing, saves are dropped (counted), never waited for.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
 
 from pegaflow import telemetry
+from pegaflow.deadline import Deadline
 
 from .blockio import KVBlockIO
 from .books import WorkerBooks
 from .costmodel import LOCAL
 from .discovery import LocalNodeFinder
+from .loadcheck import DeferredLoadErrors
 from .localpath import LocalPath
 from .media import BREAKER_OPEN, Medium
 from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport
@@ -60,6 +64,14 @@ def _ms(x: float | None) -> str:
     return "?" if x is None else f"{x:.2f}"
 
 
+def _elapsed_ms(timing: tuple[Any, Any] | None) -> float | None:
+    """The device time between a pair of timing events (waits for the second)."""
+    if timing is None:
+        return None
+    timing[1].synchronize()
+    return float(timing[0].elapsed_time(timing[1]))
+
+
 class WorkerSide:
     """The worker-side engine of :class:`~pegaflow.connector.PegaKVConnector`.
 
@@ -70,6 +82,7 @@ class WorkerSide:
         client_factory: builds the cluster client (lazily, on first transfer).
         retry_failed_loads: retry blocks that failed once more before reporting them
             (used with ``kv_load_failure_policy="fail"``, where a report fails requests).
+        defer_checks: answer a step's load errors deferred (:mod:`.loadcheck`).
     """
 
     def __init__(
@@ -79,6 +92,7 @@ class WorkerSide:
         counters: Counters,
         client_factory: Callable[[], Any],
         retry_failed_loads: bool = False,
+        defer_checks: bool = False,
     ) -> None:
         self.settings = settings
         self.shard = shard
@@ -113,6 +127,11 @@ class WorkerSide:
         self._delay_free: set[str] = set()
         self._load_errors: set[int] = set()
         self._sync_loads: list[tuple[LoadJob, Any, float]] = []
+        self.defer_checks = defer_checks
+        """answer load errors deferred (:mod:`.loadcheck`); the connector sets it where
+        vLLM's scheduler shares this process"""
+        self._deferred: collections.deque[tuple[int, DeferredLoadErrors]] = collections.deque()
+        self._steps = 0
         self._idle = False
 
     # ---- setup ---------------------------------------------------------------------
@@ -236,15 +255,6 @@ class WorkerSide:
         for tokens, seconds in self._step.end():
             self.books.sample("compute", tokens, seconds)
 
-    def _forward_ms(self) -> float | None:
-        """The device time of this step's forward pass (bound to issued, waits on its
-        loads included), for the debug log of layer-wise loads; waits for it."""
-        t = self._fwd_timing
-        if t is None:
-            return None
-        t[1].synchronize()
-        return float(t[0].elapsed_time(t[1]))
-
     # ---- layer-wise (synchronous) loads ----------------------------------------------
 
     def _start_sync_loads(self, ns: str, jobs: list[LoadJob]) -> None:
@@ -286,15 +296,26 @@ class WorkerSide:
                 pending.transfer.wait_layer(idx)
 
     def finish_sync_loads(self) -> None:
-        """Verify and account this step's layer-wise loads; failed blocks are reported
-        by the next :meth:`take_load_errors` (vLLM then recomputes them)."""
+        """Verify and account the layer-wise loads queued so far; failed blocks are
+        reported by the next :meth:`take_load_errors` (vLLM then recomputes them)."""
         loads, self._sync_loads = self._sync_loads, []
+        failed = self._check_sync_loads(loads, time.monotonic(), self._fwd_timing)
+        with self._lock:
+            self._load_errors.update(failed)
+
+    def _check_sync_loads(
+        self, loads: list[tuple[LoadJob, Any, float]], issued: float, fwd: Any
+    ) -> set[int]:
+        """Wait for ``loads``' copies (their step was issued at ``issued``), verify and
+        account them; returns the failed block ids (each request's first failed block
+        goes to the report)."""
+        out: set[int] = set()
         for job, pending, t0 in loads:
             if isinstance(pending, list):
                 ok = pending
             else:
                 try:
-                    t1 = time.monotonic()
+                    t1 = max(issued, t0 + pending.queued_s)
                     ok = pending.finish()
                     t2 = time.monotonic()
                     self.counters.add("layerwise_wait_seconds", t2 - t1)
@@ -306,24 +327,25 @@ class WorkerSide:
                     if logger.isEnabledFor(logging.DEBUG):
                         logger.debug(
                             "PegaFlow: layer-wise load of %s: %d of %d blocks, located %s, "
-                            "queued in %.2f ms, forward pass %.2f ms, then waited %.2f ms; "
-                            "on the device: the step's copies %s ms, its forward %s ms",
+                            "queued in %.2f ms, forward pass %.2f ms, then checked %.2f ms "
+                            "later; on the device: the step's copies %s ms, its forward %s ms",
                             job.req_id, sum(ok), len(ok),
                             "here" if pending.located_here else "by the scheduler",
                             pending.queued_s * 1e3, (t1 - t0 - pending.queued_s) * 1e3,
                             (t2 - t1) * 1e3, _ms(pending.transfer.device_ms()),
-                            _ms(self._forward_ms()),
+                            _ms(_elapsed_ms(fwd)),
                         )  # fmt: skip
                 except Exception as e:
                     logger.warning("PegaFlow: layer-wise load of %s failed: %s", job.req_id, e)
                     ok = [False] * len(job.block_ids)
             failed, first = self._account_load(job, ok, t0)
             self.counters.add("layerwise_load_jobs")
-            with self._lock:
-                self._load_errors.update(failed)
-                if first is not None:
+            out.update(failed)
+            if first is not None:
+                with self._lock:
                     prev = self._report.load_failed.get(job.req_id, first)
                     self._report.load_failed[job.req_id] = min(prev, first)
+        return out
 
     def submit_saves(self, plan: StepPlan) -> None:
         """Queue the copy-out of this step's newly full blocks (returns at once)."""
@@ -351,7 +373,8 @@ class WorkerSide:
         to land instead of returning at once: vLLM would otherwise spin through empty
         steps, taking the CPU the transfer needs (2-core hosts) for nothing.
         """
-        self.finish_sync_loads()
+        if not self.defer_checks:
+            self.finish_sync_loads()
         with self._lock:
             if self._idle and self._loading and not self._done_loads:
                 self._lock.wait_for(lambda: bool(self._done_loads), self.settings.idle_wait_s)
@@ -367,12 +390,47 @@ class WorkerSide:
             self._done_loads.clear()
         return sending or None, recving or None
 
-    def take_load_errors(self) -> set[int]:
-        """Block ids whose load failed, reported once (vLLM recomputes them)."""
-        self.finish_sync_loads()
+    def take_load_errors(self) -> AbstractSet[int]:
+        """Block ids whose load failed, reported once (vLLM recomputes them).
+
+        With :attr:`defer_checks` and layer-wise loads in the step, the answer is a
+        :class:`~.loadcheck.DeferredLoadErrors`: the step's copies are checked when vLLM
+        first reads it, so the engine's CPU goes on to schedule and launch the next step
+        meanwhile (see :mod:`.loadcheck`).
+        """
+        self._settle_deferred()
+        loads, self._sync_loads = self._sync_loads, []
         with self._lock:
             errs, self._load_errors = self._load_errors, set()
-        return errs
+        if not loads:
+            return errs
+        issued, fwd = time.monotonic(), self._fwd_timing
+        if not self.defer_checks:
+            return errs | self._check_sync_loads(loads, issued, fwd)
+        deferred = DeferredLoadErrors(lambda: errs | self._check_sync_loads(loads, issued, fwd))
+        self._deferred.append((self._steps, deferred))
+        return deferred
+
+    def _settle_deferred(self, force: bool = False) -> None:
+        """Forget checked deferred answers; check those vLLM should have read by now
+        (two steps on: its batch queue holds two) and stop deferring if it did not
+        read one (that vLLM reads outputs otherwise), or all of them with ``force``."""
+        self._steps += 1
+        while self._deferred:
+            step, d = self._deferred[0]
+            if not d.checked and not force and step > self._steps - 3:
+                break
+            self._deferred.popleft()
+            if not d.checked:
+                d.read_first_by_vllm = False
+                d.resolve()
+                if not force and self.defer_checks:
+                    self.defer_checks = False
+                    logger.warning(
+                        "PegaFlow: vLLM did not read a step's load errors within two steps; "
+                        "this vLLM schedules differently from the versions tested: load "
+                        "checks now wait at the end of each step instead"
+                    )
 
     def take_report(self) -> WorkerReport | None:
         """Outcomes the scheduler should learn from (None when there are none)."""
@@ -527,9 +585,10 @@ class WorkerSide:
         all; count and log (a warning) those still pending then; close the client."""
         if self._closed:
             return
+        self._settle_deferred(force=True)  # their pins go back now
         wait_s = self.settings.shutdown_wait_s if wait_s is None else wait_s
         t0 = time.monotonic()
-        deadline = t0 + wait_s
+        deadline = Deadline.after(wait_s)
         pending = self.pending_saves()
         if pending:
             logger.info(
@@ -540,7 +599,7 @@ class WorkerSide:
         self._load_pool.shutdown(wait=True, cancel_futures=True)  # no load is wanted now
         self._probe_pool.shutdown(wait=False, cancel_futures=True)
         try:  # the save thread runs its jobs in order: this runs once they all ran
-            self._save_pool.submit(lambda: None).result(max(0.0, deadline - time.monotonic()))
+            self._save_pool.submit(lambda: None).result(deadline.remaining())
         except concurrent.futures.TimeoutError:
             pass
         self._save_pool.shutdown(wait=False, cancel_futures=True)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from pegaflow.client import SyncPegaClient
+from pegaflow.connector.loadcheck import DeferredLoadErrors
 from pegaflow.connector.metadata import LoadJob, SaveJob, StepPlan
 from pegaflow.connector.metrics import Counters
 from pegaflow.connector.scheduler import SchedulerSide
@@ -49,11 +50,15 @@ def _kv(device: str, seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _worker(server: Proc, kv: dict[str, torch.Tensor]) -> tuple[WorkerSide, Counters]:
+def _worker(
+    server: Proc, kv: dict[str, torch.Tensor], defer: bool = False
+) -> tuple[WorkerSide, Counters]:
     coord, node = server.ready["coordinator"], server.ready["node"]
     s = ConnectorSettings.load({"coordinators": coord, "local_node": node}, env={})
     c = Counters()
-    w = WorkerSide(s, 0, c, lambda: SyncPegaClient(ClientConfig(coordinators=[coord])))
+    w = WorkerSide(
+        s, 0, c, lambda: SyncPegaClient(ClientConfig(coordinators=[coord])), defer_checks=defer
+    )
     w.register_kv_caches(kv, NB)
     return w, c
 
@@ -209,6 +214,74 @@ def test_a_steps_layer_wise_loads_are_queued_together(server: Proc, device: str)
             assert torch.equal(dst[name][13].view(torch.int16), src[name][3].view(torch.int16))
         t = c2.totals()
         assert t["layerwise_load_jobs"] == 2 and t["local_load_blocks"] == 3
+    finally:
+        w1.shutdown()
+        w2.shutdown()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_steps_load_checks_wait_until_vllm_reads_them(server: Proc, device: str) -> None:
+    """With the checks deferred (the worker in vLLM's scheduler process), a step's load
+    errors are checked when first read, not at the end of the step: the next step's
+    loads are queued meanwhile (a batch split over steps copies without a gap).  Read
+    as vLLM reads it (``MultiConnector``'s ``agg |= x`` included), the answer is the
+    same as an immediate check, and the report follows once it is checked."""
+    node = server.ready["node"]
+    ns = f"{NS}-deferred-{device}"
+    src, dst = _kv(device, 7), _kv(device, 8)
+    w1, c1 = _worker(server, src)
+    w2, c2 = _worker(server, dst, defer=True)
+    hashes = [device.encode() + b"d" + bytes([i]) * 12 for i in range(4)]
+    try:
+        assert _save_blocks_1_to_3(w1, c1, ns, hashes) == 3
+        w2.start_step(
+            StepPlan(ns, loads=[LoadJob("x", [13, 14], hashes[2:], [[node]] * 2, sync=True)])
+        )
+        for name in dst:
+            w2.wait_layer(name)
+        first = w2.take_load_errors()  # 14: never stored
+        assert isinstance(first, DeferredLoadErrors) and not first.checked
+        assert w2.take_report() is None  # nothing known before the check
+        w2.start_step(
+            StepPlan(ns, loads=[LoadJob("y", [9, 10], hashes[:2], [[node]] * 2, sync=True)])
+        )
+        second = w2.take_load_errors()
+        agg: set[int] = set()
+        agg |= first
+        assert agg == {14} and first.checked and first.read_first_by_vllm
+        assert 14 in first and list(first) == [14] and bool(second) is False
+        report = w2.take_report()
+        assert report is not None and report.load_failed == {"x": 1}
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for name in src:
+            assert torch.equal(dst[name][13].view(torch.int16), src[name][3].view(torch.int16))
+            assert torch.equal(dst[name][9:11].view(torch.int16), src[name][1:3].view(torch.int16))
+        assert c2.totals()["local_load_blocks"] == 3
+    finally:
+        w1.shutdown()
+        w2.shutdown()
+
+
+def test_an_answer_vllm_never_reads_is_checked_and_deferring_stops(server: Proc) -> None:
+    """A deferred answer still unread three steps on is checked by the worker (its pins
+    go back), and the worker stops deferring: this vLLM does not read outputs the way
+    the tested versions do."""
+    node = server.ready["node"]
+    ns = f"{NS}-unread"
+    src, dst = _kv("cpu", 9), _kv("cpu", 10)
+    w1, c1 = _worker(server, src)
+    w2, _c2 = _worker(server, dst, defer=True)
+    hashes = [b"u" + bytes([i]) * 15 for i in range(4)]
+    try:
+        assert _save_blocks_1_to_3(w1, c1, ns, hashes) == 3
+        w2.start_step(StepPlan(ns, loads=[LoadJob("x", [9], hashes[:1], [[node]], sync=True)]))
+        unread = w2.take_load_errors()
+        assert isinstance(unread, DeferredLoadErrors)
+        for _ in range(3):
+            assert w2.take_load_errors() == set()
+        assert unread.checked and not unread.read_first_by_vllm and not w2.defer_checks
+        assert set(unread) == set()
     finally:
         w1.shutdown()
         w2.shutdown()
