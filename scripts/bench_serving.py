@@ -669,11 +669,22 @@ def start_replicas(
     return out
 
 
-def tiny_model(directory: Path) -> str:
-    """The tests' tiny Llama with a word-level tokenizer, written to ``directory``."""
+def preset_model(name: str, directory: Path) -> str:
+    """A model directory for a preset name (dummy weights, a word-level tokenizer),
+    written to ``directory``; any other name is a model path or id, returned as is.
+
+    - ``tiny``: the tests' tiny Llama (CPU);
+    - ``llama-8b``: Llama-3.1-8B's public shape (GPU).
+    """
     from tests.vllm_engine import tiny_model_with_tokenizer
 
-    return tiny_model_with_tokenizer(directory)
+    if name == "tiny":
+        return tiny_model_with_tokenizer(directory)
+    if name == "llama-8b":
+        from scripts.bench_vllm_gpu import LLAMA_31_8B
+
+        return tiny_model_with_tokenizer(directory, LLAMA_31_8B)
+    return name
 
 
 def tokens_per_word(url: str, model: str) -> float:
@@ -699,7 +710,11 @@ def served_model(url: str) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     g = ap.add_argument_group("replicas")
-    g.add_argument("--model", default="tiny", help="model path or name; 'tiny': the CPU preset")
+    g.add_argument(
+        "--model",
+        default="tiny",
+        help="model path or name; presets (dummy weights): 'tiny' (CPU), 'llama-8b' (GPU)",
+    )
     g.add_argument("--replicas-n", type=int, default=2, help="replicas to start (default 2)")
     g.add_argument("--replicas", default="", help="URL,URL: replicas already running")
     g.add_argument("--label", default="external", help="the setup's name with --replicas")
@@ -863,7 +878,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             results[a.label], raws[a.label] = run_setup(a.label, urls, model, specs, loads, a, node)
         else:
             tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
-            model = tiny_model(tmp / "model") if a.model == "tiny" else a.model
+            model = preset_model(a.model, tmp / "model")
             args = replica_args(a)
             gpus = [g for g in a.gpus.split(",") if g]
             setups = [s for s in a.setups.split(",") if s]
@@ -874,7 +889,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             specs: list[WorkloadSpec] = []
             for name in setups:
                 kv: dict[str, Any] | None = None
-                env: dict[str, str] = {}
+                # the README: vLLM < 0.29 seeds its block hashes per process without it
+                env = {"PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
                 if name in ("pegaflow", "warm"):
                     if server is None:
                         extra = ["--pool-size", a.pool_size] if a.pool_size else []

@@ -161,17 +161,28 @@ def wait_saved(prefix: str, blocks: int, timeout: float = 120.0) -> dict[str, fl
         time.sleep(0.2)
 
 
-def tiny_model_with_tokenizer(directory: Path) -> str:
-    """The tiny Llama of :data:`TINY_MODEL` plus a word-level tokenizer (``w3`` ...
-    ``w1023``, one id per word), written to ``directory``: what vLLM's OpenAI server
-    needs to take text prompts and answer text.  Returns the model path."""
-    import shutil
+def vllm_cli() -> list[str]:
+    """The ``vllm`` command: the script next to this Python, else its module (vLLM
+    installed with ``pip --target``, as on the GPU machine, has no script on the path)."""
+    script = Path(sys.executable).parent / "vllm"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
+
+def tiny_model_with_tokenizer(directory: Path, config: dict[str, Any] | None = None) -> str:
+    """The tiny Llama of :data:`TINY_MODEL` (or a model of ``config``, for dummy
+    weights) plus a word-level tokenizer (``w3`` ... ``w1023``, one id per word),
+    written to ``directory``: what vLLM's OpenAI server needs to take text prompts and
+    answer text.  Returns the model path."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     directory.mkdir(parents=True, exist_ok=True)
-    shutil.copy(Path(TINY_MODEL) / "config.json", directory / "config.json")
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 1024)}}
+    max_len = 4096 if config is None else int(config.get("max_position_embeddings", 4096))
+    if config is None:
+        config = json.loads((Path(TINY_MODEL) / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config))
+    # every id the model can sample decodes to a word (dummy weights sample any id)
+    n = int(config.get("vocab_size", 1024))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, n)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(directory / "tokenizer.json"))
@@ -180,7 +191,7 @@ def tiny_model_with_tokenizer(directory: Path) -> str:
         "unk_token": "<unk>",
         "bos_token": "<s>",
         "eos_token": "</s>",
-        "model_max_length": 4096,
+        "model_max_length": max_len,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(cfg))
     return str(directory)
@@ -212,8 +223,7 @@ class ServeProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [
-            str(Path(sys.executable).parent / "vllm"), "serve", model,
-            "--host", "127.0.0.1", "--port", str(self.port), *args,
+            *vllm_cli(), "serve", model, "--host", "127.0.0.1", "--port", str(self.port), *args,
         ]  # fmt: skip
         if kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
