@@ -211,10 +211,7 @@ def run_point(
                 assert torch.equal(bits[dst_ids[0]], bits[src_ids[0]])
                 assert torch.equal(bits[dst_ids[-1]], bits[src_ids[-1]])
             # device copies alone, blocks already located
-            pin, where = client.call(
-                lambda c, ns=ns, h=hashes: c.locate(ns, path.node_id, h, 0, 5.0),
-                10.0,
-            )
+            pin, where = client.locate(ns, path.node_id, hashes, 0, 5.0, 10.0)
             offs = where.column("offset").tolist()
             torch.cuda.synchronize()
             t4 = time.perf_counter()
