@@ -24,15 +24,29 @@ Setups compared in one run (``--setups``):
 - ``pegaflow``: the replicas with the connector (the README's three keys) and one
   ``pegaflow-server`` started empty;
 - ``warm``: the connector after the replicas are restarted (vLLM's caches empty, the
-  server's pool holds what ``pegaflow`` saved; the same content is replayed).
+  server's pool holds what ``pegaflow`` saved; the same content is replayed);
+- ``pd``: ``--prefill-n`` prefill (``kv_producer``) and ``--decode-n`` decode
+  (``kv_consumer``) replicas behind ``pegaflow-router --router-mode pd``, one
+  ``pegaflow-server``; also the handoff cost: TTFT of ``--handoff-requests`` fresh
+  prompts one at a time through the router against the same on one replica;
+- ``rr-hosts`` and ``cache-hosts``: "hosts" are storage nodes with separate pools (etcd,
+  a coordinator and one ``pegaflow-node`` per host, ``--hosts-n``, default one per
+  replica); each replica's connector has its host's node as ``local_node``; the replicas
+  are behind ``pegaflow-router`` in ``rr`` or ``cache`` mode.  Each starts its cluster
+  empty.  Reported: hit rate, TTFT, the share of hits served from the same host (vLLM's
+  own cache or the host's node, against blocks loaded from another host's node),
+  the router's own ``prefix_blocks`` local share (cache mode) and how often a
+  conversation's next turn stays on the replica of its last one.
 
 Reported per setup and rate: request throughput, output tokens/s, TTFT mean/p50/p99,
 inter-token p50/p99, the hit rate (cached / prompt tokens), the connector's lookups,
 loads and saves per second (the replicas' ``/metrics``, ``vllm:pegaflow_*``) and the
-node's CPU seconds per second; per setup the throughput at the TTFT p99 objective
-(``--slo-ms``: the best rate point that meets it); the outputs of each setup against the
-first (``vllm``) on the first ``--compare`` requests of each point (greedy); a PNG with
-``--plot``.  The last line of the output is one JSON object.
+node's CPU seconds per second; with the router, its counters; per setup the throughput
+at the TTFT p99 objective (``--slo-ms``: the best rate point that meets it); the outputs
+of each setup against the first (``vllm``) on the first ``--compare`` requests of each
+point (greedy); for ``pd`` the handoff cost; for ``rr-hosts`` against ``cache-hosts``
+their hit rates, TTFT p99 ratios and same-host shares; a PNG with ``--plot``.  The last
+line of the output is one JSON object.
 
 Examples::
 
@@ -47,6 +61,11 @@ Examples::
     # sustained: one rate for 10 minutes, a small pool, the node's RSS every 10 s
     python scripts/bench_serving.py --model tiny --setups pegaflow --rates 2 \\
         --duration 600 --pool-size 32MiB --sample-s 10
+
+    # P/D and cache-aware routing (CPU, tiny): vllm as the reference, 2 replicas each
+    # (an odd --conversations: round robin then alternates each conversation's turns)
+    python scripts/bench_serving.py --model tiny --setups vllm,pd,rr-hosts,cache-hosts \\
+        --mix 1,0,0 --rates 1,2 --requests 28 --conversations 7 --first-tokens 256
 
     # replicas already running (one setup, labelled)
     python scripts/bench_serving.py --replicas http://h:8000,http://h:8001 --label mine
@@ -67,7 +86,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,7 +97,16 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pegaflow.devcluster import Proc, start_server  # noqa: E402
+from pegaflow.router.server import REPLICA_HEADER  # noqa: E402
+
+from pegaflow.devcluster import (  # noqa: E402
+    EtcdServer,
+    Proc,
+    start,
+    start_coordinator,
+    start_node,
+    start_server,
+)
 from tests.vllm_engine import ServeProcess  # noqa: E402
 
 #: The README's ``--kv-transfer-config``.
@@ -96,6 +124,11 @@ TINY_ARGS = [
 #: Connector counters reported per second (keys of ``connector.metrics.COUNTERS``).
 RATE_COUNTERS = ("lookups", "lookup_hit_blocks", "load_blocks", "local_load_blocks", "save_blocks")
 _PEGA = re.compile(r"^vllm:pegaflow_(?:connector_)?(\w+?)(?:_total)?$")
+#: Setups ``--setups`` knows; those behind ``pegaflow-router`` start it themselves.
+SETUPS = ("vllm", "pegaflow", "warm", "pd", "rr-hosts", "cache-hosts")
+#: Cache-aware routing's target: the share of a multi-turn workload's hits served from
+#: the same host (issue 16).
+SAME_HOST_TARGET = 0.9
 
 
 # ---------------------------------------------------------------- workload
@@ -242,6 +275,8 @@ class Result:
     output_tokens: int = 0
     text: str = ""
     prompt_sha: str = ""
+    served_by: str = ""
+    """the replica that answered (the router's ``X-PegaFlow-Replica``; empty without)"""
     error: str = ""
 
     @property
@@ -278,6 +313,7 @@ async def complete(
         async with session.post(
             url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout)
         ) as resp:
+            r.served_by = resp.headers.get(REPLICA_HEADER, "")
             if resp.status != 200:
                 r.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return r
@@ -317,23 +353,90 @@ async def complete(
     return r
 
 
-async def scrape(
+Sample = tuple[str, dict[str, str], float]
+
+
+async def scrape_samples(
     session: aiohttp.ClientSession, url: str, timeout: float = 10.0
-) -> dict[str, float]:
-    """``GET url`` (a Prometheus ``/metrics``): each sample's value, summed over its
-    labels, by sample name; empty if it cannot be read."""
+) -> list[Sample]:
+    """``GET url`` (a Prometheus ``/metrics``): its samples (name, labels, value);
+    empty if it cannot be read."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             text = await resp.text()
     except (TimeoutError, aiohttp.ClientError):
-        return {}
+        return []
+    return [
+        (s.name, dict(s.labels), s.value)
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    ]
+
+
+async def scrape(
+    session: aiohttp.ClientSession, url: str, timeout: float = 10.0
+) -> dict[str, float]:
+    """``GET url`` (a Prometheus ``/metrics``): each sample's value, summed over its
+    labels, by sample name; empty if it cannot be read."""
     out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
+    for name, _, value in await scrape_samples(session, url, timeout):
+        out[name] = out.get(name, 0.0) + value
     return out
+
+
+def router_counters(samples: Sequence[Sample]) -> dict[str, float]:
+    """A router's ``/metrics`` samples as counters: ``prefix_local`` and
+    ``prefix_elsewhere`` (``pegaflow_router_prefix_blocks_total`` by ``where``) and one
+    per routing decision (``pegaflow_router_routes_total`` by ``decision``)."""
+    out: dict[str, float] = {}
+    for name, labels, value in samples:
+        if name == "pegaflow_router_prefix_blocks_total":
+            key = "prefix_" + labels.get("where", "")
+        elif name == "pegaflow_router_routes_total":
+            key = labels.get("decision", "")
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def router_local_share(counters: dict[str, float]) -> float | None:
+    """Of the stored prefix blocks of the prompts the router routed (cache mode), the
+    share that were on the chosen replica's own host; None when none were stored."""
+    local = counters.get("prefix_local", 0.0)
+    total = local + counters.get("prefix_elsewhere", 0.0)
+    return round(local / total, 4) if total else None
+
+
+def same_host_share(
+    cached_tokens: float, load_blocks: float, local_load_blocks: float, block_size: int
+) -> float:
+    """Of the replicas' hit tokens (``cached_tokens``: vLLM's own cache and PegaFlow
+    loads), the share not loaded from another host's node (``load_blocks`` less
+    ``local_load_blocks``, the connector's counters); NaN without hits."""
+    if cached_tokens <= 0:
+        return math.nan
+    remote = max(0.0, load_blocks - local_load_blocks) * block_size
+    return round(max(0.0, 1.0 - remote / cached_tokens), 4)
+
+
+def stickiness(results: Sequence[Result]) -> float | None:
+    """Of the answered conversation turns after the first, the share served by the same
+    replica as the turn before (the router's header, else the replica index); None
+    when there are none."""
+    last: dict[str, str] = {}
+    same = total = 0
+    for r in sorted(results, key=lambda r: (r.stream, r.turn)):
+        if r.kind != "conv" or not r.ok:
+            continue
+        where = r.served_by or str(r.replica)
+        if r.stream in last:
+            total += 1
+            same += last[r.stream] == where
+        last[r.stream] = where
+    return same / total if total else None
 
 
 def connector_counters(metrics: dict[str, float]) -> dict[str, float]:
@@ -392,6 +495,20 @@ class Node:
         return out
 
 
+class NodeGroup:
+    """Several nodes (one per host) read as one: their figures summed."""
+
+    def __init__(self, nodes: Sequence[Node]) -> None:
+        self.nodes = list(nodes)
+
+    async def sample(self, session: aiohttp.ClientSession) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for n in self.nodes:
+            for k, v in (await n.sample(session)).items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+
 # ---------------------------------------------------------------- load
 
 
@@ -440,13 +557,18 @@ async def run_point(
     route: str = "rr",
     timeout: float = 600.0,
     desc: str = "",
-    node: Node | None = None,
+    node: Node | NodeGroup | None = None,
     sample_s: float = 0.0,
+    metrics_urls: Sequence[str] | None = None,
+    router: str | None = None,
 ) -> dict[str, Any]:
     """Drive one load point: Poisson arrivals at ``rate`` requests/s (``inf``: all at
     once) or closed loop at ``concurrency``, until ``requests`` were sent or
     ``duration`` seconds passed.  Returns the results, the wall time, the counters'
-    deltas and (``sample_s`` > 0) a timeline sampled every ``sample_s`` seconds."""
+    deltas and (``sample_s`` > 0) a timeline sampled every ``sample_s`` seconds.
+
+    The connector's counters are read from ``metrics_urls`` (default: ``urls``, the
+    replicas; behind a router, the replicas behind it), the router's from ``router``."""
     if (rate is None) == (concurrency is None):
         raise ValueError("give exactly one of rate and concurrency")
     if requests is None and duration is None:
@@ -457,9 +579,17 @@ async def run_point(
     bar = Progress(requests, desc)
     tasks: set[asyncio.Task[None]] = set()
     sem = asyncio.Semaphore(concurrency or 1)
+    murls = list(metrics_urls or urls)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        before = [connector_counters(await scrape(session, u + "/metrics")) for u in urls]
+
+        async def routed() -> dict[str, float]:
+            if router is None:
+                return {}
+            return router_counters(await scrape_samples(session, router + "/metrics"))
+
+        before = [connector_counters(await scrape(session, u + "/metrics")) for u in murls]
         node_before = await node.sample(session) if node else {}
+        router_before = await routed()
 
         async def one(item: Item, replica: int) -> None:
             nonlocal failed
@@ -496,7 +626,7 @@ async def run_point(
                 }
                 if node:
                     row.update(await node.sample(session))
-                now_c = [connector_counters(await scrape(session, u + "/metrics")) for u in urls]
+                now_c = [connector_counters(await scrape(session, u + "/metrics")) for u in murls]
                 for k in ("lookup_hit_blocks", "load_blocks", "save_blocks"):
                     pairs = zip(before, now_c, strict=True)
                     row[k] = sum(c.get(k, 0.0) - b.get(k, 0.0) for b, c in pairs)
@@ -528,8 +658,9 @@ async def run_point(
         wall = time.perf_counter() - t_start
         if sampling is not None:
             sampling.cancel()
-        after = [connector_counters(await scrape(session, u + "/metrics")) for u in urls]
+        after = [connector_counters(await scrape(session, u + "/metrics")) for u in murls]
         node_after = await node.sample(session) if node else {}
+        router_after = await routed()
     bar.close()
     deltas: dict[str, float] = {}
     for b, a in zip(before, after, strict=True):
@@ -544,6 +675,7 @@ async def run_point(
         "node": node_delta,
         "node_after": node_after,
         "timeline": timeline,
+        "router": {k: v - router_before.get(k, 0.0) for k, v in router_after.items()},
     }
 
 
@@ -558,14 +690,19 @@ def pct(xs: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def summarize(point: dict[str, Any]) -> dict[str, Any]:
-    """A load point's figures (times in ms)."""
+def summarize(point: dict[str, Any], block_size: int = 0, warmup_s: float = 0.0) -> dict[str, Any]:
+    """A load point's figures (times in ms); with ``block_size``, the share of hits
+    served from the same host.  Latencies and the hit rate count only the requests sent
+    ``warmup_s`` or more after the point's first (the steady state: a point starts with
+    every conversation and document cold at once); throughput counts them all."""
     rs: list[Result] = point["results"]
     ok = [r for r in rs if r.ok]
     wall = point["wall_s"] or math.nan
-    ttft = [r.ttft * 1e3 for r in ok]
-    itl = [x * 1e3 for r in ok for x in r.itl]
-    prompt = sum(r.prompt_tokens for r in ok)
+    t_first = min((r.t_send for r in rs), default=0.0)
+    steady = [r for r in ok if r.t_send - t_first >= warmup_s]
+    ttft = [r.ttft * 1e3 for r in steady]
+    itl = [x * 1e3 for r in steady for x in r.itl]
+    prompt = sum(r.prompt_tokens for r in steady)
     out: dict[str, Any] = {
         "requests": len(rs),
         "failed": len(rs) - len(ok),
@@ -578,12 +715,28 @@ def summarize(point: dict[str, Any]) -> dict[str, Any]:
         "ttft_p99_ms": round(pct(ttft, 99), 1),
         "itl_p50_ms": round(pct(itl, 50), 2),
         "itl_p99_ms": round(pct(itl, 99), 2),
-        "prompt_tokens_mean": round(prompt / len(ok), 1) if ok else 0,
-        "hit_rate": round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else 0.0,
+        "prompt_tokens_mean": round(prompt / len(steady), 1) if steady else 0,
+        "hit_rate": round(sum(r.cached_tokens for r in steady) / prompt, 4) if prompt else 0.0,
     }
+    if warmup_s:
+        out["measured_after_s"] = warmup_s
+        out["measured"] = len(steady)
     c = point["connector"]
     out["connector_per_s"] = {k: round(c.get(k, 0.0) / wall, 2) for k in RATE_COUNTERS}
     out["load_failed_blocks"] = c.get("load_failed_blocks", 0.0)
+    if block_size:
+        cached = sum(r.cached_tokens for r in ok)
+        out["same_host_share"] = same_host_share(
+            cached, c.get("load_blocks", 0.0), c.get("local_load_blocks", 0.0), block_size
+        )
+    if c.get("handoffs"):
+        out["handoffs"] = c["handoffs"]
+    sticky = stickiness(ok)
+    out["conv_stickiness"] = None if sticky is None else round(sticky, 4)
+    routed = point.get("router") or {}
+    if routed:
+        out["router"] = {k: v for k, v in routed.items() if v}
+        out["router_local_share"] = router_local_share(routed)
     node = point["node"]
     if "cpu_seconds" in node:
         out["node_cpu_s_per_s"] = round(node["cpu_seconds"] / wall, 3)
@@ -632,6 +785,9 @@ class Replica(ServeProcess):
         env: dict[str, str] | None = None,
         name: str = "replica",
     ) -> None:
+        self.args = list(args)
+        self.kv_transfer_config = kv_transfer_config
+        self.env = env
         super().__init__(
             model, ["--enable-prompt-tokens-details", *args], kv_transfer_config, env, name
         )
@@ -648,25 +804,123 @@ def start_replicas(
     parallel: bool = True,
     timeout: float = 600.0,
     name: str = "replica",
+    envs: Sequence[dict[str, str]] = (),
+    kv_configs: Sequence[dict[str, Any] | None] = (),
 ) -> list[Replica]:
     """``n`` replicas, started together (``parallel``) or one after another (safer when
-    they share a GPU and size their memory from what is free); all or none."""
+    they share a GPU and size their memory from what is free); all or none.  Replica
+    ``i`` adds ``envs[i]`` to ``env`` and has ``kv_configs[i]`` instead of
+    ``kv_transfer_config`` where given."""
     out: list[Replica] = []
     try:
         for i in range(n):
-            e = dict(env or {})
+            e = {**(env or {}), **(envs[i] if i < len(envs) else {})}
             if gpus:
                 e["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
-            out.append(Replica(model, args, kv_transfer_config, e, name=f"{name}{i}"))
+            kv = kv_configs[i] if i < len(kv_configs) else kv_transfer_config
+            out.append(Replica(model, args, kv, e, name=f"{name}{i}"))
             if not parallel:
-                out[-1].wait_ready(timeout)
-        for r in out:
-            r.wait_ready(timeout)
+                out[-1] = _ready(out[-1], timeout)
+        for i, r in enumerate(out):
+            out[i] = _ready(r, timeout)
     except BaseException:
         for r in out:
             r.kill()
         raise
     return out
+
+
+def _ready(r: Replica, timeout: float, attempts: int = 3) -> Replica:
+    """``r`` once it serves; started again on another free port when the one it was
+    given was taken before it bound it (another process on a shared machine)."""
+    for attempt in range(attempts):
+        try:
+            r.wait_ready(timeout)
+            return r
+        except RuntimeError:
+            if attempt + 1 == attempts or "Address already in use" not in r.tail(200):
+                raise
+            print(f"{r.name}: port {r.port} was taken, starting it again", file=sys.stderr)
+            r = Replica(r.model, r.args, r.kv_transfer_config, r.env, name=r.name)
+    return r
+
+
+def router_replicas(
+    urls: Sequence[str],
+    *,
+    nodes: Sequence[str] | None = None,
+    roles: Sequence[str] | None = None,
+) -> str:
+    """``--router-replicas``: each URL with its ``node=`` and/or ``role=`` (docs/router.md)."""
+    for extra in (nodes, roles):
+        if extra is not None and len(extra) != len(urls):
+            raise ValueError(f"{len(urls)} replicas but {len(extra)} nodes or roles")
+    specs = []
+    for i, url in enumerate(urls):
+        spec = url
+        if roles is not None:
+            spec += f";role={roles[i]}"
+        if nodes is not None:
+            spec += f";node={nodes[i]}"
+        specs.append(spec)
+    return ",".join(specs)
+
+
+_NAMESPACE = re.compile(r"PegaFlow namespace (\S+) for")
+
+
+def namespace_in(log: Sequence[str]) -> str:
+    """The PegaFlow namespace an engine logged (at its first request); empty if none."""
+    for line in log:
+        m = _NAMESPACE.search(line)
+        if m:
+            return m.group(1)
+    return ""
+
+
+def block_size_of(args: Sequence[str]) -> int:
+    """The ``--block-size`` of ``vllm serve`` arguments (vLLM's default 16 without)."""
+    for i, arg in enumerate(args):
+        if arg == "--block-size" and i + 1 < len(args):
+            return int(args[i + 1])
+        if arg.startswith("--block-size="):
+            return int(arg.split("=", 1)[1])
+    return 16
+
+
+def handoff_summary(single_ms: Sequence[float], pd_ms: Sequence[float]) -> dict[str, Any]:
+    """TTFTs (ms) of fresh prompts, one at a time, on one replica and through P/D: the
+    handoff cost is the difference."""
+    s50, p50 = pct(single_ms, 50), pct(pd_ms, 50)
+    return {
+        "requests": min(len(single_ms), len(pd_ms)),
+        "single_ttft_p50_ms": round(s50, 1),
+        "single_ttft_mean_ms": round(sum(single_ms) / len(single_ms), 1) if single_ms else None,
+        "pd_ttft_p50_ms": round(p50, 1),
+        "pd_ttft_mean_ms": round(sum(pd_ms) / len(pd_ms), 1) if pd_ms else None,
+        "handoff_p50_ms": round(p50 - s50, 1),
+        "pd_over_single_p50": round(p50 / s50, 3) if s50 else None,
+    }
+
+
+def hosts_comparison(
+    rr: dict[str, Any], cache: dict[str, Any], target: float = SAME_HOST_TARGET
+) -> dict[str, Any]:
+    """Cache-aware routing against round robin over the same hosts, point by point:
+    (rr, cache) hit rates and same-host shares, rr's TTFT p99 over cache's, and whether
+    every cache-aware point serves at least ``target`` of its hits from the same host."""
+    pairs = list(zip(rr["points"], cache["points"], strict=True))
+    shares = [p.get("same_host_share") for _, p in pairs]
+    return {
+        "hit_rate": [(a["hit_rate"], b["hit_rate"]) for a, b in pairs],
+        "ttft_p99_ratio": [
+            round(a["ttft_p99_ms"] / b["ttft_p99_ms"], 2) if b["ttft_p99_ms"] else None
+            for a, b in pairs
+        ],
+        "same_host_share": [(a.get("same_host_share"), b.get("same_host_share")) for a, b in pairs],
+        "target": target,
+        "meets_target": all(x is not None and not math.isnan(x) and x >= target for x in shares),
+    }
 
 
 def preset_model(name: str, directory: Path) -> str:
@@ -704,6 +958,213 @@ def served_model(url: str) -> str:
         return str(json.loads(r.read())["data"][0]["id"])
 
 
+# ---------------------------------------------------------------- router setups
+
+#: ``--kv-transfer-config`` of P/D replicas (docs/connector.md "Prefill/decode roles").
+PRODUCER: dict[str, Any] = {**THREE_KEYS, "kv_role": "kv_producer"}
+CONSUMER: dict[str, Any] = {
+    **THREE_KEYS,
+    "kv_role": "kv_consumer",
+    "kv_load_failure_policy": "recompute",
+    "kv_connector_extra_config": {"handoff_wait_s": 2.0},
+}
+
+
+def replica_env() -> dict[str, str]:
+    """What every replica (and the router) shares: one hash seed (the README: vLLM <
+    0.29 seeds its block hashes per process without it)."""
+    return {"PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
+
+
+def start_router(
+    mode: str, replicas: str, extra: Sequence[str] = (), timeout: float = 120.0
+) -> tuple[Proc, str]:
+    """A ``pegaflow-router`` in ``mode`` on a free loopback port; its base URL."""
+    argv = ["pegaflow.router.main", "--router-port", "0", "--router-mode", mode,
+            "--router-replicas", replicas, *extra]  # fmt: skip
+    proc = start("pegaflow-router", argv, env=replica_env(), timeout=timeout)
+    print(f"pegaflow-router ({mode}): {proc.ready}", file=sys.stderr)
+    return proc, "http://" + proc.ready["address"]
+
+
+def engine_namespace(replicas: Sequence[Replica], model: str, timeout: float = 60.0) -> str:
+    """Send one short request to each replica (the connector logs its namespace at its
+    first) and return the namespace they logged; SystemExit if they disagree or log none."""
+    prompt = words(random.Random("namespace"), 8)
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1}).encode()
+    for r in replicas:
+        req = urllib.request.Request(
+            r.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            resp.read()
+    deadline = time.monotonic() + timeout
+    while True:
+        found = {r.name: namespace_in(r.log) for r in replicas}
+        if all(found.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if not all(found.values()) or len(set(found.values())) != 1:
+        raise SystemExit(f"the replicas logged no single PegaFlow namespace: {found}")
+    return next(iter(found.values()))
+
+
+async def measure_handoff(
+    router: str, single: str, model: str, spec: WorkloadSpec, n: int, timeout: float
+) -> dict[str, Any]:
+    """The handoff cost: ``n`` fresh prompts of ``spec.first_tokens``, one at a time,
+    alternately on one replica (``single``) and through the P/D ``router``; their TTFTs."""
+    single_ms: list[float] = []
+    pd_ms: list[float] = []
+    errors: list[str] = []
+    async with aiohttp.ClientSession() as session:
+        for i in range(n):
+            for url, out in ((single, single_ms), (router, pd_ms)):
+                rng = random.Random(f"{spec.seed}-handoff-{url}-{i}")
+                prompt = words(rng, spec.nwords(spec.first_tokens))
+                r = await complete(session, url, model, prompt, spec.output_tokens, timeout)
+                if r.ok:
+                    out.append(r.ttft * 1e3)
+                else:
+                    errors.append(r.error[:120])
+    return {**handoff_summary(single_ms, pd_ms), "errors": sorted(set(errors))[:5]}
+
+
+def pd_setup(
+    model: str,
+    args: Sequence[str],
+    get_specs: Callable[[str], list[WorkloadSpec]],
+    loads: list[tuple[str, float]],
+    a: argparse.Namespace,
+) -> tuple[list[dict[str, Any]], list[list[Result]], dict[str, Any]]:
+    """``pd``: ``--prefill-n`` producers and ``--decode-n`` consumers sharing one fresh
+    ``pegaflow-server``, behind the router in pd mode.  The load points through the
+    router, then the handoff cost."""
+    procs: list[Proc] = []
+    replicas: list[Replica] = []
+    try:
+        extra = ["--pool-size", a.pool_size] if a.pool_size else []
+        server = start_server(extra=[*extra, *shlex.split(a.server_args)])
+        procs.append(server)
+        http = server.ready.get("http", "-1")
+        node = Node(f"http://127.0.0.1:{http}/metrics" if http != "-1" else None, server.pid)
+        env = {**replica_env(), "PEGAFLOW_CLIENT_COORDINATORS": server.ready["coordinator"]}
+        roles = ["prefill"] * a.prefill_n + ["decode"] * a.decode_n
+        print(f"starting {a.prefill_n} prefill + {a.decode_n} decode replicas for pd ...",
+              file=sys.stderr)  # fmt: skip
+        replicas = start_replicas(
+            len(roles), model, args, None, env, gpus=[g for g in a.gpus.split(",") if g],
+            parallel=a.parallel_start, timeout=a.start_timeout, name="pd-",
+            kv_configs=[PRODUCER if r == "prefill" else CONSUMER for r in roles],
+        )  # fmt: skip
+        urls = [r.url for r in replicas]
+        specs = get_specs(urls[0])
+        proc, url = start_router(
+            "pd", router_replicas(urls, roles=roles), shlex.split(a.router_args)
+        )
+        procs.append(proc)
+        points, raw = run_setup(
+            "pd", [url], model, specs, loads, a, node, metrics_urls=urls, router=url
+        )
+        handoff = asyncio.run(
+            measure_handoff(url, urls[0], model, specs[0], a.handoff_requests, a.request_timeout)
+        )
+        print(f"       pd handoff: {handoff}", flush=True)
+        return points, raw, {"handoff": handoff}
+    finally:
+        stop_all(replicas, procs)
+
+
+def hosts_setup(
+    name: str,
+    mode: str,
+    model: str,
+    args: Sequence[str],
+    get_specs: Callable[[str], list[WorkloadSpec]],
+    loads: list[tuple[str, float]],
+    a: argparse.Namespace,
+    workdir: Path,
+) -> tuple[list[dict[str, Any]], list[list[Result]], dict[str, Any]]:
+    """``rr-hosts`` / ``cache-hosts``: ``--hosts-n`` hosts, each a storage node with its
+    own pool (one etcd, one coordinator, all started empty); replica ``i`` on host
+    ``i % hosts`` (its connector's ``local_node``); the replicas behind the router in
+    ``mode`` (rr or cache)."""
+    n_hosts = a.hosts_n or a.replicas_n
+    etcd = EtcdServer(workdir / f"{name}-etcd")
+    procs: list[Proc] = []
+    replicas: list[Replica] = []
+    try:
+        etcd.start()
+        prefix = f"/pegaflow/bench-{name}-{os.getpid()}"
+        hosts = [f"host{i}" for i in range(n_hosts)]
+        pool = a.pool_size or "256MiB"
+        for h in hosts:
+            procs.append(start_node(h, etcd=etcd.endpoint, prefix=prefix, pool=pool))
+        coord = start_coordinator(etcd=etcd.endpoint, prefix=prefix)
+        procs.append(coord)
+        node = NodeGroup([
+            Node(f"http://127.0.0.1:{p.ready['http']}/metrics" if p.ready.get("http") else None,
+                 p.pid)
+            for p in procs[:n_hosts]
+        ])  # fmt: skip
+        env = {**replica_env(), "PEGAFLOW_CLIENT_COORDINATORS": coord.ready["address"]}
+        homes = [hosts[i % n_hosts] for i in range(a.replicas_n)]
+        print(f"starting {a.replicas_n} replicas on {n_hosts} hosts for {name} ...",
+              file=sys.stderr)  # fmt: skip
+        replicas = start_replicas(
+            a.replicas_n, model, args, THREE_KEYS, env,
+            gpus=[g for g in a.gpus.split(",") if g], parallel=a.parallel_start,
+            timeout=a.start_timeout, name=f"{name}-",
+            envs=[{"PEGAFLOW_CONNECTOR_LOCAL_NODE": h} for h in homes],
+        )  # fmt: skip
+        urls = [r.url for r in replicas]
+        specs = get_specs(urls[0])
+        extra = shlex.split(a.router_args)
+        if mode == "cache":
+            ns = engine_namespace(replicas, model)
+            extra = [
+                "--router-namespace", ns, "--router-tokenizer", model,
+                "--router-block-size", str(block_size_of(args)),
+                "--client-coordinators", coord.ready["address"], *extra,
+            ]  # fmt: skip
+        else:
+            engine_namespace(replicas, model)  # the same first request as in cache mode
+        proc, url = start_router(mode, router_replicas(urls, nodes=homes), extra)
+        procs.append(proc)
+        points, raw = run_setup(
+            name, [url], model, specs, loads, a, node,
+            metrics_urls=urls, router=url, block_size=block_size_of(args),
+        )  # fmt: skip
+        return points, raw, {"hosts": n_hosts}
+    finally:
+        try:
+            stop_all(replicas, procs)
+        finally:
+            etcd.stop()
+
+
+def stop_replicas(replicas: Sequence[Replica]) -> None:
+    """SIGTERM each replica (its saves drain), saying which one did not exit."""
+    for r in replicas:
+        if r.terminate(120.0) is None:
+            print(f"{r.name} did not exit on SIGTERM:\n{r.tail(20)}", file=sys.stderr)
+
+
+def stop_all(replicas: Sequence[Replica], procs: Sequence[Proc]) -> None:
+    """Stop the replicas, then the cluster's processes (last started first), every one
+    of them even when stopping another is interrupted (Ctrl-C)."""
+    try:
+        stop_replicas(replicas)
+    finally:
+        for p in reversed(procs):
+            try:
+                p.terminate()
+            except BaseException:  # interrupted while waiting: kill what is left, at once
+                for q in procs:
+                    q.kill()
+                raise
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -730,11 +1191,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--gpus", default="", help="CUDA_VISIBLE_DEVICES per replica, round robin")
     g.add_argument("--parallel-start", action="store_true", help="start replicas together")
     g.add_argument("--start-timeout", type=float, default=900.0)
-    g.add_argument("--setups", default="vllm,pegaflow,warm", help="of vllm,pegaflow,warm")
+    g.add_argument("--setups", default="vllm,pegaflow,warm", help="of " + ",".join(SETUPS))
     g.add_argument("--pool-size", default="", help="pegaflow-server --pool-size (default auto)")
     g.add_argument("--server-args", default="", help="more pegaflow-server arguments")
     g.add_argument("--node-metrics", default="", help="with --replicas: the node's /metrics URL")
     g.add_argument("--node-pid", type=int, default=0, help="with --replicas: the node's pid")
+    g.add_argument("--prefill-n", type=int, default=1, help="pd: prefill replicas")
+    g.add_argument("--decode-n", type=int, default=1, help="pd: decode replicas")
+    g.add_argument("--handoff-requests", type=int, default=8, help="pd: prompts timed alone")
+    g.add_argument("--hosts-n", type=int, default=0, help="*-hosts: hosts (0: one per replica)")
+    g.add_argument("--router-args", default="", help="more pegaflow-router arguments")
     w = ap.add_argument_group("workload (lengths in tokens)")
     w.add_argument("--conversations", type=int, default=8, help="active at once")
     w.add_argument("--turns", type=int, default=4)
@@ -755,6 +1221,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     lo.add_argument("--route", choices=("rr", "random"), default="rr")
     lo.add_argument("--request-timeout", type=float, default=600.0)
     lo.add_argument("--slo-ms", type=float, default=1000.0, help="TTFT p99 objective")
+    lo.add_argument(
+        "--warmup-s",
+        type=float,
+        default=0.0,
+        help="latencies count requests sent this long after a point starts (steady state)",
+    )
     lo.add_argument("--sample-s", type=float, default=0.0, help="timeline every N s (0: off)")
     lo.add_argument("--compare", type=int, default=32, help="requests per point compared")
     lo.add_argument("--plot", default="", help="PNG path")
@@ -807,9 +1279,14 @@ def run_setup(
     specs: list[WorkloadSpec],
     loads: list[tuple[str, float]],
     a: argparse.Namespace,
-    node: Node | None,
+    node: Node | NodeGroup | None,
+    *,
+    metrics_urls: Sequence[str] | None = None,
+    router: str | None = None,
+    block_size: int = 0,
 ) -> tuple[list[dict[str, Any]], list[list[Result]]]:
-    """Every load point of one setup on running replicas."""
+    """Every load point of one setup on running replicas (``urls``: where requests go,
+    the router's URL for a setup behind it; see :func:`run_point` for the rest)."""
     points: list[dict[str, Any]] = []
     raw: list[list[Result]] = []
     for spec, (mode, value) in zip(specs, loads, strict=True):
@@ -822,16 +1299,20 @@ def run_setup(
                 duration=a.duration or None,
                 route=a.route, timeout=a.request_timeout,
                 desc=f"{name} {mode}={value:g}", node=node, sample_s=a.sample_s,
+                metrics_urls=metrics_urls, router=router,
             )
         )  # fmt: skip
-        s = {"setup": name, mode: value, "offered": value, **summarize(point)}
+        figures = summarize(point, block_size, a.warmup_s)
+        s = {"setup": name, mode: value, "offered": value, **figures}
         points.append(s)
         raw.append(point["results"])
         print(
             f"{name:>9} {mode}={value:<6g} {s['req_per_s']:7.2f} req/s "
             f"{s['output_tok_per_s']:8.1f} tok/s  TTFT mean/p50/p99 {s['ttft_mean_ms']:.0f}/"
             f"{s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f} ms  hit {s['hit_rate']:.2f}  "
-            f"failed {s['failed']}  connector/s {s['connector_per_s']}",
+            f"failed {s['failed']}  connector/s {s['connector_per_s']}"
+            + (f"  same-host {s['same_host_share']}" if "same_host_share" in s else "")
+            + (f"  router {s['router']}" if s.get("router") else ""),
             flush=True,
         )
         if a.out:
@@ -859,6 +1340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     results: dict[str, list[dict[str, Any]]] = {}
     raws: dict[str, list[list[Result]]] = {}
+    extras: dict[str, dict[str, Any]] = {}
     server: Proc | None = None
     replicas: list[Replica] = []
 
@@ -882,15 +1364,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = replica_args(a)
             gpus = [g for g in a.gpus.split(",") if g]
             setups = [s for s in a.setups.split(",") if s]
-            unknown = set(setups) - {"vllm", "pegaflow", "warm"}
+            unknown = set(setups) - set(SETUPS)
             if unknown:
-                raise SystemExit(f"unknown setups {sorted(unknown)}: use vllm,pegaflow,warm")
+                raise SystemExit(f"unknown setups {sorted(unknown)}: use {','.join(SETUPS)}")
             node = None
             specs: list[WorkloadSpec] = []
             for name in setups:
+                if name in ("pd", "rr-hosts", "cache-hosts"):
+
+                    def get_specs(url: str) -> list[WorkloadSpec]:
+                        if not specs:
+                            specs.extend(specs_for(url, model))
+                        return specs
+
+                    if name == "pd":
+                        got = pd_setup(model, args, get_specs, loads, a)
+                    else:
+                        got = hosts_setup(name, name.split("-")[0], model, args, get_specs,
+                                          loads, a, tmp)  # fmt: skip
+                    results[name], raws[name], extras[name] = got
+                    continue
                 kv: dict[str, Any] | None = None
-                # the README: vLLM < 0.29 seeds its block hashes per process without it
-                env = {"PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
+                env = replica_env()
                 if name in ("pegaflow", "warm"):
                     if server is None:
                         extra = ["--pool-size", a.pool_size] if a.pool_size else []
@@ -910,13 +1405,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )  # fmt: skip
                 urls = [r.url for r in replicas]
                 if not specs:
-                    specs = specs_for(urls[0], model)
+                    specs.extend(specs_for(urls[0], model))
                 results[name], raws[name] = run_setup(
                     name, urls, model, specs, loads, a, node if kv else None
                 )
-                for r in replicas:
-                    if r.terminate(120.0) is None:
-                        print(f"{r.name} did not exit on SIGTERM:\n{r.tail(20)}", file=sys.stderr)
+                stop_replicas(replicas)
                 replicas = []
     finally:
         for r in replicas:
@@ -937,6 +1430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 compare_outputs(b, o, a.compare)
                 for b, o in zip(raws[first], raws[name], strict=True)
             ]
+        entry.update(extras.get(name, {}))
         summary["setups"][name] = entry
     if first in summary["setups"] and len(results) > 1:
         b = summary["setups"][first]
@@ -952,6 +1446,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 round(p0["ttft_p99_ms"] / p["ttft_p99_ms"], 2) if p["ttft_p99_ms"] else None
                 for p0, p in zip(b["points"], entry["points"], strict=True)
             ]
+    if "rr-hosts" in summary["setups"] and "cache-hosts" in summary["setups"]:
+        summary["cache_vs_rr_hosts"] = hosts_comparison(
+            summary["setups"]["rr-hosts"], summary["setups"]["cache-hosts"]
+        )
     if a.plot:
         plot(a.plot, results, a.slo_ms)
     for name, entry in summary["setups"].items():

@@ -1,0 +1,135 @@
+"""Pure logic of ``scripts/bench_serving.py``'s router setups (``pd``, ``rr-hosts``,
+``cache-hosts``): the router's replica flags, the namespace read from an engine's log,
+the share of hits served from the same host, the router's counters, how often a
+conversation's turns stay on one replica, and the summary's P/D and host figures.
+No process is started (the setups themselves run in the benchmark, see docs/router.md
+"Measuring")."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("aiohttp") is None, reason="aiohttp not installed"
+)
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    """``scripts/bench_serving.py`` as a module (scripts/ is not a package)."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_serving.py"
+    spec = importlib.util.spec_from_file_location("bench_serving", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serving"] = mod  # dataclasses resolve their module by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_router_replica_spec(bench: ModuleType) -> None:
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    assert bench.router_replicas(urls) == "http://127.0.0.1:1,http://127.0.0.1:2"
+    assert (
+        bench.router_replicas(urls, nodes=["host0", "host1"])
+        == "http://127.0.0.1:1;node=host0,http://127.0.0.1:2;node=host1"
+    )
+    assert (
+        bench.router_replicas(urls, roles=["prefill", "decode"])
+        == "http://127.0.0.1:1;role=prefill,http://127.0.0.1:2;role=decode"
+    )
+    with pytest.raises(ValueError):
+        bench.router_replicas(urls, nodes=["host0"])
+
+
+def test_namespace_and_block_size(bench: ModuleType) -> None:
+    log = ["INFO starting", "INFO PegaFlow namespace tiny.0123abcd for NamespaceFactors(...)"]
+    assert bench.namespace_in(log) == "tiny.0123abcd"
+    assert bench.namespace_in(["nothing here"]) == ""
+    assert bench.block_size_of(["--seed", "0", "--block-size", "32"]) == 32
+    assert bench.block_size_of(["--block-size=64"]) == 64
+    assert bench.block_size_of(["--seed", "0"]) == 16  # vLLM's default
+
+
+def test_same_host_share(bench: ModuleType) -> None:
+    # 1000 cached tokens, of which 10 blocks of 32 were loaded over UCX from another host
+    assert bench.same_host_share(1000, 15, 5, 32) == pytest.approx(0.68)
+    assert bench.same_host_share(1000, 0, 0, 32) == 1.0  # all from vLLM's own cache
+    assert bench.same_host_share(320, 10, 0, 32) == 0.0
+    assert bench.same_host_share(100, 50, 0, 32) == 0.0  # never below 0
+    assert math.isnan(bench.same_host_share(0, 0, 0, 32))
+
+
+def test_router_counters(bench: ModuleType) -> None:
+    samples = [
+        ("pegaflow_router_prefix_blocks_total", {"where": "local"}, 90.0),
+        ("pegaflow_router_prefix_blocks_total", {"where": "elsewhere"}, 10.0),
+        ("pegaflow_router_routes_total", {"mode": "cache", "decision": "affinity"}, 7.0),
+        ("pegaflow_router_routes_total", {"mode": "cache", "decision": "miss"}, 3.0),
+        ("pegaflow_router_routes_created", {"mode": "cache", "decision": "miss"}, 1e9),
+        ("pegaflow_router_inflight", {"replica": "x"}, 2.0),
+    ]
+    got = bench.router_counters(samples)
+    assert got == {"prefix_local": 90.0, "prefix_elsewhere": 10.0, "affinity": 7.0, "miss": 3.0}
+    assert bench.router_local_share({"prefix_local": 90.0, "prefix_elsewhere": 10.0}) == 0.9
+    assert bench.router_local_share({}) is None
+
+
+def test_stickiness(bench: ModuleType) -> None:
+    R = bench.Result
+    rs = [
+        R(0, "conv", "c0", 0, 0, served_by="a"),
+        R(1, "conv", "c1", 0, 0, served_by="b"),
+        R(2, "conv", "c0", 1, 0, served_by="a"),  # stays
+        R(3, "conv", "c1", 1, 0, served_by="a"),  # moves
+        R(4, "doc", "d0", 0, 0, served_by="b"),  # not a conversation
+        R(5, "conv", "c0", 2, 0, served_by="a"),  # stays
+        R(6, "conv", "c0", 3, 0, served_by="b", error="boom"),  # failed: not counted
+    ]
+    assert bench.stickiness(rs) == pytest.approx(2 / 3)
+    assert bench.stickiness(rs[:2]) is None
+    # without the router's header, the replica index stands for the server
+    plain = [R(0, "conv", "c0", 0, 1), R(1, "conv", "c0", 1, 0)]
+    assert bench.stickiness(plain) == 0.0
+
+
+def test_handoff_summary(bench: ModuleType) -> None:
+    single = [100.0, 110.0, 120.0, 130.0]
+    pd = [150.0, 160.0, 170.0, 180.0]
+    s = bench.handoff_summary(single, pd)
+    assert s["single_ttft_p50_ms"] == 115.0 and s["pd_ttft_p50_ms"] == 165.0
+    assert s["handoff_p50_ms"] == 50.0
+    assert s["pd_over_single_p50"] == pytest.approx(165 / 115, abs=1e-3)
+    assert s["requests"] == 4
+
+
+def test_hosts_comparison(bench: ModuleType) -> None:
+    rr = {"points": [{"hit_rate": 0.5, "ttft_p99_ms": 400.0, "same_host_share": 0.5}]}
+    cache = {"points": [{"hit_rate": 0.6, "ttft_p99_ms": 200.0, "same_host_share": 0.95}]}
+    c = bench.hosts_comparison(rr, cache, target=0.9)
+    assert c["hit_rate"] == [(0.5, 0.6)]
+    assert c["ttft_p99_ratio"] == [2.0]
+    assert c["same_host_share"] == [(0.5, 0.95)]
+    assert c["meets_target"] is True
+    low = {"points": [{"hit_rate": 0.6, "ttft_p99_ms": 200.0, "same_host_share": 0.8}]}
+    assert bench.hosts_comparison(rr, low, target=0.9)["meets_target"] is False
+
+
+def test_the_steady_state_leaves_out_a_points_cold_start(bench: ModuleType) -> None:
+    """With ``warmup_s``, latencies and the hit rate count only requests sent that long
+    after the point's first; the throughput still counts every request."""
+    rs = []
+    for i in range(10):
+        r = bench.Result(i, "conv", "c0", i, 0, t_send=100.0 + i, ttft=5.0 if i < 3 else 0.1)
+        r.prompt_tokens, r.cached_tokens = 100, 0 if i < 3 else 90
+        rs.append(r)
+    point = {"results": rs, "wall_s": 10.0, "connector": {}, "node": {}, "timeline": []}
+    whole, steady = bench.summarize(point), bench.summarize(point, warmup_s=3.0)
+    assert whole["ttft_p99_ms"] > 4000 and steady["ttft_p99_ms"] == pytest.approx(100.0)
+    assert steady["measured"] == 7 and steady["hit_rate"] == pytest.approx(0.9)
+    assert whole["req_per_s"] == steady["req_per_s"] == 1.0
