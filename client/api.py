@@ -12,10 +12,7 @@ same: recompute.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import errno
-import functools
-import inspect
 import ipaddress
 import logging
 import os
@@ -28,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import uvloop
+from pegaflow.storage_node.protocol import Dropped
 
 from pegaflow import telemetry
 from pegaflow.config import ClientConfig
@@ -35,11 +33,13 @@ from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import PegaError, Unavailable
 from pegaflow.keys import NodeRecord
 from pegaflow.rpc import RpcClient
+from pegaflow.wire import LocatedBlocks
 
-from .data import DataClient, LocatedBlocks, PoolFile, PutOutcome
+from .calls import OnLoop, default_timeout, offer, operation
+from .data import DataClient, PoolFile, PutOutcome
+from .session import NodeSession
 
 T = TypeVar("T")
-F = TypeVar("F", bound=Callable[..., Coroutine[Any, Any, Any]])
 
 log = logging.getLogger(__name__)
 
@@ -130,29 +130,32 @@ def _same_file(info: PoolFile) -> bool:
     return True
 
 
-_TIMEOUT_OF: dict[str, str] = {}
-"""Each operation of :class:`PegaClient` (by name): the :class:`ClientConfig` field its
-``timeout`` defaults to.  :class:`SyncPegaClient` offers exactly these operations."""
+_op = operation
+"""Declare an operation of :class:`PegaClient` (:func:`~.calls.operation`): the blocking
+and the future form of :class:`SyncPegaClient` follow from it."""
 
 
-def _op(default: str) -> Callable[[F], F]:
-    """Declare an operation of :class:`PegaClient` whose ``timeout`` defaults to
-    ``ClientConfig.<default>`` (the blocking and the future form of
-    :class:`SyncPegaClient` follow from it)."""
-
-    def register(fn: F) -> F:
-        _TIMEOUT_OF[fn.__name__] = default
-        return fn
-
-    return register
-
-
-def _by_node(items: Sequence[tuple[Any, ...]]) -> dict[str, list[int]]:
-    """Indexes of ``items`` grouped by their first field, the node id."""
+async def _per_node(
+    items: Sequence[tuple[Any, ...]],
+    ask: Callable[[str, list[int]], Coroutine[Any, Any, list[bool]]],
+) -> list[bool]:
+    """``ask(node id, indexes)`` of the ``items`` of each node (their first field), the
+    nodes in parallel; per item, what its node answered (False where it failed)."""
     by_node: dict[str, list[int]] = defaultdict(list)
     for i, item in enumerate(items):
         by_node[item[0]].append(i)
-    return by_node
+    ok = [False] * len(items)
+
+    async def one(node_id: str, idx: list[int]) -> None:
+        try:
+            got = await ask(node_id, idx)
+        except PegaError:
+            return
+        for i, g in zip(idx, got, strict=False):
+            ok[i] = g
+
+    await asyncio.gather(*(one(n, idx) for n, idx in by_node.items()))
+    return ok
 
 
 class PegaClient:
@@ -161,18 +164,39 @@ class PegaClient:
     def __init__(self, cfg: ClientConfig, token: str | None = None) -> None:
         self.cfg = cfg
         self._rpc = RpcClient(cfg.coordinators, token=token or None, timeout=cfg.rpc_timeout_s)
-        self._data = DataClient(token=token or None, local_control=cfg.local_control)
+        self._token = token or None
+        self._data = DataClient(token=self._token)
+        self._sessions: dict[str, NodeSession] = {}
         self._nodes: dict[str, NodeRecord] = {}
         self._nodes_at = 0.0
 
     async def close(self) -> None:
-        """Close the coordinator connection and every node endpoint."""
+        """Close the coordinator connection, every node session and node endpoint."""
         await self._rpc.close()
+        for s in self._sessions.values():
+            s.close()
         await self._data.close()
 
     def _deadline(self, op: str, timeout: Timeout) -> Deadline:
-        """The deadline of operation ``op`` given its ``timeout`` (see :data:`_TIMEOUT_OF`)."""
-        return Deadline.of(timeout, getattr(self.cfg, _TIMEOUT_OF[op]))
+        """The deadline of operation ``op`` given its ``timeout`` (its declared default)."""
+        if isinstance(timeout, Deadline):  # carried from the caller's thread
+            return timeout
+        return Deadline.of(timeout, default_timeout(self.cfg, self, op))
+
+    def session(self, node_id: str) -> NodeSession:
+        """The session with node ``node_id`` (one per node, kept; on this client's loop):
+        its ops, over UCX or, on the node's host, over its control socket."""
+        s = self._sessions.get(node_id)
+        if s is None:
+
+            async def address(deadline: Deadline) -> str:
+                return (await self._node(node_id, deadline)).ucx_address
+
+            s = self._sessions[node_id] = NodeSession(
+                node_id, self._data, address,
+                token=self._token, local_control=self.cfg.local_control, cfg=self.cfg,
+            )  # fmt: skip
+        return s
 
     @property
     def stale_misses(self) -> int:
@@ -289,33 +313,24 @@ class PegaClient:
         if generations is not None and len(generations) != len(items):
             raise ValueError("generations must have one entry per item")
         deadline = self._deadline("get_blocks", timeout)
-        by_node = _by_node(items)
-        ok = [False] * len(items)
 
-        async def one(node_id: str, idx: list[int]) -> None:
-            try:
-                rec = await self._node(node_id, deadline)
-            except Exception:
-                return
+        async def get(node_id: str, idx: list[int]) -> list[bool]:
             attrs = (
                 {"pegaflow.node": node_id, "pegaflow.blocks": len(idx)}
                 if telemetry.tracing
                 else None
             )
             with telemetry.span("pegaflow.client.get", attrs) as span:
-                got = await self._data.get(
-                    rec.ucx_address,
+                got = await self.session(node_id).get(
                     ns,
                     [(items[i][1], items[i][2], items[i][3]) for i in idx],
                     deadline,
                     None if generations is None else [generations[i] for i in idx],
-                )
+                )  # a failed get is misses; a node not a member raises
                 span.set_attribute("pegaflow.loaded", sum(got))
-            for i, g in zip(idx, got, strict=True):
-                ok[i] = g
+            return got
 
-        await asyncio.gather(*(one(n, idx) for n, idx in by_node.items()))
-        return ok
+        return await _per_node(items, get)
 
     @_op("rpc_timeout_s")
     async def pin_blocks(
@@ -329,22 +344,12 @@ class PegaClient:
         between a lookup and the get that follows it.  Per item: stored and pinned.
         Best effort: failures are ``False``, never raised."""
         deadline = self._deadline("pin_blocks", timeout)
-        by_node = _by_node(items)
-        ok = [False] * len(items)
 
-        async def one(node_id: str, idx: list[int]) -> None:
-            try:
-                rec = await self._node(node_id, deadline)
-                got = await self._data.pin(
-                    rec.ucx_address, ns, [(items[i][1], items[i][2]) for i in idx], ttl_s, deadline
-                )
-            except PegaError:
-                return
-            for i, g in zip(idx, got, strict=False):
-                ok[i] = g
+        async def pin(node_id: str, idx: list[int]) -> list[bool]:
+            blocks = [(items[i][1], items[i][2]) for i in idx]
+            return await self.session(node_id).pin(ns, blocks, ttl_s, deadline)
 
-        await asyncio.gather(*(one(n, idx) for n, idx in by_node.items()))
-        return ok
+        return await _per_node(items, pin)
 
     @_op("transfer_timeout_s")
     async def put_blocks(
@@ -375,9 +380,15 @@ class PegaClient:
             else None
         )
         with telemetry.span("pegaflow.client.put", attrs) as span:
-            out = await self._data.put(rec.ucx_address, ns, items, deadline)
+            out = await self.session(rec.node_id).put(ns, items, deadline)
             span.set_attribute("pegaflow.stored", out.stored)
         return out
+
+    @_op("rpc_timeout_s")
+    async def drop(self, node_id: str, ns: str, timeout: Timeout = None) -> Dropped:
+        """Drop every block of namespace ``ns`` from ``node_id`` (an operator's op: it
+        needs the cluster token; see :meth:`NodeSession.drop`)."""
+        return await self.session(node_id).drop(ns, self._deadline("drop", timeout))
 
     # ---- same-host shortcut: the caller maps the node's pool file itself ------------
 
@@ -385,9 +396,7 @@ class PegaClient:
     async def local_pool(self, node_id: str, timeout: Timeout = None) -> PoolFile | None:
         """The pool file of ``node_id`` if the node offers it to this client (same-host
         shortcut; whether this process can open it is for the caller to check)."""
-        deadline = self._deadline("local_pool", timeout)
-        rec = await self._node(node_id, deadline)
-        return await self._data.pool_file(rec.ucx_address, deadline)
+        return await self.session(node_id).pool_file(self._deadline("local_pool", timeout))
 
     @_op("rpc_timeout_s")
     async def local_nodes(self, timeout: Timeout = None) -> list[LocalNode]:
@@ -396,7 +405,8 @@ class PegaClient:
         in the data-plane handshake, this process can open as the same file
         (:func:`open_pool_file`).  Largest pool first, then by id, so every process of
         an engine picks the same one.  Nodes that do not answer within ``timeout``
-        (default ``rpc_timeout_s``, for the whole call) are left out."""
+        (default ``rpc_timeout_s``, for the whole call) are left out.  Each one's
+        session then knows its control socket."""
         deadline = self._deadline("local_nodes", timeout)
         records = await self.nodes(timeout=deadline)
 
@@ -408,6 +418,7 @@ class PegaClient:
                 return None
             if pool is None or not _same_file(pool):
                 return None
+            self.session(rec.node_id).know(pool)
             return LocalNode(rec, pool)
 
         candidates = [r for r in records.values() if on_this_host(r.host)]
@@ -433,19 +444,16 @@ class PegaClient:
         ttl_s: float = 5.0,
         timeout: Timeout = None,
     ) -> tuple[int, LocatedBlocks]:
-        """Pin blocks ``(h, shard)`` on ``node_id`` for ``ttl_s``; returns (pin id,
-        where each block is in the pool file).  See :meth:`DataClient.locate`; release
-        with :meth:`unpin`."""
+        """:meth:`NodeSession.locate` on ``node_id``: pin blocks ``(h, shard)`` for
+        ``ttl_s``; returns (pin id, where each block is in the pool file); release with
+        :meth:`unpin`."""
         deadline = self._deadline("locate", timeout)
-        rec = await self._node(node_id, deadline)
-        return await self._data.locate(rec.ucx_address, ns, hashes, shard, ttl_s, deadline)
+        return await self.session(node_id).locate(ns, hashes, shard, ttl_s, deadline)
 
     @_op("rpc_timeout_s")
     async def unpin(self, node_id: str, pin: int, timeout: Timeout = None) -> None:
         """Release a pin of :meth:`locate` early."""
-        deadline = self._deadline("unpin", timeout)
-        rec = await self._node(node_id, deadline)
-        await self._data.unpin(rec.ucx_address, pin, deadline)
+        await self.session(node_id).unpin(pin, self._deadline("unpin", timeout))
 
     @_op("rpc_timeout_s")
     async def report_lookups(
@@ -461,8 +469,7 @@ class PegaClient:
         blocks they asked for and found; the node counts them, and the coordinators
         add them to the cluster-wide hit rate."""
         deadline = self._deadline("report_lookups", timeout)
-        rec = await self._node(node_id, deadline)
-        await self._data.report(rec.ucx_address, lookups, asked_blocks, hit_blocks, deadline)
+        await self.session(node_id).report_lookups(lookups, asked_blocks, hit_blocks, deadline)
 
     @_op("transfer_timeout_s")
     async def reserve_local(
@@ -472,11 +479,9 @@ class PegaClient:
         blocks: Sequence[tuple[bytes, int, int]],
         timeout: Timeout = None,
     ) -> tuple[int, list[int | None]]:
-        """Reserve slots for ``(hash, shard, size)`` blocks written through the pool file;
-        returns (reservation, slot offset or None if already stored)."""
+        """:meth:`NodeSession.reserve_local` on ``node_id``."""
         deadline = self._deadline("reserve_local", timeout)
-        rec = await self._node(node_id, deadline)
-        return await self._data.reserve_local(rec.ucx_address, ns, blocks, deadline)
+        return await self.session(node_id).reserve_local(ns, blocks, deadline)
 
     @_op("transfer_timeout_s")
     async def commit_local(
@@ -488,41 +493,34 @@ class PegaClient:
         digests: Sequence[int | None] | None = None,
         on_taken: Callable[[], None] | None = None,
     ) -> PutResult:
-        """Commit a :meth:`reserve_local` reservation (``accepted``: which blocks it
-        reserved); the node hashes every slot (``digests``: optional device digests
-        kept with the blocks).  ``on_taken``: called, on the client's loop, once the
-        node holds the commit and carries it out whatever happens to this process
-        (see :meth:`DataClient.commit`)."""
+        """:meth:`NodeSession.commit_local` on ``node_id``."""
         deadline = self._deadline("commit_local", timeout)
-        rec = await self._node(node_id, deadline)
-        return await self._data.commit(rec.ucx_address, seq, accepted, deadline, digests, on_taken)
+        return await self.session(node_id).commit_local(seq, accepted, deadline, digests, on_taken)
 
     @_op("rpc_timeout_s")
     async def abort_local(self, node_id: str, seq: int, timeout: Timeout = None) -> None:
-        """Drop a :meth:`reserve_local` reservation."""
-        deadline = self._deadline("abort_local", timeout)
-        rec = await self._node(node_id, deadline)
-        await self._data.abort(rec.ucx_address, seq, deadline)
+        """:meth:`NodeSession.abort_local` on ``node_id``."""
+        await self.session(node_id).abort_local(seq, self._deadline("abort_local", timeout))
 
 
-class SyncPegaClient:
+class SyncPegaClient(OnLoop):
     """A thread-safe, blocking facade over a :class:`PegaClient` on its own loop thread.
 
     Every operation of :class:`PegaClient` is here twice, with its signature: ``op(...)``
     blocks until the answer, ``submit_op(...)`` returns a
-    :class:`concurrent.futures.Future` of it at once.  The call's deadline is made from
-    its ``timeout`` on the caller's thread and carried to the loop (a
-    :class:`~pegaflow.deadline.Deadline` passed as ``timeout`` is carried as it is), so
-    the wait for the loop counts against it; a blocking call waits at most
-    :data:`~pegaflow.deadline.HOP_MARGIN_S` past it.
+    :class:`concurrent.futures.Future` of it at once (:func:`~.calls.offer`).  The call's
+    deadline is made from its ``timeout`` on the caller's thread and carried to the loop
+    (a :class:`~pegaflow.deadline.Deadline` passed as ``timeout`` is carried as it is),
+    so the wait for the loop counts against it; a blocking call waits at most
+    :data:`~pegaflow.deadline.HOP_MARGIN_S` past it.  :meth:`node_session` gives the
+    same for one node's ops.
     """
 
     def __init__(self, cfg: ClientConfig, token: str | None = None) -> None:
-        self.cfg = cfg
         # uvloop: a call from another thread reaches the loop and comes back faster than
         # on asyncio's own loop (52 / 264 us p50 / p90 against 84 / 774 us, one-off probe;
         # docs/benchmarks.md, "Same-host control")
-        self._loop = uvloop.new_event_loop()
+        super().__init__(cfg, uvloop.new_event_loop())
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="pegaflow-client", daemon=True
         )
@@ -530,40 +528,32 @@ class SyncPegaClient:
         self._client: PegaClient = self._wait(
             self._submit(self._make(cfg, token)), Deadline.of(cfg.rpc_timeout_s)
         )
+        self._node_sessions: dict[str, SyncNodeSession] = {}
+        self._sessions_lock = threading.Lock()
 
     @staticmethod
     async def _make(cfg: ClientConfig, token: str | None) -> PegaClient:
         return PegaClient(cfg, token)
-
-    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        # bind_context: the caller's trace context follows the call onto the loop thread
-        return asyncio.run_coroutine_threadsafe(telemetry.bind_context(coro), self._loop)
-
-    def _wait(self, fut: concurrent.futures.Future[T], deadline: Deadline) -> T:
-        try:
-            # the coroutine enforces the deadline itself; this only guards a wedged loop
-            return fut.result(deadline.hop_wait())
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise Unavailable("client event loop did not answer in time") from None
 
     def _on_loop(self, fn: Callable[[PegaClient], Coroutine[Any, Any, T]], timeout: float) -> T:
         """``fn(async_client)`` on the loop, waited for: only for tests that reach into
         the async client's internals (callers use the operations)."""
         return self._wait(self._submit(fn(self._client)), Deadline.of(timeout))
 
-    def _carry(
-        self, op: str, pos: int, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Deadline, tuple[Any, ...]]:
-        """The deadline of a call of ``op`` (``timeout`` at position ``pos`` of ``args``
-        or in ``kwargs``), put back into its arguments in place of the timeout."""
-        default = getattr(self.cfg, _TIMEOUT_OF[op])
-        if len(args) > pos:
-            deadline = Deadline.of(args[pos], default)
-            args = (*args[:pos], deadline, *args[pos + 1 :])
-        else:
-            deadline = kwargs["timeout"] = Deadline.of(kwargs.get("timeout"), default)
-        return deadline, args
+    def node_session(self, node_id: str) -> SyncNodeSession:
+        """The blocking facade of :meth:`PegaClient.session` (one per node, kept)."""
+        s = self._node_sessions.get(node_id)
+        if s is None:
+            with self._sessions_lock:
+                s = self._node_sessions.get(node_id)
+                if s is None:
+                    fut = self._submit(self._session_of(node_id))
+                    session = self._wait(fut, Deadline.of(self.cfg.rpc_timeout_s))
+                    s = self._node_sessions[node_id] = SyncNodeSession(self, session)
+        return s
+
+    async def _session_of(self, node_id: str) -> NodeSession:
+        return self._client.session(node_id)
 
     def settled(self, buf: Any) -> bool:
         """See :meth:`PegaClient.settled`."""
@@ -594,50 +584,21 @@ class SyncPegaClient:
             self._loop.close()
 
 
-def _blocking(op: str) -> Callable[..., Any]:
-    """``SyncPegaClient.<op>``: :meth:`PegaClient.<op>` on the loop, waited for."""
-    fn = getattr(PegaClient, op)
-    pos = _timeout_index(fn)
+class SyncNodeSession(OnLoop):
+    """A blocking facade over a :class:`~.session.NodeSession` of a
+    :class:`SyncPegaClient`: each of its operations as ``op(...)`` and
+    ``submit_op(...)``, as on the client."""
 
-    @functools.wraps(fn)
-    def call(self: SyncPegaClient, *args: Any, **kwargs: Any) -> Any:
-        deadline, args = self._carry(op, pos, args, kwargs)
-        return self._wait(self._submit(fn(self._client, *args, **kwargs)), deadline)
+    def __init__(self, client: SyncPegaClient, session: NodeSession) -> None:
+        super().__init__(client.cfg, client._loop)
+        self._session = session
+        self.node_id = session.node_id
 
-    call.__doc__ = f"Blocking :meth:`PegaClient.{op}` (see there)."
-    return call
-
-
-def _submitting(op: str) -> Callable[..., concurrent.futures.Future[Any]]:
-    """``SyncPegaClient.submit_<op>``: :meth:`PegaClient.<op>` on the loop, not waited for."""
-    fn = getattr(PegaClient, op)
-    pos = _timeout_index(fn)
-
-    @functools.wraps(fn)
-    def submit(self: SyncPegaClient, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
-        _deadline, args = self._carry(op, pos, args, kwargs)
-        return self._submit(fn(self._client, *args, **kwargs))
-
-    sig = inspect.signature(fn)
-    submit.__name__ = submit.__qualname__ = f"submit_{op}"
-    submit.__signature__ = sig.replace(  # type: ignore[attr-defined]
-        return_annotation=f"concurrent.futures.Future[{sig.return_annotation}]"
-    )
-    submit.__doc__ = (
-        f":meth:`PegaClient.{op}` without waiting: a future of its answer (its deadline "
-        "runs from this call; pass a Deadline as ``timeout`` to wait for it with "
-        "``fut.result(deadline.hop_wait())``)."
-    )
-    return submit
+    @property
+    def over_socket(self) -> bool:
+        """See :attr:`NodeSession.over_socket`."""
+        return self._session.over_socket
 
 
-def _timeout_index(fn: Callable[..., Any]) -> int:
-    """Where ``timeout`` is among the positional arguments of method ``fn`` after self."""
-    names = list(inspect.signature(fn).parameters)[1:]
-    return names.index("timeout")
-
-
-for _op_name in _TIMEOUT_OF:
-    setattr(SyncPegaClient, _op_name, _blocking(_op_name))
-    setattr(SyncPegaClient, f"submit_{_op_name}", _submitting(_op_name))
-del _op_name
+offer(SyncPegaClient, PegaClient, "_client")
+offer(SyncNodeSession, NodeSession, "_session")

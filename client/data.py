@@ -31,9 +31,9 @@ from pegaflow import telemetry
 from pegaflow.checksum import checksum
 from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import BadRequest, PegaError, Unavailable, error_from_wire
-from pegaflow.rpc import UNIX_PREFIX, RpcClient, parse_address
+from pegaflow.rpc import parse_address
 from pegaflow.ucx import UcxWorker, close_endpoint, make_tag
-from pegaflow.wire import LocatedBlocks, pack, unpack
+from pegaflow.wire import pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class PoolFile:
     ino: int
     size: int
     control: str | None = None
-    """the node's same-host control socket (see :meth:`DataClient._ask_local`), if any"""
+    """the node's same-host control socket (see :mod:`pegaflow.client.session`), if any"""
 
     @classmethod
     def from_wire(cls, d: Any) -> PoolFile | None:
@@ -84,8 +84,6 @@ class _NodeConn:
     ep: Any
     node_id: str = ""
     pool: PoolFile | None = None
-    control: RpcClient | None = None
-    """the node's same-host control socket, while it works"""
     pending: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
     reader: asyncio.Task[None] | None = None
     closed: bool = False
@@ -181,12 +179,10 @@ class _Unsettled:
 
 
 class DataClient:
-    """Batched get/put against storage nodes over UCX.
-
-    ``local_control``: send same-host requests (``locate``, ``unpin``, local ``reserve``,
-    ``commit``, ``abort``, ``report``) over the node's Unix control socket when it offers one
-    (:mod:`pegaflow.storage_node.local_control`).  ``ucx_config``: UCX options for this
-    client's worker only (see :class:`~pegaflow.ucx.UcxWorker`).
+    """Batched get/put against storage nodes over UCX, and every other request a node
+    serves over UCX (:meth:`call`); a :class:`~pegaflow.client.session.NodeSession`
+    speaks to one node through it.  ``ucx_config``: UCX options for this client's worker
+    only (see :class:`~pegaflow.ucx.UcxWorker`).
     """
 
     def __init__(
@@ -194,19 +190,18 @@ class DataClient:
         *,
         token: str | None = None,
         connect_timeout: float = 2.0,
-        local_control: bool = True,
         ucx_config: dict[str, str] | None = None,
     ) -> None:
         self._ucx_config = ucx_config
         self._token = token or None
-        self._local_control = local_control
-        self._connect_timeout = connect_timeout
         self._worker: UcxWorker | None = None
         self._conns: dict[str, _NodeConn] = {}
         self._connecting: dict[str, asyncio.Future[_NodeConn]] = {}
         self._ids = itertools.count(1)
         self._hasher = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pegaflow-xxh3")
         self._unsettled = _Unsettled()
+        self.connect_timeout = connect_timeout
+        """how long a connection (and its hello) may take, whatever the call's deadline"""
         #: Blocks a node answered ``"stale"`` for: their slot now holds another
         #: generation than the one the caller expected (counted as misses).
         self.stale_misses = 0
@@ -243,9 +238,6 @@ class DataClient:
         if conn.closed:
             return
         conn.closed = True
-        if conn.control is not None:
-            conn.control.close_now()
-            conn.control = None
         if self._conns.get(conn.addr) is conn:
             del self._conns[conn.addr]
         for fut in conn.pending.values():
@@ -285,10 +277,10 @@ class DataClient:
         pending = self._connecting.get(addr)
         if pending is None:
             # the connection outlives this call: it gets the connect timeout, not our budget
-            pending = asyncio.ensure_future(self._open(addr, Deadline.after(self._connect_timeout)))
+            pending = asyncio.ensure_future(self._open(addr, Deadline.after(self.connect_timeout)))
             self._connecting[addr] = pending
             pending.add_done_callback(lambda _f: self._connecting.pop(addr, None))
-            pending.add_done_callback(_retrieve)
+            pending.add_done_callback(retrieve)
         try:
             return await asyncio.wait_for(asyncio.shield(pending), deadline.left())
         except TimeoutError:
@@ -306,12 +298,6 @@ class DataClient:
             raise
         conn.node_id = str(hello.get("node_id", ""))
         conn.pool = PoolFile.from_wire(hello.get("pool"))
-        if self._local_control and conn.pool is not None and conn.pool.control is not None:
-            conn.control = RpcClient(
-                [UNIX_PREFIX + conn.pool.control],
-                token=self._token,
-                connect_timeout=self._connect_timeout,
-            )
         self._conns[addr] = conn
         return conn
 
@@ -467,14 +453,14 @@ class DataClient:
                 w.forget(futs)
                 for f in (commit, sent):
                     f.cancel()
-                    f.add_done_callback(_retrieve)
+                    f.add_done_callback(retrieve)
                 self._drop(conn, Unavailable(f"put to {addr} failed mid-transfer"))
                 if isinstance(e, TimeoutError):
                     raise Unavailable(f"put to {addr} timed out") from None
                 raise
         except BaseException:
             hashing.cancel()
-            hashing.add_done_callback(_retrieve)
+            hashing.add_done_callback(retrieve)
             raise
         stored = proto.commit_reply(done)
         n_accepted = sum(1 for a in accept if a)
@@ -494,32 +480,14 @@ class DataClient:
         lookup and get); per block, whether it is stored and now pinned."""
         if not blocks:
             return []
-        return proto.pin_reply(await self._call(addr, proto.encode_pin(ns, blocks, ttl_s), timeout))
+        return proto.pin_reply(await self.call(addr, proto.encode_pin(ns, blocks, ttl_s), timeout))
 
-    async def _call(self, addr: str, msg: dict[str, Any], timeout: Timeout) -> dict[str, Any]:
-        """One control request to the node at ``addr`` within ``timeout`` (connecting
-        first if needed)."""
+    async def call(self, addr: str, msg: dict[str, Any], timeout: Timeout) -> dict[str, Any]:
+        """One request (a message of :mod:`~pegaflow.storage_node.protocol`) to the node
+        at ``addr`` within ``timeout``, connecting first if needed; its reply, or the
+        node's error raised as its type."""
         deadline = Deadline.of(timeout)
         conn = await self._connection(addr, deadline)
-        return await self._request(conn, msg, deadline)
-
-    async def _ask_local(self, addr: str, msg: dict[str, Any], timeout: Timeout) -> dict[str, Any]:
-        """A same-host request (``locate``, ``unpin``, a local ``reserve`` and its
-        ``commit`` or ``abort``): over the node's control socket when it serves one and
-        this process can reach it, else like :meth:`_call`.  Once the socket failed, the
-        connection keeps to UCX (a reservation made on one transport is committed on it)."""
-        deadline = Deadline.of(timeout)
-        conn = await self._connection(addr, deadline)
-        rpc = conn.control
-        if rpc is not None:
-            args = {k: v for k, v in msg.items() if k != "op"}
-            try:
-                return await rpc.call(msg["op"], args, deadline)
-            except Unavailable as e:  # not this host after all, or the socket went away
-                if conn.control is rpc:
-                    conn.control = None
-                    rpc.close_now()
-                    log.info("node %s: control socket unusable (%s); asking over UCX", addr, e)
         return await self._request(conn, msg, deadline)
 
     async def check(
@@ -549,97 +517,8 @@ class DataClient:
         """The node's pool file, if it offers direct access to this client."""
         return (await self._connection(addr, Deadline.of(timeout))).pool
 
-    async def locate(
-        self,
-        addr: str,
-        ns: str,
-        hashes: Sequence[bytes],
-        shard: int,
-        ttl_s: float,
-        timeout: Timeout,
-    ) -> tuple[int, LocatedBlocks]:
-        """Pin blocks ``(h, shard)`` for ``ttl_s`` and return (pin id, where each one is
-        in the pool file).  The hashes must all have the same length.
 
-        The caller copies the bytes out of its own mapping of the file, checks each
-        block's digest or xxh3 and then releases the pin with :meth:`unpin`.
-        """
-        msg = proto.encode_locate(ns, hashes, shard, ttl_s)
-        return proto.locate_reply(await self._ask_local(addr, msg, timeout), len(hashes))
-
-    async def unpin(self, addr: str, pin: int, timeout: Timeout) -> None:
-        """Release a pin taken by :meth:`locate` or :meth:`pin` (idempotent)."""
-        await self._ask_local(addr, proto.encode_unpin(pin), timeout)
-
-    async def report(
-        self, addr: str, lookups: int, asked_blocks: int, hit_blocks: int, timeout: Timeout
-    ) -> None:
-        """Report lookups this client answered from the node at ``addr`` alone (never
-        asked of a coordinator), for the cluster-wide hit rate."""
-        await self._ask_local(addr, proto.encode_report(lookups, asked_blocks, hit_blocks), timeout)
-
-    async def reserve_local(
-        self, addr: str, ns: str, blocks: Sequence[tuple[bytes, int, int]], timeout: Timeout
-    ) -> tuple[int, list[int | None]]:
-        """Reserve slots for ``(hash, shard, size)`` blocks that the caller writes through
-        the pool file; returns (reservation, slot offset or None when already stored).
-        Finish with :meth:`commit` (or :meth:`abort`)."""
-        msg = proto.encode_reserve_local(ns, blocks)
-        return proto.reserve_local_reply(
-            msg, await self._ask_local(addr, msg, timeout), len(blocks)
-        )
-
-    async def commit(
-        self,
-        addr: str,
-        seq: int,
-        accepted: Sequence[bool],
-        timeout: Timeout,
-        digests: Sequence[int | None] | None = None,
-        on_taken: Callable[[], None] | None = None,
-    ) -> PutOutcome:
-        """Commit a local reservation (``accepted``: which blocks it reserved): the node
-        hashes each written slot, keeps that xxh3 as the block's checksum and publishes
-        it; ``digests``: the writer's device digests, kept with the blocks.
-
-        ``on_taken`` is called (once, on the client's loop) as soon as the node holds
-        the commit, which it then carries out whatever happens to this process: a
-        ``taken`` request sent right behind the commit says so within a round trip,
-        while the node still hashes.  Else (an older node, an error) it is called when
-        the commit's answer came, whatever it was."""
-        msg = proto.encode_commit(seq, [None] * len(accepted), digests)
-        timeout = Deadline.of(timeout)  # the commit and its taken share one deadline
-        if on_taken is None:
-            reply = await self._ask_local(addr, msg, timeout)
-        else:
-            # both requests are queued in this order on one connection before either
-            # is written; the node takes the commit as it reads its frame
-            commit = asyncio.ensure_future(self._ask_local(addr, msg, timeout))
-            commit.add_done_callback(_retrieve)  # awaited below, unless cancelled first
-            ask = asyncio.ensure_future(self._ask_local(addr, proto.encode_taken(seq), timeout))
-            try:
-                held = proto.taken_reply(await ask)
-            except PegaError:
-                held = False
-            if held:
-                on_taken()
-            try:
-                reply = await commit
-            finally:
-                if not held:
-                    on_taken()
-        n_accepted = sum(1 for a in accepted if a)
-        stored = proto.commit_reply(reply)
-        return PutOutcome(
-            stored=stored, skipped=len(accepted) - n_accepted, failed=n_accepted - stored
-        )
-
-    async def abort(self, addr: str, seq: int, timeout: Timeout) -> None:
-        """Drop a local reservation (its slots go back to the pool)."""
-        await self._ask_local(addr, proto.encode_abort(seq), timeout)
-
-
-def _retrieve(fut: asyncio.Future[Any]) -> None:
+def retrieve(fut: asyncio.Future[Any]) -> None:
     """Mark a future's failure as seen (it was given up on; its caller has its error)."""
     if not fut.cancelled():
         fut.exception()

@@ -7,7 +7,10 @@ in the node's data-plane handshake: path, device and inode) this process can ope
 that very file (:meth:`pegaflow.client.PegaClient.local_nodes`).  That is true of the
 node inside ``pegaflow-server`` and of the ``pegaflow-node`` of this host in a cluster,
 and false of every other host's node, of a node in another mount namespace, and of a
-node that offers its pool to no one (``[node] local_access = false``).
+node that offers its pool to no one (``[node] local_access = false``).  The client's
+session with the node found (:meth:`pegaflow.client.PegaClient.session`) is then told
+its pool file and control socket, so the same-host path asks its ops straight over the
+socket.
 
 The ``local_node`` setting overrides the search.  When several nodes on this host
 qualify (test clusters), the largest pool wins, then the smallest id: every process of
@@ -29,15 +32,12 @@ from collections.abc import Callable
 from typing import Any
 
 from pegaflow.client.data import PoolFile
+from pegaflow.storage_node.pool import human_bytes
 
 logger = logging.getLogger("pegaflow.connector")
 
 RETRY_S = 30.0
 """least time between two searches while no node has been found"""
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
 
 
 class LocalNodeFinder:
@@ -134,7 +134,8 @@ class LocalNodeFinder:
             logging.INFO if self.announce or not first else logging.DEBUG,
             "PegaFlow: same-host node %s found: pool %s (%s), in %.0f ms; saves, same-host "
             "loads and layer-wise loads use it%s",
-            best.record.node_id, best.pool.path, _gib(best.pool.size), (self._clock() - t0) * 1e3,
+            best.record.node_id, best.pool.path, human_bytes(best.pool.size),
+            (self._clock() - t0) * 1e3,
             f" (also on this host: {', '.join(others)}; local_node picks another)"
             if others else "",
         )  # fmt: skip

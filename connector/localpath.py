@@ -17,6 +17,10 @@ same-host readers check against what lands in their own KV cache.  The blocks ar
 saved for good once the node holds the commit (it carries it out even if this process
 dies then), which it says within a round trip, while it still hashes.
 
+Every request goes through the client's session with the node
+(:class:`~pegaflow.client.session.NodeSession`): straight over the node's control
+socket, whose path the search for the node on this host learned with its pool file.
+
 Anything that goes wrong makes the blocks misses (loads) or failures (saves), exactly
 like the UCX path: the caller falls back or recomputes.
 """
@@ -110,7 +114,7 @@ class LocalPath:
         if self._failed:
             return False
         try:
-            info = client.local_pool(self.node_id, self.timeout)
+            info = client.node_session(self.node_id).pool_file(self.timeout)
             if info is None:
                 raise OSError("the node does not offer its pool file to this client")
             self.pool = MappedPool(info, self.io.device)
@@ -234,10 +238,11 @@ class LocalPath:
         """Pin the blocks and learn where they are (in calls of at most MAX_LOCATE)."""
         pins: list[int] = []
         parts: list[LocatedBlocks] = []
+        node = client.node_session(self.node_id)
         try:
             for i in range(0, len(hashes), MAX_LOCATE):
                 part = hashes[i : i + MAX_LOCATE]
-                pin, got = client.locate(ns, self.node_id, part, shard, LOCATE_PIN_S, self.timeout)
+                pin, got = node.locate(ns, part, shard, LOCATE_PIN_S, self.timeout)
                 pins.append(pin)
                 parts.append(got)
         except BaseException:
@@ -250,7 +255,7 @@ class LocalPath:
         unpin only keeps the blocks from eviction until the pin expires on the node)."""
         for pin in pins:
             try:
-                fut = client.submit_unpin(self.node_id, pin, self.timeout)
+                fut = client.node_session(self.node_id).submit_unpin(pin, self.timeout)
                 fut.add_done_callback(_log_unpin_failure)
             except Exception as e:
                 logger.debug("PegaFlow: unpin failed: %s", e)
@@ -271,14 +276,13 @@ class LocalPath:
         of the KV cache, with a future of the node's put outcome (the node hashes and
         publishes them meanwhile).  ``on_taken`` is called (on the client's loop) once
         the node holds the commit and stores the blocks whatever happens to this
-        process (see :meth:`DataClient.commit`): only then are the blocks saved for
+        process (see :meth:`NodeSession.commit_local`): only then are the blocks saved for
         good.  It is not called when this raises."""
         pool = self.pool
         assert pool is not None
         bb = self.io.block_bytes
-        seq, offsets = client.reserve_local(
-            ns, self.node_id, [(h, shard, bb) for h in hashes], self.timeout
-        )
+        node = client.node_session(self.node_id)
+        seq, offsets = node.reserve_local(ns, [(h, shard, bb) for h in hashes], self.timeout)
         idx = [i for i, o in enumerate(offsets) if o is not None]
         ids = [block_ids[i] for i in idx]
         try:
@@ -292,7 +296,7 @@ class LocalPath:
             )
         except BaseException:
             try:
-                client.abort_local(self.node_id, seq, self.timeout)
+                node.abort_local(seq, self.timeout)
             except Exception:
                 pass  # the reservation expires on the node
             raise
@@ -301,8 +305,8 @@ class LocalPath:
             digs = [None] * len(hashes)
             for i, d in zip(idx, digests.tolist(), strict=True):
                 digs[i] = int(d)
-        return client.submit_commit_local(
-            self.node_id, seq, [o is not None for o in offsets], self.timeout, digs, on_taken
+        return node.submit_commit_local(
+            seq, [o is not None for o in offsets], self.timeout, digs, on_taken
         )
 
     def close(self) -> None:

@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pegaflow.storage_node.pool import human_bytes
+
 from pegaflow.deadline import HOP_MARGIN_S
 
 from .blockio import KVBlockIO
@@ -31,10 +33,6 @@ logger = logging.getLogger("pegaflow.connector")
 
 LOAD_DEPTH = 3
 """chunks of one load in flight at once"""
-
-
-def _size(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
 
 
 class RemoteMedium:
@@ -247,7 +245,7 @@ class RemoteMedium:
             if buf is None:
                 self.books.drop(
                     [SaveJob(job.req_id, [], hashes)],
-                    f"the save staging memory is full ({_size(staging.max_bytes)}, half of "
+                    f"the save staging memory is full ({human_bytes(staging.max_bytes)}, half of "
                     "max_staging_bytes): blocks come faster than the cluster stores them; "
                     "raise max_staging_bytes, or run a node on this host",
                 )

@@ -17,6 +17,12 @@ Exit status: 0 when the coordinator answered and no node is ``unhealthy`` or
 ``unreachable``, 1 when some node is (or, with ``--router``, the router cannot be reached
 or one of its replicas is out of rotation), 2 when no coordinator answered or the command
 line or configuration is wrong (one line on stderr says why).
+
+    pegaflow [--config FILE] drop --node ID --namespace NS [--coordinators ...] [--token ...]
+
+drops every block of namespace ``NS`` from node ``ID`` (the cluster token is needed):
+they leave the index and the node's pool, blocks being read once their reads end.
+Exit status 0 when the node did it, 2 when it could not be asked or refused.
 """
 
 from __future__ import annotations
@@ -82,6 +88,14 @@ def _hit_rate_line(st: dict[str, Any]) -> str | None:
     )
 
 
+def _disk_cell(n: dict[str, Any]) -> str:
+    """A node's disk tier in ``pegaflow status``: bytes used of its capacity."""
+    cap = int(n.get("disk_capacity_bytes") or 0)
+    if not cap:
+        return "-"
+    return f"{_size(int(n.get('disk_used_bytes') or 0))}/{_size(cap)}"
+
+
 def render_status(st: dict[str, Any], health: dict[str, str] | None = None) -> str:
     """The status document as a terminal table; ``health`` maps node ids to their
     health (a HEALTH column is shown when it is given)."""
@@ -89,6 +103,9 @@ def render_status(st: dict[str, Any], health: dict[str, str] | None = None) -> s
     head = ["NODE", "ADDRESS", "HEALTH", "CAPACITY", "USED", "USE", "BLOCKS", "ENTRIES", "UP"]
     if health is None:
         head.remove("HEALTH")
+    disk = any(int(n.get("disk_capacity_bytes") or 0) for n in nodes)
+    if disk:  # the disk tier: used of capacity
+        head.insert(head.index("BLOCKS") + 1, "DISK")
     rows = [tuple(head)]
     now = time.time()
     cap_total = used_total = 0
@@ -105,6 +122,7 @@ def render_status(st: dict[str, Any], health: dict[str, str] | None = None) -> s
             _size(used),
             f"{_bar(used / cap)} {100 * used / cap:3.0f}%" if cap else "-",
             str(n.get("blocks", 0)),
+            *([_disk_cell(n)] if disk else []),
             str(n.get("entries", "-")),
             _duration(now - started) if started else "-",
         ]
@@ -190,6 +208,29 @@ async def _status(
     return st, h
 
 
+def _drop(addresses: list[str], token: str | None, timeout: float, node: str, ns: str) -> int:
+    """``pegaflow drop``: its exit status."""
+    from pegaflow.client import PegaClient
+    from pegaflow.config import ClientConfig
+
+    async def run() -> str:
+        client = PegaClient(ClientConfig(coordinators=addresses, rpc_timeout_s=timeout), token)
+        try:
+            out = await client.drop(node, ns)
+        finally:
+            await client.close()
+        return f"node {node}: dropped {out.dropped} blocks of {ns!r}" + (
+            f"; {out.pinned} being read are dropped once their reads end" if out.pinned else ""
+        )
+
+    try:
+        print(asyncio.run(run()))
+    except PegaError as e:
+        print(f"pegaflow: cannot drop {ns!r} from node {node}: {e.code}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _seconds(value: str) -> float:
     try:
         t = float(value)
@@ -241,15 +282,30 @@ def main(argv: list[str] | None = None) -> None:
     p_status.add_argument(
         "--router", metavar="URL", help="also show this pegaflow-router's replicas and their load"
     )
+    p_drop = sub.add_parser("drop", help="drop one namespace's blocks from a node")
+    p_drop.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=config_help)
+    p_drop.add_argument("--node", required=True, metavar="ID", help="the node's id")
+    p_drop.add_argument("--namespace", required=True, metavar="NS", help="the namespace")
+    p_drop.add_argument(
+        "--coordinators",
+        type=_addresses,
+        metavar="HOST:PORT[,...]",
+        help="coordinators that know the node (default: [client] coordinators)",
+    )
+    p_drop.add_argument("--token", metavar="SECRET", help="cluster token ([security] token)")
+    p_drop.add_argument("--timeout", type=_seconds, default=5.0, metavar="SECONDS",
+                        help="deadline of the drop (default: 5.0)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.cmd is None:
-        parser.error("a command is required: status")
+        parser.error("a command is required: status, drop")
     try:
         cfg = load_config(args.config)
     except ValueError as e:
         parser.exit(2, f"pegaflow: error: {e}\n")
     addresses = args.coordinators or cfg.client.coordinators
     token = args.token or cfg.security.token or None
+    if args.cmd == "drop":
+        sys.exit(_drop(addresses, token, args.timeout, args.node, args.namespace))
     try:
         st, health = asyncio.run(_status(addresses, token, args.timeout, not args.no_health))
     except PegaError as e:

@@ -251,6 +251,26 @@ class NodeConfig:
         "the same bound for all connections of one tenant together (connections with the "
         "cluster token have the per-connection bound only)",
     )
+    disk_path: str = opt(
+        "",
+        "directory of the disk tier under the pool: blocks evicted from memory are kept "
+        "there (preallocated slab files, kept across restarts); empty: no disk tier",
+    )
+    disk_bytes: int = opt(16 << 30, "size of the disk tier (preallocated when it opens)", size=True)
+    disk_block_bytes: int = opt(
+        2 << 20,
+        "largest block the disk tier keeps (each disk slot is this size, rounded up to "
+        "4 KiB): the model's block size; larger blocks are not spilled",
+        size=True,
+    )
+    disk_read_threads: int = opt(4, "threads reading the disk tier (reads in flight)")
+    disk_write_threads: int = opt(2, "threads writing spills to the disk tier")
+    disk_queue_bytes: int = opt(
+        256 << 20,
+        "memory holding evicted blocks until they are written to the disk tier; an eviction "
+        "past it is not kept on disk (counted in pegaflow_node_disk_spill_drops)",
+        size=True,
+    )
 
 
 @dataclass

@@ -26,6 +26,11 @@ from pegaflow.wire import pack, unpack
 _MAX_RECORD = 64 << 10
 
 
+DISK_SLOT = -1
+"""the ``slot`` of a block held on its node's disk tier, not in its memory pool (the
+record keeps its five fields, so readers that know no tiers read it as before)"""
+
+
 @dataclass(frozen=True, slots=True)
 class BlockLocation:
     """Where one shard of one block lives: node, slot, generation, size, xxh3 checksum."""
@@ -35,6 +40,11 @@ class BlockLocation:
     gen: int
     size: int
     xxh3: int
+
+    @property
+    def tier(self) -> str:
+        """Which of the node's tiers holds the block: ``memory`` or ``disk``."""
+        return "disk" if self.slot == DISK_SLOT else "memory"
 
     def encode(self) -> bytes:
         return pack([self.node, self.slot, self.gen, self.size, self.xxh3])
@@ -69,6 +79,12 @@ class NodeRecord:
     """blocks those lookups found"""
     same_host_miss_blocks: int = 0
     """blocks those lookups asked for and did not find"""
+    disk_capacity_bytes: int = 0
+    """size of the node's disk tier (0: none)"""
+    disk_used_bytes: int = 0
+    """bytes its disk tier holds"""
+    disk_blocks: int = 0
+    """blocks on its disk tier"""
 
     @property
     def ucx_address(self) -> str:

@@ -14,7 +14,14 @@ Steps, on one directory (``--dir``, default a fresh one under /var/tmp):
 4. mixed: the newer half is read again while new blocks are spilled into (and evict)
    the older half: the effect of spills on concurrent reads;
 5. restart: the tier is closed and reopened; ``recover()`` (records only) and
-   ``recover(verify=True)`` (every payload read and checked) are timed.
+   ``recover(verify=True)`` (every payload read and checked) are timed;
+6. node (``--node-prefix-gb``, 0: skipped): a real ``pegaflow-node`` whose pool holds a
+   bit more than one prefix of that size (1.31 GB: a 10k-token Llama-8B prefix) and a
+   disk tier in the same directory; prefix A is put, then prefixes B and C (which evict
+   all of A to disk); one batched get of A through a real client is timed (``promote_s``: the disk
+   reads, the commits into the pool and the sends).  Then a set of blocks in memory is
+   read by back-to-back gets, alone and while a writer puts new blocks that evict (and
+   spill) others: ``get_from_memory_gbps`` and ``get_from_memory_during_spills_gbps``.
 
 ``O_DIRECT`` bypasses the page cache, so no cache dropping is needed (on a file system
 without ``O_DIRECT``, e.g. some tmpfs, both sides are buffered and say so).  Every figure
@@ -22,16 +29,18 @@ is the best of ``--rounds`` rounds, the median is printed too.  The last line pr
 one JSON object: ``spill_gbps``, ``read_gbps``, ``raw_read_gbps``, ``read_ratio``
 (best read / best raw), ``read_ratio_paired_median`` (the median over rounds of each
 round's read / raw: steadier on a shared disk), ``dd_read_gbps``, ``recover_s``,
-``recover_verify_s``, ``read_during_spills_gbps``, ``spill_during_reads_gbps`` and the
-parameters.
+``recover_verify_s``, ``read_during_spills_gbps``, ``spill_during_reads_gbps``, the
+node figures (``node``: ``promote_s``, ``promote_gbps``, ``get_from_memory_gbps``,
+``get_from_memory_during_spills_gbps``, ``spilled_during``) and the parameters.
 
     .venv/bin/python scripts/bench_disk_tier.py [--gb 2] [--block-mib 2] [--batch 32]
-        [--read-threads 4] [--dir /path/on/the/disk] [--rounds 3]
+        [--read-threads 4] [--dir /path/on/the/disk] [--rounds 3] [--node-prefix-gb 1.31]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import mmap
 import os
@@ -43,6 +52,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -274,6 +284,97 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     }
 
 
+def node_run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """Step 6 (see the module docstring): a real node with a disk tier."""
+    from pegaflow.client.data import DataClient
+
+    from pegaflow.devcluster import start_node
+
+    block = int(args.block_mib * (1 << 20))
+    n = blocks_for(args.node_prefix_gb, block)
+    slab = 64 << 20
+    pool = -(-(n * block) // slab) * slab + slab  # one prefix, a slab to spare
+    pool_blocks = pool // block
+    node = start_node(
+        "bench-disk", pool=str(pool), slab=str(slab),
+        extra=["--node-disk-path", str(root / "node-disk"),
+               "--node-disk-bytes", str(4 * n * block), "--node-disk-block-bytes", str(block),
+               "--node-disk-read-threads", str(args.read_threads),
+               "--node-disk-write-threads", str(args.write_threads)],
+    )  # fmt: skip
+    addr = node.ready["ucx"]
+    ns = "bench-disk"
+    rng = np.random.default_rng(7)
+    data = rng.integers(0, 255, (n, block), dtype=np.uint8)
+    step = 64
+
+    def hashes(tag: int, k: int) -> list[bytes]:
+        return [tag.to_bytes(4, "little") + i.to_bytes(12, "little") for i in range(k)]
+
+    async def put(c: DataClient, hs: list[bytes]) -> None:
+        for i in range(0, len(hs), step):
+            part = [(h, 0, data[(i + j) % n]) for j, h in enumerate(hs[i : i + step])]
+            out = await c.put(addr, ns, part, 60)
+            assert out.stored + out.skipped == len(part), out
+
+    async def get(c: DataClient, hs: list[bytes], out: np.ndarray) -> float:
+        t0 = time.perf_counter()
+        ok = await c.get(addr, ns, [(h, 0, out[i]) for i, h in enumerate(hs)], 120)
+        dt = time.perf_counter() - t0
+        assert all(ok), f"{ok.count(False)} of {len(ok)} blocks missing"
+        return dt
+
+    def spills() -> float:
+        url = f"http://127.0.0.1:{node.ready['http']}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("pegaflow_node_disk_spills_total "):
+                    return float(line.split()[1])
+        return 0.0
+
+    def wait_spills(k: float) -> None:
+        deadline = time.monotonic() + 120
+        while spills() < k and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    async def main() -> dict[str, Any]:
+        c = DataClient()
+        out = np.empty((n, block), dtype=np.uint8)
+        try:
+            a = hashes(1, n)
+            await put(c, a)
+            await put(c, hashes(2, n))  # B then C evict all of A (written in the background)
+            await put(c, hashes(3, n))
+            await asyncio.to_thread(wait_spills, 0.95 * (3 * n - pool_blocks))
+            promote_s = await get(c, a, out)  # A only on disk: promoted, then sent
+            assert np.array_equal(out[-1], data[n - 1])
+            hot = a[: max(1, n // 4)]
+            view = out[: len(hot)]
+            alone = [len(hot) * block / await get(c, hot, view) / GB for _ in range(5)]
+            before = spills()
+            writer = asyncio.ensure_future(put(c, hashes(4, n)))  # evicts: spills
+            during: list[float] = []
+            while not writer.done() or not during:
+                during.append(len(hot) * block / await get(c, hot, view) / GB)
+            await writer
+            return {
+                "prefix_gb": round(n * block / GB, 3),
+                "promote_s": round(promote_s, 3),
+                "promote_gbps": round(n * block / promote_s / GB, 3),
+                "get_from_memory_gbps": round(statistics.median(alone), 3),
+                "get_from_memory_during_spills_gbps": round(statistics.median(during), 3),
+                "spilled_during": int(spills() - before),
+                "pool_bytes": pool,
+            }
+        finally:
+            await c.close()
+
+    try:
+        return asyncio.run(main())
+    finally:
+        node.terminate()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--gb", type=float, default=2.0, help="tier size in GB (default 2)")
@@ -284,12 +385,19 @@ def main() -> None:
     p.add_argument("--queue-depth", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", type=Path, default=None, help="a directory on the disk to test")
+    p.add_argument(
+        "--node-prefix-gb", type=float, default=1.31,
+        help="prefix of the node step (default 1.31: 10k tokens of Llama-8B; 0: skip it)",
+    )  # fmt: skip
     args = p.parse_args()
     base = args.dir or Path("/var/tmp")
     base.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="pegaflow-bench-disk-", dir=base))
     try:
         result = run(args, root)
+        if args.node_prefix_gb > 0:
+            print("node: a real node with a disk tier ...", file=sys.stderr)
+            result["node"] = node_run(args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(result), flush=True)

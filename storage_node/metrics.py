@@ -5,13 +5,20 @@ The per-request and per-block metrics (gets, puts, bytes, latency, errors) sit o
 data path, which runs on the node's event-loop thread, so they are the lock-free
 :class:`~pegaflow.fastmetrics.FastCounter` / :class:`~pegaflow.fastmetrics.FastHistogram`
 (same names, types, labels and API as prometheus_client's).  Pool gauges and the
-connection count are ordinary prometheus_client gauges.
+connection count are ordinary prometheus_client gauges.  The disk tier's figures are
+read from its counters at scrape time (:class:`DiskCollector`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from pegaflow.storage_node.disk_tier import DiskTierStats
 from pegaflow.storage_node.protocol import op_label
 from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from pegaflow.fastmetrics import FastCounter, FastHistogram
 
@@ -104,6 +111,12 @@ class NodeMetrics:
             registry=r,
         )
 
+        self.disk_promotions = FastCounter(
+            "pegaflow_node_disk_promotions",
+            "Blocks read back from the disk tier into the pool",
+            registry=r,
+        )
+
     def request_done(self, op: str, seconds: float) -> None:
         """A request of ``op`` (a peer's string: labelled ``unknown`` if not an op) took
         ``seconds``."""
@@ -112,3 +125,43 @@ class NodeMetrics:
     def request_failed(self, op: str, code: str) -> None:
         """A request of ``op`` failed with error ``code``."""
         self.request_errors.labels(op=op_label(op), code=code).inc()
+
+
+_DISK_GAUGES = (
+    ("enabled", "1 while the disk tier is on", None),
+    ("capacity_bytes", "Disk tier capacity", "capacity_bytes"),
+    ("used_bytes", "Disk tier bytes in use", "used_bytes"),
+    ("blocks", "Blocks on the disk tier", "blocks"),
+)
+_DISK_COUNTERS = (
+    ("spills", "Blocks written to the disk tier", "spills"),
+    ("spill_drops", "Evicted blocks not written to the disk tier", "spill_drops"),
+    ("evictions", "Blocks evicted from the disk tier to make room", "evictions"),
+    ("hits", "Disk tier reads that returned a verified block", "hits"),
+    ("misses", "Disk tier reads that found no valid block", "misses"),
+    ("errors", "Disk tier I/O errors and checksum failures", "errors"),
+    ("read_bytes", "Bytes read from the disk tier", "read_bytes"),
+    ("write_bytes", "Bytes written to the disk tier", "write_bytes"),
+    ("read_seconds", "Seconds spent in disk tier reads", "read_seconds"),
+    ("write_seconds", "Seconds spent in disk tier writes", "write_seconds"),
+)
+
+
+class DiskCollector(Collector):
+    """The node's ``pegaflow_node_disk_*`` figures from its tier's counters (read at
+    scrape time; zeros while ``stats()`` gives None: no disk tier)."""
+
+    def __init__(self, stats: Callable[[], DiskTierStats | None]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        st = self.stats()
+        for name, doc, field in _DISK_GAUGES:
+            g = GaugeMetricFamily(f"pegaflow_node_disk_{name}", doc)
+            value = int(st is not None) if field is None else getattr(st, field, 0)
+            g.add_metric([], value)
+            yield g
+        for name, doc, field in _DISK_COUNTERS:
+            c = CounterMetricFamily(f"pegaflow_node_disk_{name}", doc)
+            c.add_metric([], getattr(st, field, 0) if st is not None else 0)
+            yield c

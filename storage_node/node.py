@@ -25,6 +25,19 @@ refused by the cluster.  A degraded journal (see :mod:`~pegaflow.storage_node.jo
 keeps the node healthy, since it serves, but shows in ``/health``, ``/v1/status`` and
 the ``pegaflow_node_journal_*`` metrics.  A watchdog re-checks this every second and
 lets a degraded journal retry.
+
+Disk tier (``[node] disk_path``, :mod:`~pegaflow.storage_node.disk_tier`): opened right
+after the pool and recovered from its records; the pool's generations start above the
+largest one on disk.  A block the pool evicts is copied to the tier (written in the
+background) and stays published, its location's slot
+:data:`~pegaflow.keys.DISK_SLOT`, once written; a spill dropped or failed, or a block the
+tier evicts or finds corrupt, is unpublished (unless the pool holds it again).  At start
+each block recovered from the disk and not in the pool is republished under the new
+lease, and a background scrub verifies every one of them (one that fails is dropped and
+unpublished; every read verifies its block anyway).  A tier that cannot be opened (of
+an incompatible format, no space, in use by another node, a path that cannot be made)
+is logged at ERROR with what to do, and the node serves from memory only.  It closes
+after the sites and the service.
 """
 
 from __future__ import annotations
@@ -39,8 +52,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from pegaflow.storage_node.disk_format import BlockKey, align_up
+from pegaflow.storage_node.disk_tier import DiskTier
 from pegaflow.storage_node.local_control import SOCKET_SUFFIX, LocalControl
-from pegaflow.storage_node.metrics import NodeMetrics
+from pegaflow.storage_node.metrics import DiskCollector, NodeMetrics
 from pegaflow.storage_node.node_service import NodeService
 from pegaflow.storage_node.pool import BlockPool, Entry, apply_access, resolve_group
 from pegaflow.storage_node.ucx_site import UcxSite
@@ -51,8 +66,9 @@ from prometheus_client.registry import Collector
 from pegaflow import __version__
 from pegaflow.auth import Authenticator
 from pegaflow.config import NodeConfig
+from pegaflow.errors import PegaError
 from pegaflow.inventory import InventorySink
-from pegaflow.keys import BlockLocation, NodeRecord
+from pegaflow.keys import DISK_SLOT, BlockLocation, NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +135,13 @@ class StorageNode:
         self._reported: str | None = None  # the serving problem logged last
         self._dirty = asyncio.Event()
         self.http_address = ""
+        self.disk: DiskTier | None = None
+        """the disk tier under the pool (None: off, or it could not be opened)"""
+        self._disk_keys: list[BlockKey] = []
+        """the blocks recovered from the disk tier at start"""
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.registry.register(JournalCollector(self))
+        self.registry.register(DiskCollector(self._disk_stats))
 
     @property
     def ucx_port(self) -> int:
@@ -132,6 +154,7 @@ class StorageNode:
         assert self.pool is not None
         st = self.pool.stats()
         m = self.metrics
+        disk = self.disk.stats() if self.disk is not None else None
         return NodeRecord(
             node_id=self.node_id,
             host=self.cfg.host,
@@ -146,6 +169,9 @@ class StorageNode:
             same_host_lookups=int(m.same_host_lookups.value),
             same_host_hit_blocks=int(m.same_host_hit_blocks.value),
             same_host_miss_blocks=int(m.same_host_miss_blocks.value),
+            disk_capacity_bytes=disk.capacity_bytes if disk is not None else 0,
+            disk_used_bytes=disk.used_bytes if disk is not None else 0,
+            disk_blocks=disk.blocks if disk is not None else 0,
         )
 
     def _on_evict(self, e: Entry) -> None:
@@ -155,11 +181,122 @@ class StorageNode:
         self._dirty.set()
 
     def inventory(self) -> list[tuple[str, bytes, int, BlockLocation]]:
-        """Every committed block, for a full republish."""
+        """Every committed block and every block only on the disk tier, for a full
+        republish."""
         assert self.pool is not None
-        return [
+        out = [
             (e.key[0], e.key[1], e.key[2], e.location(self.node_id)) for e in self.pool.committed()
         ]
+        if self.disk is not None:
+            for key in self.disk.keys():
+                loc = self._disk_location(key)
+                if loc is not None and self.pool.get(key) is None:
+                    out.append((key[0], key[1], key[2], loc))
+        return out
+
+    # ---- disk tier -----------------------------------------------------------------
+
+    def _disk_stats(self) -> Any:
+        return self.disk.stats() if self.disk is not None else None
+
+    def _disk_location(self, key: BlockKey) -> BlockLocation | None:
+        """Where ``key`` is on the disk tier, as published (None: not there)."""
+        info = self.disk.info(key) if self.disk is not None else None
+        if info is None:
+            return None
+        return BlockLocation(self.node_id, DISK_SLOT, info.gen, info.length, info.xxh3)
+
+    def _open_disk(self) -> None:
+        """Open and recover the disk tier of ``[node] disk_path``, if any; a tier that
+        cannot be used is logged with what to do, and the node runs from memory."""
+        cfg = self.cfg
+        if not cfg.disk_path:
+            return
+        try:
+            disk = DiskTier(
+                cfg.disk_path,
+                cfg.disk_bytes,
+                cfg.disk_block_bytes,
+                on_evict=self._disk_evicted,
+                on_spilled=self._disk_spilled,
+                read_threads=max(1, cfg.disk_read_threads),
+                write_threads=max(1, cfg.disk_write_threads),
+                queue_depth=max(1, cfg.disk_queue_bytes // align_up(max(1, cfg.disk_block_bytes))),
+            )
+        except (PegaError, OSError) as e:
+            log.error(
+                "disk tier %s not used, serving from memory only: %s (fix [node] disk_path / "
+                "disk_bytes / disk_block_bytes and restart the node to use it)",
+                cfg.disk_path,
+                e,
+            )
+            return
+        try:
+            keys = disk.recover()
+        except (PegaError, OSError) as e:
+            disk.close()
+            log.error(
+                "disk tier %s could not be read (%s), serving from memory only: check the "
+                "disk, or remove its pegaflow-disk.* files to start it empty",
+                cfg.disk_path,
+                e,
+            )
+            return
+        assert self.pool is not None
+        self.pool.raise_gen(max((i.gen for k in keys if (i := disk.info(k))), default=0))
+        self.disk, self._disk_keys = disk, keys
+        log.info(
+            "disk tier %s: %d MiB, %d blocks recovered, %s I/O",
+            cfg.disk_path,
+            disk.capacity >> 20,
+            len(keys),
+            "direct" if disk.direct_io else "buffered",
+        )
+
+    def _on_spill(self, e: Entry) -> bool:
+        """The pool evicts ``e`` (under its lock): copy it to the disk tier; whether it
+        stays published (on disk already, or its write queued)."""
+        disk = self.disk
+        if disk is None:
+            return False
+        if self.service is not None:
+            self.service.forget(e)
+        if disk.contains(e.key):  # promoted from there earlier: nothing to write
+            loc = self._disk_location(e.key)
+            if loc is not None:
+                self.sink.publish(e.key[0], e.key[1], e.key[2], loc)
+                self._dirty.set()
+                return True
+        if disk.spill(e.key, e.gen, self.pool.view(e) if self.pool else b"", e.xxh3):
+            self._dirty.set()
+            return True
+        return False
+
+    def _on_data_loop(self, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` on the data loop (the tier calls back on its I/O threads)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            loop.call_soon_threadsafe(fn, *args)
+
+    def _disk_spilled(self, key: BlockKey, ok: bool) -> None:
+        self._on_data_loop(self._spilled, key, ok)
+
+    def _disk_evicted(self, key: BlockKey) -> None:
+        self._on_data_loop(self._spilled, key, False)
+
+    def _spilled(self, key: BlockKey, on_disk: bool) -> None:
+        """A spill of ``key`` was written (``on_disk``) or failed, or the tier dropped
+        it: publish where it is now, unless the pool holds it again."""
+        if self.pool is None or self.pool.contains(key):
+            return
+        loc = self._disk_location(key) if on_disk else None
+        if loc is not None:
+            self.sink.publish(key[0], key[1], key[2], loc)
+        else:
+            self.sink.unpublish(key[0], key[1], key[2], BlockLocation(self.node_id, 0, 0, 0, 0))
+        self._dirty.set()
 
     @property
     def pool_created(self) -> bool:
@@ -182,6 +319,7 @@ class StorageNode:
         with contextlib.suppress(Exception):
             await self.sink.close()
         await self._close_serving(quiet=True)
+        self._close_disk()
         pool, self.pool = self.pool, None
         if pool is not None:
             pool.close(unlink=pool.created)
@@ -200,6 +338,7 @@ class StorageNode:
                     "restart finds this pool again",
                     self.node_id,
                 )
+        self._loop = asyncio.get_running_loop()
         gid = resolve_group(cfg.access_group)
         path = Path(cfg.shm_dir) / f"pegaflow-{self.node_id}.pool"
         self.pool = BlockPool(
@@ -208,13 +347,15 @@ class StorageNode:
             cfg.slab_bytes,
             node_id=self.node_id,
             on_evict=self._on_evict,
+            on_spill=self._on_spill,
             fresh=cfg.fresh_pool,
             access_gid=gid,
             size_flag=self.size_flag,
         )
+        self._open_disk()
         self.update_gauges()  # capacity is known now, not only after the first change
         self.service = NodeService(
-            self.pool, cfg, self.sink, self.metrics, on_change=self._dirty.set
+            self.pool, cfg, self.sink, self.metrics, on_change=self._dirty.set, disk=self.disk
         )
         await self.service.start()
         control = None
@@ -243,6 +384,7 @@ class StorageNode:
                 self.sink.publish(e.key[0], e.key[1], e.key[2], e.location(self.node_id))
             log.info("re-attached %d verified blocks from %s", len(self.pool.recovered), path)
             self.update_gauges()
+        self._publish_disk()
         self._refresh = asyncio.create_task(self._refresh_loop())
         self._watch = asyncio.create_task(self._watch_loop())
         log.info(
@@ -252,6 +394,31 @@ class StorageNode:
             cfg.host,
             self.ucx_port,
         )
+
+    def _publish_disk(self) -> None:
+        """Republish the blocks recovered from the disk tier and not in the pool, then
+        verify them all in the background (one that fails is dropped, unpublished)."""
+        disk, keys, self._disk_keys = self.disk, self._disk_keys, []
+        if disk is None or self.pool is None:
+            return
+        n = 0
+        for key in keys:
+            loc = self._disk_location(key)
+            if loc is not None and self.pool.get(key) is None:
+                self.sink.publish(key[0], key[1], key[2], loc)
+                n += 1
+        if n:
+            log.info("republished %d blocks from the disk tier %s", n, disk.path)
+        t0 = time.perf_counter()
+
+        def scrubbed(f: Any) -> None:
+            bad = f.result()
+            level = logging.WARNING if bad else logging.INFO
+            log.log(level, "disk tier %s verified in %.1f s: %d blocks failed their checksum "
+                    "and were dropped", disk.path, time.perf_counter() - t0, len(bad))  # fmt: skip
+
+        if keys:
+            disk.scrub().add_done_callback(scrubbed)
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -323,6 +490,7 @@ class StorageNode:
             "node": self.record().to_wire(),
             "pool": vars(self.pool.stats()),
             "journal": self._journal_status(),
+            "disk": vars(self.disk.stats()) if self.disk is not None else None,
             "health": {"ok": problem is None, "reason": problem},
         }
 
@@ -345,8 +513,15 @@ class StorageNode:
                 task.cancel()
         await self.sink.close()
         await self._close_serving()
+        self._close_disk()
         if self.pool is not None:
             self.pool.close(unlink=unlink)
+
+    def _close_disk(self) -> None:
+        """Close the disk tier (after the sites: its queued spills are written first)."""
+        disk, self.disk = self.disk, None
+        if disk is not None:
+            disk.close()
 
     async def _close_serving(self, quiet: bool = False) -> None:
         """Close the sites, then the service (the reverse of their start); ``quiet``:

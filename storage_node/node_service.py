@@ -34,6 +34,15 @@ Same-host writes and reads (a client on the node's host that maps the pool file)
   them out of the file) and says where they lie, packed
   (:class:`~pegaflow.wire.LocatedBlocks`): a 10k-token prefix is hundreds of blocks.
 
+Disk tier (``[node] disk_path``, :mod:`~pegaflow.storage_node.disk_tier`): a block
+evicted from the pool may live on in the tier.  ``get``, ``pin`` and ``locate`` of a block
+held only there first *promote* it (:meth:`NodeService.promote`): a pool slot is
+reserved, the block is read into it (verified against its checksum) and committed with
+the generation it had, so a reader's fenced get still matches, and the disk copy stays
+(evicting it again writes nothing).  Reads run on the tier's read threads, all of a
+request's at once; a block that fails its read is a miss.  ``check`` counts a block on
+disk as stored.
+
 A reservation whose payloads come over a transport carries that transport's
 :class:`Inflow` (from its session's :attr:`Session.receive`): the service waits on it
 before it verifies, and asks it, when the reservation is dropped early, to give the
@@ -53,6 +62,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pegaflow.storage_node import protocol as proto
+from pegaflow.storage_node.disk_tier import DiskTier
+from pegaflow.storage_node.drop import drop_op
 from pegaflow.storage_node.metrics import NodeMetrics
 from pegaflow.storage_node.pool import BlockPool, Entry
 from pegaflow.storage_node.protocol import OPS, Key, Op
@@ -162,8 +173,12 @@ class NodeService:
         metrics: NodeMetrics,
         *,
         on_change: Callable[[], None] | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         self.pool = pool
+        self.disk = disk
+        """the disk tier under the pool (None: memory only)"""
+        self._promoting: dict[Key, asyncio.Future[bool]] = {}
         self.cfg = cfg
         self.sink = sink
         self.metrics = metrics
@@ -191,7 +206,7 @@ class NodeService:
             Op.CHECK: self._check, Op.RESERVE: self._reserve, Op.COMMIT: self._commit,
             Op.ABORT: self._abort_own, Op.TAKEN: self._taken, Op.PIN: self._pin,
             Op.LOCATE: self._locate, Op.UNPIN: self._unpin, Op.STATS: self._stats,
-            Op.REPORT: self._report,
+            Op.REPORT: self._report, Op.DROP: drop_op(self),
         }  # fmt: skip
         """the handler of each op of :data:`~.protocol.OPS` that is not a transport's"""
 
@@ -272,6 +287,64 @@ class NodeService:
         get = self.pool.get
         return [get((ns, h, s)) for h, s in zip(hashes, shards, strict=True)]
 
+    def disk_only(self, keys: Sequence[Key]) -> list[Key]:
+        """The keys held on the disk tier and not in the pool (to :meth:`promote`)."""
+        disk = self.disk
+        if disk is None:
+            return []
+        pool = self.pool
+        return [k for k in keys if disk.contains(k) and pool.get(k) is None]
+
+    async def promote(self, keys: Sequence[Key]) -> None:
+        """Bring the blocks of ``keys`` held only on the disk tier into the pool (on the
+        data loop; a block that cannot come back stays a miss)."""
+        todo = self.disk_only(keys)
+        if todo:
+            await asyncio.gather(*(asyncio.shield(self._promotion(k)) for k in todo))
+
+    def promote_threadsafe(self, keys: Sequence[Key]) -> asyncio.Future[None]:
+        """:meth:`promote` on the data loop, awaitable from another loop."""
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.promote(keys), self.loop))
+
+    def _promotion(self, key: Key) -> asyncio.Future[bool]:
+        """The promotion of ``key`` under way, or a new one (one per key at a time)."""
+        fut = self._promoting.get(key)
+        if fut is None:
+            fut = self._promoting[key] = asyncio.ensure_future(self._promote(key))
+            fut.add_done_callback(lambda _: self._promoting.pop(key, None))
+        return fut
+
+    async def _promote(self, key: Key) -> bool:
+        disk = self.disk
+        info = disk.info(key) if disk is not None else None
+        if disk is None or info is None:
+            return False
+        try:
+            e = self.pool.reserve(key, info.length, 2 * self.cfg.reserve_timeout_s)
+        except PegaError as err:  # the pool is full of pinned or reserved blocks
+            log.debug("cannot promote a block from disk now: %s", err)
+            return False
+        if e is None:
+            return False  # stored or being written meanwhile
+        read = disk.read_into(key, self.pool.view(e))
+        try:
+            n = await asyncio.shield(asyncio.wrap_future(read))
+        except asyncio.CancelledError:
+            self.pool.quarantine(e)  # the read thread may still write the slot
+            read.add_done_callback(
+                lambda _: self.loop.call_soon_threadsafe(self._release_quarantined, [e])
+            )
+            raise
+        if n is None:  # a miss: failed its checksum, or an I/O error (counted by the tier)
+            self.pool.abort(e)
+            return False
+        loc = self.pool.commit(e, info.xxh3, gen=info.gen)
+        self.sink.publish(key[0], key[1], key[2], loc)
+        self.metrics.disk_promotions.inc()
+        if self._on_change is not None:
+            self._on_change()
+        return True
+
     def _find_keys(self, keys: Sequence[Key]) -> list[Any]:
         ns = keys[0][0] if keys else ""
         return self.find(ns, [k[1] for k in keys], [k[2] for k in keys])
@@ -316,6 +389,9 @@ class NodeService:
         """Whether each block is stored and committed (with the generation given)."""
         _, keys, want = proto.decode_check(msg, self.cfg.max_batch)
         found = self._find_keys(keys)
+        disk = self.disk
+        if disk is not None:
+            found = [e if e is not None else disk.info(k) for e, k in zip(found, keys, strict=True)]
         return {
             "valid": [
                 e is not None and (want is None or want[i] in (None, e.gen))
@@ -323,18 +399,44 @@ class NodeService:
             ]
         }
 
-    def _pin(self, msg: dict[str, Any], s: Session) -> dict[str, Any]:
+    def _pin(self, msg: dict[str, Any], s: Session) -> Any:
         """Read pins: keep the named blocks from eviction for ``ttl_ms`` (between a
-        reader's lookup and its get), so a hit is not lost to a racing writer."""
+        reader's lookup and its get), so a hit is not lost to a racing writer (blocks
+        only on disk are promoted first)."""
         ttl_ms, keys = proto.decode_pin(msg, self.cfg.max_batch)
+        if self.disk_only(keys):
+            return self._after_promote(keys, lambda: self._pin_now(ttl_ms, keys, s))
+        return self._pin_now(ttl_ms, keys, s)
+
+    async def _after_promote(self, keys: Sequence[Key], then: Callable[[], Any]) -> Any:
+        """``then()`` once the blocks of ``keys`` only on disk are promoted (awaited on
+        the data loop, from any loop)."""
+        if asyncio.get_running_loop() is self._loop:
+            await self.promote(keys)
+        else:
+            await self.promote_threadsafe(keys)
+        return then()
+
+    def _pin_now(self, ttl_ms: int, keys: Sequence[Key], s: Session) -> dict[str, Any]:
         found = self._find_keys(keys)
         pin = self._hold(found, ttl_ms, s)
         return {"pinned": [e is not None for e in found], "pin": pin}
 
-    def _locate(self, msg: dict[str, Any], s: Session) -> dict[str, Any]:
+    def _locate(self, msg: dict[str, Any], s: Session) -> Any:
         """Same-host reads: pin the named blocks and say where they lie in the pool file
         (``hashes``: ``hash_len``-byte hashes back to back, all of one ``shard``)."""
         ns, ttl_ms, shard, hashes = proto.decode_locate(msg, self.cfg.max_batch)
+        if self.disk is not None:
+            keys = [(ns, h, shard) for h in hashes]
+            if self.disk_only(keys):
+                return self._after_promote(
+                    keys, lambda: self._locate_now(ns, ttl_ms, shard, hashes, s)
+                )
+        return self._locate_now(ns, ttl_ms, shard, hashes, s)
+
+    def _locate_now(
+        self, ns: str, ttl_ms: int, shard: int, hashes: Sequence[bytes], s: Session
+    ) -> dict[str, Any]:
         found = self.find(ns, hashes, shard)
         pin = self._hold(found, ttl_ms, s)
         hits = self.metrics.get_blocks.labels(result="hit")

@@ -324,6 +324,9 @@ class BlockPool:
     ``created`` says whether this pool made its file (so a failed start knows what to
     remove).  ``access_gid``: the group given read/write access (see the module
     docstring); ``size_flag``: the option named when the pool does not fit.
+    ``on_spill``: offered each block evicted, before its slot is reused (the disk tier
+    copies it at once); when it returns True the block is kept there and not reported
+    to ``on_evict``.
     """
 
     def __init__(
@@ -334,6 +337,7 @@ class BlockPool:
         *,
         node_id: str,
         on_evict: Callable[[Entry], None] | None = None,
+        on_spill: Callable[[Entry], bool] | None = None,
         persist: bool = True,
         fresh: bool = False,
         access_gid: int | None = None,
@@ -349,6 +353,7 @@ class BlockPool:
         self.slab_bytes = slab_bytes
         self.capacity = n_slabs * slab_bytes
         self._on_evict = on_evict
+        self._on_spill = on_spill
         self._lock = threading.RLock()
         self._size_flag = size_flag
         self.journal: Journal | None = None
@@ -578,10 +583,17 @@ class BlockPool:
         return e
 
     @_locked
-    def commit(self, e: Entry, xxh3: int, digest: int | None = None) -> BlockLocation:
-        """Make a reserved block visible and immutable; returns its location."""
-        self._gen += 1
-        e.gen = self._gen
+    def commit(
+        self, e: Entry, xxh3: int, digest: int | None = None, gen: int | None = None
+    ) -> BlockLocation:
+        """Make a reserved block visible and immutable; returns its location.  ``gen``:
+        the generation it keeps (a block promoted from the disk tier), else a new one."""
+        if gen is None:
+            self._gen += 1
+            gen = self._gen
+        else:
+            self._gen = max(self._gen, gen)
+        e.gen = gen
         e.xxh3 = xxh3
         e.digest = digest
         e.committed = True
@@ -592,6 +604,12 @@ class BlockPool:
             self.journal.committed(self._record(e))
             self.maintain_journal()
         return e.location(self.node_id)
+
+    @_locked
+    def raise_gen(self, floor: int) -> None:
+        """Make every later generation larger than ``floor`` (blocks kept elsewhere, on
+        the disk tier, hold generations up to it)."""
+        self._gen = max(self._gen, floor)
 
     @_locked
     def maintain_journal(self) -> None:
@@ -636,15 +654,16 @@ class BlockPool:
             self.quarantined_bytes -= e.stride
 
     @_locked
-    def drop(self, e: Entry) -> None:
-        """Remove a committed block (invalid or evicted); reports it to ``on_evict``."""
+    def drop(self, e: Entry, report: bool = True) -> None:
+        """Remove a committed block (invalid or evicted); reports it to ``on_evict``
+        (unless ``report`` is False)."""
         if self._blocks.get(e.key) is not e:
             return
         self._classes[e.stride].lru.pop(e.key, None)
         self._release(e)
         if e.committed and self.journal is not None:
             self.journal.dropped(e.offset, e.gen)
-        if e.committed and self._on_evict is not None:
+        if report and e.committed and self._on_evict is not None:
             self._on_evict(e)
 
     @_locked
@@ -697,8 +716,11 @@ class BlockPool:
         return cls.free.pop()
 
     def _evict(self, e: Entry) -> None:
+        """Evict ``e``: offered to ``on_spill`` first (which copies it to the disk tier
+        at once), reported to ``on_evict`` only if that did not keep it."""
         self.evictions += 1
-        self.drop(e)
+        kept = self._on_spill is not None and e.committed and self._on_spill(e)
+        self.drop(e, report=not kept)
 
     def _steal_slab(self, stride: int) -> int | None:
         """Empty a slab of another size class whose blocks are all evictable."""

@@ -78,6 +78,7 @@ class Op(enum.StrEnum):
     STATS = "stats"
     REPORT = "report"
     TAKEN = "taken"
+    DROP = "drop"
 
 
 class Site(enum.Enum):
@@ -158,6 +159,10 @@ OPS: dict[Op, OpSpec] = {
         cluster_only="report same-host lookups",
     ),
     Op.TAKEN: OpSpec("seq", "taken: bool (the node holds a commit of seq now)", _BOTH),
+    Op.DROP: OpSpec(
+        "ns", "dropped, pinned (those dropped once their pins go)", _UCX,
+        cluster_only="drop a namespace's blocks",
+    ),
 }  # fmt: skip
 
 UNKNOWN_OP = "unknown"
@@ -514,3 +519,32 @@ def decode_report(msg: dict[str, Any]) -> tuple[int, int, int]:
     lookups = req_int(msg, "lookups", 0, MAX_REPORTED)
     asked = req_int(msg, "asked_blocks", 0, MAX_REPORTED)
     return lookups, asked, req_int(msg, "hit_blocks", 0, asked)
+
+
+# ---- drop ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """What a ``drop`` did: blocks dropped at once, and pinned ones dropped once their
+    pins go."""
+
+    dropped: int
+    pinned: int
+
+
+def encode_drop(ns: str) -> dict[str, Any]:
+    return {"op": Op.DROP.value, "ns": ns}
+
+
+def decode_drop(msg: dict[str, Any]) -> str:
+    """-> the namespace."""
+    return check_namespace(msg.get("ns"))
+
+
+def encode_drop_reply(out: Dropped) -> dict[str, Any]:
+    return {"dropped": out.dropped, "pinned": out.pinned}
+
+
+def drop_reply(reply: dict[str, Any]) -> Dropped:
+    return Dropped(int(reply.get("dropped", 0)), int(reply.get("pinned", 0)))

@@ -2,7 +2,8 @@
 
 Each UCX connection is a :class:`~pegaflow.storage_node.node_service.Session` of the
 node service; the site serves the transport's own ops (``hello``, and ``get``, whose
-payloads it streams straight from the pool) and passes every other op of the protocol
+payloads it streams straight from the pool, once the blocks held only on the disk tier
+are promoted into it) and passes every other op of the protocol
 table (:data:`~.protocol.OPS`) to the service, posting the receives of a reservation's
 payloads into its slots when the service asks.  A connection that has not said
 ``hello`` within ``[node] hello_timeout_s`` is closed (in an open cluster, one that has
@@ -339,6 +340,8 @@ class UcxSite:
         assert w is not None
         rid = msg.get("id")
         _, seq, keys, want = proto.decode_get(msg, self.cfg.max_batch)
+        if self.service.disk is not None:
+            await self.service.promote(keys)  # blocks only on disk come back first
         found, header = self.service.open_get(keys, want)
         pool = self.service.pool
         ep = conn.ep

@@ -149,7 +149,7 @@ def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
 
 def _reserved(c: SyncPegaClient, node: str) -> int:
     addr = c._on_loop(lambda a: a._node(node, 5.0), 5.0).ucx_address
-    return int(c._on_loop(lambda a: a._data._call(addr, {"op": "stats"}, 5.0), 5.0)["reserved"])
+    return int(c._on_loop(lambda a: a._data.call(addr, {"op": "stats"}, 5.0), 5.0)["reserved"])
 
 
 def test_a_commit_sent_by_a_writer_killed_at_once_is_carried_out(server: Proc) -> None:

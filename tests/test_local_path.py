@@ -50,18 +50,26 @@ def _data_address(c: SyncPegaClient, node: str) -> str:
     return c._on_loop(lambda a: a._node(node, 5.0), 5.0).ucx_address
 
 
-def _connection(c: SyncPegaClient, addr: str) -> Any:
-    """``c``'s data-plane connection to the node at ``addr``."""
-    return c._on_loop(lambda a: a._data._connection(addr, Deadline.after(5.0)), 5.0)
+def _over_socket(c: SyncPegaClient, node: str) -> bool:
+    """Whether ``c``'s session with ``node`` asks its same-host ops over the socket."""
+    return c.node_session(node).over_socket
 
 
-def _refused_on_both_transports(c: SyncPegaClient, addr: str, bad: list[dict[str, Any]]) -> None:
+def _same_host(c: SyncPegaClient, node: str, msg: dict[str, Any]) -> Any:
+    """``msg`` asked the way ``c``'s session with ``node`` asks its same-host ops."""
+    session = c.node_session(node)._session
+    return c._on_loop(lambda a: session._same_host(dict(msg), Deadline.after(5.0)), 5.0)
+
+
+def _refused_on_both_transports(
+    c: SyncPegaClient, node: str, addr: str, bad: list[dict[str, Any]]
+) -> None:
     """Each malformed request gets a typed error over UCX and over the control socket."""
     for msg in bad:
         with pytest.raises((BadRequest, TooLarge)):
-            c._on_loop(lambda a, msg=msg: a._data._call(addr, dict(msg), 5.0), 5.0)
+            c._on_loop(lambda a, msg=msg: a._data.call(addr, dict(msg), 5.0), 5.0)
         with pytest.raises((BadRequest, TooLarge)):
-            c._on_loop(lambda a, msg=msg: a._data._ask_local(addr, dict(msg), 5.0), 5.0)
+            _same_host(c, node, msg)
 
 
 def _kv(num_blocks: int, seed: int) -> dict[str, torch.Tensor]:
@@ -190,7 +198,7 @@ def test_malformed_locates_get_typed_errors_and_the_node_keeps_serving(server: P
             {**base, "shard": -1, "hashes": b"x" * 16},
             {**base, "hashes": b"x" * 16 * 5000},  # more than max_batch
         ]
-        _refused_on_both_transports(c, addr, bad)
+        _refused_on_both_transports(c, node, addr, bad)
         pin, where = c.locate(NS, node, [b"y" * 16], 0, 1.0)
         assert len(where) == 1 and where[0] is None and pin > 0
     finally:
@@ -218,9 +226,7 @@ def test_locate_goes_over_the_control_socket_and_falls_back_to_ucx(server: Proc)
         pool = c.local_pool(node)
         assert pool is not None and pool.control and os.path.exists(pool.control)
         assert stat.S_IMODE(os.stat(pool.control).st_mode) & 0o077 == 0  # the node's user only
-        addr = _data_address(c, node)
-        conn = _connection(c, addr)
-        assert conn.control is not None and conn.control._conn is not None
+        assert _over_socket(c, node)
         pin, where = c.locate(NS, node, hashes, 0, 5.0)
         assert where.found.all()
         c.unpin(node, pin)
@@ -237,8 +243,7 @@ def test_locate_goes_over_the_control_socket_and_falls_back_to_ucx(server: Proc)
             pin2, where2 = c2.locate(NS, node, hashes, 0, 5.0)
         finally:
             os.rename(moved, pool.control)
-        conn2 = _connection(c2, addr)
-        assert conn2.control is None
+        assert not _over_socket(c2, node)
         assert where2.to_wire() == where.to_wire()
         c2.unpin(node, pin2)
         _stored(server, c2, 8)
@@ -265,7 +270,7 @@ def test_packed_reservations_and_their_malformed_forms(server: Proc) -> None:
             {**base, "hash_len": 16, "local": False, "hashes": b"x" * 16},  # UCX puts list
             {**base, "hash_len": 16, "hashes": b"x" * 16 * 70000},  # more than max_batch
         ]
-        _refused_on_both_transports(c, addr, bad)
+        _refused_on_both_transports(c, node, addr, bad)
         assert c.locate(NS, node, stored, 0, 1.0)[1].found.all()
     finally:
         c.close()
@@ -280,10 +285,10 @@ def test_a_socket_reservation_is_committed_on_the_socket_only(server: Proc) -> N
         assert offsets[0] is not None
         commit = {"op": "commit", "seq": seq, "xxh3": [None]}
         with pytest.raises(BadRequest):  # over UCX: not that connection's reservation
-            c._on_loop(lambda a: a._data._call(addr, dict(commit), 5.0), 5.0)
+            c._on_loop(lambda a: a._data.call(addr, dict(commit), 5.0), 5.0)
         c.abort_local(node, seq)
         with pytest.raises(BadRequest):  # aborted: gone
-            c._on_loop(lambda a: a._data._ask_local(addr, dict(commit), 5.0), 5.0)
+            _same_host(c, node, commit)
     finally:
         c.close()
 

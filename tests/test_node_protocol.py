@@ -20,7 +20,7 @@ def test_the_table_names_every_op_once_with_its_transports() -> None:
     on_thread = {op for op, spec in OPS.items() if spec.loop is Loop.CONTROL}
     assert on_thread == {Op.LOCATE, Op.UNPIN}
     assert {op for op, spec in OPS.items() if spec.cluster_only} == {
-        Op.LOCATE, Op.STATS, Op.REPORT,
+        Op.LOCATE, Op.STATS, Op.REPORT, Op.DROP,
     }  # fmt: skip
     assert proto.op_label("get") == "get" and proto.op_label("nope") == proto.UNKNOWN_OP
 

@@ -40,6 +40,7 @@ import asyncio, json, mmap, os, site, sys
 site.addsitedir(sys.argv[1])
 from pegaflow.client.api import open_pool_file
 from pegaflow.client.data import DataClient
+from pegaflow.client.session import NodeSession
 from pegaflow.errors import Unavailable
 from pegaflow.rpc import UNIX_PREFIX, RpcClient
 
@@ -54,7 +55,7 @@ async def main(addr, hashes, want):
         except PermissionError:
             out["pool"] = "denied"
         else:
-            pin, where = await c.locate(addr, NS, hashes, 0, 5.0, 10)
+            pin, where = await NodeSession.at(addr, c).locate(NS, hashes, 0, 5.0, 10)
             with mmap.mmap(fd, pool.size) as m:
                 got = [m[b.offset : b.offset + b.size].hex() for b in where]
             out["pool"] = "mapped"

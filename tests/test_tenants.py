@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from pegaflow.client.data import DataClient
+from pegaflow.client.session import NodeSession
 from prometheus_client.parser import text_string_to_metric_families
 
 from pegaflow.checksum import checksum
@@ -240,13 +241,14 @@ async def test_tenants_cannot_abort_unpin_or_see_each_others_state(procs: list[P
 async def test_a_control_socket_reservation_belongs_to_its_session(procs: list[Proc]) -> None:
     node = tenant_node(procs, "sock")
     addr = node.ready["ucx"]
-    c = DataClient(token="admin")
+    data = DataClient(token="admin")
+    c = NodeSession.at(addr, data, token="admin")
     admin = await raw_conn(addr, "admin")
     try:
-        pool = await c.pool_file(addr, 5)
+        pool = await c.pool_file(5)
         assert pool is not None and pool.control
         h = os.urandom(16)
-        seq, offsets = await c.reserve_local(addr, "m", [(h, 0, 4096)], 5)
+        seq, offsets = await c.reserve_local("m", [(h, 0, 4096)], 5)
         assert offsets[0] is not None
         other = RpcClient([UNIX_PREFIX + pool.control], token="admin")  # another session
         try:
@@ -256,10 +258,12 @@ async def test_a_control_socket_reservation_belongs_to_its_session(procs: list[P
         finally:
             await other.close()
         assert (await admin.ask(pack({"op": "abort", "id": 1, "seq": seq})))["ok"]  # no-op
-        assert (await c.commit(addr, seq, [True], 5)).stored == 1
+        assert (await c.commit_local(seq, [True], 5)).stored == 1
+        assert c.over_socket
     finally:
         admin.close()
-        await c.close()
+        c.close()
+        await data.close()
 
 
 # ---- 7: quotas -----------------------------------------------------------------------------

@@ -67,6 +67,11 @@ NODE_SAMPLES = {
     "pegaflow_node_request_errors_total": "request_errors",
     "pegaflow_node_checksum_failures_total": "checksum_failures",
     "pegaflow_node_etcd_pending_writes": "etcd_pending_writes",
+    "pegaflow_node_disk_capacity_bytes": "disk_capacity_bytes",
+    "pegaflow_node_disk_used_bytes": "disk_used_bytes",
+    "pegaflow_node_disk_blocks": "disk_blocks",
+    "pegaflow_node_disk_promotions_total": "disk_promotions",
+    "pegaflow_node_disk_errors_total": "disk_errors",
 }
 #: Coordinator metrics the dashboard reads (from the local registry).
 COORDINATOR_SAMPLES = {
@@ -333,10 +338,19 @@ class Dashboard:
                     "put_bytes": v.get("put_bytes"),
                     "evictions": v.get("evictions"),
                     "connections": v.get("connections"),
+                    "disk_capacity_bytes": v.get(
+                        "disk_capacity_bytes", float(rec.get("disk_capacity_bytes") or 0)
+                    ),
+                    "disk_used_bytes": v.get(
+                        "disk_used_bytes", float(rec.get("disk_used_bytes") or 0)
+                    ),
+                    "disk_blocks": v.get("disk_blocks", float(rec.get("disk_blocks") or 0)),
+                    "disk_promotions": v.get("disk_promotions"),
                     "errors": (
                         v.get("transfer_errors", 0.0)
                         + v.get("request_errors", 0.0)
                         + v.get("checksum_failures", 0.0)
+                        + v.get("disk_errors", 0.0)
                     )
                     if v
                     else None,

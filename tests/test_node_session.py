@@ -1,0 +1,95 @@
+"""A client's node session against a real ``pegaflow-server``: one node's ops, the
+same-host ones straight over the node's control socket."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from pegaflow.client import SyncPegaClient
+from pegaflow.client.data import DataClient
+from pegaflow.client.session import NodeSession
+
+from pegaflow.config import ClientConfig
+from pegaflow.deadline import Deadline
+from pegaflow.devcluster import Proc, start_server
+from pegaflow.errors import Unavailable
+
+NS = "test-session"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Proc]:
+    p = start_server(
+        token="admin", extra=["--node-pool-bytes", "32MiB", "--node-slab-bytes", "4MiB"]
+    )
+    try:
+        yield p
+    finally:
+        p.terminate()
+
+
+def _client(server: Proc) -> SyncPegaClient:
+    return SyncPegaClient(ClientConfig(coordinators=[server.ready["coordinator"]]), token="admin")
+
+
+async def _no_ucx(deadline: Deadline) -> str:
+    raise AssertionError("the session asked for the node's UCX address")
+
+
+async def test_a_session_given_the_pool_file_needs_no_ucx_hello(server: Proc) -> None:
+    node = server.ready["node"]
+    c = _client(server)
+    try:
+        pool = c.local_pool(node)  # what the search for this host's node learns
+    finally:
+        c.close()
+    assert pool is not None and pool.control
+    data = DataClient(token="admin")
+    s = NodeSession(node, data, _no_ucx, token="admin", pool=pool)
+    try:
+        hashes = [os.urandom(16) for _ in range(3)]
+        seq, offsets = await s.reserve_local(NS, [(h, 0, 4096) for h in hashes], 5.0)
+        assert None not in offsets
+        taken: list[bool] = []
+        out = await s.commit_local(seq, [True] * 3, 5.0, on_taken=lambda: taken.append(True))
+        assert out.stored == 3 and taken == [True]
+        pin, where = await s.locate(NS, hashes, 0, 5.0, 5.0)
+        assert where.found.all() and (where.column("offset") == offsets).all()
+        await s.unpin(pin, 5.0)
+        await s.report_lookups(1, 3, 3, 5.0)
+        assert await s.pool_file(5.0) is pool
+        assert s.over_socket
+        assert not data._conns  # no UCX connection, no hello
+    finally:
+        s.close()
+        await data.close()
+
+
+def test_the_socket_outlives_the_ucx_connection(server: Proc) -> None:
+    node = server.ready["node"]
+    c = _client(server)
+    try:
+        assert [n.record.node_id for n in c.local_nodes()] == [node]
+        session = c.node_session(node)
+        h = os.urandom(16)
+        seq, _ = session.reserve_local(NS, [(h, 0, 4096)], 5.0)
+        assert session.commit_local(seq, [True], 5.0).stored == 1
+        assert session.over_socket  # the search told the session where the socket is
+
+        async def cut(a: object) -> None:  # a get that failed mid-transfer, say
+            for conn in list(a._data._conns.values()):  # type: ignore[attr-defined]
+                a._data._drop(conn, Unavailable("cut by the test"))  # type: ignore[attr-defined]
+
+        c._on_loop(cut, 5.0)
+        pin, where = session.locate(NS, [h], 0, 5.0, 5.0)
+        assert where.found.all() and session.over_socket
+        session.submit_unpin(pin, 5.0).result(5.0)
+        assert not c._on_loop(lambda a: _conns(a), 5.0)  # still no new UCX connection
+    finally:
+        c.close()
+
+
+async def _conns(a: object) -> dict[str, object]:
+    return dict(a._data._conns)  # type: ignore[attr-defined]
