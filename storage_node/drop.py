@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from pegaflow.storage_node import protocol as proto
 from pegaflow.storage_node.pool import Entry
 
+from pegaflow.keys import BlockLocation
+
 if TYPE_CHECKING:
     from pegaflow.storage_node.node_service import Handler, NodeService, Session
 
@@ -33,17 +35,36 @@ def drop_op(service: NodeService) -> Handler:
         ns = proto.decode_drop(msg)
         pool = service.pool
         mine = [e for e in list(pool.committed()) if e.key[0] == ns]
+        on_disk = _drop_from_disk(service, ns)
         pinned = _drop_unpinned(service, mine)
         if pinned:
             service.loop.call_later(RETRY_S, _again, service, ns, pinned)
         log.info(
-            "drop of namespace %r: %d blocks dropped, %d pinned ones dropped once their "
-            "pins go",
-            ns, len(mine) - len(pinned), len(pinned),
+            "drop of namespace %r: %d blocks dropped (%d copies on the disk tier), %d pinned "
+            "ones dropped once their pins go",
+            ns, len(mine) - len(pinned), on_disk, len(pinned),
         )  # fmt: skip
         return proto.encode_drop_reply(proto.Dropped(len(mine) - len(pinned), len(pinned)))
 
     return drop
+
+
+def _drop_from_disk(service: NodeService, ns: str) -> int:
+    """Remove the namespace's copies on the disk tier (a read in flight keeps its slot
+    until it ends); unpublish those not also in memory (the pool's drop does the rest).
+    Returns how many there were."""
+    disk = service.disk
+    if disk is None:
+        return 0
+    n = 0
+    for key in [k for k in disk.keys() if k[0] == ns]:
+        if disk.discard(key):
+            n += 1
+            if service.pool.get(key) is None:
+                service.sink.unpublish(
+                    ns, key[1], key[2], BlockLocation(service.pool.node_id, 0, 0, 0, 0)
+                )
+    return n
 
 
 def _drop_unpinned(service: NodeService, entries: list[Entry]) -> list[Entry]:

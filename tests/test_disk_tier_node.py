@@ -339,3 +339,36 @@ def test_an_index_record_of_a_disk_block_keeps_the_five_fields_old_readers_read(
     assert len(msgpack.unpackb(raw)) == 5  # what the coordinator's mirror checks
     assert BlockLocation.decode(raw) == disk and disk.tier == "disk"
     assert BlockLocation("n1", 0, 7, BLOCK, 99).tier == "memory"
+
+
+def test_a_dropped_namespace_leaves_the_disk_tier_too(
+    tmp_path: Path, shm: str, procs: list[Proc]
+) -> None:
+    """``drop`` removes the namespace's copies on disk as well as in memory: none is
+    found after it, and a restart (which republishes what the disk holds) brings none
+    back."""
+    disk = tmp_path / "disk"
+    p = server(disk, shm)
+    procs.append(p)
+    c = client(p)
+    hashes, data = blocks(WORKING_SET, seed=5)
+    try:
+        put_all(c, hashes, data)
+        wait_for(lambda: metrics(p)["pegaflow_node_disk_spills_total"] >= WORKING_SET - POOL_BLOCKS,
+                 "the evicted blocks written to disk")  # fmt: skip
+        got = c.drop(NODE, NS)
+        assert got.dropped + got.pinned <= WORKING_SET
+        wait_for(lambda: not any(present(c, hashes)), "the namespace gone from the index")
+        wait_for(lambda: metrics(p)["pegaflow_node_disk_blocks"] == 0, "the disk copies gone")
+    finally:
+        c.close()
+    p.terminate()
+    p2 = server(disk, shm)
+    procs.append(p2)
+    c2 = client(p2)
+    try:
+        assert not any(present(c2, hashes))
+        ok, _ = get_all(c2, hashes[:BATCH])
+        assert not any(ok)
+    finally:
+        c2.close()
