@@ -146,7 +146,7 @@ def test_two_replicas_share_the_cache_over_http(tmp_path: Path) -> None:
     replicas: list[Any] = []
     try:
         node_metrics = f"http://127.0.0.1:{server.ready['http']}/metrics"
-        model = bench.tiny_model(tmp_path / "model")
+        model = bench.preset_model("tiny", tmp_path / "model")
         args = ["--seed", "0", *bench.TINY_ARGS]
         env = {"PEGAFLOW_CLIENT_COORDINATORS": server.ready["coordinator"]}
         # all three start together (the start dominates the test's time)
