@@ -109,7 +109,7 @@ def cpu_seconds(pid: int) -> float:
 
 def metric_cost_per_batch(batch: int, size: int, iters: int = 2000) -> dict[str, float]:
     """Seconds the node spends in metric updates for one batched get and one put of
-    ``batch`` blocks (the same calls as storage_node/node_service.py makes)."""
+    ``batch`` blocks (the same calls as storage_node/reads.py and puts.py make)."""
     from pegaflow.storage_node.metrics import NodeMetrics
     from prometheus_client import CollectorRegistry
 

@@ -20,7 +20,8 @@ from pegaflow.storage_node.pool import Entry
 from pegaflow.keys import BlockLocation
 
 if TYPE_CHECKING:
-    from pegaflow.storage_node.node_service import Handler, NodeService, Session
+    from pegaflow.storage_node.node_service import NodeService
+    from pegaflow.storage_node.sessions import Handler, Session
 
 log = logging.getLogger(__name__)
 

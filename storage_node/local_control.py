@@ -12,7 +12,7 @@ admits the cluster token only: a tenant may never see where blocks lie.
 A same-host save asks it too: ``reserve`` (local only) before the writer copies into
 the slots and ``commit`` after; a reservation made on one session (connection) of the
 socket is committed or aborted on that session only, and is dropped when it closes.
-Each session is a :class:`~pegaflow.storage_node.node_service.Session` of the node
+Each session is a :class:`~pegaflow.storage_node.sessions.Session` of the node
 service, an owner of its own for the node's quotas and read pins.
 
 The node advertises the socket in its UCX ``hello`` reply (``pool.control``), next to
@@ -39,8 +39,9 @@ from collections.abc import Callable
 from typing import Any
 
 from pegaflow.storage_node.metrics import NodeMetrics
-from pegaflow.storage_node.node_service import NodeService, Session
+from pegaflow.storage_node.node_service import NodeService
 from pegaflow.storage_node.protocol import OPS, Loop, Op, Site
+from pegaflow.storage_node.sessions import Session
 
 from pegaflow.auth import Authenticator
 from pegaflow.loopthread import LoopThread

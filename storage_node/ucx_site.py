@@ -1,6 +1,6 @@
 """The node's UCX site: connections, hello, and the streaming of gets and puts.
 
-Each UCX connection is a :class:`~pegaflow.storage_node.node_service.Session` of the
+Each UCX connection is a :class:`~pegaflow.storage_node.sessions.Session` of the
 node service; the site serves the transport's own ops (``hello``, and ``get``, whose
 payloads it streams straight from the pool, once the blocks held only on the disk tier
 are promoted into it) and passes every other op of the protocol
@@ -34,8 +34,9 @@ import numpy as np
 from pegaflow.storage_node import protocol as proto
 from pegaflow.storage_node.metrics import NodeMetrics
 from pegaflow.storage_node.netdev import ucx_net_devices
-from pegaflow.storage_node.node_service import NodeService, Session
+from pegaflow.storage_node.node_service import NodeService
 from pegaflow.storage_node.protocol import MAX_HELLO_BYTES, OPS, UNKNOWN_OP, Op, Site, op_label
+from pegaflow.storage_node.sessions import Session
 
 from pegaflow import telemetry
 from pegaflow.auth import Authenticator, check_access
@@ -71,7 +72,7 @@ class _Conn:
 @dataclass(eq=False)
 class _UcxInflow:
     """A reservation's payloads coming over one connection (an
-    :class:`~pegaflow.storage_node.node_service.Inflow`)."""
+    :class:`~pegaflow.storage_node.sessions.Inflow`)."""
 
     site: UcxSite
     conn: _Conn

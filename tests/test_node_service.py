@@ -13,9 +13,10 @@ import pytest
 from pegaflow.storage_node import protocol as proto
 from pegaflow.storage_node.metrics import NodeMetrics
 from pegaflow.storage_node.node import NullSink
-from pegaflow.storage_node.node_service import NodeService, Session
+from pegaflow.storage_node.node_service import NodeService
 from pegaflow.storage_node.pool import BlockPool
 from pegaflow.storage_node.protocol import Op
+from pegaflow.storage_node.sessions import Session
 from prometheus_client import CollectorRegistry
 
 from pegaflow.config import NodeConfig
@@ -126,10 +127,16 @@ async def test_reserved_bytes_are_bounded_per_session(tmp_path: Path) -> None:
 def test_the_service_imports_no_transport() -> None:
     import ast
 
-    import pegaflow.storage_node.node_service as mod
+    import pegaflow.storage_node.drop as drop
+    import pegaflow.storage_node.node_service as svc
+    import pegaflow.storage_node.promotion as promotion
+    import pegaflow.storage_node.puts as puts
+    import pegaflow.storage_node.reads as reads
+    import pegaflow.storage_node.sessions as sessions
 
-    tree = ast.parse(Path(mod.__file__).read_text())
-    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    transports = ("ucx", "socket", "rpc", "local_control", "ucx_site", "loopthread")
-    assert not [m for m in names if m.split(".")[-1] in transports or "ucxx" in m], names
+    for mod in (svc, sessions, puts, reads, promotion, drop):  # the service and its rooms
+        tree = ast.parse(Path(mod.__file__).read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        transports = ("ucx", "socket", "rpc", "local_control", "ucx_site", "loopthread")
+        assert not [m for m in names if m.split(".")[-1] in transports or "ucxx" in m], names
