@@ -1,0 +1,63 @@
+"""What the scheduler side keeps per request: its lookup's answer and its bookkeeping.
+
+Pure module: no vLLM import (requests are duck-typed).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pegaflow.wire import LocatedBlocks
+
+from .handoff import Handoff
+
+
+@dataclass
+class Lookup:
+    """One lookup's answer for a request, as far as it is claimed."""
+
+    at: float
+    start: int
+    n_hashes: int
+    hits: int
+    nodes: list[list[str]]
+    sync: bool = False
+    gens: list[list[int]] = field(default_factory=list)
+    """per hit block, the generation of each shard when the lookup saw it (fencing)"""
+    located: list[LocatedBlocks] = field(default_factory=list)
+    """per shard: where the hit blocks are in the local node's pool file (see
+    :attr:`LoadJob.located`); empty when the blocks were not located"""
+    pins: list[int] = field(default_factory=list)
+    """per shard, the local node's pin on the located blocks"""
+    located_at: float = 0.0
+
+
+@dataclass
+class ReqState:
+    """A request the scheduler side tracks, from its first lookup until it finishes."""
+
+    request: Any
+    block_ids: list[int] = field(default_factory=list)
+    next_save: int = 0
+    lookup: Lookup | None = None
+    loading: bool = False
+    saved_any: bool = False
+    started_ns: int = field(default_factory=time.time_ns)  # root span of its trace
+    handoff: Handoff | None = None
+    """a producer's handoff this request still waits for (see
+    :meth:`~.handoffwait.HandoffWait.wait`)"""
+    handoff_read: bool = False
+    handoff_until: float = 0.0
+    handoff_poll: float = 0.0
+
+
+def group0(block_ids: Any) -> list[int]:
+    """The block ids of the (only) KV cache group from vLLM's per-group tuple."""
+    if not block_ids:
+        return []
+    first = block_ids[0]
+    if isinstance(first, list | tuple):
+        return list(first)
+    return list(block_ids)  # already a flat list (older vLLM)
