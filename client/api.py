@@ -30,10 +30,10 @@ from pegaflow.storage_node.protocol import Dropped
 from pegaflow import telemetry
 from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline, Timeout
-from pegaflow.errors import PegaError, Unavailable
+from pegaflow.errors import BadRequest, PegaError, Unavailable
 from pegaflow.keys import NodeRecord
 from pegaflow.rpc import RpcClient
-from pegaflow.wire import LocatedBlocks
+from pegaflow.wire import LocatedBlocks, unpack_bits
 
 from .calls import OnLoop, default_timeout, offer, operation
 from .data import DataClient, PoolFile, PutOutcome
@@ -63,6 +63,9 @@ class LookupResult:
     """with ``lookup(..., generations=True)``: the generation of each shard of each of
     the first ``hits`` blocks when it was published (same shape as ``blocks``); pass
     them to :meth:`PegaClient.get_blocks` to fence the read (empty otherwise)"""
+    on_disk: list[bool] = field(default_factory=list)
+    """per hit block, whether some shard asked for is only on its node's disk tier (a
+    slower read than memory); empty, or False, where it is in memory"""
 
 
 @dataclass(frozen=True)
@@ -254,7 +257,13 @@ class PegaClient:
             if len(flat) != hits * k:
                 raise Unavailable("malformed lookup reply (generations)")
             gens = [flat[i : i + k] for i in range(0, hits * k, k)]
-        return LookupResult(hits, nodes, [list(b) for b in res.get("blocks", [])], gens)
+        disk = res.get("disk")
+        try:  # absent: a coordinator without disk tiers, or before them
+            on_disk = [False] * hits if disk is None else unpack_bits(disk, hits, "disk")
+        except BadRequest as e:
+            raise Unavailable(f"malformed lookup reply ({e})") from None
+        blocks = [list(b) for b in res.get("blocks", [])]
+        return LookupResult(hits, nodes, blocks, gens, on_disk)
 
     @_op("rpc_timeout_s")
     async def place(

@@ -30,6 +30,15 @@ pinning the pool, connecting, compiling kernels; 0.5-2.2 s on the H200, 2026-12-
 a single slow sample counts for at most :data:`SPIKE` times the estimate (two in a row
 count in full).
 
+A block only on its node's disk tier (the lookup says so: ``LookupResult.on_disk``) is
+priced by a separate estimate of that source, named :func:`disk_source` of it, which
+starts from a conservative disk prior (2 GB/s and 1 ms more, and never faster than the
+source's memory prior) and learns from the loads whose blocks were on disk; so a hit
+mostly on a slow disk is declined where the same hit in memory is taken.  This host's
+pool, declined for its disk, has its next hit claimed all the same (as above), so the
+disk gets measured; a remote node's disk is probed like the node (a probe's get
+promotes the blocks into memory, too).
+
 Each estimate (:class:`LinearCost`) is ``time = fixed + size / rate``, both learned from
 every measured load (or step) with exponential forgetting, so a source that turns slow
 (a throttled node, a congested link) is declined within a few loads.
@@ -47,6 +56,20 @@ from typing import Any
 
 LOCAL = "local"
 """the source name of this host's node (its pool file, no network)"""
+ON_DISK = "@disk"
+"""suffix of a source's disk-tier name (:func:`disk_source`)"""
+
+
+def disk_source(name: str) -> str:
+    """The source name of blocks of ``name`` (:data:`LOCAL` or a node id) that are only
+    on its disk tier: they have an estimate of their own."""
+    return name + ON_DISK
+
+
+def memory_source(name: str) -> str:
+    """The source a :func:`disk_source` name is of (``name`` itself otherwise)."""
+    return name[: -len(ON_DISK)] if name.endswith(ON_DISK) else name
+
 
 DECAY = 0.8
 """weight an estimate keeps per unit of new evidence (about the last 5-10 samples count)"""
@@ -77,6 +100,11 @@ class Prior:
     local_fixed_s: float
     remote_rate: float
     remote_fixed_s: float
+    disk_rate: float = 2e9
+    """a disk tier's read rate (a conservative NVMe figure); a source's disk estimate
+    starts at the lower of this and its memory rate"""
+    disk_fixed_s: float = 0.001
+    """what a disk read adds to a source's fixed cost"""
 
 
 GPU_PRIOR = Prior(5e9, 0.0, 0.005, 20e9, 0.0005, 1e9, 0.002)
@@ -209,22 +237,27 @@ class CostModel:
         self._probed: dict[str, float] = {}
 
     def source(self, name: str) -> LinearCost:
-        """The cost of loading from ``name`` (:data:`LOCAL` or a node id)."""
+        """The cost of loading from ``name`` (:data:`LOCAL`, a node id, or the
+        :func:`disk_source` of either)."""
         c = self.sources.get(name)
         if c is None:
             p = self.prior
-            c = (
-                LinearCost(p.local_fixed_s, p.local_rate)
-                if name == LOCAL
-                else LinearCost(p.remote_fixed_s, p.remote_rate)
+            base = memory_source(name)
+            fixed, rate = (
+                (p.local_fixed_s, p.local_rate)
+                if base == LOCAL
+                else (p.remote_fixed_s, p.remote_rate)
             )
-            self.sources[name] = c
+            if base != name:
+                fixed, rate = fixed + p.disk_fixed_s, min(rate, p.disk_rate)
+            c = self.sources[name] = LinearCost(fixed, rate)
         return c
 
     # ---- learning ------------------------------------------------------------------
 
     def observe_load(self, source: str, nbytes: float, seconds: float) -> None:
-        """A measured load of ``nbytes`` (one shard) from ``source``."""
+        """A measured load of ``nbytes`` (one shard) from ``source`` (the
+        :func:`disk_source` of a source: its blocks were on disk)."""
         self.source(source).observe(nbytes, seconds, self._clock())
 
     def observe_compute(self, tokens: float, seconds: float) -> None:
@@ -259,8 +292,9 @@ class CostModel:
 
     def choose(self, sources: Sequence[str], layerwise: bool) -> Decision:
         """What to claim of a hit whose block ``i`` is held by ``sources[i]``
-        (:data:`LOCAL` for this host's node).  ``layerwise``: a hit wholly on this
-        host's node loads during the forward pass (else asynchronously)."""
+        (:data:`LOCAL` for this host's node, the :func:`disk_source` of a source for a
+        block on its disk tier).  ``layerwise``: a hit wholly in this host's node's
+        memory loads during the forward pass (else asynchronously)."""
         n = len(sources)
         if n == 0:
             return Decision(0, False, 0.0, 0.0, "empty")

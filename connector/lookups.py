@@ -19,7 +19,7 @@ from typing import Any
 
 from pegaflow import telemetry
 
-from .costmodel import LOCAL, CostModel, Decision
+from .costmodel import LOCAL, CostModel, Decision, disk_source
 from .known import KnownBlocks
 from .locating import Locator
 from .metadata import LoadJob
@@ -33,6 +33,8 @@ from .settings import ConnectorSettings
 from .warmup import WarmUp
 
 logger = logging.getLogger("pegaflow.connector")
+
+_LOCAL_SOURCES = {LOCAL, disk_source(LOCAL)}
 
 
 class Lookups:
@@ -125,6 +127,7 @@ class Lookups:
             hits = max(0, min(int(res.hits), len(asked)))
             blocks = list(res.blocks or [])
             gens = list(getattr(res, "generations", None) or [])
+            on_disk = list(getattr(res, "on_disk", None) or [])
         except Exception as e:
             self.counters.add("lookup_errors")
             if self.breaker.failure():
@@ -149,6 +152,13 @@ class Lookups:
             isinstance(g, list | tuple) and len(g) == self.world_size for g in gens[:hits]
         ):
             lk.gens = [list(g) for g in gens[:hits]]
+        if any(on_disk[:hits]):
+            lk.disk = [d is True for d in on_disk[:hits]]
+            if located is not None:  # the locate promoted the local node's blocks
+                local = self.locator.local_node
+                lk.disk = [
+                    d and local not in row for d, row in zip(lk.disk, lk.nodes, strict=False)
+                ]
         self.claim(st, asked, lk, whole)
         if located is not None:
             self.locator.keep_located(lk, located)
@@ -160,12 +170,15 @@ class Lookups:
 
     def sources(self, lk: Lookup) -> list[str]:
         """Per hit block, where it loads from: :data:`LOCAL` when every shard is on this
-        host's node and the same-host path is on, else the (first) other node."""
+        host's node and the same-host path is on, else the (first) other node; its
+        :func:`~.costmodel.disk_source` when the block is only on a disk tier."""
         local = self.locator.local_node if self.settings.same_host_shortcut else ""
         out = []
-        for row in lk.nodes:
+        disk = lk.disk
+        for i, row in enumerate(lk.nodes):
             far = [n for n in row if n != local]
-            out.append(far[0] if far else LOCAL)
+            src = far[0] if far else LOCAL
+            out.append(disk_source(src) if i < len(disk) and disk[i] else src)
         return out
 
     def claim(self, st: ReqState, asked: list[bytes], lk: Lookup, whole: bool = False) -> None:
@@ -178,8 +191,13 @@ class Lookups:
         sources = self.sources(lk)
         s = self.settings
         d = self.costs.choose(sources, layerwise=s.layerwise and s.same_host_shortcut)
-        if d.blocks < lk.hits and set(sources) == {LOCAL} and self.costs.wants_probe(LOCAL):
-            # this host's pool has no background probe: serving a hit is its measurement
+        if (
+            d.blocks < lk.hits
+            and set(sources) <= _LOCAL_SOURCES
+            and self.costs.wants_probe(sources[d.blocks])
+        ):
+            # this host's pool (and its disk) has no background probe: serving a hit is
+            # its measurement
             self.counters.add("probes")
             d = replace(d, blocks=lk.hits, reason="whole")
         if d.reason == "whole":
@@ -194,6 +212,7 @@ class Lookups:
             lk.hits = d.blocks
             lk.nodes = lk.nodes[: d.blocks]
             lk.gens = lk.gens[: d.blocks]
+            lk.disk = lk.disk[: d.blocks]
             if lk.located and not d.blocks:  # nothing to load: let the node unpin now
                 self.locator.unpin(lk.pins)
                 lk.located, lk.pins = [], []
@@ -205,7 +224,7 @@ class Lookups:
         """Time a declined remote node in the background: fetch a few of its blocks into
         the workers' host memory (no request waits on it)."""
         for src in dict.fromkeys(sources[claimed:]):
-            if src == LOCAL or not self.costs.wants_probe(src):
+            if src in _LOCAL_SOURCES or not self.costs.wants_probe(src):
                 continue
             idx = [i for i in range(claimed, lk.hits) if sources[i] == src]
             idx = idx[: self.costs.probe_blocks()]
@@ -216,6 +235,7 @@ class Lookups:
                     hashes=[asked[i] for i in idx],
                     nodes=[lk.nodes[i] for i in idx],
                     gens=[lk.gens[i] for i in idx] if len(lk.gens) >= lk.hits else [],
+                    disk=[lk.disk[i] for i in idx] if len(lk.disk) >= lk.hits else [],
                     probe=True,
                 )
             )

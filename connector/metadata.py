@@ -7,6 +7,7 @@ network.  Pure module: no vLLM import.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pegaflow.wire import LocatedBlocks
@@ -37,9 +38,19 @@ class LoadJob:
     """per shard, the node's pin on the located blocks (the worker releases it)"""
     located_at: float = 0.0
     """``time.monotonic()`` of the locate (the pin lasts ``LOCATE_PIN_S``)"""
+    disk: list[bool] = field(default_factory=list)
+    """per block, whether the lookup saw it only on its node's disk tier (empty: all in
+    memory); the worker files its load's measurement under the disk's estimate"""
     probe: bool = False
     """not a load: fetch the blocks into host memory only, to time their node (see
     :meth:`pegaflow.connector.costmodel.CostModel.wants_probe`); ``block_ids`` is empty"""
+
+    def mostly_on_disk(self, idx: Iterable[int]) -> bool:
+        """Whether most of blocks ``idx`` were on a disk tier (their load's time then
+        teaches the disk's estimate)."""
+        disk = self.disk
+        flags = [disk[i] if i < len(disk) else False for i in idx]
+        return 2 * sum(flags) > len(flags)
 
 
 @dataclass
@@ -80,7 +91,8 @@ class WorkerReport:
     """request id -> index (within the request) of its first block that failed to load"""
     samples: list[tuple[str, int, float]] = field(default_factory=list)
     """measurements for the cost model: ``(source, bytes, seconds)`` of a load from
-    ``source`` (``"local"`` or a node id), ``("compute", tokens, seconds)`` of a
+    ``source`` (``"local"`` or a node id, or the ``costmodel.disk_source`` of one
+    when most of its blocks were on disk), ``("compute", tokens, seconds)`` of a
     forward pass"""
     block_bytes: int = 0
     """bytes of one block of this worker's shard (0: not known yet)"""

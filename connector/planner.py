@@ -101,6 +101,7 @@ class Planner:
             first_block=start,
             sync=lk is not None and lk.sync,
             gens=gens,
+            disk=lk.disk[:n_load] if lk is not None and n_load <= lk.hits else [],
             located=located,
             pins=list(lk.pins) if lk is not None and located else [],
             located_at=lk.located_at if lk is not None else 0.0,

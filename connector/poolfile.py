@@ -18,7 +18,7 @@ from pegaflow.wire import LocatedBlocks
 
 from .blockio import KVBlockIO
 from .books import WorkerBooks
-from .costmodel import LOCAL
+from .costmodel import LOCAL, disk_source
 from .localpath import LoadRequest, LocalPath, PendingLoad
 from .media import BREAKER_OPEN, chunks, gen_of, node_of
 from .metadata import LoadJob, SaveJob
@@ -89,7 +89,8 @@ class PoolFileMedium:
             loaded = sum(ok[i] for i in idx)
             self.books.counters.add("local_load_blocks", loaded)
             if loaded:
-                self.books.sample(LOCAL, loaded * self.io.block_bytes, time.monotonic() - t0)
+                src = disk_source(LOCAL) if job.mostly_on_disk(idx) else LOCAL
+                self.books.sample(src, loaded * self.io.block_bytes, time.monotonic() - t0)
         except Exception as e:
             logger.warning("PegaFlow: local load of %d blocks failed: %s", len(idx), e)
         self.books.counters.add("copy_seconds", time.monotonic() - t0)

@@ -23,6 +23,7 @@ from pegaflow.deadline import HOP_MARGIN_S
 
 from .blockio import KVBlockIO
 from .books import WorkerBooks
+from .costmodel import disk_source
 from .discovery import LocalNodeFinder
 from .media import BREAKER_OPEN, chunks, gen_of, node_of
 from .metadata import LoadJob, SaveJob
@@ -183,18 +184,20 @@ class RemoteMedium:
         """One measurement per node of a load's UCX part (its time split by bytes).  A
         node whose blocks all failed counts when it took long (a timeout is slow)."""
         loaded: dict[str, int] = {}
-        tried: dict[str, int] = {}
+        tried: dict[str, list[int]] = {}
         for i in range(len(job.block_ids)):
             node = node_of(job, self.shard, i)
             if not node or i in done_local:
                 continue
-            tried[node] = tried.get(node, 0) + 1
+            tried.setdefault(node, []).append(i)
             loaded[node] = loaded.get(node, 0) + ok[i]
-        total = sum(tried.values())
-        for node, n in tried.items():
+        total = sum(map(len, tried.values()))
+        for node, idx in tried.items():
+            n = len(idx)
             blocks = loaded[node] or (n if seconds >= 0.1 else 0)
             if blocks:
-                self.books.sample(node, blocks * self.io.block_bytes, seconds * n / total)
+                src = disk_source(node) if job.mostly_on_disk(idx) else node
+                self.books.sample(src, blocks * self.io.block_bytes, seconds * n / total)
 
     def probe(self, client: Any, ns: str, job: LoadJob) -> None:
         """Fetch a probe's blocks into staging memory (never into the KV cache), chunk by
@@ -225,7 +228,8 @@ class RemoteMedium:
         if len(nodes) == 1 and (loaded or seconds >= 0.1):
             node = next(iter(nodes))
             nbytes = (loaded or nodes[node]) * self.io.block_bytes
-            self.books.sample(node, nbytes, seconds)
+            disk = job.mostly_on_disk(range(len(job.hashes)))
+            self.books.sample(disk_source(node) if disk else node, nbytes, seconds)
             self.books.counters.add("probe_bytes", loaded * self.io.block_bytes)
 
     def submit_save(self, client: Any, ns: str, job: SaveJob, marker: Any) -> bool:

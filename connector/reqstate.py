@@ -26,6 +26,8 @@ class Lookup:
     sync: bool = False
     gens: list[list[int]] = field(default_factory=list)
     """per hit block, the generation of each shard when the lookup saw it (fencing)"""
+    disk: list[bool] = field(default_factory=list)
+    """per hit block, whether it is only on its node's disk tier (empty: all in memory)"""
     located: list[LocatedBlocks] = field(default_factory=list)
     """per shard: where the hit blocks are in the local node's pool file (see
     :attr:`LoadJob.located`); empty when the blocks were not located"""

@@ -16,6 +16,11 @@ and a 48-byte value (about 160 bytes at a million blocks).
 
 Lookups join the values of the asked-for hashes and unpack row ids (and generations)
 with :mod:`struct` in C; Python only looks at each distinct row.
+
+Tiers: a shard its node holds only on its disk tier (published with slot
+:data:`~pegaflow.keys.DISK_SLOT`) is also in ``_disk[ns][hash]``, a bit mask of such
+shards; a namespace without any has no entry, so memory-only clusters pay nothing.
+:meth:`BlockIndex.on_disk` says which blocks of a hit are on disk.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from operator import itemgetter
 from typing import Any, NamedTuple
 
 from pegaflow.errors import BadRequest
-from pegaflow.keys import BlockLocation, NodeRecord
+from pegaflow.keys import DISK_SLOT, BlockLocation, NodeRecord
 from pegaflow.loopthread import LoopThread
 from pegaflow.wire import GEN_MAX as MAX_GEN
 from pegaflow.wire import INDEX_SHARDS as MAX_SHARDS
@@ -114,6 +119,7 @@ class BlockIndex:
         self._refs: list[int] = []  # row id -> blocks using it
         self._free: list[int] = []  # free row ids
         self._ones: dict[str, int] = {}  # node id -> row id of (node id,)
+        self._disk: dict[str, dict[bytes, int]] = {}  # ns -> hash -> disk-only shards
         self._blocks = 0
         self._entries = 0
         self.catch_up: Callable[[], None] | None = None
@@ -151,6 +157,9 @@ class BlockIndex:
                 v = table[h]
                 row, gens = self._decode(v)
                 dropped += row.count(node_id)
+                for s, n in enumerate(row):
+                    if n == node_id:
+                        self._set_disk(ns, h, s, False)
                 self._store(ns, table, h, v, [None if n == node_id else n for n in row], gens)
         self._entries -= dropped
         self._counts.pop(node_id, None)
@@ -264,9 +273,17 @@ class BlockIndex:
 
     # -- entries ----------------------------------------------------------------------
 
-    def add(self, ns: str, block_hash: bytes, shard: int, node_id: str, gen: int = 0) -> None:
+    def add(
+        self,
+        ns: str,
+        block_hash: bytes,
+        shard: int,
+        node_id: str,
+        gen: int = 0,
+        disk: bool = False,
+    ) -> None:
         """Record that ``node_id`` holds ``shard`` of the block with generation ``gen``
-        (replacing any holder)."""
+        (replacing any holder); ``disk``: only on its disk tier."""
         if not 0 <= shard < MAX_SHARDS:
             raise BadRequest(f"shard {shard} out of range [0, {MAX_SHARDS})")
         if not 0 <= gen <= MAX_GEN:
@@ -289,6 +306,8 @@ class BlockIndex:
                 counts[node_id] += 1
                 self._entries += 1
                 self._blocks += 1
+                if disk:
+                    self._set_disk(ns, block_hash, 0, True)
                 return
         if old is None:
             row: list[str | None] = []
@@ -300,6 +319,7 @@ class BlockIndex:
             row += [None] * (shard + 1 - len(row))
             gens += [0] * (shard + 1 - len(gens))
         prev = row[shard]
+        self._set_disk(ns, block_hash, shard, disk)
         if prev == node_id and gens[shard] == gen:
             return
         if prev != node_id:
@@ -343,10 +363,51 @@ class BlockIndex:
             return False
         self._dec(prev)
         self._entries -= 1
+        self._set_disk(ns, block_hash, shard, False)
         row = list(r)
         row[shard] = None
         self._store(ns, table, block_hash, old, row, gens)
         return True
+
+    def _set_disk(self, ns: str, block_hash: bytes, shard: int, disk: bool) -> None:
+        """Mark ``shard`` of the block as held only on disk, or not."""
+        marks = self._disk.get(ns)
+        if disk:
+            if marks is None:
+                marks = self._disk[sys.intern(ns)] = {}
+            marks[block_hash] = marks.get(block_hash, 0) | 1 << shard
+            return
+        if marks is None:
+            return
+        m = marks.get(block_hash, 0)
+        if not m >> shard & 1:
+            return
+        m &= ~(1 << shard)
+        if m:
+            marks[block_hash] = m
+        else:
+            del marks[block_hash]
+            if not marks:
+                del self._disk[ns]
+
+    def on_disk(self, ns: str, hashes: Sequence[bytes], shards: Sequence[int]) -> list[int]:
+        """Indexes into ``hashes`` of the blocks with any of ``shards`` held only on
+        its node's disk tier (a lookup's hit: a disk read costs more than memory)."""
+        marks = self._disk.get(ns)
+        if not marks:
+            return []
+        got = list(map(marks.get, hashes))
+        if got.count(None) == len(got):
+            return []
+        want = 0
+        for s in shards:
+            want |= 1 << s
+        return [i for i, m in enumerate(got) if m and m & want]
+
+    def disk_shards(self, ns: str, block_hash: bytes) -> set[int]:
+        """Shards of one block held only on disk."""
+        m = self._disk.get(ns, {}).get(block_hash, 0)
+        return {s for s in range(m.bit_length()) if m >> s & 1}
 
     def get(self, ns: str, block_hash: bytes) -> dict[int, str]:
         """``{shard: node id}`` of one block (empty when unknown)."""
@@ -536,7 +597,7 @@ class InProcessSink:
         self.index = index
         self._owner = owner
         self._node_id: str | None = None
-        self._queued: list[tuple[bool, str, bytes, int, str, int]] = []
+        self._queued: list[tuple[bool, str, bytes, int, str, int, bool]] = []
         self._lock = threading.Lock()
         if owner is not None:
             index.catch_up = self._drain
@@ -552,11 +613,11 @@ class InProcessSink:
 
     def publish(self, ns: str, block_hash: bytes, shard: int, loc: BlockLocation) -> None:
         """The block's shard is now on ``loc.node`` with generation ``loc.gen``."""
-        self._queue((True, ns, block_hash, shard, loc.node, loc.gen))
+        self._queue((True, ns, block_hash, shard, loc.node, loc.gen, loc.slot == DISK_SLOT))
 
     def unpublish(self, ns: str, block_hash: bytes, shard: int, loc: BlockLocation) -> None:
         """The block's shard is gone from ``loc.node`` (no-op if another node holds it)."""
-        self._queue((False, ns, block_hash, shard, loc.node, 0))
+        self._queue((False, ns, block_hash, shard, loc.node, 0, False))
 
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until every change queued so far is in the index."""
@@ -568,7 +629,7 @@ class InProcessSink:
             node, self._node_id = self._node_id, None
             await self._on_owner(self._remove_node, node)
 
-    def _queue(self, change: tuple[bool, str, bytes, int, str, int]) -> None:
+    def _queue(self, change: tuple[bool, str, bytes, int, str, int, bool]) -> None:
         if self._owner is None:
             self._apply([change])
             return
@@ -583,11 +644,11 @@ class InProcessSink:
             changes, self._queued = self._queued, []
         self._apply(changes)
 
-    def _apply(self, changes: list[tuple[bool, str, bytes, int, str, int]]) -> None:
+    def _apply(self, changes: list[tuple[bool, str, bytes, int, str, int, bool]]) -> None:
         index = self.index
-        for add, ns, block_hash, shard, node, gen in changes:
+        for add, ns, block_hash, shard, node, gen, disk in changes:
             if add:
-                index.add(ns, block_hash, shard, node, gen)
+                index.add(ns, block_hash, shard, node, gen, disk)
             else:
                 index.remove(ns, block_hash, shard, node)
 

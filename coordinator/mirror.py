@@ -17,7 +17,8 @@ their blocks through an etcd rebuild, and readers fence their gets by generation
 
 A block key's node is taken from its lease (the node record carries the same lease), or
 from its value when the lease is unknown; the value's generation goes into the index
-(lookups can return it, readers fence their gets with it).
+(lookups can return it, readers fence their gets with it), and so does whether its slot
+is :data:`~pegaflow.keys.DISK_SLOT` (the block is only on its node's disk tier).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from aetcd import rpc
 
 from pegaflow.errors import PegaError, Unavailable
 from pegaflow.etcd import PUT, EtcdClient, RevisionCompacted, Watch, prefix_range_end
-from pegaflow.keys import Keyspace, NodeRecord, new_cluster_epoch
+from pegaflow.keys import DISK_SLOT, Keyspace, NodeRecord, new_cluster_epoch
 from pegaflow.lifecycle import Backoff, Supervised
 
 from .index import MAX_GEN, BlockIndex
@@ -395,7 +396,7 @@ class EtcdMirror:
                 if ev.type == PUT:
                     loc = self._location(leases, kv)
                     if loc is not None:
-                        index.add(ns, h, shard, loc[0], loc[1])
+                        index.add(ns, h, shard, loc[0], loc[1], loc[2])
                 else:
                     index.remove(ns, h, shard)
             elif key.startswith(self._nprefix):
@@ -430,7 +431,7 @@ class EtcdMirror:
                 continue
             loc = location(leases, kv)
             if loc is not None:
-                add(parsed[0], parsed[1], parsed[2], loc[0], loc[1])
+                add(parsed[0], parsed[1], parsed[2], loc[0], loc[1], loc[2])
 
     def _node_put(self, index: BlockIndex, leases: dict[int, str], kv: rpc.KeyValue) -> None:
         try:
@@ -457,9 +458,10 @@ class EtcdMirror:
                 self._ns_names[ns_b] = ns
         return ns, h, shard
 
-    def _location(self, leases: dict[int, str], kv: rpc.KeyValue) -> tuple[str, int] | None:
-        """``(node id, generation)`` of a block key: the node from the key's lease when
-        known, else from the value (a :class:`~pegaflow.keys.BlockLocation` record)."""
+    def _location(self, leases: dict[int, str], kv: rpc.KeyValue) -> tuple[str, int, bool] | None:
+        """``(node id, generation, only on disk)`` of a block key: the node from the
+        key's lease when known, else from the value (a
+        :class:`~pegaflow.keys.BlockLocation` record)."""
         try:
             v = _unpackb(kv.value)
             gen = v[2]
@@ -471,7 +473,7 @@ class EtcdMirror:
         except Exception:
             self.bad_keys += 1
             return None
-        return node, gen
+        return node, gen, v[1] == DISK_SLOT
 
     def _bad_key(self, key: bytes) -> None:
         if not self.bad_keys:

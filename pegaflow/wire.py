@@ -141,6 +141,29 @@ def check_shards(msg: dict[str, Any], key: str = "shards") -> list[int]:
     return shards
 
 
+# ---- bit columns (a lookup reply's ``disk`` field) ---------------------------------------
+
+
+def pack_bits(indexes: Sequence[int], n: int) -> bytes:
+    """A column of ``n`` bits, those at ``indexes`` set: bit ``i`` is bit ``i % 8`` of
+    byte ``i // 8`` (``(n + 7) // 8`` bytes)."""
+    bits = 0
+    for i in indexes:
+        bits |= 1 << i
+    return bits.to_bytes((n + 7) // 8, "little")
+
+
+def unpack_bits(data: Any, n: int, what: str) -> list[bool]:
+    """The ``n`` bits of a :func:`pack_bits` column from the network (``what`` names
+    the field in the error)."""
+    if not isinstance(data, bytes) or len(data) != (n + 7) // 8:
+        raise BadRequest(f"{what} must be {(n + 7) // 8} bytes, a bit per block")
+    bits = int.from_bytes(data, "little")
+    if bits >> n:
+        raise BadRequest(f"{what} has bits set past its {n} blocks")
+    return [bool(bits >> i & 1) for i in range(n)]
+
+
 # ---- block locations (the node's ``locate`` reply) --------------------------------------
 
 _FOUND, _HAS_DIGEST = 1, 2
