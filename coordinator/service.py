@@ -15,12 +15,17 @@ etcd).  Ops (``args`` and results are msgpack maps; bytes stay bytes):
     ``gens: true`` also ``gens: [int]``, the generation each of those shards had when it
     was published, flat and block-major (``gens[i * len(shards) + j]``); with
     ``warm_up: true`` (a connector connecting at engine start) it is not counted in the
-    lookup metrics
+    lookup metrics; ``disk: bytes`` (:func:`~pegaflow.wire.pack_bits`, a bit per hit
+    block) is there when some hit block has an asked shard only on its node's disk
+    tier: bit ``i`` set for those (absent: every hit block is in memory)
 ``place`` ``{ns, count, block_bytes, client_host}`` -> ``{node: NodeRecord}``
-``status`` ``{}`` -> ``{nodes, blocks, namespaces, cluster_lookups, coordinator: {...}}``
+``status`` ``{}`` -> ``{nodes, blocks, namespaces, cluster_lookups, coordinator: {...},
+    routers}``
     (``coordinator`` has ``leader``: whether this one runs the singleton duties, and
     ``election``/``gc``; ``cluster_lookups``: see :meth:`Coordinator.cluster_lookups`)
 ``nodes`` ``{}`` -> ``{nodes: [NodeRecord]}``
+``router_report``: a ``pegaflow-router``'s periodic report (:mod:`.routers`); the
+    status document's ``routers`` lists the routers whose report has not expired
 """
 
 from __future__ import annotations
@@ -42,13 +47,22 @@ from pegaflow.etcd import EtcdClient
 from pegaflow.http import HttpHandle, new_registry, start_http
 from pegaflow.keys import Keyspace, NodeRecord
 from pegaflow.rpc import Handler, Packed, RpcServer, SyncHandler
-from pegaflow.wire import check_hashes, check_namespace, check_shards, pack, req_int, req_str
+from pegaflow.wire import (
+    check_hashes,
+    check_namespace,
+    check_shards,
+    pack,
+    pack_bits,
+    req_int,
+    req_str,
+)
 
 from .election import Election
 from .gc import IndexGC
 from .index import BlockIndex
 from .metrics import CoordinatorCollector, CoordinatorMetrics
 from .mirror import EtcdMirror
+from .routers import RouterTable
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +70,11 @@ log = logging.getLogger(__name__)
 MAX_LOOKUP_HASHES = 65536
 
 
-_HITS_KEY = b"\x83" + pack("hits")  # a 3-entry map, then its first key
-_HITS_KEY_GENS = b"\x84" + pack("hits")  # the same with a 4th entry, "gens"
+_HITS = pack("hits")  # after a map header of 3 to 5 entries
 _NODES_KEY = pack("nodes")
 _BLOCKS_KEY = pack("blocks")
 _GENS_KEY = pack("gens")
+_DISK_KEY = pack("disk")
 
 
 def _array_header(n: int) -> bytes:
@@ -134,6 +148,7 @@ class Coordinator:
         self._started = 0.0
         self._row_cache: dict[tuple[str, ...], bytes] = {}
         self._ns_ok: set[str] = set()
+        self.routers = RouterTable()
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -150,6 +165,7 @@ class Coordinator:
             "place": self.op_place,
             "status": self.op_status,
             "nodes": self.op_nodes,
+            "router_report": self.routers.op_report,
         }
 
     async def start(self, *, serve: bool = True) -> None:
@@ -257,6 +273,9 @@ class Coordinator:
         out = {"hits": hits, "nodes": nodes, "blocks": [list(b) for b in blocks]}
         if gens:
             out["gens"] = block_gens
+        disk = self.index.on_disk(ns, hashes[:hits], shards)
+        if disk:
+            out["disk"] = pack_bits(disk, hits)
         return out
 
     def op_lookup(self, args: dict[str, Any]) -> Packed:
@@ -273,11 +292,14 @@ class Coordinator:
         want_gens = args.get("gens") is True
         index = self.index
         hits, blocks, node_ids, gens = index.lookup(ns, hashes, shards, want_gens)
-        # {"hits": .., "nodes": {..}, "blocks": [..](, "gens": [..])} from packed pieces.
+        disk = index.on_disk(ns, hashes[:hits], shards) if hits else []
+        # {"hits": .., "nodes": {..}, "blocks": [..](, "gens": [..])(, "disk": b"..")}
+        # from packed pieces.
         result = Packed(
             b"".join(
                 (
-                    _HITS_KEY_GENS if want_gens else _HITS_KEY,
+                    bytes((0x83 + want_gens + bool(disk),)),
+                    _HITS,
                     pack(hits),
                     _NODES_KEY,
                     _map_header(len(node_ids)),
@@ -285,6 +307,7 @@ class Coordinator:
                     _BLOCKS_KEY,
                     self._pack_blocks(blocks),
                     *((_GENS_KEY, pack(gens)) if want_gens else ()),
+                    *((_DISK_KEY, pack(pack_bits(disk, hits))) if disk else ()),
                 )
             )
         )
@@ -367,6 +390,7 @@ class Coordinator:
             "namespaces": idx.num_namespaces,
             "cluster_lookups": self.cluster_lookups(),
             "coordinator": self._coordinator_status(),
+            "routers": self.routers.status(),
         }
 
     def cluster_lookups(self) -> dict[str, int]:

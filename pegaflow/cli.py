@@ -13,9 +13,12 @@ A node's health is what its own HTTP ``/health`` answers (asked directly, at the
 address the node published): ``ok``, ``unhealthy`` (it answered 503), ``unreachable``
 (no answer: a firewall, or the node is going down; it is still in the index while its
 lease lives) or ``-`` (no HTTP endpoint published).  ``--no-health`` skips asking.
+Then every ``pegaflow-router`` that reports to this coordinator (``[router]
+report_interval_s``): its mode, and each replica with its health and in-flight load.
+``--router URL`` asks one router directly instead (it need not report anywhere).
 Exit status: 0 when the coordinator answered and no node is ``unhealthy`` or
-``unreachable``, 1 when some node is (or, with ``--router``, the router cannot be reached
-or one of its replicas is out of rotation), 2 when no coordinator answered or the command
+``unreachable``, 1 when some node is, or a router shown has a replica out of rotation
+(or, with ``--router``, cannot be reached), 2 when no coordinator answered or the command
 line or configuration is wrong (one line on stderr says why).
 
     pegaflow [--config FILE] drop --node ID --namespace NS [--coordinators ...] [--token ...]
@@ -280,7 +283,10 @@ def main(argv: list[str] | None = None) -> None:
     p_status.add_argument("--json", action="store_true", help="print the raw status document")
     p_status.add_argument("--no-health", action="store_true", help="do not ask each node's /health")
     p_status.add_argument(
-        "--router", metavar="URL", help="also show this pegaflow-router's replicas and their load"
+        "--router",
+        metavar="URL",
+        help="also ask this pegaflow-router for its replicas and their load (the routers "
+        "that report to the coordinator are shown without it)",
     )
     p_drop = sub.add_parser("drop", help="drop one namespace's blocks from a node")
     p_drop.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=config_help)
@@ -314,11 +320,15 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
         sys.exit(2)
+    from pegaflow.router.status import fetch_router_status, render_router, router_healthy
+
     router: dict[str, Any] | None = None
     if args.router:
-        from pegaflow.router.status import fetch_router_status, render_router, router_healthy
-
         router = asyncio.run(fetch_router_status(args.router, args.timeout))
+    reported = [r for r in st.get("routers") or [] if isinstance(r, dict)]
+    shown = [r for r in reported if router is None or r.get("url") != router["url"]]
+    if router is not None:
+        shown.append(router)
     if args.json:
         if health is not None:
             st = {**st, "health": health}
@@ -327,11 +337,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(st, indent=2, default=str))
     else:
         print(render_status(st, health))
-        if router is not None:
-            print(render_router(router))
+        for r in shown:
+            print(render_router(r))
     if health and any(v in ("unhealthy", "unreachable") for v in health.values()):
         sys.exit(1)
-    if router is not None and not router_healthy(router):
+    if not all(router_healthy(r) for r in shown):
         sys.exit(1)
 
 

@@ -351,6 +351,12 @@ class RouterConfig:
     )
     health_interval_s: float = opt(2.0, "seconds between two health checks of every replica")
     health_timeout_s: float = opt(2.0, "deadline of one replica's /health")
+    report_interval_s: float = opt(
+        5.0,
+        "seconds between two reports of this router's replicas and load to each [client] "
+        "coordinator (pegaflow status and the dashboard list it until 3 intervals pass "
+        "without one); 0: never",
+    )
     retries: int = opt(
         2, "other replicas tried when one fails before any byte of its answer was sent"
     )

@@ -31,6 +31,7 @@ from pegaflow.http import new_registry
 from .hashing import BlockHasher, hashable
 from .policy import Choice, Picker, RecentRoutes, Replica, node_scores, parse_replicas
 from .prompts import PromptTokenizer
+from .report import Reporter, advertised_url
 
 log = logging.getLogger("pegaflow.router")
 
@@ -162,6 +163,7 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
+        self.reporter: Reporter | None = None
         self.port = 0
         if cfg.mode == "cache":
             self.hasher = BlockHasher(cfg.block_size, cfg.hash_algo, cfg.hash_seed)
@@ -224,9 +226,22 @@ class Router:
             await self.close()
             raise
         self.port = self._runner.addresses[0][1]
+        coordinators = self._client_cfg.coordinators
+        if self.cfg.report_interval_s > 0 and coordinators:
+            self.reporter = Reporter(
+                advertised_url(self.cfg.host, self.port),
+                list(coordinators),
+                self.status,
+                interval_s=self.cfg.report_interval_s,
+                timeout_s=self._client_cfg.rpc_timeout_s,
+                token=self._token or None,
+            )
+            self.reporter.start()
 
     async def close(self) -> None:
         """Stop serving and close every connection."""
+        if self.reporter is not None:
+            await self.reporter.close()
         if self._health_task is not None:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)

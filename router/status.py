@@ -1,4 +1,6 @@
-"""The router's part of ``pegaflow status --router URL``: its replicas and their load."""
+"""The routers' part of ``pegaflow status``: each router's replicas and their load, from
+the coordinator's status document (the routers that report to it) or, with
+``--router URL``, from the router's own ``/v1/status``."""
 
 from __future__ import annotations
 
@@ -34,15 +36,19 @@ def router_healthy(doc: dict[str, Any]) -> bool:
 
 
 def render_router(doc: dict[str, Any]) -> str:
-    """The router's status as terminal lines."""
+    """A router's status as terminal lines: its ``/v1/status`` document as
+    :func:`fetch_router_status` returns it, or an entry of the coordinator's ``routers``
+    (the same fields, flat, with ``last_seen_s``)."""
     if "error" in doc:
         return f"router {doc['url']}: {doc['error']}"
-    info = doc.get("router", {})
+    info = doc.get("router") if isinstance(doc.get("router"), dict) else doc
     reps = doc.get("replicas", [])
     up = sum(1 for r in reps if r.get("healthy"))
+    seen = doc.get("last_seen_s")
+    seen_text = f", reported {seen:.0f} s ago" if isinstance(seen, int | float) else ""
     lines = [
         f"router {doc['url']}: mode {info.get('mode', '?')}, {up} of {len(reps)} replicas "
-        f"healthy, affinity cap {info.get('max_inflight', '?')} in flight"
+        f"healthy, affinity cap {info.get('max_inflight', '?')} in flight{seen_text}"
     ]
     lines.append(
         f"  {'replica':<32} {'role':<8} {'node/host':<20} {'health':<9} "

@@ -16,7 +16,9 @@ Where the numbers come from:
   that document: its own metrics registry);
 * transfer bytes, evictions, errors: each node's ``/metrics``, fetched by the
   coordinator from the ``http`` address the node published (a node whose HTTP endpoint
-  is this process, as in ``pegaflow-server``, is read from the local registry).
+  is this process, as in ``pegaflow-server``, is read from the local registry);
+* routers: the status document's ``routers``, what each ``pegaflow-router`` last
+  reported to this coordinator (its replicas with their health and in-flight load).
 
 A sampler turns the counters into a history of rates.  It runs only while a dashboard is
 open (a poll in the last :attr:`Dashboard.idle_stop_s` seconds), so a coordinator that
@@ -384,8 +386,25 @@ class Dashboard:
                 "put_bps": last.get("put_bps"),
             },
             "nodes": nodes_out,
+            "routers": [_router_view(r) for r in st.get("routers") or [] if isinstance(r, dict)],
             "history": [p for p in self.history if p["t"] > since],
         }
+
+
+def _router_view(rec: dict[str, Any]) -> dict[str, Any]:
+    """A router of the status document as the page shows it: its report, with the
+    replicas healthy and the requests in flight over all of them."""
+    reps = [r for r in rec.get("replicas") or [] if isinstance(r, dict)]
+    return {
+        "url": rec.get("url", ""),
+        "mode": rec.get("mode", ""),
+        "max_inflight": rec.get("max_inflight"),
+        "last_seen_s": rec.get("last_seen_s"),
+        "replicas_healthy": sum(1 for r in reps if r.get("healthy")),
+        "inflight": sum(int(r.get("inflight") or 0) for r in reps),
+        "counters": rec.get("counters") or {},
+        "replicas": reps,
+    }
 
 
 _CLUSTER_LOOKUPS = (

@@ -1,0 +1,130 @@
+"""The routers a coordinator knows of: what each ``pegaflow-router`` last reported.
+
+A router given coordinators (``[client] coordinators``) sends each of them a
+``router_report`` every ``[router] report_interval_s`` seconds: its URL, mode, replicas
+with their health and load, and how long the report holds (``ttl_ms``).  The coordinator
+keeps the last report of each router, by URL, in memory (not in etcd: it is a status
+display, rebuilt within one interval after a coordinator restarts) and drops it when its
+TTL passes; a report with ``ttl_ms: 0`` (a router stopping) drops it at once.
+
+``router_report`` ``{url, mode, ttl_ms, started_at, max_inflight, replicas: [{url, role,
+node, host, healthy, inflight, requests, failures, last_error}], counters: {str: int}}``
+-> ``{routers: int}`` (how many this coordinator now lists).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pegaflow.errors import BadRequest, TooLarge
+from pegaflow.wire import req_int, req_list, req_str
+
+#: Most routers one coordinator lists; a report from one more is refused.
+MAX_ROUTERS = 256
+#: Most replicas of one router's report.
+MAX_REPLICAS = 256
+#: Most counters of one router's report.
+MAX_COUNTERS = 64
+#: Longest TTL a report may ask for (a router reporting every few seconds asks ~3x that).
+MAX_TTL_MS = 600_000
+MAX_URL = 512
+MAX_ERROR = 1024
+_COUNT = (0, 2**63 - 1)
+
+
+def _url(msg: dict[str, Any], key: str) -> str:
+    url = req_str(msg, key, MAX_URL)
+    if not url.startswith(("http://", "https://")):
+        raise BadRequest(f"field {key!r} must be an http(s) URL")
+    return url
+
+
+def _bool(msg: dict[str, Any], key: str) -> bool:
+    v = msg.get(key)
+    if not isinstance(v, bool):
+        raise BadRequest(f"field {key!r} must be a boolean")
+    return v
+
+
+def _replica(rec: Any) -> dict[str, Any]:
+    if not isinstance(rec, dict):
+        raise BadRequest("each replica must be a map")
+    return {
+        "url": _url(rec, "url"),
+        "role": req_str(rec, "role", 16),
+        "node": req_str(rec, "node", 256) if rec.get("node") is not None else "",
+        "host": req_str(rec, "host", 256) if rec.get("host") is not None else "",
+        "healthy": _bool(rec, "healthy"),
+        "inflight": req_int(rec, "inflight", *_COUNT),
+        "requests": req_int(rec, "requests", *_COUNT),
+        "failures": req_int(rec, "failures", *_COUNT),
+        "last_error": req_str(rec, "last_error", MAX_ERROR) if rec.get("last_error") else "",
+    }
+
+
+def parse_report(args: dict[str, Any]) -> dict[str, Any]:
+    """A ``router_report``'s arguments, checked field by field (``BadRequest`` or
+    ``TooLarge`` naming the field), as the record the coordinator keeps."""
+    counters = args.get("counters", {})
+    if not isinstance(counters, dict):
+        raise BadRequest("field 'counters' must be a map")
+    if len(counters) > MAX_COUNTERS:
+        raise TooLarge(f"field 'counters' has {len(counters)} items, limit {MAX_COUNTERS}")
+    for k in counters:
+        if not isinstance(k, str) or len(k) > 64:
+            raise BadRequest("counter names must be strings of at most 64 characters")
+    started = args.get("started_at", 0.0)
+    if not isinstance(started, int | float) or isinstance(started, bool) or started < 0:
+        raise BadRequest("field 'started_at' must be a non-negative number")
+    return {
+        "url": _url(args, "url"),
+        "mode": req_str(args, "mode", 16),
+        "ttl_ms": req_int(args, "ttl_ms", 0, MAX_TTL_MS),
+        "started_at": float(started),
+        "max_inflight": req_int(args, "max_inflight", *_COUNT),
+        "replicas": [_replica(r) for r in req_list(args, "replicas", MAX_REPLICAS)],
+        "counters": {k: req_int(counters, k, *_COUNT) for k in sorted(counters)},
+    }
+
+
+class RouterTable:
+    """The last report of each router, until its TTL passes."""
+
+    def __init__(self, max_routers: int = MAX_ROUTERS) -> None:
+        self.max_routers = max_routers
+        self._routers: dict[str, tuple[float, float, dict[str, Any]]] = {}
+        """url -> (monotonic expiry, wall-clock time of the report, the record)"""
+
+    def _expire(self, now: float) -> None:
+        for url in [u for u, (exp, _, _) in self._routers.items() if exp <= now]:
+            del self._routers[url]
+
+    def op_report(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The ``router_report`` op (see the module docstring)."""
+        rec = parse_report(args)
+        now = time.monotonic()
+        self._expire(now)
+        url = rec["url"]
+        if not rec["ttl_ms"]:
+            self._routers.pop(url, None)
+        else:
+            if url not in self._routers and len(self._routers) >= self.max_routers:
+                raise TooLarge(
+                    f"this coordinator lists {self.max_routers} routers already; a new one "
+                    "is listed once another stops reporting"
+                )
+            self._routers[url] = (now + rec["ttl_ms"] / 1000, time.time(), rec)
+        return {"routers": len(self._routers)}
+
+    def status(self) -> list[dict[str, Any]]:
+        """The status document's ``routers``: each live router's last report, with
+        ``last_seen`` (wall-clock time) and ``last_seen_s`` (seconds ago), by URL."""
+        now = time.monotonic()
+        self._expire(now)
+        wall = time.time()
+        out = []
+        for url in sorted(self._routers):
+            _, seen, rec = self._routers[url]
+            out.append({**rec, "last_seen": round(seen, 3), "last_seen_s": round(wall - seen, 3)})
+        return out

@@ -1,0 +1,136 @@
+"""The router's reports to the coordinators, so that ``pegaflow status`` and the
+dashboard list it without being told its URL.
+
+Every ``[router] report_interval_s`` the router sends each ``[client] coordinator`` a
+``router_report`` (the op and its fields: :mod:`pegaflow.coordinator.routers`) holding
+its URL, mode and replicas with their health and load, valid for
+:data:`TTL_INTERVALS` intervals; stopping, it withdraws the report.  Each call has a
+deadline; a coordinator that does not answer is logged once and tried again at the
+next interval, and never slows the requests the router serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pegaflow.errors import PegaError
+from pegaflow.rpc import RpcClient
+
+log = logging.getLogger("pegaflow.router")
+
+#: A report holds for this many report intervals (a router gone stops showing after it).
+TTL_INTERVALS = 3
+#: Longest wait for a coordinator to take the withdrawal when the router stops.
+WITHDRAW_TIMEOUT_S = 1.0
+
+
+def advertised_url(host: str, port: int) -> str:
+    """The router's URL as the coordinators list it: ``http://host:port``, with the
+    machine's host name for a wildcard bind address."""
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostname()
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+class Reporter:
+    """Sends the router's reports to every coordinator (see the module docstring).
+
+    ``status`` returns the router's ``/v1/status`` document."""
+
+    def __init__(
+        self,
+        url: str,
+        coordinators: list[str],
+        status: Callable[[], dict[str, Any]],
+        *,
+        interval_s: float,
+        timeout_s: float,
+        token: str | None = None,
+    ) -> None:
+        self.url = url
+        self.interval_s = interval_s
+        self.timeout_s = max(0.1, min(timeout_s, interval_s))
+        self._status = status
+        self._started_at = time.time()
+        self._clients = {
+            addr: RpcClient([addr], token=token, timeout=self.timeout_s) for addr in coordinators
+        }
+        self._failing: dict[str, bool] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def report(self, ttl_ms: int) -> dict[str, Any]:
+        """The ``router_report`` arguments now."""
+        st = self._status()
+        info = st.get("router", {})
+        return {
+            "url": self.url,
+            "mode": str(info.get("mode", "")),
+            "ttl_ms": ttl_ms,
+            "started_at": self._started_at,
+            "max_inflight": int(info.get("max_inflight", 0)),
+            "replicas": [
+                {**r, "last_error": str(r.get("last_error") or "")[:1000]}
+                for r in st.get("replicas", [])
+            ],
+            "counters": dict(st.get("counters", {})),
+        }
+
+    async def _send(self, addr: str, args: dict[str, Any], timeout: float) -> None:
+        try:
+            await self._clients[addr].call("router_report", args, timeout=timeout)
+        except PegaError as e:
+            if not self._failing.get(addr):
+                log.warning(
+                    "cannot report to coordinator %s (%s: %s): pegaflow status and the "
+                    "dashboard there do not list this router until it can; retrying every "
+                    "%.3g s",
+                    addr, e.code, e, self.interval_s,
+                )  # fmt: skip
+            self._failing[addr] = True
+            return
+        if self._failing.get(addr, True):
+            log.info("router %s reported to coordinator %s", self.url, addr)
+        self._failing[addr] = False
+
+    async def send_all(self, ttl_ms: int, timeout: float) -> None:
+        """One report to every coordinator at once, each within ``timeout`` seconds."""
+        args = self.report(ttl_ms)
+        await asyncio.gather(*(self._send(a, args, timeout) for a in self._clients))
+
+    async def _loop(self) -> None:
+        ttl_ms = max(1, round(TTL_INTERVALS * self.interval_s * 1000))
+        while True:
+            try:
+                await self.send_all(ttl_ms, self.timeout_s)
+            except Exception:  # never let the loop die
+                log.exception("router report round failed")
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        """Report now and every interval, in the background."""
+        if self._task is None and self._clients:
+            self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        """Stop reporting and withdraw the report (within :data:`WITHDRAW_TIMEOUT_S`)."""
+        if self._task is None:
+            return
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+        args = self.report(0)
+        timeout = min(WITHDRAW_TIMEOUT_S, self.timeout_s)
+        calls = (c.call("router_report", args, timeout=timeout) for c in self._clients.values())
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for addr, res in zip(self._clients, results, strict=True):
+            if isinstance(res, Exception):
+                log.debug("withdrawing from coordinator %s failed: %s", addr, res)
+        for c in self._clients.values():
+            await c.close()
