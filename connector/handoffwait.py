@@ -110,7 +110,8 @@ class HandoffWait:
     ) -> tuple[Lookup | None, bool]:
         """Look up a handed-off request's blocks: ``(lookup, False)`` once all are stored
         (but the block of the prompt's last token, which vLLM computes anyway), once
-        ``handoff_wait_s`` is over, or when the cluster cannot answer (``None``); else
+        ``handoff_wait_s`` is over, or when the cluster cannot answer (``None``: the
+        lookups' breaker opened; a single failed lookup is tried again); else
         ``(None, True)``: vLLM asks again in a later step (a new lookup every
         :data:`~.handoff.POLL_S`), serving the other requests meanwhile.  The hit is
         claimed whole: the point of the handoff is that the consumer does not prefill."""
@@ -118,6 +119,9 @@ class HandoffWait:
         if now < st.handoff_poll:
             return None, True
         lk = self.lookups.lookup(st, ns, hashes, start, whole=True)
+        if lk is None and now < st.handoff_until and self.lookups.breaker.allow():
+            st.handoff_poll = now + POLL_S  # one failed lookup (a deadline under load)
+            return None, True
         if lk is not None and start + lk.hits < want and now < st.handoff_until:
             if lk.located:  # this poll's locate pinned what it found: not loaded yet
                 self.locator.unpin(lk.pins)
