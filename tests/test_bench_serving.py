@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests.script_module import load_script
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("aiohttp") is None, reason="aiohttp not installed"
@@ -23,13 +23,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
     """``scripts/bench_serving.py`` as a module (scripts/ is not a package)."""
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_serving.py"
-    spec = importlib.util.spec_from_file_location("bench_serving", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = mod  # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_serving")
 
 
 def test_router_replica_spec(bench: ModuleType) -> None:

@@ -12,29 +12,20 @@ import numpy as np
 import pytest
 from pegaflow.client import SyncPegaClient
 
-from pegaflow.config import ClientConfig
-from pegaflow.devcluster import REPO, Proc, start_server
+from pegaflow.devcluster import REPO, Proc
 from pegaflow.errors import BadRequest, Unauthorized
+from tests.tenant_server import client_of, tenant_server
 
 SIZE = 4096
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Proc]:
-    p = start_server(
-        token="admin",
-        extra=["--node-pool-bytes", "32MiB", "--node-slab-bytes", "4MiB",
-               "--security-tenant-tokens", "acme=a-secret"],
-    )  # fmt: skip
+    p = tenant_server("32MiB")
     try:
         yield p
     finally:
         p.terminate()
-
-
-def _client(server: Proc, token: str = "admin") -> SyncPegaClient:
-    cfg = ClientConfig(coordinators=[server.ready["coordinator"]], lookup_timeout_s=2)
-    return SyncPegaClient(cfg, token=token)
 
 
 def _put(c: SyncPegaClient, node: str, ns: str, n: int) -> tuple[list[bytes], np.ndarray]:
@@ -63,7 +54,7 @@ def _drop_cli(
 
 def test_drop_removes_one_namespace_and_waits_for_its_pins(server: Proc) -> None:
     node = server.ready["node"]
-    c = _client(server)
+    c = client_of(server)
     try:
         gone, _ = _put(c, node, "drop-a", 4)
         kept, kept_data = _put(c, node, "drop-b", 2)
@@ -101,8 +92,8 @@ def test_drop_removes_one_namespace_and_waits_for_its_pins(server: Proc) -> None
 
 def test_only_the_cluster_token_drops_and_bad_requests_are_typed(server: Proc) -> None:
     node = server.ready["node"]
-    acme = _client(server, "a-secret")
-    c = _client(server)
+    acme = client_of(server, "a-secret")
+    c = client_of(server)
     try:
         mine, _ = _put(acme, node, "acme@m", 1)
         with pytest.raises(Unauthorized):

@@ -17,32 +17,23 @@ from pegaflow.connector.blockio import KVBlockIO
 from pegaflow.connector.hostpool import MappedPool
 from pegaflow.connector.localpath import LocalPath
 
-from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline
-from pegaflow.devcluster import Proc, start_server
+from pegaflow.devcluster import Proc
 from pegaflow.errors import BadRequest, TooLarge, Unauthorized
 from pegaflow.rpc import UNIX_PREFIX, RpcClient
 from pegaflow.wire import LocatedBlock, LocatedBlocks
+from tests.tenant_server import client_of, tenant_server
 
 NS = "test-local"
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Proc]:
-    p = start_server(
-        token="admin",
-        extra=["--node-pool-bytes", "64MiB", "--node-slab-bytes", "4MiB",
-               "--security-tenant-tokens", "acme=a-secret"],
-    )  # fmt: skip
+    p = tenant_server("64MiB")
     try:
         yield p
     finally:
         p.terminate()
-
-
-def _client(server: Proc, token: str = "admin") -> SyncPegaClient:
-    cfg = ClientConfig(coordinators=[server.ready["coordinator"]], lookup_timeout_s=2)
-    return SyncPegaClient(cfg, token=token)
 
 
 def _data_address(c: SyncPegaClient, node: str) -> str:
@@ -85,7 +76,7 @@ def _kv(num_blocks: int, seed: int) -> dict[str, torch.Tensor]:
 
 def test_save_then_load_into_other_blocks_is_byte_identical(server: Proc) -> None:
     node = server.ready["node"]
-    c = _client(server)
+    c = client_of(server)
     src_kv, dst_kv = _kv(32, 1), _kv(32, 2)
     src, dst = KVBlockIO(src_kv, 32), KVBlockIO(dst_kv, 32)
     writer, reader = LocalPath(src, node, 5.0), LocalPath(dst, node, 5.0)
@@ -114,7 +105,7 @@ def test_save_then_load_into_other_blocks_is_byte_identical(server: Proc) -> Non
 
 def test_a_corrupted_slot_is_never_loaded(server: Proc) -> None:
     node = server.ready["node"]
-    c = _client(server)
+    c = client_of(server)
     kv = _kv(8, 3)
     io = KVBlockIO(kv, 8)
     path = LocalPath(io, node, 5.0)
@@ -138,7 +129,7 @@ def test_a_corrupted_slot_is_never_loaded(server: Proc) -> None:
 
 def test_blocks_without_a_digest_are_checked_by_xxh3(server: Proc) -> None:
     node = server.ready["node"]
-    c = _client(server)
+    c = client_of(server)
     src_kv, dst_kv = _kv(8, 4), _kv(8, 5)
     src, dst = KVBlockIO(src_kv, 8), KVBlockIO(dst_kv, 8)
     src.can_digest = False  # e.g. a block written before a node restart
@@ -160,7 +151,7 @@ def test_blocks_without_a_digest_are_checked_by_xxh3(server: Proc) -> None:
 
 def test_tenants_get_no_pool_access(server: Proc) -> None:
     node = server.ready["node"]
-    acme = _client(server, "a-secret")
+    acme = client_of(server, "a-secret")
     try:
         assert acme.local_pool(node) is None
         with pytest.raises(Unauthorized):
@@ -170,7 +161,7 @@ def test_tenants_get_no_pool_access(server: Proc) -> None:
 
 
 def test_mapped_pool_refuses_a_different_file(server: Proc, tmp_path: object) -> None:
-    c = _client(server)
+    c = client_of(server)
     try:
         info = c.local_pool(server.ready["node"])
         assert info is not None
@@ -187,7 +178,7 @@ def test_mapped_pool_refuses_a_different_file(server: Proc, tmp_path: object) ->
 
 def test_malformed_locates_get_typed_errors_and_the_node_keeps_serving(server: Proc) -> None:
     node = server.ready["node"]
-    c = _client(server)
+    c = client_of(server)
     try:
         addr = _data_address(c, node)
         base = {"op": "locate", "ns": NS, "ttl_ms": 1000, "shard": 0, "hash_len": 16}
@@ -220,7 +211,7 @@ def _stored(server: Proc, c: SyncPegaClient, seed: int) -> list[bytes]:
 
 def test_locate_goes_over_the_control_socket_and_falls_back_to_ucx(server: Proc) -> None:
     node = server.ready["node"]
-    c = _client(server)
+    c = client_of(server)
     try:
         hashes = _stored(server, c, 7)  # saved through the socket (reserve, commit)
         pool = c.local_pool(node)
@@ -234,7 +225,7 @@ def test_locate_goes_over_the_control_socket_and_falls_back_to_ucx(server: Proc)
         c.close()
     # a client that cannot reach the socket (another host, say) is answered over UCX,
     # and keeps to UCX on that connection: its saves work too
-    c2 = _client(server)
+    c2 = client_of(server)
     moved = pool.control + ".away"
     try:
         assert c2.local_pool(node).control == pool.control
@@ -253,7 +244,7 @@ def test_locate_goes_over_the_control_socket_and_falls_back_to_ucx(server: Proc)
 
 def test_packed_reservations_and_their_malformed_forms(server: Proc) -> None:
     node = server.ready["node"]
-    c = _client(server)
+    c = client_of(server)
     try:
         stored = _stored(server, c, 9)
         addr = _data_address(c, node)
@@ -278,7 +269,7 @@ def test_packed_reservations_and_their_malformed_forms(server: Proc) -> None:
 
 def test_a_socket_reservation_is_committed_on_the_socket_only(server: Proc) -> None:
     node = server.ready["node"]
-    c = _client(server)
+    c = client_of(server)
     try:
         addr = _data_address(c, node)
         seq, offsets = c.reserve_local(NS, node, [(b"\x31" * 16, 0, 4096)], 5.0)
@@ -295,7 +286,7 @@ def test_a_socket_reservation_is_committed_on_the_socket_only(server: Proc) -> N
 
 def test_the_control_socket_admits_the_cluster_token_only(server: Proc) -> None:
     node = server.ready["node"]
-    c = _client(server)
+    c = client_of(server)
     try:
         path = c.local_pool(node).control
     finally:

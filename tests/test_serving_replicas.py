@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import itertools
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -26,6 +25,7 @@ from typing import Any
 import pytest
 
 from pegaflow.devcluster import start_server
+from tests.script_module import load_script
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None or importlib.util.find_spec("aiohttp") is None,
@@ -37,13 +37,7 @@ BS = 32  # the tiny preset's --block-size
 
 def load_bench() -> ModuleType:
     """``scripts/bench_serving.py`` as a module (scripts/ is not a package)."""
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_serving.py"
-    spec = importlib.util.spec_from_file_location("bench_serving", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = mod  # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_serving")
 
 
 async def wait_node_blocks(bench: ModuleType, url: str, blocks: int, timeout: float = 60.0) -> None:

@@ -1,0 +1,28 @@
+"""A ``pegaflow-server`` with a cluster token and one tenant, and clients of it."""
+
+from __future__ import annotations
+
+from pegaflow.client import SyncPegaClient
+
+from pegaflow.config import ClientConfig
+from pegaflow.devcluster import Proc, start_server
+
+ADMIN = "admin"
+"""the cluster token"""
+TENANT = ("acme", "a-secret")
+"""a tenant and its token"""
+
+
+def tenant_server(pool: str) -> Proc:
+    """The server, with a node pool of ``pool`` bytes (e.g. ``"32MiB"``)."""
+    return start_server(
+        token=ADMIN,
+        extra=["--node-pool-bytes", pool, "--node-slab-bytes", "4MiB",
+               "--security-tenant-tokens", f"{TENANT[0]}={TENANT[1]}"],
+    )  # fmt: skip
+
+
+def client_of(server: Proc, token: str = ADMIN) -> SyncPegaClient:
+    """A client of ``server`` with ``token``."""
+    cfg = ClientConfig(coordinators=[server.ready["coordinator"]], lookup_timeout_s=2)
+    return SyncPegaClient(cfg, token=token)
