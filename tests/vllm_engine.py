@@ -116,13 +116,18 @@ class VllmEngine:
 
     def kill(self) -> None:
         """SIGKILL the engine and every process it started (EngineCore, workers)."""
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait(30)
+        kill_group(self.popen)
+
+
+def kill_group(popen: subprocess.Popen[Any]) -> None:
+    """SIGKILL a process started in its own session and every process of its group."""
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if popen.poll() is None:
+        popen.kill()
+    popen.wait(30)
 
 
 def prompts(
@@ -287,13 +292,7 @@ class ServeProcess:
 
     def kill(self) -> None:
         """SIGKILL the server and every process it started."""
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait(30)
+        kill_group(self.popen)
 
 
 class VllmServe(ServeProcess):
