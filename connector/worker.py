@@ -119,6 +119,8 @@ class WorkerSide:
         """times forward passes for the cost model"""
         self._fwd_timing: tuple[Any, Any] | None = None
         """device timing of a step with layer-wise loads (debug log only)"""
+        self._cpu_marks: list[float] | None = None
+        """when the CPU reached each layer of such a step's forward pass (debug log only)"""
         self.books = WorkerBooks(settings, counters)
         """the report, the save counts and holds, the save breaker (shared with the media)"""
         self._lock = self.books.lock
@@ -237,6 +239,8 @@ class WorkerSide:
         sync = [j for j in plan.loads if j.sync]
         if sync:
             self._start_sync_loads(plan.namespace, sync)
+            if self._cpu_marks is not None:
+                self._cpu_marks.append(time.perf_counter())
 
     def begin_forward(self, plan: StepPlan) -> None:
         """The step's forward pass starts now (vLLM bound its metadata): time it."""
@@ -244,16 +248,40 @@ class WorkerSide:
         self._step.begin(0 if sync else plan.tokens, self.io.device if self.io else None)
         self._fwd_timing = None
         on_gpu = self.io is not None and self.io.device.type == "cuda"
+        self._cpu_marks = None
         if sync and on_gpu and logger.isEnabledFor(logging.DEBUG):
             self._fwd_timing = (_timing_event(), _timing_event())
             self._fwd_timing[0].record()
+            self._cpu_marks = [time.perf_counter()]
 
     def end_forward(self) -> None:
         """The step's forward pass was issued (``wait_for_save``)."""
         if self._fwd_timing is not None:
             self._fwd_timing[1].record()
+        if self._cpu_marks is not None:
+            self._log_cpu_marks(self._cpu_marks, time.perf_counter())
         for tokens, seconds in self._step.end():
             self.books.sample("compute", tokens, seconds)
+
+    @staticmethod
+    def _log_cpu_marks(marks: list[float], end: float) -> None:
+        """Debug: where the CPU spent the issue of a forward pass with layer-wise loads
+        (ms from the step's start to its loads queued, to each eighth of the layers, and
+        to the end of the forward pass), and its slowest layer."""
+        t0 = marks[0]
+        layers = marks[2:]  # marks[1]: the loads queued
+        if not layers:
+            return
+        gaps = [b - a for a, b in zip(marks[1:], layers, strict=False)]
+        worst = max(range(len(gaps)), key=gaps.__getitem__)
+        picks = sorted({0, *range(len(layers) // 8, len(layers), max(1, len(layers) // 8))})
+        logger.debug(
+            "PegaFlow: forward issue (CPU, ms from the step's start): loads queued %.1f, "
+            "%s, end %.1f; slowest layer %d (%.1f ms)",
+            (marks[1] - t0) * 1e3,
+            ", ".join(f"layer {i} {(layers[i] - t0) * 1e3:.1f}" for i in picks),
+            (end - t0) * 1e3, worst, gaps[worst] * 1e3,
+        )  # fmt: skip
 
     # ---- layer-wise (synchronous) loads ----------------------------------------------
 
@@ -286,6 +314,8 @@ class WorkerSide:
         of this step's layer-wise loads are in; never blocks the CPU."""
         if not self._sync_loads or self.io is None:
             return
+        if self._cpu_marks is not None:
+            self._cpu_marks.append(time.perf_counter())
         idx = self.io.layer_of.get(layer_name)
         for _job, pending, _t0 in self._sync_loads:
             if isinstance(pending, list):

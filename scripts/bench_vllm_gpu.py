@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -90,6 +92,62 @@ def pinned_h2d_gbps(nbytes: int) -> float:
     del src, dst
     torch.cuda.empty_cache()
     return nbytes / best / 1e9
+
+
+def diagnose(
+    start: Any, batch: Any, set_c: list[list[int]], warm_up: list[list[int]],
+    args: argparse.Namespace, out: dict[str, Any], where: Path,
+) -> None:  # fmt: skip
+    """Where a batch of hits spends its time: an engine with the connector's debug log
+    runs the batch (its lines on stderr, with the CPU's time to each layer), then again
+    under py-spy (when installed; ``where/pyspy.txt``) and under vLLM's torch profiler
+    (summarized by ``scripts/trace_summary.py``), vLLM's own cache emptied before each;
+    then an engine with ``kv_role=kv_consumer`` (no saves) runs it once."""
+    prof = where / "profile"
+    env = {"PEGAFLOW_CONNECTOR_LOG_LEVEL": "debug", "VLLM_CUSTOM_SCOPES_FOR_PROFILING": "1"}
+    e = start("diagnose", three_keys=True, profile_dir=str(prof), env=env)
+    try:
+        e.generate(warm_up, 1)
+        time.sleep(args.pause)
+        mark = len(e.log)
+        out["batch_diagnose_ms"] = round(batch(e, set_c)[0], 1)
+        time.sleep(1.0)
+        print("\n".join(x for x in e.log[mark:] if "PegaFlow" in x), file=sys.stderr)
+        spy_bin = shutil.which("py-spy")
+        if spy_bin:
+            e.call({"op": "reset_prefix_cache"})
+            time.sleep(args.pause)
+            spy = subprocess.Popen(
+                [spy_bin, "record", "--pid", str(e.popen.pid), "--subprocesses", "--idle",
+                 "--threads", "--native", "--rate", "1000", "--duration", "4",
+                 "--format", "raw", "-o", str(where / "pyspy.txt")]
+            )  # fmt: skip
+            time.sleep(1.0)
+            out["batch_pyspy_ms"] = round(batch(e, set_c)[0], 1)
+            spy.wait(timeout=60)
+        e.call({"op": "reset_prefix_cache"})
+        time.sleep(args.pause)
+        e.call({"op": "start_profile"})
+        out["batch_profiled_ms"] = round(batch(e, set_c)[0], 1)
+        e.call({"op": "stop_profile"}, timeout=300)
+    finally:
+        e.stop()
+    traces = sorted(prof.rglob("*.pt.trace.json*"), key=lambda p: p.stat().st_size)
+    if traces:
+        sys.path.insert(0, str(REPO / "scripts"))
+        import trace_summary
+
+        steps = trace_summary.summarize(trace_summary.load(traces[-1]))
+        (where / "trace_summary.json").write_text(json.dumps(steps, indent=1))
+        for i, st in enumerate(steps):
+            print(f"profiled forward {i}: {json.dumps(st)}", file=sys.stderr)
+    e = start("consumer", three_keys=True, kv_role="kv_consumer")
+    try:
+        e.generate(warm_up, 1)
+        time.sleep(args.pause)
+        out["batch_consumer_ms"] = round(batch(e, set_c)[0], 1)
+    finally:
+        e.stop()
 
 
 def main() -> None:
@@ -221,16 +279,7 @@ def main() -> None:
             e.stop()
             print(f"tuned counters: {stats(s3)}", flush=True)
         if args.diagnose:
-            e = start("diagnose", three_keys=True, env={"PEGAFLOW_CONNECTOR_LOG_LEVEL": "debug"})
-            try:
-                e.generate(warm_up, 1)
-                time.sleep(args.pause)
-                mark = len(e.log)
-                out["batch_diagnose_ms"] = round(batch(e, set_c)[0], 1)
-                time.sleep(1.0)
-            finally:
-                e.stop()
-            print("\n".join(x for x in e.log[mark:] if "PegaFlow" in x), file=sys.stderr)
+            diagnose(start, batch, set_c, warm_up, args, out, Path(args.log_dir or work))
     finally:
         server.terminate()
         if args.log_dir:

@@ -10,7 +10,8 @@ The spec: ``model`` (directory with config.json), ``block_size``, ``max_model_le
 ``kv_connector_extra_config`` of PegaKVConnector, or null for no connector),
 ``three_keys`` (true: the connector with the three documented keys and nothing else;
 its settings then come from ``PEGAFLOW_*`` variables only),
-``max_num_batched_tokens`` (optional), ``seed``.
+``max_num_batched_tokens`` (optional), ``seed``, ``kv_role`` (with ``three_keys``; default
+``kv_both``), ``profile_dir`` (vLLM's torch profiler writes its traces there).
 
 Prints ``READY`` once the engine is up, then answers each command line with one JSON
 line:
@@ -21,6 +22,8 @@ line:
 * ``{"op": "ttft", "prompts": [...]}`` -> ``{"ttft_ms": [...], "cached": [...]}``: one
   prompt at a time, ``max_tokens=1``, wall time of each;
 * ``{"op": "reset_prefix_cache"}`` -> ``{"ok": true}`` (vLLM's local cache only);
+* ``{"op": "start_profile"}``, ``{"op": "stop_profile"}`` -> ``{"ok": true}`` (with
+  ``profile_dir``; the trace is written at the stop);
 * ``{"op": "quit"}``.
 """
 
@@ -40,7 +43,7 @@ def _engine(spec: dict[str, Any]) -> Any:
     if spec.get("three_keys"):  # exactly what the public PegaFlow documents, nothing else
         kw["kv_transfer_config"] = {
             "kv_connector": "PegaKVConnector",
-            "kv_role": "kv_both",
+            "kv_role": spec.get("kv_role", "kv_both"),
             "kv_connector_module_path": "pegaflow.connector",
         }
     elif spec.get("connector") is not None:
@@ -53,6 +56,8 @@ def _engine(spec: dict[str, Any]) -> Any:
         }
     if spec.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
+    if spec.get("profile_dir"):
+        kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": spec["profile_dir"]}
     return LLM(
         model=spec["model"],
         load_format="dummy",
@@ -110,6 +115,12 @@ def main() -> None:
                 res = {"ttft_ms": ttft, "cached": cached}
             elif op == "reset_prefix_cache":
                 res = {"ok": bool(llm.reset_prefix_cache())}
+            elif op == "start_profile":
+                llm.start_profile()
+                res = {"ok": True}
+            elif op == "stop_profile":
+                llm.stop_profile()
+                res = {"ok": True}
             else:
                 res = {"error": f"unknown op {op!r}"}
         except Exception as e:  # report, keep serving
