@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -99,33 +97,22 @@ def diagnose(
     args: argparse.Namespace, out: dict[str, Any], where: Path,
 ) -> None:  # fmt: skip
     """Where a batch of hits spends its time: an engine with the connector's debug log
-    runs the batch (its lines on stderr, with the CPU's time to each layer), then again
-    under py-spy (when installed; ``where/pyspy.txt``) and under vLLM's torch profiler
-    (summarized by ``scripts/trace_summary.py``), vLLM's own cache emptied before each;
-    then an engine with ``kv_role=kv_consumer`` (no saves) runs it once."""
+    runs the batch twice (its lines on stderr, with the CPU's time to each layer), then
+    under vLLM's torch profiler (summarized by ``scripts/trace_summary.py`` into
+    ``where/trace_summary.json``), vLLM's own cache emptied before each; then an engine
+    with ``kv_role=kv_consumer`` (no saves) runs it once."""
     prof = where / "profile"
     env = {"PEGAFLOW_CONNECTOR_LOG_LEVEL": "debug", "VLLM_CUSTOM_SCOPES_FOR_PROFILING": "1"}
     e = start("diagnose", three_keys=True, profile_dir=str(prof), env=env)
     try:
         e.generate(warm_up, 1)
-        time.sleep(args.pause)
-        mark = len(e.log)
-        out["batch_diagnose_ms"] = round(batch(e, set_c)[0], 1)
-        time.sleep(1.0)
-        print("\n".join(x for x in e.log[mark:] if "PegaFlow" in x), file=sys.stderr)
-        spy_bin = shutil.which("py-spy")
-        if spy_bin:
-            e.call({"op": "reset_prefix_cache"})
+        for i in (1, 2):
             time.sleep(args.pause)
-            spy = subprocess.Popen(
-                [spy_bin, "record", "--pid", str(e.popen.pid), "--subprocesses", "--idle",
-                 "--threads", "--native", "--rate", "1000", "--duration", "4",
-                 "--format", "raw", "-o", str(where / "pyspy.txt")]
-            )  # fmt: skip
+            mark = len(e.log)
+            out[f"batch_diagnose_{i}_ms"] = round(batch(e, set_c)[0], 1)
             time.sleep(1.0)
-            out["batch_pyspy_ms"] = round(batch(e, set_c)[0], 1)
-            spy.wait(timeout=60)
-        e.call({"op": "reset_prefix_cache"})
+            print("\n".join(x for x in e.log[mark:] if "PegaFlow" in x), file=sys.stderr)
+            e.call({"op": "reset_prefix_cache"})
         time.sleep(args.pause)
         e.call({"op": "start_profile"})
         out["batch_profiled_ms"] = round(batch(e, set_c)[0], 1)
@@ -140,7 +127,7 @@ def diagnose(
         steps = trace_summary.summarize(trace_summary.load(traces[-1]))
         (where / "trace_summary.json").write_text(json.dumps(steps, indent=1))
         for i, st in enumerate(steps):
-            print(f"profiled forward {i}: {json.dumps(st)}", file=sys.stderr)
+            print(f"profiled step {i}: {json.dumps(st)}", file=sys.stderr)
     e = start("consumer", three_keys=True, kv_role="kv_consumer")
     try:
         e.generate(warm_up, 1)
@@ -163,6 +150,9 @@ def main() -> None:
         action="store_true",
         help="one more engine, with the connector's debug log, runs the batch (its lines "
         "go to stderr): where the batch's time goes",
+    )
+    ap.add_argument(
+        "--diagnose-only", action="store_true", help="the cold engine, then --diagnose alone"
     )
     args = ap.parse_args()
 
@@ -243,6 +233,10 @@ def main() -> None:
             print(f"cold counters: {wait_saved(s1, n, timeout=300)}", flush=True)
         finally:
             e.stop()
+        if args.diagnose_only:
+            diagnose(start, batch, set_c, warm_up, args, out, Path(args.log_dir or work))
+            print(json.dumps(out), flush=True)
+            return
 
         e = start("plain", connector=None)
         try:
