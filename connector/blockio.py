@@ -222,6 +222,13 @@ class KVBlockIO:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
+    def follow(self, marker: Any) -> None:
+        """Make the loads queued from now on wait, on the device, for ``marker`` (a
+        :meth:`record_step`): blocks allocated to a new request may still be read or
+        written by a step in flight."""
+        if self._stream is not None and marker is not None:
+            self._stream.wait_event(marker)
+
     # ---- copies --------------------------------------------------------------------
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor, after: Any = None) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from . import sameprocess
 from .compat import (
     HIT_SOURCE,
     VLLM_VERSION,
@@ -249,6 +250,8 @@ class PegaKVConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches, self.geometry.num_blocks)
         io = self._worker.io
+        if io is not None and self._worker.defer_checks:  # the scheduler shares this process
+            sameprocess.register(self._worker)
         if io is not None and self.geometry.page_bytes:
             per_layer = {layer.tile_bytes for layer in io.layers}
             if per_layer != {self.geometry.page_bytes}:
@@ -407,13 +410,18 @@ class PegaKVConnector(KVConnectorBase_V1):
         self._scheduler.update_state_after_alloc(request, block_ids_of(blocks), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        """This step's loads, saves, preemptions and delayed frees for the workers.
+        """This step's loads, saves, preemptions and delayed frees for the workers; a
+        worker in this process starts the step's layer-wise loads now (:mod:`.sameprocess`).
 
         Args:
             scheduler_output: the step's scheduler output (not modified).
         """
         assert self._scheduler is not None
-        return PegaConnectorMetadata(self._scheduler.build_plan(scheduler_output))
+        plan = self._scheduler.build_plan(scheduler_output)
+        worker = sameprocess.worker()
+        if worker is not None:
+            worker.prestart(plan)
+        return PegaConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Learn the workers' failed saves / loads (they may be saved again).

@@ -38,6 +38,7 @@ import torch
 from pegaflow import telemetry
 from pegaflow.deadline import Deadline
 
+from . import sameprocess
 from .blockio import KVBlockIO
 from .books import WorkerBooks
 from .costmodel import LOCAL
@@ -129,6 +130,8 @@ class WorkerSide:
         self._delay_free: set[str] = set()
         self._load_errors: set[int] = set()
         self._sync_loads: list[tuple[LoadJob, Any, float]] = []
+        self._prestarted: tuple[StepPlan, list[SyncLoad]] | None = None
+        """the layer-wise loads :meth:`prestart` queued, and the plan they belong to"""
         self.defer_checks = defer_checks
         """answer load errors deferred (:mod:`.loadcheck`); the connector sets it where
         vLLM's scheduler shares this process"""
@@ -237,8 +240,8 @@ class WorkerSide:
         for job in async_loads:
             self._load_pool.submit(self._run_load_safe, plan.namespace, job)
         sync = [j for j in plan.loads if j.sync]
-        if sync:
-            self._start_sync_loads(plan.namespace, sync)
+        if sync or self._prestarted is not None:
+            self._start_sync_loads(plan.namespace, sync, plan)
             if self._cpu_marks is not None:
                 self._cpu_marks.append(time.perf_counter())
 
@@ -285,15 +288,59 @@ class WorkerSide:
 
     # ---- layer-wise (synchronous) loads ----------------------------------------------
 
-    def _start_sync_loads(self, ns: str, jobs: list[LoadJob]) -> None:
+    def prestart(self, plan: StepPlan) -> None:
+        """Queue the copies of a step's layer-wise loads as soon as the scheduler in
+        this process planned it (:mod:`.sameprocess`), behind the GPU work queued so far
+        (:meth:`KVBlockIO.follow`); :meth:`start_step` then takes them instead of queuing
+        them.  Does nothing unless the node's pool file is mapped and the cache is on a
+        GPU, nor in a step with preemptions (their blocks may be reallocated before
+        :meth:`wait_for_copies`); a failure leaves the loads to :meth:`start_step`."""
+        io, pool = self.io, self._pool
+        sync = [j for j in plan.loads if j.sync]
+        if not sync or io is None or io.device.type != "cuda" or pool is None:
+            return
+        if not plan.namespace or plan.preempted or not self._local_ready.is_set():
+            return  # preempted: blocks still being copied out may be given to new requests
+        try:
+            client = self._get_client()
+            if client is None:
+                return
+            io.follow(io.record_step())
+            self._prestarted = (
+                plan,
+                pool.start_layerwise(client, plan.namespace, sync, time.monotonic()),
+            )
+        except Exception as e:  # the step starts them itself
+            logger.warning("PegaFlow: early start of a step's loads failed: %s", e)
+
+    def _take_prestarted(self, plan: StepPlan) -> list[SyncLoad]:
+        """The loads :meth:`prestart` queued for ``plan``; those of another plan (vLLM
+        did not run the step it planned) are checked with this step's."""
+        if self._prestarted is None:
+            return []
+        planned, started = self._prestarted
+        self._prestarted = None
+        if planned is plan:
+            return started
+        logger.debug("PegaFlow: %d early loads of a step vLLM did not run", len(started))
+        self._sync_loads.extend(started)
+        return []
+
+    def _start_sync_loads(self, ns: str, jobs: list[LoadJob], plan: StepPlan) -> None:
         """Queue the copies of the loads that this step's forward pass waits for, layer
         by layer (:meth:`wait_layer`), all of them at once so that their copies go
-        layer-major (:meth:`PoolFileMedium.start_layerwise`); verified and reported by
-        :meth:`finish_sync_loads`."""
+        layer-major (:meth:`PoolFileMedium.start_layerwise`), unless :meth:`prestart`
+        did; verified and reported by :meth:`finish_sync_loads`."""
         t0 = time.monotonic()
+        started = self._take_prestarted(plan)
+        early = {id(j) for j, _p, _t in started}
+        jobs = [j for j in jobs if id(j) not in early]
+        self._sync_loads.extend(started)
+        if not jobs:
+            return
         self._wait_local(WARM_UP_WAIT_S)  # a request right after engine start
         pool, client = self._pool, self._get_client()
-        started: list[SyncLoad] = []
+        started = []
         if pool is not None and client is not None and self.io is not None and ns:
             started = pool.start_layerwise(client, ns, jobs, t0)
         self._sync_loads.extend(started)
@@ -615,6 +662,11 @@ class WorkerSide:
         all; count and log (a warning) those still pending then; close the client."""
         if self._closed:
             return
+        sameprocess.unregister(self)
+        if self._prestarted is not None:  # planned, never run: checked, their pins go back
+            self._sync_loads.extend(self._prestarted[1])
+            self._prestarted = None
+            self.finish_sync_loads()
         self._settle_deferred(force=True)  # their pins go back now
         wait_s = self.settings.shutdown_wait_s if wait_s is None else wait_s
         t0 = time.monotonic()

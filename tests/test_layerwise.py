@@ -285,3 +285,41 @@ def test_an_answer_vllm_never_reads_is_checked_and_deferring_stops(server: Proc)
     finally:
         w1.shutdown()
         w2.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the early start is for GPUs")
+def test_a_planned_steps_loads_start_before_the_step_and_are_taken_by_it(server: Proc) -> None:
+    """In the scheduler's process a step's layer-wise loads are queued when the plan is
+    built (:meth:`WorkerSide.prestart`); the step then takes them (it queues nothing)
+    and its blocks arrive byte-identical.  Loads planned for a step vLLM did not run
+    are checked with the next one, their pins given back."""
+    node = server.ready["node"]
+    ns = f"{NS}-prestart"
+    src, dst = _kv("cuda", 11), _kv("cuda", 12)
+    w1, c1 = _worker(server, src)
+    w2, c2 = _worker(server, dst, defer=True)
+    hashes = [b"p" + bytes([i]) * 15 for i in range(4)]
+    try:
+        assert _save_blocks_1_to_3(w1, c1, ns, hashes) == 3
+        plan = StepPlan(ns, loads=[LoadJob("x", [9, 10], hashes[:2], [[node]] * 2, sync=True)])
+        w2.prestart(plan)
+        assert w2._prestarted is not None and w2._prestarted[0] is plan
+        queued = c2.totals().get("layerwise_start_seconds", 0.0)
+        w2.start_step(plan)
+        assert w2._prestarted is None
+        assert c2.totals().get("layerwise_start_seconds", 0.0) == queued  # nothing re-queued
+        for name in dst:
+            w2.wait_layer(name)
+        assert bool(w2.take_load_errors()) is False
+        other = StepPlan(ns, loads=[LoadJob("y", [13], hashes[2:3], [[node]], sync=True)])
+        w2.prestart(other)  # planned, never run
+        w2.start_step(StepPlan(ns))
+        assert set(w2.take_load_errors()) == set()
+        torch.cuda.synchronize()
+        for name in src:
+            assert torch.equal(dst[name][9:11].view(torch.int16), src[name][1:3].view(torch.int16))
+            assert torch.equal(dst[name][13].view(torch.int16), src[name][3].view(torch.int16))
+        assert c2.totals()["local_load_blocks"] == 3
+    finally:
+        w1.shutdown()
+        w2.shutdown()

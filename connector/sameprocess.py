@@ -1,0 +1,37 @@
+"""The worker that shares the scheduler's process, so a step's loads can start early.
+
+With one rank vLLM runs its worker in the engine core's process (the ``uni`` executor,
+:func:`~.loadcheck.defer_possible`), and with asynchronous scheduling it schedules step
+N + 1 while step N runs on the GPU.  The scheduler's connector then hands each plan to
+the worker the moment it is built (:meth:`~.worker.WorkerSide.prestart`), and the
+copies of the step's layer-wise loads start behind the work already queued on the GPU
+instead of when vLLM launches the step's forward pass; that launch comes after the
+scheduler has answered the other requests' lookups and vLLM has prepared the inputs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .worker import WorkerSide
+
+_worker: WorkerSide | None = None
+
+
+def register(worker: WorkerSide) -> None:
+    """Make ``worker`` this process's worker (its KV cache is registered)."""
+    global _worker
+    _worker = worker
+
+
+def unregister(worker: WorkerSide) -> None:
+    """Forget ``worker`` (it is shutting down)."""
+    global _worker
+    if _worker is worker:
+        _worker = None
+
+
+def worker() -> WorkerSide | None:
+    """This process's worker, when the scheduler shares its process."""
+    return _worker
