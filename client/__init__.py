@@ -3,17 +3,9 @@
 Use :class:`PegaClient` from asyncio code and :class:`SyncPegaClient` elsewhere.
 """
 
-from .api import (
-    GetItem,
-    LocalNode,
-    LookupResult,
-    PegaClient,
-    PutItem,
-    PutResult,
-    SyncPegaClient,
-    on_this_host,
-    open_pool_file,
-)
+from .api import GetItem, LookupResult, PegaClient, PutItem, PutResult
+from .samehost import LocalNode, on_this_host, open_pool_file
+from .sync import SyncPegaClient
 
 __all__ = [
     "GetItem",

@@ -1,10 +1,9 @@
-"""The client library: lookups through the coordinator, blocks straight from the nodes.
+"""The asyncio client library: lookups through the coordinator, blocks straight from the
+nodes.
 
-:class:`PegaClient` is the asyncio API; :class:`SyncPegaClient` runs one on a private
-event-loop thread for synchronous callers (the vLLM connector, scripts) and offers each
-of its operations twice, built from it by one helper: ``op(...)`` blocks for the answer,
-``submit_op(...)`` returns a future.  Calls have deadlines (:mod:`pegaflow.deadline`,
-carried across the hop to the loop) and never hang; per-block failures of a get are
+:class:`PegaClient` is the asyncio API (:class:`~.sync.SyncPegaClient` offers it to
+synchronous callers; :mod:`~.samehost` finds the nodes on this host).  Calls have
+deadlines (:mod:`pegaflow.deadline`) and never hang; per-block failures of a get are
 misses (``False``), not exceptions, because the caller's answer to a miss is always the
 same: recompute.
 """
@@ -12,19 +11,13 @@ same: recompute.
 from __future__ import annotations
 
 import asyncio
-import errno
-import ipaddress
 import logging
-import os
-import socket
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-import uvloop
 from pegaflow.storage_node.protocol import Dropped
 
 from pegaflow import telemetry
@@ -32,14 +25,13 @@ from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import BadRequest, PegaError, Unavailable
 from pegaflow.keys import NodeRecord
-from pegaflow.rpc import RpcClient
+from pegaflow.rpc_client import RpcClient
 from pegaflow.wire import LocatedBlocks, unpack_bits
 
-from .calls import OnLoop, default_timeout, offer, operation
+from .calls import default_timeout, operation
 from .data import DataClient, PoolFile, PutOutcome
+from .samehost import LocalNode, on_this_host, opens_as_node_file
 from .session import NodeSession
-
-T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -68,74 +60,9 @@ class LookupResult:
     slower read than memory); empty, or False, where it is in memory"""
 
 
-@dataclass(frozen=True)
-class LocalNode:
-    """A storage node on this host: its record and the pool file this process can open."""
-
-    record: NodeRecord
-    pool: PoolFile
-
-
-def open_pool_file(info: PoolFile, flags: int = os.O_RDWR) -> int:
-    """Open a node's pool file and check that it is the file the node described (same
-    device and inode, at least as large); returns the descriptor (the caller closes it).
-
-    Raises ``OSError`` when it cannot be opened or is another file: another host's path,
-    another mount namespace's ``/dev/shm``, a pool replaced since the node described it.
-    """
-    fd = os.open(info.path, flags)
-    try:
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) != (info.dev, info.ino) or st.st_size < info.size:
-            raise OSError(f"{info.path} is not the node's pool file (another host's?)")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def on_this_host(host: str) -> bool:
-    """Whether ``host`` (a node's data-plane address) can be an address of this machine.
-
-    An IP address is this machine's when a socket can bind to it (a local system call:
-    nothing is sent); a name only when it is ``localhost`` or this machine's host name
-    (names are not resolved: no DNS query per node).  The pool file check that follows
-    (:func:`open_pool_file`) is what decides; this only spares connecting to every
-    node of a large cluster.
-    """
-    host = host.strip().strip("[]")
-    if not host:
-        return False
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        name = host.lower().rstrip(".")
-        mine = socket.gethostname().lower()
-        return name in ("localhost", mine) or name.split(".")[0] == mine.split(".")[0]
-    if ip.is_unspecified or ip.is_loopback:
-        return True
-    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.bind((str(ip), 0))
-    except OSError as e:
-        if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
-            log.debug("cannot tell whether %s is an address of this host: %s", host, e)
-        return False
-    return True
-
-
-def _same_file(info: PoolFile) -> bool:
-    try:
-        os.close(open_pool_file(info))
-    except OSError:
-        return False
-    return True
-
-
 _op = operation
 """Declare an operation of :class:`PegaClient` (:func:`~.calls.operation`): the blocking
-and the future form of :class:`SyncPegaClient` follow from it."""
+and the future form of :class:`~.sync.SyncPegaClient` follow from it."""
 
 
 async def _per_node(
@@ -412,7 +339,7 @@ class PegaClient:
         """The nodes on this host: among every node the coordinator knows, those whose
         address may be this machine's (:func:`on_this_host`) and whose pool file, offered
         in the data-plane handshake, this process can open as the same file
-        (:func:`open_pool_file`).  Largest pool first, then by id, so every process of
+        (:func:`~.samehost.open_pool_file`).  Largest pool first, then by id, so every process of
         an engine picks the same one.  Nodes that do not answer within ``timeout``
         (default ``rpc_timeout_s``, for the whole call) are left out.  Each one's
         session then knows its control socket."""
@@ -425,7 +352,7 @@ class PegaClient:
             except PegaError as e:
                 log.debug("node %s (%s): no handshake: %s", rec.node_id, rec.ucx_address, e)
                 return None
-            if pool is None or not _same_file(pool):
+            if pool is None or not opens_as_node_file(pool):
                 return None
             self.session(rec.node_id).know(pool)
             return LocalNode(rec, pool)
@@ -510,104 +437,3 @@ class PegaClient:
     async def abort_local(self, node_id: str, seq: int, timeout: Timeout = None) -> None:
         """:meth:`NodeSession.abort_local` on ``node_id``."""
         await self.session(node_id).abort_local(seq, self._deadline("abort_local", timeout))
-
-
-class SyncPegaClient(OnLoop):
-    """A thread-safe, blocking facade over a :class:`PegaClient` on its own loop thread.
-
-    Every operation of :class:`PegaClient` is here twice, with its signature: ``op(...)``
-    blocks until the answer, ``submit_op(...)`` returns a
-    :class:`concurrent.futures.Future` of it at once (:func:`~.calls.offer`).  The call's
-    deadline is made from its ``timeout`` on the caller's thread and carried to the loop
-    (a :class:`~pegaflow.deadline.Deadline` passed as ``timeout`` is carried as it is),
-    so the wait for the loop counts against it; a blocking call waits at most
-    :data:`~pegaflow.deadline.HOP_MARGIN_S` past it.  :meth:`node_session` gives the
-    same for one node's ops.
-    """
-
-    def __init__(self, cfg: ClientConfig, token: str | None = None) -> None:
-        # uvloop: a call from another thread reaches the loop and comes back faster than
-        # on asyncio's own loop (52 / 264 us p50 / p90 against 84 / 774 us, one-off probe;
-        # docs/benchmarks.md, "Same-host control")
-        super().__init__(cfg, uvloop.new_event_loop())
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="pegaflow-client", daemon=True
-        )
-        self._thread.start()
-        self._client: PegaClient = self._wait(
-            self._submit(self._make(cfg, token)), Deadline.of(cfg.rpc_timeout_s)
-        )
-        self._node_sessions: dict[str, SyncNodeSession] = {}
-        self._sessions_lock = threading.Lock()
-
-    @staticmethod
-    async def _make(cfg: ClientConfig, token: str | None) -> PegaClient:
-        return PegaClient(cfg, token)
-
-    def _on_loop(self, fn: Callable[[PegaClient], Coroutine[Any, Any, T]], timeout: float) -> T:
-        """``fn(async_client)`` on the loop, waited for: only for tests that reach into
-        the async client's internals (callers use the operations)."""
-        return self._wait(self._submit(fn(self._client)), Deadline.of(timeout))
-
-    def node_session(self, node_id: str) -> SyncNodeSession:
-        """The blocking facade of :meth:`PegaClient.session` (one per node, kept)."""
-        s = self._node_sessions.get(node_id)
-        if s is None:
-            with self._sessions_lock:
-                s = self._node_sessions.get(node_id)
-                if s is None:
-                    fut = self._submit(self._session_of(node_id))
-                    session = self._wait(fut, Deadline.of(self.cfg.rpc_timeout_s))
-                    s = self._node_sessions[node_id] = SyncNodeSession(self, session)
-        return s
-
-    async def _session_of(self, node_id: str) -> NodeSession:
-        return self._client.session(node_id)
-
-    def settled(self, buf: Any) -> bool:
-        """See :meth:`PegaClient.settled`."""
-        return self._client.settled(buf)
-
-    @property
-    def stale_misses(self) -> int:
-        """See :attr:`PegaClient.stale_misses`."""
-        return self._client.stale_misses
-
-    async def _shutdown(self) -> None:
-        await self._client.close()
-        # calls still in flight (fire-and-forget unpins, say) end here, not in the GC
-        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in rest:
-            t.cancel()
-        await asyncio.gather(*rest, return_exceptions=True)
-
-    def close(self) -> None:
-        """Close the client and stop its thread."""
-        if not self._loop.is_running():
-            return
-        try:
-            self._wait(self._submit(self._shutdown()), Deadline.of(5.0))
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5)
-            self._loop.close()
-
-
-class SyncNodeSession(OnLoop):
-    """A blocking facade over a :class:`~.session.NodeSession` of a
-    :class:`SyncPegaClient`: each of its operations as ``op(...)`` and
-    ``submit_op(...)``, as on the client."""
-
-    def __init__(self, client: SyncPegaClient, session: NodeSession) -> None:
-        super().__init__(client.cfg, client._loop)
-        self._session = session
-        self.node_id = session.node_id
-
-    @property
-    def over_socket(self) -> bool:
-        """See :attr:`NodeSession.over_socket`."""
-        return self._session.over_socket
-
-
-offer(SyncPegaClient, PegaClient, "_client")
-offer(SyncNodeSession, NodeSession, "_session")

@@ -30,7 +30,8 @@ from pegaflow.storage_node import protocol as proto
 from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import PegaError, Unavailable
-from pegaflow.rpc import UNIX_PREFIX, RpcClient
+from pegaflow.rpc import UNIX_PREFIX
+from pegaflow.rpc_client import RpcClient
 from pegaflow.wire import LocatedBlocks
 
 from .calls import default_timeout, operation

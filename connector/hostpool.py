@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from pegaflow.client.api import open_pool_file
 from pegaflow.client.data import PoolFile
+from pegaflow.client.samehost import open_pool_file
 
 log = logging.getLogger("pegaflow.connector")
 

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pegaflow.storage_node.pool import human_bytes
+from pegaflow.storage_node.shm_file import human_bytes
 
 from pegaflow.deadline import HOP_MARGIN_S
 

@@ -7,7 +7,7 @@ With etcd, the coordinators elect one leader through etcd
 A :class:`Coordinator` serves a :class:`~pegaflow.coordinator.index.BlockIndex`, fed
 either by an :class:`~pegaflow.coordinator.mirror.EtcdMirror` (a cluster: any number of
 coordinators, each a full read replica of etcd) or directly by a storage node through a
-:class:`~pegaflow.coordinator.index.InProcessSink` (the single-host ``pegaflow-server``, no
+:class:`~pegaflow.coordinator.inprocess_sink.InProcessSink` (the single-host ``pegaflow-server``, no
 etcd).  Ops (``args`` and results are msgpack maps; bytes stay bytes):
 
 ``lookup`` ``{ns, hashes: [bytes], shards: [int], gens?: bool, warm_up?: bool}`` ->
@@ -46,7 +46,7 @@ from pegaflow.errors import NoSpace, Unavailable
 from pegaflow.etcd import EtcdClient
 from pegaflow.http import HttpHandle, new_registry, start_http
 from pegaflow.keys import Keyspace, NodeRecord
-from pegaflow.rpc import Handler, Packed, RpcServer, SyncHandler
+from pegaflow.rpc_server import Handler, Packed, RpcServer, SyncHandler
 from pegaflow.wire import (
     check_hashes,
     check_namespace,
@@ -95,7 +95,7 @@ class Coordinator:
 
     * ``etcd`` with endpoints and no ``index``: the index mirrors etcd.
     * ``index`` given (or no etcd endpoints): the index is fed in-process, e.g. by a
-      :class:`~pegaflow.coordinator.index.InProcessSink`; no etcd is used.
+      :class:`~pegaflow.coordinator.inprocess_sink.InProcessSink`; no etcd is used.
 
     The HTTP endpoint also serves the live dashboard (:mod:`pegaflow.dashboard`) unless
     ``dashboard=False``; ``http_app_hook`` replaces it with routes of your own.
@@ -159,7 +159,7 @@ class Coordinator:
 
     @property
     def handlers(self) -> dict[str, Handler | SyncHandler]:
-        """The ops, for embedding them in another :class:`~pegaflow.rpc.RpcServer`."""
+        """The ops, for embedding them in another :class:`~pegaflow.rpc_server.RpcServer`."""
         return {
             "lookup": self.op_lookup,
             "place": self.op_place,

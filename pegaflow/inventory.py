@@ -4,7 +4,7 @@ A node reports every committed block and every eviction to an :class:`InventoryS
 In a cluster the sink is :class:`pegaflow.storage_node.publisher.EtcdPublisher`
 (batched etcd transactions under the node's lease); in the single-host
 ``pegaflow-server`` it is the coordinator's in-memory index itself
-(:class:`pegaflow.coordinator.index.InProcessSink`).  Sinks must not block the caller:
+(:class:`pegaflow.coordinator.inprocess_sink.InProcessSink`).  Sinks must not block the caller:
 ``publish``/``unpublish`` only queue; delivery is the sink's business.
 """
 

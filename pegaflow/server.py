@@ -39,14 +39,20 @@ from typing import Any
 
 from pegaflow import telemetry
 from pegaflow.config import ClusterConfig
-from pegaflow.coordinator.index import BlockIndex, InProcessSink
+from pegaflow.coordinator.index import BlockIndex
+from pegaflow.coordinator.inprocess_sink import InProcessSink
 from pegaflow.coordinator.service import Coordinator
 from pegaflow.http import new_registry
 from pegaflow.inventory import InventorySink
 from pegaflow.loopthread import LoopThread
 from pegaflow.service import run_service, taken_ports
 from pegaflow.storage_node.node import StorageNode
-from pegaflow.storage_node.pool import PoolDoesNotFit, PoolInUse, human_bytes, memory_available
+from pegaflow.storage_node.shm_file import (
+    PoolDoesNotFit,
+    PoolInUse,
+    human_bytes,
+    memory_available,
+)
 
 log = logging.getLogger("pegaflow.server")
 

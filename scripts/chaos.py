@@ -491,7 +491,7 @@ class Chaos:
         return [s for s in self.services.values() if s.kind == "node"]
 
     async def _wait_nodes_indexed(self, timeout: float) -> None:
-        from pegaflow.rpc import RpcClient
+        from pegaflow.rpc_client import RpcClient
 
         want = {s.name for s in self._nodes()}
         for c in self._coordinators():
@@ -806,7 +806,7 @@ class Chaos:
     async def _probe_index(self, svc: Service, f: Fault, deadline: float) -> None:
         """Lookups sent to this coordinator alone until one hits a block stored lately
         (its index is back): clients that failed over elsewhere never tell."""
-        from pegaflow.rpc import RpcClient
+        from pegaflow.rpc_client import RpcClient
 
         rpc = RpcClient([svc.address], timeout=1.0)
         try:

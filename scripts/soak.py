@@ -38,7 +38,7 @@ from pegaflow.client import PegaClient  # noqa: E402
 from pegaflow.config import ClientConfig  # noqa: E402
 from pegaflow.devcluster import EtcdServer, start_coordinator, start_node  # noqa: E402
 from pegaflow.errors import PegaError  # noqa: E402
-from pegaflow.rpc import RpcClient  # noqa: E402
+from pegaflow.rpc_client import RpcClient  # noqa: E402
 
 NS = "soak"
 BLOCK = 64 << 10

@@ -45,7 +45,7 @@ from pegaflow.storage_node.sessions import Session
 
 from pegaflow.auth import Authenticator
 from pegaflow.loopthread import LoopThread
-from pegaflow.rpc import RpcServer, current_session
+from pegaflow.rpc_server import RpcServer, current_session
 
 log = logging.getLogger(__name__)
 

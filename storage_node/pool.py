@@ -1,21 +1,11 @@
 """The node's block pool: a shared-memory file carved into slabs of fixed-size slots.
 
-Memory layout: the pool file (``<shm_dir>/pegaflow-<node_id>.pool``) is split into
-``slab_bytes`` slabs.  A slab serves one slot size (a block size rounded up to 4 KiB),
-memcached-style, so blocks of different models share one pool without fragmentation.
-A slot is named by its byte offset in the pool.  The whole file is allocated when the
-pool opens (``posix_fallocate``, then every page is touched), after a check that it
-fits the memory left (``MemAvailable``, or the cgroup's limit when lower) and the free
-space of ``shm_dir`` (:func:`check_room`): a pool that does not fit is refused with the
-sizes (:class:`PoolDoesNotFit`) instead of getting the process OOM-killed or dying of
-SIGBUS later.  Preparing a large pool takes seconds (about 0.5 s a GiB): it is logged,
-with its progress.  A new pool file is prepared unnamed (``O_TMPFILE``) and linked at
-its path only once it is whole, so a process killed while preparing it leaves nothing;
-a pool that fails to open later removes the files it created (pool file, journal),
-never a pool file it found and was going to re-attach.
-
-Access: the pool file is owner-only (0600), or readable and writable by one group
-(0660, ``[node] access_group``) so that engines running as other users can map it.
+Memory layout: the pool file (``<shm_dir>/pegaflow-<node_id>.pool``, made, checked and
+prepared by :mod:`~pegaflow.storage_node.shm_file`) is split into ``slab_bytes`` slabs.
+A slab serves one slot size (a block size rounded up to 4 KiB), memcached-style, so
+blocks of different models share one pool without fragmentation.  A slot is named by
+its byte offset in the pool.  A pool that fails to open removes the files it created
+(pool file, journal), never a pool file it found and was going to re-attach.
 
 Block states: *reserved* (a put is writing it; invisible, never evicted; reclaimed when
 its reservation expires) and *committed* (immutable, has a generation and an xxh3
@@ -32,10 +22,7 @@ committing, and :meth:`BlockPool.maintain_journal` rewrites it once there is roo
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import functools
-import grp
 import logging
 import mmap
 import os
@@ -50,21 +37,20 @@ from typing import Any, TypeVar
 
 import numpy as np
 from pegaflow.storage_node.journal import SLOT_ALIGN, Journal, SlotRecord
+from pegaflow.storage_node.shm_file import (
+    apply_access,
+    check_room,
+    link_prepared,
+    open_locked,
+    prepare,
+    remove_unused,
+)
 
 from pegaflow.checksum import checksum
 from pegaflow.errors import NoSpace, TooLarge
 from pegaflow.keys import BlockLocation
 
 log = logging.getLogger(__name__)
-
-_MADV_POPULATE_WRITE = 23
-PREPARE_CHUNK = 256 << 20
-"""bytes allocated and touched per step while a pool is prepared"""
-PROGRESS_S = 3.0
-"""seconds between two progress lines while a pool is prepared"""
-MEM_HEADROOM = 256 << 20
-"""memory a new pool leaves to the rest of the process and the host"""
-_NO_LIMIT = 1 << 60
 
 BlockKey = tuple[str, bytes, int]
 """(namespace, block hash, shard)"""
@@ -114,187 +100,6 @@ class PoolStats:
     """slots held out of use because a failed put's receives may still write them"""
 
 
-class PoolInUse(OSError):
-    """Another live process holds this pool file."""
-
-
-class PoolDoesNotFit(OSError):
-    """The pool is larger than the memory or the space in ``shm_dir`` left for it
-    (refused before anything is allocated)."""
-
-
-def human_bytes(n: int) -> str:
-    """``n`` bytes in GiB (one decimal) from 1 GiB up, else in MiB."""
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
-
-
-def memory_available() -> tuple[int, str]:
-    """Bytes of memory this process may still fill, and whose figure it is: the host's
-    ``MemAvailable``, or what its cgroup's memory limit leaves when that is lower (a
-    container's pool pages count against its limit, not against the host)."""
-    info: dict[str, int] = {}
-    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as fh:
-        for line in fh:
-            key, _, rest = line.partition(":")
-            info[key] = int(rest.split()[0]) * 1024
-    host = info.get("MemAvailable") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    cgroup = _cgroup_room()
-    if cgroup is not None and cgroup < host:
-        return cgroup, "available to its cgroup"
-    return host, "available"
-
-
-def _cgroup_room() -> int | None:
-    """What this process's memory cgroup (v2 or v1) and its ancestors still let it
-    use (limit less usage, reclaimable file cache counted as free), None without a
-    limit or where it cannot be read."""
-    try:
-        with open("/proc/self/cgroup") as fh:
-            lines = fh.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        hid, _, rest = line.partition(":")
-        ctrls, _, path = rest.partition(":")
-        if hid == "0" and not ctrls:  # v2
-            names = ("memory.max", "memory.current", "inactive_file")
-            bases = [Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")]
-        elif "memory" in ctrls.split(","):  # v1
-            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
-            bases = [Path("/sys/fs/cgroup/memory")]
-        else:
-            continue
-        for base in bases:
-            room = _room_under(base, path, names)
-            if room is not None:
-                return room
-    return None
-
-
-def _room_under(base: Path, path: str, names: tuple[str, str, str]) -> int | None:
-    limit_f, usage_f, inactive_key = names
-    parts = [p for p in path.split("/") if p]
-    own: Path | None = None
-    for i in range(len(parts) + 1):  # inside a cgroup namespace the mount shows a suffix
-        d = base.joinpath(*parts[i:])
-        with contextlib.suppress(OSError, ValueError):
-            if str(os.getpid()) in (d / "cgroup.procs").read_text().split():
-                own = d
-                break
-    if own is None:
-        return None
-    best: int | None = None
-    d = own
-    while True:
-        with contextlib.suppress(OSError, ValueError):
-            raw = (d / limit_f).read_text().strip()
-            limit = _NO_LIMIT if raw == "max" else int(raw)
-            if limit < _NO_LIMIT:
-                usage = int((d / usage_f).read_text())
-                inactive = 0
-                for line in (d / "memory.stat").read_text().splitlines():
-                    key, _, value = line.partition(" ")
-                    if key == inactive_key:
-                        inactive = int(value)
-                room = max(0, limit - usage + inactive)
-                best = room if best is None else min(best, room)
-        if d == base or d.parent == d:
-            return best
-        d = d.parent
-
-
-def _memory_backed(directory: Path) -> bool:
-    """Whether files in ``directory`` live in memory (tmpfs, ramfs: a pool there needs
-    memory as well as space); True when the mount table cannot tell."""
-    try:
-        with open("/proc/self/mounts") as fh:
-            mounts = [line.split()[1:3] for line in fh if len(line.split()) > 2]
-    except OSError:
-        return True
-    real = os.path.realpath(directory)
-    best, fstype = "", ""
-    for point, kind in mounts:
-        point = point.replace("\\040", " ")
-        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-            best, fstype = point, kind
-    return fstype in ("tmpfs", "ramfs") or not best
-
-
-def room_problem(
-    want: int,
-    have: int,
-    shm_dir: str | Path,
-    shm_free: int,
-    mem: tuple[int, str] | None,
-    flag: str,
-) -> str | None:
-    """Why a pool of ``want`` bytes does not fit (one line naming the sizes and the
-    ``flag`` that sets them), else None.  ``have``: bytes its file holds already (a
-    pool re-attached); ``mem``: memory available and whose (None: not memory-backed)."""
-    need = max(0, want - have)
-    short_mem = mem is not None and need + MEM_HEADROOM > mem[0]
-    if need <= shm_free and not short_mem:
-        return None
-    more = f" ({human_bytes(need)} more than its file holds)" if have else ""
-    memory = ""
-    if mem is not None:
-        memory = (
-            f"{human_bytes(mem[0])} of memory {mem[1]} ({human_bytes(MEM_HEADROOM)} of it "
-            "left to the host), "
-        )
-    return (
-        f"pool of {human_bytes(want)} does not fit{more}: {memory}{human_bytes(shm_free)} "
-        f"free in {shm_dir}; lower {flag}, or make room"
-    )
-
-
-def check_room(path: str | Path, pool_bytes: int, flag: str = "--node-pool-bytes") -> None:
-    """Raise :class:`PoolDoesNotFit` when a pool of ``pool_bytes`` at ``path`` cannot be
-    backed by the memory and the space of its directory (what a pool file already at
-    ``path`` holds counts as its own)."""
-    path = Path(path)
-    try:
-        have = os.stat(path).st_blocks * 512
-    except FileNotFoundError:
-        have = 0
-    st = os.statvfs(path.parent)
-    mem = memory_available() if _memory_backed(path.parent) else None
-    why = room_problem(pool_bytes, have, path.parent, st.f_bavail * st.f_frsize, mem, flag)
-    if why is not None:
-        raise PoolDoesNotFit(why)
-
-
-def resolve_group(name: str) -> int | None:
-    """The gid of ``[node] access_group`` (a name or a number; empty: None).  Raises
-    ValueError when there is no such group."""
-    name = name.strip()
-    if not name:
-        return None
-    try:
-        return grp.getgrnam(name).gr_gid
-    except KeyError:
-        if name.isdigit():
-            return int(name)
-        raise ValueError(f"[node] access_group {name!r}: no such group") from None
-
-
-def apply_access(target: int | str | Path, gid: int | None) -> None:
-    """Give ``target`` (a descriptor or a path: the pool file, the control socket)
-    read/write access for group ``gid`` (mode 0660), or make it owner-only (0600)
-    when ``gid`` is None."""
-    try:
-        if gid is not None:
-            os.chown(target, -1, gid)
-        os.chmod(target, 0o660 if gid is not None else 0o600)
-    except PermissionError:
-        what = f"descriptor {target}" if isinstance(target, int) else str(target)
-        raise PermissionError(
-            errno.EPERM,
-            f"cannot give {what} to group {gid}: this user is not a member of it "
-            "(add it, or change [node] access_group)",
-        ) from None
-
-
 _T = TypeVar("_T")
 
 
@@ -322,8 +127,9 @@ class BlockPool:
     matches (``recovered`` lists them, oldest first); ``fresh=True`` removes such a file
     and its journal first (never one another live process holds) and starts empty.
     ``created`` says whether this pool made its file (so a failed start knows what to
-    remove).  ``access_gid``: the group given read/write access (see the module
-    docstring); ``size_flag``: the option named when the pool does not fit.
+    remove).  ``access_gid``: the group given read/write access (see
+    :mod:`~pegaflow.storage_node.shm_file`); ``size_flag``: the option named when the
+    pool does not fit.
     ``on_spill``: offered each block evicted, before its slot is reused (the disk tier
     copies it at once); when it returns True the block is kept there and not reported
     to ``on_evict``.
@@ -358,17 +164,17 @@ class BlockPool:
         self._size_flag = size_flag
         self.journal: Journal | None = None
         journal_path = self.path.with_suffix(".journal")
-        if fresh and _remove_unused(self.path):
+        if fresh and remove_unused(self.path):
             for old in (journal_path, journal_path.with_suffix(".journal.tmp")):
                 old.unlink(missing_ok=True)
             log.info("removed the pool file %s and its journal: starting empty", self.path)
         check_room(self.path, self.capacity, size_flag)
-        self._fd, self.created, self._unnamed = _open_pool_file(self.path)
+        self._fd, self.created, self._unnamed = open_locked(self.path)
         try:
             apply_access(self._fd, access_gid)
             self._map()
             if self._unnamed:
-                _link(self._fd, self.path)
+                link_prepared(self._fd, self.path)
                 self._unnamed = False
         except BaseException:
             with contextlib.suppress(AttributeError, BufferError):
@@ -396,56 +202,13 @@ class BlockPool:
             self.journal.rewrite(self._record(e) for e in self.recovered)
 
     def _map(self) -> None:
-        """Size the file, map it, and allocate and touch all of it, a chunk at a time
-        (logged: a start line, progress every :data:`PROGRESS_S`, the time it took)."""
+        """Size the file, map it, and allocate and touch all of it (:func:`prepare`)."""
         os.ftruncate(self._fd, self.capacity)
         self._mmap = mmap.mmap(self._fd, self.capacity, mmap.MAP_SHARED)
-        size = human_bytes(self.capacity)
-        what = "preparing" if self.created else "re-attaching"
-        log.info("%s pool of %s in %s", what, size, self.path.parent)
-        t0 = shown = time.monotonic()
-        allocate = touch = True
-        for off in range(0, self.capacity, PREPARE_CHUNK):
-            n = min(PREPARE_CHUNK, self.capacity - off)
-            allocate = allocate and self._allocate(off, n)
-            touch = touch and self._prefault(off, n)
-            now = time.monotonic()
-            if now - shown >= PROGRESS_S:
-                shown = now
-                log.info("pool %s: %d%% prepared", self.path, (off + n) * 100 // self.capacity)
-        log.info("pool of %s ready in %.1f s", size, time.monotonic() - t0)
-
-    def _allocate(self, off: int, n: int) -> bool:
-        """Allocate ``n`` bytes of the file at ``off``; False where the file system
-        cannot preallocate (its pages then come at first touch)."""
-        try:
-            os.posix_fallocate(self._fd, off, n)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                st = os.statvfs(self.path.parent)
-                raise OSError(
-                    e.errno,
-                    f"pool file {self.path}: pool of {human_bytes(self.capacity)} does not "
-                    f"fit ({human_bytes(st.f_bavail * st.f_frsize)} free in "
-                    f"{self.path.parent}); lower {self._size_flag}, or make room",
-                ) from None
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            return False
-        return True
-
-    def _prefault(self, off: int, n: int) -> bool:
-        """Back ``n`` bytes of the pool at ``off`` with memory now, so puts never pay
-        first-touch faults; False where the kernel cannot.
-
-        MADV_POPULATE_WRITE (Linux 5.14+) keeps existing contents, which matters when
-        the pool file is re-attached after a restart.
-        """
-        try:
-            self._mmap.madvise(_MADV_POPULATE_WRITE, off, n)
-        except (OSError, ValueError):
-            return False
-        return True
+        prepare(
+            self._fd, self._mmap, self.path, self.capacity,
+            created=self.created, size_flag=self._size_flag,
+        )  # fmt: skip
 
     def _recover(self, records: list[SlotRecord]) -> list[Entry]:
         """Adopt the journaled blocks whose bytes still match their checksum (the
@@ -764,76 +527,3 @@ class BlockPool:
                 self.journal.path.unlink(missing_ok=True)
                 with contextlib.suppress(OSError):
                     self.journal.path.with_suffix(".journal.tmp").unlink()
-
-
-def _lock(fd: int, path: Path) -> None:
-    """Hold ``fd``'s pool file for this process (one process per pool file: a second
-    one would resize it under the first); closes ``fd`` and raises PoolInUse if taken."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise PoolInUse(
-            f"pool file {path} is in use by another process: give each node its own "
-            "[node] node_id (or shm_dir)"
-        ) from None
-
-
-def _remove_unused(path: Path) -> bool:
-    """Delete the pool file at ``path`` unless another live process holds it (then
-    PoolInUse); whether there was one."""
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        return False
-    _lock(fd, path)
-    try:
-        path.unlink(missing_ok=True)
-    finally:
-        os.close(fd)
-    return True
-
-
-def _open_pool_file(path: Path) -> tuple[int, bool, bool]:
-    """A locked fd of the pool file at ``path``, whether this call created it, and
-    whether it is still unnamed (a new file is made with ``O_TMPFILE`` where the file
-    system allows: :func:`_link` names it once it is prepared)."""
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            pass
-        else:
-            _lock(fd, path)
-            if os.fstat(fd).st_nlink:
-                return fd, False, False
-            os.close(fd)  # removed while we waited for it: make a new one
-            continue
-        try:
-            fd = os.open(path.parent, os.O_RDWR | os.O_TMPFILE, 0o600)
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-                raise
-        else:
-            _lock(fd, path)
-            return fd, True, True
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            continue  # made in between: open that one
-        _lock(fd, path)
-        return fd, True, False
-
-
-def _link(fd: int, path: Path) -> None:
-    """Name the prepared ``O_TMPFILE`` file ``fd`` at ``path``."""
-    fds = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
-    try:  # linkat(AT_SYMLINK_FOLLOW): a dir fd makes os.link use it
-        os.link(str(fd), path, src_dir_fd=fds, follow_symlinks=True)
-    except FileExistsError:
-        raise PoolInUse(
-            f"pool file {path} was created by another process meanwhile: give each node "
-            "its own [node] node_id (or shm_dir)"
-        ) from None
-    finally:
-        os.close(fds)

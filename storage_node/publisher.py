@@ -18,22 +18,12 @@
   which deletes exactly the stale keys.  Lookups never see the inventory disappear.
 * An etcd outage never raises into the node: calls fail, get logged and counted, and
   are retried with backoff; the queue keeps absorbing writes up to its bound.
-* One node id, one live node.  Before its first registration the publisher reads
-  ``nodes/<id>``.  A record there under a live lease is either this node's own previous
-  process (killed without revoking its lease, which expires one TTL later) or another
-  live node that uses the same id.  The record's ``pool_id`` tells them apart: the pool
-  file's id is kept across restarts on the same pool file, and a process that holds
-  the pool file's lock knows the previous holder is dead; so the same pool id means
-  "take over now".  Any other pool id (another host, or this host after its pool file
-  was lost) means "wait": a dead node's lease runs out within its TTL, while a live
-  node keeps refreshing it; a refresh seen (its remaining TTL going up, or a new
-  lease) or a lease outliving its TTL means another live node, and :meth:`start`
-  raises :class:`~pegaflow.inventory.NodeIdInUse`.  The first registration is then
-  written only if the key was not written since the check (a compare on its
-  revision), so two nodes that start at the same moment cannot both win.  A check that
-  cannot reach etcd at start is made again before the first registration; a refusal
-  found then stops the publisher (:attr:`EtcdPublisher.refused`), which the node's
-  health reports.
+* One node id, one live node: before its first registration the publisher checks
+  that no other live node holds the node id (:mod:`~pegaflow.storage_node.node_claim`)
+  and :meth:`start` raises :class:`~pegaflow.inventory.NodeIdInUse` when one does.  A
+  check that cannot reach etcd at start is made again before the first registration; a
+  refusal found then stops the publisher (:attr:`EtcdPublisher.refused`), which the
+  node's health reports.
 """
 
 from __future__ import annotations
@@ -47,13 +37,13 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import Any
 
-from aetcd import rpc
+from pegaflow.storage_node.node_claim import NodeIdClaim
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pegaflow.config import EtcdConfig
-from pegaflow.errors import BadRequest, NotFound, PegaError, TooLarge, Unavailable
+from pegaflow.errors import BadRequest, NotFound, PegaError, TooLarge
 from pegaflow.etcd import EtcdClient, KeptLease, delete_if_lease_op, put_op
 from pegaflow.inventory import NodeIdInUse
 from pegaflow.keys import BlockLocation, Keyspace, NodeRecord
@@ -62,8 +52,6 @@ from pegaflow.lifecycle import Backoff, Supervised, close_all
 log = logging.getLogger(__name__)
 
 Inventory = Callable[[], Iterable[tuple[str, bytes, int, BlockLocation]]]
-
-_CLAIM_POLL_S = 0.5
 
 
 class _Delete:
@@ -140,7 +128,7 @@ class EtcdPublisher:
         self._tasks: list[Supervised] = []  # the supervisor and the writers, once started
         self._closing = False
         self._down_since: float | None = None
-        self._claim_rev: int | None = None  # the node key's revision when found free
+        self._claim: NodeIdClaim | None = None
         #: Why the node id was refused (another live node holds it), else None.
         self.refused: str | None = None
 
@@ -163,15 +151,17 @@ class EtcdPublisher:
         the registration; if etcd is unreachable it logs and keeps trying in the
         background (never raises for an outage).  Raises
         :class:`~pegaflow.inventory.NodeIdInUse` when another live node holds the node
-        id (this may first wait up to one lease TTL: see the module docstring)."""
+        id (this may first wait up to one lease TTL: see
+        :mod:`~pegaflow.storage_node.node_claim`)."""
         if self._tasks:
             raise RuntimeError("EtcdPublisher already started")
         self._record = record
         self._node_key = self.keys.node_key(record.node_id)
         if self._client is None:
             self._client = EtcdClient(self.cfg)
+        self._claim = NodeIdClaim(self._client, self._node_key)
         try:
-            await self._claim_node_id()
+            await self._claim.check(record)
         except PegaError as e:
             log.warning(
                 "node %s: could not check in etcd that the node id is free (%s); checking "
@@ -529,23 +519,23 @@ class EtcdPublisher:
     async def _rotate_lease(self) -> None:
         """Grant a new lease and rewrite the node record and whole inventory under it."""
         assert self._client is not None and self._record is not None
+        assert self._claim is not None
         self._lease_ok.clear()
         # Batches in flight under the old lease must land before the snapshot is taken.
         await self._drained.wait()
-        if self._claim_rev is None and not self.rotations:
-            await self._claim_node_id()
+        if self._claim.rev is None and not self.rotations:
+            await self._claim.check(self._record)
         every = self._keepalive_s
         lease = await KeptLease.grant(self._client, self._ttl, interval_s=every, min_retry_s=every)
         try:
-            if self._claim_rev is not None:
-                await self._put_claimed(lease.id)
+            if self._claim.rev is not None:
+                await self._claim.register(self._record, lease.id)
             else:
                 await self._client.put(self._node_key, self._record.encode(), lease.id)
         except (PegaError, NodeIdInUse):
             with contextlib.suppress(PegaError):
                 await lease.revoke()
             raise
-        self._claim_rev = None
         snapshot = list(self._inventory())
         self._pending.clear()  # the snapshot supersedes everything queued so far
         self._snapshot = iter(snapshot)
@@ -569,80 +559,6 @@ class EtcdPublisher:
             len(snapshot),
         )
 
-    async def _claim_node_id(self) -> None:
-        """Make sure no other live node is registered under this node id (see the
-        module docstring); notes the node key's revision for the first registration.
-        Raises NodeIdInUse, or PegaError when etcd cannot be asked."""
-        assert self._client is not None and self._record is not None
-        node_id, ours = self._record.node_id, self._record.pool_id
-        seen: tuple[int, int] | None = None  # (lease, remaining TTL) last seen
-        deadline = 0.0
-        while True:
-            kv = await self._client.get(self._node_key)
-            if kv is None or not kv.lease:
-                self._claim_rev = kv.mod_revision if kv is not None else 0
-                return
-            other = _decode_record(kv.value)
-            if ours and other is not None and other.pool_id == ours:
-                log.info(
-                    "node %s: etcd still has this pool's previous process (lease %x, "
-                    "expiring): taking over",
-                    node_id,
-                    kv.lease,
-                )
-                self._claim_rev = kv.mod_revision
-                return
-            ttl = await self._lease_ttl(kv.lease)
-            if ttl <= 0:
-                self._claim_rev = kv.mod_revision
-                return
-            where = f"{other.host}:{other.ucx_port}" if other is not None else "unknown address"
-            if seen is None:
-                deadline = time.monotonic() + ttl + 1.0
-                log.info(
-                    "node %s: the node id is registered by a process of another pool (%s, "
-                    "lease %x, %d s left); waiting for it to expire (a restart after a "
-                    "crash), a live node keeps it and this one is refused",
-                    node_id,
-                    where,
-                    kv.lease,
-                    ttl,
-                )
-            elif kv.lease != seen[0] or ttl > seen[1] or time.monotonic() > deadline:
-                raise NodeIdInUse(
-                    f"node id {node_id} is in use by a live node ({where}, lease {kv.lease:x} "
-                    "kept alive): give each node its own [node] node_id"
-                )
-            seen = (kv.lease, ttl)
-            await asyncio.sleep(_CLAIM_POLL_S)
-
-    async def _lease_ttl(self, lease: int) -> int:
-        """Seconds left of ``lease`` (<= 0 once expired)."""
-        assert self._client is not None
-        req = rpc.LeaseTimeToLiveRequest(ID=lease)
-        try:
-            r = await self._client.call(lambda s: s.lease.LeaseTimeToLive, req)
-        except NotFound:
-            return -1
-        return int(r.TTL)
-
-    async def _put_claimed(self, lease: int) -> None:
-        """The first registration: written only if nobody wrote the node key since
-        :meth:`_claim_node_id` found it free; else checks again (raises PegaError to be
-        retried, or NodeIdInUse)."""
-        assert self._client is not None and self._record is not None
-        unchanged = rpc.Compare(
-            key=self._node_key, target=rpc.Compare.CompareTarget.MOD,
-            result=rpc.Compare.EQUAL, mod_revision=self._claim_rev or 0,
-        )  # fmt: skip
-        r = await self._client.txn(
-            [put_op(self._node_key, self._record.encode(), lease)], compare=[unchanged]
-        )
-        if not r.succeeded:
-            self._claim_rev = None
-            await self._claim_node_id()
-            raise Unavailable("the node key changed during registration; retrying")
-
     async def _revoke_old(self) -> None:
         assert self._client is not None
         old, self._old_lease = self._old_lease, 0
@@ -654,13 +570,6 @@ class EtcdPublisher:
             self._old_lease = old
             raise
         self._check_idle()
-
-
-def _decode_record(value: bytes) -> NodeRecord | None:
-    try:
-        return NodeRecord.decode(value)
-    except (PegaError, TypeError, ValueError):
-        return None
 
 
 class PublisherCollector(Collector):

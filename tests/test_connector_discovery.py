@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 from pegaflow.client import SyncPegaClient
-from pegaflow.client.api import on_this_host, open_pool_file
 from pegaflow.client.data import PoolFile
+from pegaflow.client.samehost import on_this_host, open_pool_file
 from pegaflow.connector.discovery import LocalNodeFinder
 from pegaflow.connector.metadata import LoadJob, SaveJob, StepPlan
 from pegaflow.connector.metrics import Counters

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pegaflow.coordinator.index import BlockIndex, InProcessSink
+from pegaflow.coordinator.index import BlockIndex
+from pegaflow.coordinator.inprocess_sink import InProcessSink
 from pegaflow.coordinator.mirror import EtcdMirror
 from pegaflow.coordinator.service import Coordinator
 from pegaflow.storage_node.publisher import EtcdPublisher
@@ -26,7 +27,8 @@ from pegaflow.config import CoordinatorConfig, EtcdConfig, SecurityConfig
 from pegaflow.errors import BadRequest, NoSpace, TooLarge, Unauthorized, Unavailable
 from pegaflow.etcd import EtcdClient
 from pegaflow.keys import BlockLocation, Keyspace, NodeRecord
-from pegaflow.rpc import RpcClient, encode_frame, parse_address, read_frame
+from pegaflow.rpc import encode_frame, parse_address, read_frame
+from pegaflow.rpc_client import RpcClient
 from pegaflow.wire import PROTOCOL_VERSION
 from tests.etcd_fixture import EtcdServer, make_test_certs
 

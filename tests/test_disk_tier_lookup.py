@@ -14,7 +14,8 @@ import pytest
 from aetcd import rpc
 from pegaflow.connector.costmodel import LOCAL, CostModel, disk_source
 from pegaflow.connector.metadata import LoadJob, WorkerReport
-from pegaflow.coordinator.index import BlockIndex, InProcessSink
+from pegaflow.coordinator.index import BlockIndex
+from pegaflow.coordinator.inprocess_sink import InProcessSink
 from pegaflow.coordinator.mirror import EtcdMirror
 from pegaflow.coordinator.service import Coordinator
 

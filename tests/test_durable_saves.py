@@ -25,7 +25,8 @@ from pegaflow.client import SyncPegaClient
 
 from pegaflow.config import ClientConfig
 from pegaflow.devcluster import Proc, start_server
-from pegaflow.rpc import UNIX_PREFIX, RpcClient
+from pegaflow.rpc import UNIX_PREFIX
+from pegaflow.rpc_client import RpcClient
 from tests.vllm_engine import VllmEngine, prompts
 
 NS = "test-durable"

@@ -35,12 +35,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pegaflow.client.data import DataClient
 
-from pegaflow import rpc
+from pegaflow import rpc_server
 from pegaflow import ucx as pucx
 from pegaflow.checksum import checksum
 from pegaflow.devcluster import Proc, start_node, start_server
 from pegaflow.errors import ERRORS_BY_CODE
-from pegaflow.rpc import RpcClient, encode_frame
+from pegaflow.rpc import encode_frame
+from pegaflow.rpc_client import RpcClient
 from pegaflow.ucx import UcxWorker, close_endpoint
 from pegaflow.ucx_address import (
     SELF,
@@ -1102,7 +1103,7 @@ def test_control_socket_survives_fuzzing(fuzz_node: NodeUnderFuzz) -> None:
     batch = 500
 
     async def silent() -> None:  # says nothing at all: closed at the handshake timeout
-        async with asyncio.timeout(rpc.HANDSHAKE_TIMEOUT_S + 10):
+        async with asyncio.timeout(rpc_server.HANDSHAKE_TIMEOUT_S + 10):
             reader, writer = await asyncio.open_unix_connection(path)
             assert await reader.read() != b""  # the timeout's error reply, then EOF
             writer.close()
@@ -1130,7 +1131,7 @@ def test_control_socket_survives_fuzzing(fuzz_node: NodeUnderFuzz) -> None:
             answered += 1
 
         async def junk(p: bytes) -> None:
-            async with gate, asyncio.timeout(rpc.HANDSHAKE_TIMEOUT_S + 10):
+            async with gate, asyncio.timeout(rpc_server.HANDSHAKE_TIMEOUT_S + 10):
                 for r in await _unix_exchange(path, p, None):
                     if isinstance(r, dict) and r.get("ok") is False:
                         assert r["error"]["code"] in TYPED, r

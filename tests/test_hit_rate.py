@@ -28,7 +28,7 @@ from pegaflow.connector.settings import ConnectorSettings
 from pegaflow.config import ClientConfig, EtcdConfig
 from pegaflow.devcluster import Proc, start_coordinator, start_node, start_server
 from pegaflow.errors import BadRequest
-from pegaflow.rpc import RpcClient
+from pegaflow.rpc_client import RpcClient
 from tests.connector_fakes import FakeRequest
 
 BLOCK = 16 << 10

@@ -20,7 +20,8 @@ from pegaflow.connector.localpath import LocalPath
 from pegaflow.deadline import Deadline
 from pegaflow.devcluster import Proc
 from pegaflow.errors import BadRequest, TooLarge, Unauthorized
-from pegaflow.rpc import UNIX_PREFIX, RpcClient
+from pegaflow.rpc import UNIX_PREFIX
+from pegaflow.rpc_client import RpcClient
 from pegaflow.wire import LocatedBlock, LocatedBlocks
 from tests.tenant_server import client_of, tenant_server
 

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pegaflow.config import ClientConfig, EtcdConfig
 from pegaflow.devcluster import Proc, start_coordinator, start_node
 from pegaflow.errors import BadRequest
-from pegaflow.rpc import RpcClient
+from pegaflow.rpc_client import RpcClient
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK = 64 << 10

@@ -38,11 +38,12 @@ turns shared memory off by itself)"""
 PEER_CLIENT = """
 import asyncio, json, mmap, os, site, sys
 site.addsitedir(sys.argv[1])
-from pegaflow.client.api import open_pool_file
+from pegaflow.client.samehost import open_pool_file
 from pegaflow.client.data import DataClient
 from pegaflow.client.session import NodeSession
 from pegaflow.errors import Unavailable
-from pegaflow.rpc import UNIX_PREFIX, RpcClient
+from pegaflow.rpc import UNIX_PREFIX
+from pegaflow.rpc_client import RpcClient
 
 async def main(addr, hashes, want):
     out = {"uid": os.getuid(), "groups": os.getgroups()}

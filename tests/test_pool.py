@@ -153,7 +153,7 @@ def test_torn_journal_tail_is_ignored(tmp_path: Path, evicted: list[Entry]) -> N
 
 
 def test_a_pool_file_serves_one_process(tmp_path: Path, evicted: list[Entry]) -> None:
-    from pegaflow.storage_node.pool import PoolInUse
+    from pegaflow.storage_node.shm_file import PoolInUse
 
     pool = make_pool(tmp_path, evicted)
     with pytest.raises(PoolInUse):
@@ -168,7 +168,7 @@ def test_a_pool_file_serves_one_process(tmp_path: Path, evicted: list[Entry]) ->
 def test_preparing_a_pool_logs_its_progress(
     tmp_path: Path, evicted: list[Entry], caplog: pytest.LogCaptureFixture, monkeypatch: Any
 ) -> None:
-    from pegaflow.storage_node import pool as pool_mod
+    from pegaflow.storage_node import shm_file as pool_mod
 
     monkeypatch.setattr(pool_mod, "PROGRESS_S", 0.0)  # a progress line at every chunk
     monkeypatch.setattr(pool_mod, "PREPARE_CHUNK", MiB)
@@ -200,7 +200,7 @@ def test_a_fresh_pool_forgets_what_the_old_file_held(tmp_path: Path, evicted: li
 
 
 def test_a_fresh_pool_never_takes_a_live_pool_file(tmp_path: Path, evicted: list[Entry]) -> None:
-    from pegaflow.storage_node.pool import PoolInUse
+    from pegaflow.storage_node.shm_file import PoolInUse
 
     live = make_pool(tmp_path, evicted)
     put(live, b"a", 1000)
@@ -221,7 +221,7 @@ def test_the_pool_file_is_owner_only_or_open_to_its_access_group(tmp_path: Path)
 
 
 def test_what_a_pool_needs_is_memory_and_space_less_what_its_file_holds() -> None:
-    from pegaflow.storage_node.pool import MEM_HEADROOM, room_problem
+    from pegaflow.storage_node.shm_file import MEM_HEADROOM, room_problem
 
     GiB = 1 << 30
     mem = (10 * GiB, "available")

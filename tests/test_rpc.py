@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 
-from pegaflow import rpc
+from pegaflow import rpc, rpc_server
 from pegaflow.errors import BadRequest, DeadlineExceeded, Internal, TooLarge, Unavailable
-from pegaflow.rpc import Packed, RpcClient, RpcServer, encode_frame, read_frame
+from pegaflow.rpc import encode_frame, read_frame
+from pegaflow.rpc_client import RpcClient
+from pegaflow.rpc_server import Packed, RpcServer
 from pegaflow.wire import PROTOCOL_VERSION, pack
 
 
@@ -125,7 +127,7 @@ async def test_failover_when_the_server_goes_away() -> None:
 
 
 async def test_oversized_frame_and_handshake_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rpc, "HANDSHAKE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(rpc_server, "HANDSHAKE_TIMEOUT_S", 0.2)
     srv, addr = await _server(max_frame=1024)
     try:
         c = RpcClient([addr])

@@ -1,0 +1,85 @@
+"""Finding the storage nodes on this host: a node counts as one when its address may be
+this machine's and this process can open its pool file as the very file the node
+described (the same-host shortcut maps that file instead of moving bytes over UCX)."""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+from pegaflow.keys import NodeRecord
+
+from .data import PoolFile
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LocalNode:
+    """A storage node on this host: its record and the pool file this process can open."""
+
+    record: NodeRecord
+    pool: PoolFile
+
+
+def open_pool_file(info: PoolFile, flags: int = os.O_RDWR) -> int:
+    """Open a node's pool file and check that it is the file the node described (same
+    device and inode, at least as large); returns the descriptor (the caller closes it).
+
+    Raises ``OSError`` when it cannot be opened or is another file: another host's path,
+    another mount namespace's ``/dev/shm``, a pool replaced since the node described it.
+    """
+    fd = os.open(info.path, flags)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (info.dev, info.ino) or st.st_size < info.size:
+            raise OSError(f"{info.path} is not the node's pool file (another host's?)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def on_this_host(host: str) -> bool:
+    """Whether ``host`` (a node's data-plane address) can be an address of this machine.
+
+    An IP address is this machine's when a socket can bind to it (a local system call:
+    nothing is sent); a name only when it is ``localhost`` or this machine's host name
+    (names are not resolved: no DNS query per node).  The pool file check that follows
+    (:func:`open_pool_file`) is what decides; this only spares connecting to every
+    node of a large cluster.
+    """
+    host = host.strip().strip("[]")
+    if not host:
+        return False
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        name = host.lower().rstrip(".")
+        mine = socket.gethostname().lower()
+        return name in ("localhost", mine) or name.split(".")[0] == mine.split(".")[0]
+    if ip.is_unspecified or ip.is_loopback:
+        return True
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.bind((str(ip), 0))
+    except OSError as e:
+        if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+            log.debug("cannot tell whether %s is an address of this host: %s", host, e)
+        return False
+    return True
+
+
+def opens_as_node_file(info: PoolFile) -> bool:
+    """Whether this process can open ``info`` as the node's pool file
+    (:func:`open_pool_file`)."""
+    try:
+        os.close(open_pool_file(info))
+    except OSError:
+        return False
+    return True

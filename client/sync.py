@@ -1,0 +1,125 @@
+"""The blocking client: :class:`SyncPegaClient` runs a :class:`~.api.PegaClient` on a
+private event-loop thread for synchronous callers (the vLLM connector, scripts) and
+offers each of its operations twice, built from it by one helper
+(:func:`~.calls.offer`): ``op(...)`` blocks for the answer, ``submit_op(...)`` returns a
+future.  Deadlines are made on the caller's thread and carried across the hop to the
+loop (:mod:`pegaflow.deadline`)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import uvloop
+
+from pegaflow.config import ClientConfig
+from pegaflow.deadline import Deadline
+
+from .api import PegaClient
+from .calls import OnLoop, offer
+from .session import NodeSession
+
+T = TypeVar("T")
+
+
+class SyncPegaClient(OnLoop):
+    """A thread-safe, blocking facade over a :class:`PegaClient` on its own loop thread.
+
+    Every operation of :class:`PegaClient` is here twice, with its signature: ``op(...)``
+    blocks until the answer, ``submit_op(...)`` returns a
+    :class:`concurrent.futures.Future` of it at once (:func:`~.calls.offer`).  The call's
+    deadline is made from its ``timeout`` on the caller's thread and carried to the loop
+    (a :class:`~pegaflow.deadline.Deadline` passed as ``timeout`` is carried as it is),
+    so the wait for the loop counts against it; a blocking call waits at most
+    :data:`~pegaflow.deadline.HOP_MARGIN_S` past it.  :meth:`node_session` gives the
+    same for one node's ops.
+    """
+
+    def __init__(self, cfg: ClientConfig, token: str | None = None) -> None:
+        # uvloop: a call from another thread reaches the loop and comes back faster than
+        # on asyncio's own loop (52 / 264 us p50 / p90 against 84 / 774 us, one-off probe;
+        # docs/benchmarks.md, "Same-host control")
+        super().__init__(cfg, uvloop.new_event_loop())
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="pegaflow-client", daemon=True
+        )
+        self._thread.start()
+        self._client: PegaClient = self._wait(
+            self._submit(self._make(cfg, token)), Deadline.of(cfg.rpc_timeout_s)
+        )
+        self._node_sessions: dict[str, SyncNodeSession] = {}
+        self._sessions_lock = threading.Lock()
+
+    @staticmethod
+    async def _make(cfg: ClientConfig, token: str | None) -> PegaClient:
+        return PegaClient(cfg, token)
+
+    def _on_loop(self, fn: Callable[[PegaClient], Coroutine[Any, Any, T]], timeout: float) -> T:
+        """``fn(async_client)`` on the loop, waited for: only for tests that reach into
+        the async client's internals (callers use the operations)."""
+        return self._wait(self._submit(fn(self._client)), Deadline.of(timeout))
+
+    def node_session(self, node_id: str) -> SyncNodeSession:
+        """The blocking facade of :meth:`PegaClient.session` (one per node, kept)."""
+        s = self._node_sessions.get(node_id)
+        if s is None:
+            with self._sessions_lock:
+                s = self._node_sessions.get(node_id)
+                if s is None:
+                    fut = self._submit(self._session_of(node_id))
+                    session = self._wait(fut, Deadline.of(self.cfg.rpc_timeout_s))
+                    s = self._node_sessions[node_id] = SyncNodeSession(self, session)
+        return s
+
+    async def _session_of(self, node_id: str) -> NodeSession:
+        return self._client.session(node_id)
+
+    def settled(self, buf: Any) -> bool:
+        """See :meth:`PegaClient.settled`."""
+        return self._client.settled(buf)
+
+    @property
+    def stale_misses(self) -> int:
+        """See :attr:`PegaClient.stale_misses`."""
+        return self._client.stale_misses
+
+    async def _shutdown(self) -> None:
+        await self._client.close()
+        # calls still in flight (fire-and-forget unpins, say) end here, not in the GC
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in rest:
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+
+    def close(self) -> None:
+        """Close the client and stop its thread."""
+        if not self._loop.is_running():
+            return
+        try:
+            self._wait(self._submit(self._shutdown()), Deadline.of(5.0))
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+            self._loop.close()
+
+
+class SyncNodeSession(OnLoop):
+    """A blocking facade over a :class:`~.session.NodeSession` of a
+    :class:`SyncPegaClient`: each of its operations as ``op(...)`` and
+    ``submit_op(...)``, as on the client."""
+
+    def __init__(self, client: SyncPegaClient, session: NodeSession) -> None:
+        super().__init__(client.cfg, client._loop)
+        self._session = session
+        self.node_id = session.node_id
+
+    @property
+    def over_socket(self) -> bool:
+        """See :attr:`NodeSession.over_socket`."""
+        return self._session.over_socket
+
+
+offer(SyncPegaClient, PegaClient, "_client")
+offer(SyncNodeSession, NodeSession, "_session")

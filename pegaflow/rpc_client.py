@@ -1,0 +1,342 @@
+"""The control protocol's client (:mod:`pegaflow.rpc` has the wire format): one
+connection per service, shared by concurrent calls matched by request id, each under a
+deadline, failing over between the service's addresses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any, cast
+
+from pegaflow.deadline import Deadline, Timeout
+from pegaflow.errors import (
+    DeadlineExceeded,
+    PegaError,
+    ProtocolError,
+    Unauthorized,
+    Unavailable,
+    error_from_wire,
+)
+from pegaflow.rpc import DEFAULT_MAX_FRAME, UNIX_PREFIX, FrameBuffer, encode_frame, parse_address
+from pegaflow.wire import PROTOCOL_VERSION, req_map
+
+log = logging.getLogger(__name__)
+
+
+class _Expired(Exception):
+    """A call's deadline passed (turned into DeadlineExceeded by the caller)."""
+
+
+class _ClientConnection(asyncio.Protocol):
+    """One connection of an :class:`RpcClient`: sends frames, resolves replies by id,
+    fails calls whose deadline passed.
+
+    One timer serves all calls: it is armed for the earliest deadline and, when it
+    fires, fails what expired and re-arms for the next one, so a call costs two dict
+    entries rather than a timer of its own.
+    """
+
+    def __init__(self, client: RpcClient, address: str) -> None:
+        self._client = client
+        self.address = address
+        self._loop = asyncio.get_running_loop()
+        self._frames = FrameBuffer()
+        self.transport: asyncio.Transport | None = None
+        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self._deadlines: dict[int, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self.hello: asyncio.Future[Any] = self._loop.create_future()
+        self._out: list[bytes] = []
+        self._flush_scheduled = False
+        self.lost = False
+        self.last_rx = self._loop.time()
+        """when the server last sent anything (loop time)"""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+
+    def data_received(self, data: bytes) -> None:
+        self.last_rx = self._loop.time()
+        self._frames.buf += data
+        pending = self.pending
+        deadlines = self._deadlines
+        frames = self._frames.frames(self._limit)
+        try:
+            for msg in frames:
+                if not self.hello.done():
+                    self.hello.set_result(msg)
+                    continue
+                if type(msg) is not dict:
+                    continue
+                rid = msg.get("id")
+                if type(rid) is not int:
+                    if rid is None and not msg.get("ok"):
+                        # The server refused a frame it could not take and closes: the
+                        # calls in flight get its error rather than a bare "lost".
+                        err = error_from_wire(msg.get("error"))
+                        for fut in pending.values():
+                            if not fut.done():
+                                fut.set_exception(err)
+                    continue
+                fut = pending.pop(rid, None)
+                deadlines.pop(rid, None)
+                if fut is None or fut.done():
+                    continue
+                if msg.get("ok"):
+                    fut.set_result(msg.get("result"))
+                else:
+                    fut.set_exception(error_from_wire(msg.get("error")))
+        except PegaError as e:
+            self.drop(Unavailable(f"bad reply from {self.address}: {e}"))
+        finally:
+            frames.close()
+
+    def _limit(self) -> int:
+        return self._client._max_frame
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        why = exc or "closed by the server"
+        self._fail_all(Unavailable(f"connection to {self.address} lost: {why}"))
+
+    def request(self, rid: int, frame: bytes, deadline: float) -> asyncio.Future[Any]:
+        """Send a request frame; the future gets the reply, or ``_Expired`` at
+        ``deadline`` (loop time)."""
+        fut = self._loop.create_future()
+        self.pending[rid] = fut
+        self._deadlines[rid] = deadline
+        if self._timer is None or deadline < self._timer_at:
+            self._arm(deadline)
+        self._out.append(frame)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+        return fut
+
+    def send(self, frame: bytes) -> None:
+        """Queue a frame; frames queued in one loop iteration go out in one write."""
+        self._out.append(frame)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def forget(self, rid: int) -> None:
+        """Stop waiting for a reply."""
+        self.pending.pop(rid, None)
+        self._deadlines.pop(rid, None)
+
+    def _arm(self, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(at, self._expire)
+        self._timer_at = at
+
+    def _expire(self) -> None:
+        self._timer = None
+        now = self._loop.time()
+        nxt = 0.0
+        for rid, at in list(self._deadlines.items()):
+            if at <= now:
+                del self._deadlines[rid]
+                fut = self.pending.pop(rid, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(_Expired())
+            elif not nxt or at < nxt:
+                nxt = at
+        if nxt:
+            self._arm(nxt)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        out = self._out
+        if out and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        out.clear()
+
+    def _fail_all(self, err: PegaError) -> None:
+        self.lost = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self.hello.done():
+            self.hello.set_exception(err)
+            self.hello.exception()  # retrieved: nobody may be waiting any more
+        pending, self.pending = self.pending, {}
+        self._deadlines = {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._client._lost(self)
+
+    def drop(self, err: PegaError) -> None:
+        """Close the connection; pending calls fail with ``err``."""
+        if self.transport is not None:
+            self.transport.abort()
+        self._fail_all(err)
+
+
+class RpcClient:
+    """A client of one logical service reachable at several addresses (failover).
+
+    Calls go to the current address; when it cannot be reached, the next one is tried
+    within the same deadline.  A call never hangs: it returns, or raises a typed
+    :class:`PegaError` (``Unavailable`` when no address answers, ``DeadlineExceeded``
+    when the deadline passes).
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        token: str | None = None,
+        timeout: float = 5.0,
+        connect_timeout: float = 1.0,
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ) -> None:
+        if not addresses:
+            raise ValueError("RpcClient needs at least one address")
+        self.addresses = list(addresses)
+        self._token = token
+        self.timeout = timeout
+        self._connect_timeout = connect_timeout
+        self._max_frame = max_frame
+        self._ids = itertools.count(1)
+        self._current = 0
+        self._conn: _ClientConnection | None = None
+        self._connecting: asyncio.Lock | None = None
+
+    @property
+    def current_address(self) -> str:
+        """The address calls go to now."""
+        return self.addresses[self._current]
+
+    async def close(self) -> None:
+        """Close the connection; pending calls fail with ``Unavailable``."""
+        self.close_now()
+
+    def close_now(self) -> None:
+        """:meth:`close`, callable outside a coroutine (on the loop's thread)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.drop(Unavailable("client closed"))
+
+    def _move_on_from(self, addr: str) -> None:
+        """Make the next address current, unless a concurrent call already moved on."""
+        if self.addresses[self._current] == addr:
+            self._current = (self._current + 1) % len(self.addresses)
+
+    def _lost(self, conn: _ClientConnection) -> None:
+        if self._conn is conn:
+            self._conn = None
+
+    async def _open(self, addr: str, timeout: float) -> _ClientConnection:
+        loop = asyncio.get_running_loop()
+        conn = _ClientConnection(self, addr)
+        async with asyncio.timeout(timeout):
+            if addr.startswith(UNIX_PREFIX):
+                await loop.create_unix_connection(lambda: conn, addr[len(UNIX_PREFIX) :])
+            else:
+                host, port = parse_address(addr)
+                await loop.create_connection(lambda: conn, host, port)
+            try:
+                hello = {"op": "hello", "version": PROTOCOL_VERSION, "token": self._token}
+                conn.send(encode_frame(hello))
+                reply = req_map(await conn.hello)
+            except BaseException:
+                if conn.transport is not None:
+                    conn.transport.abort()
+                raise
+        if not reply.get("ok"):
+            conn.drop(Unavailable("handshake refused"))
+            raise error_from_wire(reply.get("error"))
+        return conn
+
+    async def _connection(self, deadline: Deadline) -> _ClientConnection:
+        if self._conn is not None:
+            return self._conn
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._conn is not None:
+                return self._conn
+            errors: list[str] = []
+            for i in range(len(self.addresses)):
+                idx = (self._current + i) % len(self.addresses)
+                remaining = deadline.remaining()
+                if remaining <= 0:
+                    break
+                try:
+                    conn = await self._open(
+                        self.addresses[idx], min(remaining, self._connect_timeout)
+                    )
+                except (Unauthorized, ProtocolError):
+                    raise
+                except (OSError, TimeoutError, PegaError) as e:
+                    errors.append(f"{self.addresses[idx]}: {type(e).__name__} {e}")
+                    continue
+                self._current = idx
+                self._conn = conn
+                return conn
+            raise Unavailable(
+                "no service address reachable: " + "; ".join(errors or ["deadline passed"])
+            )
+
+    async def call(
+        self, op: str, args: dict[str, Any] | None = None, timeout: Timeout = None
+    ) -> Any:
+        """Run ``op`` remotely within ``timeout`` (default: the client's); fail over to
+        another address if the connection breaks."""
+        deadline = Deadline.of(timeout, self.timeout)
+        loop = asyncio.get_running_loop()
+        last: PegaError | None = None
+        for _attempt in range(len(self.addresses) + 1):
+            conn = self._conn
+            if conn is None:
+                try:
+                    async with asyncio.timeout(deadline.left()):
+                        conn = await self._connection(deadline)
+                except TimeoutError:
+                    break
+            remaining = deadline.remaining()
+            if remaining <= 0:
+                break
+            rid = next(self._ids)
+            frame = {
+                "id": rid,
+                "op": op,
+                "args": args or {},
+                "deadline_ms": max(1, int(remaining * 1000)),
+            }
+            sent_at = loop.time()
+            fut = conn.request(rid, encode_frame(frame), sent_at + remaining)
+            try:
+                return await fut
+            except _Expired:
+                addr = self.current_address
+                if len(self.addresses) > 1 and conn.last_rx < sent_at and not conn.lost:
+                    # not a byte back for a whole deadline: a hung server (a frozen
+                    # process, a partition) keeps its connection open; later calls go on
+                    # to the next address instead of waiting on it again
+                    self._move_on_from(addr)
+                    log.warning(
+                        "%s: no answer from %s within %.3f s; failing over to %s",
+                        op, addr, remaining, self.current_address,
+                    )  # fmt: skip
+                    conn.drop(Unavailable(f"{addr} sent nothing within a deadline"))
+                raise DeadlineExceeded(
+                    f"{op} to {addr} got no answer within {remaining:.3f} s"
+                ) from None
+            except Unavailable as e:
+                if not conn.lost:  # the server's own answer
+                    raise
+                last = e
+                self._move_on_from(conn.address)
+            except asyncio.CancelledError:
+                conn.forget(rid)
+                raise
+        if last is not None:
+            raise last
+        raise DeadlineExceeded(f"{op} passed its deadline")
