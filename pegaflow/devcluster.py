@@ -193,12 +193,18 @@ class Proc:
 
 
 def start(
-    name: str, argv: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = 60.0
+    name: str,
+    argv: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 60.0,
+    prefix: Sequence[str] = (),
 ) -> Proc:
-    """Run ``python -m <argv>`` and wait for its READY line."""
+    """Run ``python -m <argv>`` (behind the command line ``prefix``, e.g. ``unshare``)
+    and wait for its READY line."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     popen = subprocess.Popen(
-        [sys.executable, "-m", *argv],
+        [*prefix, sys.executable, "-m", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -303,7 +309,11 @@ def start_coordinator(
 
 
 def start_server(
-    *, token: str | None = None, extra: Sequence[str] = (), env: dict[str, str] | None = None
+    *,
+    token: str | None = None,
+    extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    prefix: Sequence[str] = (),
 ) -> Proc:
     """A single-host ``pegaflow-server``; ``ready['coordinator']`` is its address.  Its
     pool lives in a fresh directory removed when this process exits (a later
@@ -318,4 +328,4 @@ def start_server(
     ]  # fmt: skip
     if token:
         argv += ["--security-token", token]
-    return start("pegaflow-server", argv, env=env)
+    return start("pegaflow-server", argv, env=env, prefix=prefix)

@@ -18,29 +18,43 @@ Steps, on one directory (``--dir``, default a fresh one under /var/tmp):
 6. node (``--node-prefix-gb``, 0: skipped): a real ``pegaflow-node`` whose pool holds a
    bit more than one prefix of that size (1.31 GB: a 10k-token Llama-8B prefix) and a
    disk tier in the same directory; prefix A is put, then prefixes B and C (which evict
-   all of A to disk); one batched get of A through a real client is timed (``promote_s``: the disk
-   reads, the commits into the pool and the sends).  Then a set of blocks in memory is
-   read by back-to-back gets, alone and while a writer puts new blocks that evict (and
-   spill) others: ``get_from_memory_gbps`` and ``get_from_memory_during_spills_gbps``.
+   all of A to disk), paced so that the spills keep up (a put waits until the
+   evictions before it are written or dropped); one batched get of A through a real
+   client is timed (``promote_s``: the disk reads, the commits into the pool and the
+   sends, streamed).  Then a set of blocks in memory is read by back-to-back gets,
+   alone and while a writer puts new blocks that evict (and spill) others:
+   ``get_from_memory_gbps`` and ``get_from_memory_during_spills_gbps``.
+
+Every step has a deadline (``--step-timeout-s``) and prints its JSON line
+(``{"step": ...}``) the moment it is done, so a run killed midway still shows the
+steps before; a step that fails or runs out of time prints ``{"step": ..., "error":
+...}`` and the run goes on with the next one (but the node's second step, which
+reads what the first promoted).
 
 ``O_DIRECT`` bypasses the page cache, so no cache dropping is needed (on a file system
 without ``O_DIRECT``, e.g. some tmpfs, both sides are buffered and say so).  Every figure
 is the best of ``--rounds`` rounds, the median is printed too.  The last line printed is
-one JSON object: ``spill_gbps``, ``read_gbps``, ``raw_read_gbps``, ``read_ratio``
+one JSON object of all the steps: ``spill_gbps``, ``read_gbps``, ``raw_read_gbps``, ``read_ratio``
 (best read / best raw), ``read_ratio_paired_median`` (the median over rounds of each
 round's read / raw: steadier on a shared disk), ``dd_read_gbps``, ``recover_s``,
 ``recover_verify_s``, ``read_during_spills_gbps``, ``spill_during_reads_gbps``, the
-node figures (``node``: ``promote_s``, ``promote_gbps``, ``get_from_memory_gbps``,
+node figures (``node``: ``promote_s``, ``promote_gbps``, ``promoted_blocks`` and
+``byte_exact_blocks`` of the prefix's ``blocks``, ``streamed_blocks`` (sent ahead of a
+later disk read), ``spill_drops_before`` / ``spill_drops_during`` (evictions not kept on
+disk, before the get and by the get's own promotions), ``get_from_memory_gbps``,
 ``get_from_memory_during_spills_gbps``, ``spilled_during``) and the parameters.
+``--gb 0`` skips steps 1 to 5.
 
     .venv/bin/python scripts/bench_disk_tier.py [--gb 2] [--block-mib 2] [--batch 32]
         [--read-threads 4] [--dir /path/on/the/disk] [--rounds 3] [--node-prefix-gb 1.31]
+        [--step-timeout-s 300]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import mmap
 import os
@@ -64,14 +78,32 @@ sys.path.insert(0, str(REPO))
 
 from pegaflow.storage_node.disk_tier import DiskTier  # noqa: E402
 
+from pegaflow.deadline import Deadline  # noqa: E402
+
 GB = 1e9
+
+
+class StepTimeout(Exception):
+    """A step ran past its deadline."""
+
+
+def check(deadline: Deadline, what: str) -> None:
+    if deadline.expired:
+        raise StepTimeout(f"{what}: past the step's deadline")
+
+
+def emit(step: str, result: dict[str, Any]) -> None:
+    """Print one step's JSON line now (a run killed later still shows it)."""
+    print(json.dumps({"step": step, **result}), flush=True)
 
 
 def blocks_for(gb: float, block: int) -> int:
     return max(1, int(gb * GB) // block)
 
 
-def raw_read(path: Path, size: int, chunk: int, threads: int) -> tuple[float, bool]:
+def raw_read(
+    path: Path, size: int, chunk: int, threads: int, deadline: Deadline
+) -> tuple[float, bool]:
     """GB/s of reading ``path`` (``size`` bytes) in ``chunk`` pieces on ``threads``
     threads with O_DIRECT where allowed; and whether it was allowed."""
     try:
@@ -86,6 +118,8 @@ def raw_read(path: Path, size: int, chunk: int, threads: int) -> tuple[float, bo
         buf = mmap.mmap(-1, chunk)
         n = 0
         for off in part:
+            if deadline.expired:
+                break
             n += os.preadv(fd, [buf], off)
         return n
 
@@ -93,6 +127,7 @@ def raw_read(path: Path, size: int, chunk: int, threads: int) -> tuple[float, bo
         t0 = time.perf_counter()
         with ThreadPoolExecutor(threads) as ex:
             total = sum(ex.map(work, [offsets[i : i + per] for i in range(0, len(offsets), per)]))
+        check(deadline, "raw read")
         return total / (time.perf_counter() - t0) / GB, direct
     finally:
         os.close(fd)
@@ -113,16 +148,19 @@ def write_scratch(path: Path, size: int, chunk: int) -> None:
         os.close(fd)
 
 
-def dd_read(path: Path, chunk: int) -> float | None:
+def dd_read(path: Path, chunk: int, deadline: Deadline) -> float | None:
     """GB/s that ``dd iflag=direct`` reports reading ``path`` (None without dd)."""
     if shutil.which("dd") is None:
         return None
-    p = subprocess.run(
-        ["dd", f"if={path}", "of=/dev/null", f"bs={chunk}", "iflag=direct"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    try:
+        p = subprocess.run(
+            ["dd", f"if={path}", "of=/dev/null", f"bs={chunk}", "iflag=direct"],
+            capture_output=True,
+            text=True,
+            timeout=deadline.left(),
+        )
+    except subprocess.TimeoutExpired:
+        raise StepTimeout("dd: past the step's deadline") from None
     m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", p.stderr)
     if p.returncode != 0 or m is None:
         return None
@@ -145,17 +183,28 @@ def key(i: int) -> tuple[str, bytes, int]:
     return ("bench", i.to_bytes(8, "little"), 0)
 
 
-def spill_round(tier: DiskTier, blocks: list[np.ndarray], first: int = 0) -> float:
+def spill_round(
+    tier: DiskTier, blocks: list[np.ndarray], deadline: Deadline, first: int = 0
+) -> float:
     """GB/s of spilling ``blocks`` (keys from ``first`` on) until all are on disk."""
     t0 = time.perf_counter()
     for i, b in enumerate(blocks, first):
         while not tier.spill(key(i), i, b):
+            check(deadline, "spill")
             time.sleep(0.0005)  # queue full: the disk is the bottleneck
-    tier.flush(600)
+    if not tier.flush(deadline.left()):
+        raise StepTimeout("spill: past the step's deadline")
     return sum(b.nbytes for b in blocks) / (time.perf_counter() - t0) / GB
 
 
-def read_round(tier: DiskTier, ids: range, block: int, batch: int, bufs: list[np.ndarray]) -> float:
+def read_round(
+    tier: DiskTier,
+    ids: range,
+    block: int,
+    batch: int,
+    bufs: list[np.ndarray],
+    deadline: Deadline,
+) -> float:
     """GB/s of reading ``ids`` in batches of ``batch`` reads in flight."""
     t0 = time.perf_counter()
     for start in range(ids.start, ids.stop, batch):
@@ -164,13 +213,17 @@ def read_round(tier: DiskTier, ids: range, block: int, batch: int, bufs: list[np
             for i in range(start, min(ids.stop, start + batch))
         ]
         for f in futs:
-            if f.result(600) != block:
+            if f.result(deadline.left()) != block:
                 raise SystemExit("a block failed to read back")
     return len(ids) * block / (time.perf_counter() - t0) / GB
 
 
 def mixed_round(
-    tier: DiskTier, blocks: list[np.ndarray], batch: int, bufs: list[np.ndarray]
+    tier: DiskTier,
+    blocks: list[np.ndarray],
+    batch: int,
+    bufs: list[np.ndarray],
+    deadline: Deadline,
 ) -> tuple[float, float]:
     """Read the newer half of a full tier while new blocks are spilled into the older
     half (evicting it); GB/s of the reads and of the spills."""
@@ -179,12 +232,14 @@ def mixed_round(
     spill_gbps: list[float] = []
 
     def spiller() -> None:
-        spill_gbps.append(spill_round(tier, blocks[:half], first=n))
+        spill_gbps.append(spill_round(tier, blocks[:half], deadline, first=n))
 
-    th = threading.Thread(target=spiller)
+    th = threading.Thread(target=spiller, daemon=True)
     th.start()
-    read_gbps = read_round(tier, range(n - half, n), block, batch, bufs)
-    th.join()
+    read_gbps = read_round(tier, range(n - half, n), block, batch, bufs, deadline)
+    th.join(deadline.left())
+    if not spill_gbps:
+        raise StepTimeout("mixed: the spills did not finish by the step's deadline")
     return read_gbps, spill_gbps[0]
 
 
@@ -192,68 +247,54 @@ def summary(xs: list[float]) -> dict[str, float]:
     return {"best": round(max(xs), 3), "median": round(statistics.median(xs), 3)}
 
 
-def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+def tier_rounds(args: argparse.Namespace, root: Path, deadline: Deadline) -> dict[str, Any]:
+    """Steps 1 to 4: raw reads, and the tier's spills, reads and mixed rounds."""
     block = int(args.block_mib * (1 << 20))
     n = blocks_for(args.gb, block)
     size = n * block
     scratch = root / "scratch"
     print(f"raw: writing a {size / GB:.2f} GB scratch file ...", file=sys.stderr)
     write_scratch(scratch, size, block)
+    check(deadline, "writing the scratch file")
     raws: list[float] = []
     dds: list[float] = []
     blocks = make_blocks(n, block)
-    kw = {
-        "read_threads": args.read_threads,
-        "write_threads": args.write_threads,
-        "queue_depth": args.queue_depth,
-    }
     tier_dir = root / "tier"
     bufs = [np.empty(block, dtype=np.uint8) for _ in range(args.batch)]
     spills: list[float] = []
     reads: list[float] = []
     mixed_reads: list[float] = []
     mixed_spills: list[float] = []
+    direct = io_direct = False
+    open_s = 0.0
     for r in range(args.rounds):  # raw and tier interleaved: both see the same disk state
-        gbps, direct = raw_read(scratch, size, block, args.read_threads)
+        gbps, direct = raw_read(scratch, size, block, args.read_threads, deadline)
         raws.append(gbps)
-        dd = dd_read(scratch, block)
+        dd = dd_read(scratch, block, deadline)
         if dd is not None:
             dds.append(dd)
         shutil.rmtree(tier_dir, ignore_errors=True)
         t0 = time.perf_counter()
-        tier = DiskTier(tier_dir, size, block, **kw)
+        tier = DiskTier(tier_dir, size, block, **tier_kw(args))
         open_s = time.perf_counter() - t0
-        tier.recover()
-        print(f"round {r}: spilling {n} blocks of {block >> 20} MiB ...", file=sys.stderr)
-        spills.append(spill_round(tier, blocks))
-        reads.append(read_round(tier, range(n), block, args.batch, bufs))
-        if n >= 2:
-            mr, ms = mixed_round(tier, blocks, args.batch, bufs)
-            mixed_reads.append(mr)
-            mixed_spills.append(ms)
-        st = tier.stats()
-        tier.close()
+        try:
+            tier.recover()
+            print(f"round {r}: spilling {n} blocks of {block >> 20} MiB ...", file=sys.stderr)
+            spills.append(spill_round(tier, blocks, deadline))
+            reads.append(read_round(tier, range(n), block, args.batch, bufs, deadline))
+            if n >= 2:
+                mr, ms = mixed_round(tier, blocks, args.batch, bufs, deadline)
+                mixed_reads.append(mr)
+                mixed_spills.append(ms)
+            io_direct = tier.stats().direct_io
+        finally:
+            tier.close(timeout=max(1.0, deadline.remaining()))
         print(
             f"round {r}: spill {spills[-1]:.2f} GB/s, read {reads[-1]:.2f} GB/s, "
             f"raw {raws[r]:.2f} GB/s",
             file=sys.stderr,
         )
-    del blocks
     scratch.unlink()
-
-    t0 = time.perf_counter()
-    tier = DiskTier(tier_dir, size, block, **kw)
-    kept = tier.recover()
-    recover_s = time.perf_counter() - t0
-    tier.close()
-    t0 = time.perf_counter()
-    tier = DiskTier(tier_dir, size, block, **kw)
-    kept_verified = tier.recover(verify=True)
-    recover_verify_s = time.perf_counter() - t0
-    tier.close()
-    if len(kept) != n or len(kept_verified) != n:  # full: the mixed rounds only evicted
-        raise SystemExit(f"recover kept {len(kept)}/{len(kept_verified)} of {n} blocks")
-    shutil.rmtree(tier_dir, ignore_errors=True)
     raw_best = max(raws)
     return {
         "spill_gbps": summary(spills)["best"],
@@ -264,15 +305,13 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             statistics.median(t / r for t, r in zip(reads, raws, strict=True)), 3
         ),
         "dd_read_gbps": round(max(dds), 3) if dds else None,
-        "recover_s": round(recover_s, 3),
-        "recover_verify_s": round(recover_verify_s, 3),
         "read_during_spills_gbps": summary(mixed_reads)["best"] if mixed_reads else None,
         "spill_during_reads_gbps": summary(mixed_spills)["best"] if mixed_spills else None,
         "spill": summary(spills),
         "read": summary(reads),
         "raw_read": summary(raws),
         "create_s": round(open_s, 3),
-        "direct_io": st.direct_io and direct,
+        "direct_io": io_direct and direct,
         "tier_gb": round(size / GB, 3),
         "blocks": n,
         "block_bytes": block,
@@ -284,95 +323,185 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     }
 
 
-def node_run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    """Step 6 (see the module docstring): a real node with a disk tier."""
-    from pegaflow.client.data import DataClient
+def tier_kw(args: argparse.Namespace) -> dict[str, int]:
+    return {
+        "read_threads": args.read_threads,
+        "write_threads": args.write_threads,
+        "queue_depth": args.queue_depth,
+    }
 
-    from pegaflow.devcluster import start_node
 
+def restart(args: argparse.Namespace, root: Path, deadline: Deadline) -> dict[str, Any]:
+    """Step 5: reopen the full tier the rounds left, records only, then verifying."""
     block = int(args.block_mib * (1 << 20))
-    n = blocks_for(args.node_prefix_gb, block)
-    slab = 64 << 20
-    pool = -(-(n * block) // slab) * slab + slab  # one prefix, a slab to spare
-    pool_blocks = pool // block
-    node = start_node(
-        "bench-disk", pool=str(pool), slab=str(slab),
-        extra=["--node-disk-path", str(root / "node-disk"),
-               "--node-disk-bytes", str(4 * n * block), "--node-disk-block-bytes", str(block),
-               "--node-disk-read-threads", str(args.read_threads),
-               "--node-disk-write-threads", str(args.write_threads)],
-    )  # fmt: skip
-    addr = node.ready["ucx"]
-    ns = "bench-disk"
-    rng = np.random.default_rng(7)
-    data = rng.integers(0, 255, (n, block), dtype=np.uint8)
-    step = 64
+    n = blocks_for(args.gb, block)
+    tier_dir = root / "tier"
+    t0 = time.perf_counter()
+    tier = DiskTier(tier_dir, n * block, block, **tier_kw(args))
+    kept = tier.recover()
+    recover_s = time.perf_counter() - t0
+    tier.close()
+    check(deadline, "recover")
+    t0 = time.perf_counter()
+    tier = DiskTier(tier_dir, n * block, block, **tier_kw(args))
+    try:
+        kept_verified = tier.recover()
+        dropped = tier.scrub().result(deadline.left())
+    finally:
+        tier.close()
+    recover_verify_s = time.perf_counter() - t0
+    shutil.rmtree(tier_dir, ignore_errors=True)
+    if len(kept) != n or dropped or len(kept_verified) != n:  # full: the rounds only evicted
+        raise RuntimeError(f"recover kept {len(kept)}/{len(kept_verified) - len(dropped)} of {n}")
+    return {"recover_s": round(recover_s, 3), "recover_verify_s": round(recover_verify_s, 3)}
 
+
+class NodeBench:
+    """Step 6 (see the module docstring): a real node with a disk tier, in two steps
+    (``promote``, then ``spills_effect``) that share the node."""
+
+    def __init__(self, args: argparse.Namespace, root: Path) -> None:
+        from pegaflow.devcluster import start_node
+
+        self.block = block = int(args.block_mib * (1 << 20))
+        self.n = n = blocks_for(args.node_prefix_gb, block)
+        slab = 64 << 20
+        while slab > 2 * block and slab > n * block:  # a small prefix: a small pool
+            slab //= 2
+        self.pool = -(-(n * block) // slab) * slab + slab  # one prefix, a slab to spare
+        self.pool_blocks = self.pool // block
+        self.queue_blocks = max(1, args.node_queue_mib * (1 << 20) // block)
+        self.node = start_node(
+            "bench-disk", pool=str(self.pool), slab=str(slab),
+            extra=["--node-disk-path", str(root / "node-disk"),
+                   "--node-disk-bytes", str(4 * n * block), "--node-disk-block-bytes", str(block),
+                   "--node-disk-read-threads", str(args.read_threads),
+                   "--node-disk-write-threads", str(args.write_threads),
+                   "--node-disk-queue-bytes", str(self.queue_blocks * block)],
+        )  # fmt: skip
+        self.addr = self.node.ready["ucx"]
+        self.put_blocks = 0
+        self.data = np.random.default_rng(7).integers(0, 255, (n, block), dtype=np.uint8)
+        self.loop = asyncio.new_event_loop()
+        self.client: Any = None
+
+    def close(self) -> None:
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                self.loop.run_until_complete(asyncio.wait_for(self.client.close(), 10))
+        self.loop.close()
+        self.node.terminate()
+
+    def run(self, coro: Any, deadline: Deadline) -> Any:
+        try:
+            return self.loop.run_until_complete(asyncio.wait_for(coro, deadline.left()))
+        except TimeoutError:
+            raise StepTimeout("past the step's deadline") from None
+
+    @staticmethod
     def hashes(tag: int, k: int) -> list[bytes]:
         return [tag.to_bytes(4, "little") + i.to_bytes(12, "little") for i in range(k)]
 
-    async def put(c: DataClient, hs: list[bytes]) -> None:
-        for i in range(0, len(hs), step):
-            part = [(h, 0, data[(i + j) % n]) for j, h in enumerate(hs[i : i + step])]
-            out = await c.put(addr, ns, part, 60)
-            assert out.stored + out.skipped == len(part), out
-
-    async def get(c: DataClient, hs: list[bytes], out: np.ndarray) -> float:
-        t0 = time.perf_counter()
-        ok = await c.get(addr, ns, [(h, 0, out[i]) for i, h in enumerate(hs)], 120)
-        dt = time.perf_counter() - t0
-        assert all(ok), f"{ok.count(False)} of {len(ok)} blocks missing"
-        return dt
-
-    def spills() -> float:
-        url = f"http://127.0.0.1:{node.ready['http']}/metrics"
+    def metric(self, name: str) -> float:
+        url = f"http://127.0.0.1:{self.node.ready['http']}/metrics"
         with urllib.request.urlopen(url, timeout=10) as r:
             for line in r.read().decode().splitlines():
-                if line.startswith("pegaflow_node_disk_spills_total "):
+                if line.startswith(name + " "):
                     return float(line.split()[1])
         return 0.0
 
-    def wait_spills(k: float) -> None:
-        deadline = time.monotonic() + 120
-        while spills() < k and time.monotonic() < deadline:
-            time.sleep(0.2)
+    def settled(self) -> float:
+        """Evictions written to disk or given up (dropped)."""
+        spilled = self.metric("pegaflow_node_disk_spills_total")
+        return spilled + self.metric("pegaflow_node_disk_spill_drops_total")
 
-    async def main() -> dict[str, Any]:
-        c = DataClient()
+    async def wait_settled(self) -> None:
+        """Until the evictions so far are all written or dropped: at least those the
+        puts must have caused, and no change over a poll (the node's metrics: nothing to
+        await)."""
+        floor = self.put_blocks - self.pool_blocks
+        last = -1.0
+        while (now := await asyncio.to_thread(self.settled)) < floor or now != last:
+            last = now
+            await asyncio.sleep(0.1)
+
+    async def put(self, hs: list[bytes], paced: bool) -> None:
+        """Put ``hs``; ``paced``: in pieces no larger than the spill queue, each once
+        the evictions before it are written (so that none is dropped)."""
+        most = max(1, min(64, self.pool_blocks // 4))  # within a connection's quota
+        step = min(most, self.queue_blocks) if paced else most
+        n = self.n
+        for i in range(0, len(hs), step):
+            part = [(h, 0, self.data[(i + j) % n]) for j, h in enumerate(hs[i : i + step])]
+            if paced:
+                await self.wait_settled()
+            out = await self.client.put(self.addr, "bench-disk", part, 60)
+            assert out.stored + out.skipped == len(part), out
+            self.put_blocks += out.stored
+
+    async def get(self, hs: list[bytes], out: np.ndarray) -> tuple[float, int]:
+        """Seconds of one batched get of ``hs``, and the blocks it found."""
+        t0 = time.perf_counter()
+        ok = await self.client.get(
+            self.addr, "bench-disk", [(h, 0, out[i]) for i, h in enumerate(hs)], 120
+        )
+        return time.perf_counter() - t0, sum(ok)
+
+    async def get_gbps(self, hs: list[bytes], out: np.ndarray) -> float:
+        """GB/s of one batched get of ``hs``, all of which must be in the node."""
+        dt, hits = await self.get(hs, out)
+        if hits != len(hs):
+            raise RuntimeError(f"{len(hs) - hits} of {len(hs)} blocks missing")
+        return len(hs) * self.block / dt / GB
+
+    async def promote(self) -> dict[str, Any]:
+        from pegaflow.client.data import DataClient
+
+        self.client = DataClient()
+        n, block = self.n, self.block
+        a = self.hashes(1, n)
+        await self.put(a, paced=True)
+        await self.put(self.hashes(2, n), paced=True)  # B then C evict all of A to disk
+        await self.put(self.hashes(3, n), paced=True)
+        await self.wait_settled()
+        on_disk = self.metric("pegaflow_node_disk_blocks")
+        drops = self.metric("pegaflow_node_disk_spill_drops_total")
         out = np.empty((n, block), dtype=np.uint8)
-        try:
-            a = hashes(1, n)
-            await put(c, a)
-            await put(c, hashes(2, n))  # B then C evict all of A (written in the background)
-            await put(c, hashes(3, n))
-            await asyncio.to_thread(wait_spills, 0.95 * (3 * n - pool_blocks))
-            promote_s = await get(c, a, out)  # A only on disk: promoted, then sent
-            assert np.array_equal(out[-1], data[n - 1])
-            hot = a[: max(1, n // 4)]
-            view = out[: len(hot)]
-            alone = [len(hot) * block / await get(c, hot, view) / GB for _ in range(5)]
-            before = spills()
-            writer = asyncio.ensure_future(put(c, hashes(4, n)))  # evicts: spills
-            during: list[float] = []
-            while not writer.done() or not during:
-                during.append(len(hot) * block / await get(c, hot, view) / GB)
-            await writer
-            return {
-                "prefix_gb": round(n * block / GB, 3),
-                "promote_s": round(promote_s, 3),
-                "promote_gbps": round(n * block / promote_s / GB, 3),
-                "get_from_memory_gbps": round(statistics.median(alone), 3),
-                "get_from_memory_during_spills_gbps": round(statistics.median(during), 3),
-                "spilled_during": int(spills() - before),
-                "pool_bytes": pool,
-            }
-        finally:
-            await c.close()
+        promote_s, hits = await self.get(a, out)  # A only on disk: streamed, read as sent
+        good = sum(np.array_equal(out[i], self.data[i]) for i in range(n))
+        return {
+            "prefix_gb": round(n * block / GB, 3),
+            "blocks": n,
+            "promote_s": round(promote_s, 3),
+            "promote_gbps": round(n * block / promote_s / GB, 3),
+            "promoted_blocks": hits,
+            "byte_exact_blocks": int(good),
+            "disk_blocks_before": int(on_disk),
+            "spill_drops_before": int(drops),  # evictions of the puts not kept on disk
+            "spill_drops_during": int(self.metric("pegaflow_node_disk_spill_drops_total") - drops),
+            "streamed_blocks": int(self.metric("pegaflow_node_disk_streamed_blocks_total")),
+            "pool_bytes": self.pool,
+        }
 
-    try:
-        return asyncio.run(main())
-    finally:
-        node.terminate()
+    async def spills_effect(self) -> dict[str, Any]:
+        n, block = self.n, self.block
+        hot = self.hashes(1, n)[: max(1, n // 4)]  # in memory: just promoted
+        view = np.empty((len(hot), block), dtype=np.uint8)
+        alone = [await self.get_gbps(hot, view) for _ in range(5)]
+        before = self.metric("pegaflow_node_disk_spills_total")
+        writer = asyncio.ensure_future(self.put(self.hashes(4, n), paced=False))  # spills
+        during: list[float] = []
+        try:
+            while not writer.done() or not during:
+                during.append(await self.get_gbps(hot, view))
+            await writer
+        finally:
+            writer.cancel()
+        return {
+            "get_from_memory_gbps": round(statistics.median(alone), 3),
+            "get_from_memory_during_spills_gbps": round(statistics.median(during), 3),
+            "spilled_during": int(self.metric("pegaflow_node_disk_spills_total") - before),
+        }
 
 
 def main() -> None:
@@ -389,15 +518,59 @@ def main() -> None:
         "--node-prefix-gb", type=float, default=1.31,
         help="prefix of the node step (default 1.31: 10k tokens of Llama-8B; 0: skip it)",
     )  # fmt: skip
+    p.add_argument(
+        "--node-queue-mib", type=int, default=256,
+        help="the node's spill queue ([node] disk_queue_bytes, default 256 MiB)",
+    )  # fmt: skip
+    p.add_argument(
+        "--step-timeout-s", type=float, default=300.0,
+        help="deadline of each step (default 300 s): past it the step reports an error",
+    )  # fmt: skip
     args = p.parse_args()
     base = args.dir or Path("/var/tmp")
     base.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="pegaflow-bench-disk-", dir=base))
+    result: dict[str, Any] = {}
+
+    def step(name: str, fn: Any) -> dict[str, Any] | None:
+        deadline = Deadline.after(args.step_timeout_s)
+        t0 = time.perf_counter()
+        try:
+            out = fn(deadline)
+        except (StepTimeout, TimeoutError) as e:
+            emit(name, {"error": f"timed out after {args.step_timeout_s:g} s ({e})"})
+            return None
+        except Exception as e:
+            emit(name, {"error": f"{type(e).__name__}: {e}"})
+            return None
+        emit(name, {**out, "step_s": round(time.perf_counter() - t0, 3)})
+        return out
+
     try:
-        result = run(args, root)
+        if args.gb > 0:
+            rounds = step("tier", lambda d: tier_rounds(args, root, d))
+            if rounds is not None:
+                result.update(rounds)
+                result.update(step("restart", lambda d: restart(args, root, d)) or {})
         if args.node_prefix_gb > 0:
             print("node: a real node with a disk tier ...", file=sys.stderr)
-            result["node"] = node_run(args, root)
+            node: dict[str, Any] = {}
+            result["node"] = node
+            try:
+                nb = NodeBench(args, root)
+            except Exception as e:
+                emit("node_promote", {"error": f"the node did not start: {e}"})
+            else:
+                try:
+                    promoted = step("node_promote", lambda d: nb.run(nb.promote(), d))
+                    if promoted is not None:  # the next step reads what this one promoted
+                        node.update(promoted)
+                        node.update(
+                            step("node_spills_effect", lambda d: nb.run(nb.spills_effect(), d))
+                            or {}
+                        )
+                finally:
+                    nb.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(result), flush=True)

@@ -1,17 +1,18 @@
 """The disk tier: blocks spilled from the memory pool to preallocated slab files.
 
-A :class:`DiskTier` owns one directory (format: :mod:`~pegaflow.storage_node.disk_format`):
-a few large preallocated slab files carved into fixed-size slots (the block size given
-at open, rounded up to 4 KiB) and an index of one small record per slot.
+A :class:`DiskTier` is the slot table over one directory's files
+(:mod:`~pegaflow.storage_node.disk_files`: the slab files, the index, ``O_DIRECT`` and
+the typed errors of opening them; format: :mod:`~pegaflow.storage_node.disk_format`):
+fixed-size slots (the block size given at open, rounded up to 4 KiB), which block each
+holds, their LRU order, the spills and reads, and the counters.
 
-I/O.  Slab files are opened with ``O_DIRECT`` where the file system allows it (else
-buffered, logged once), from page-aligned buffers, with whole 4 KiB-multiple writes
-and reads.  Spills run on ``write_threads`` threads, reads on ``read_threads`` others
+I/O.  Spills run on ``write_threads`` threads, reads on ``read_threads`` others
 (``os.pwritev``/``os.preadv`` release the GIL, so several I/Os are in flight and a
-spill never delays a read behind it in a queue).  :meth:`DiskTier.spill` never waits
-for I/O: it copies the block into one of ``queue_depth`` staging buffers and returns;
-with none free the spill is dropped and counted.  Reads return
-``concurrent.futures.Future`` objects (``await asyncio.wrap_future(f)`` in a loop).
+spill never delays a read behind it in a queue), whole 4 KiB-multiple writes and reads
+from page-aligned buffers.  :meth:`DiskTier.spill` never waits for I/O: it copies the
+block into one of ``queue_depth`` staging buffers and returns; with none free the spill
+is dropped and counted.  Reads return ``concurrent.futures.Future`` objects (``await
+asyncio.wrap_future(f)`` in a loop).
 
 Eviction.  When every slot is used, a spill takes the least recently used block's slot
 (a read marks a block used) and reports the evicted key to ``on_evict``, which is also
@@ -33,75 +34,39 @@ one whose payload did not reach the disk fails its checksum at its first read).
 
 Failures (a full disk, an I/O error, a file that vanished) never raise out of
 :meth:`spill` or the reads: they are misses or dropped spills, counted in ``errors``
-and logged (at most once every 10 s).  Opening raises typed errors:
-:class:`~pegaflow.errors.IncompatibleFormat` for files of another format version or
-geometry, :class:`~pegaflow.errors.NoSpace` when the tier does not fit its file system,
-:class:`DiskInUse` when another process holds the directory.
-
-Test hook: ``io`` (a :class:`DiskIO`) performs every data and record read and write;
-tests pass a subclass that raises ``OSError`` to inject faults.
+and logged (at most once every 10 s).  Opening raises what
+:class:`~pegaflow.storage_node.disk_files.DiskFiles` raises.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import errno
-import fcntl
 import logging
 import mmap
-import os
 import threading
 import time
-import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from pegaflow.storage_node.disk_files import DEFAULT_FILE_BYTES, DiskFiles, DiskIO
 from pegaflow.storage_node.disk_format import (
-    ALIGN,
     EMPTY_RECORD,
-    HEADER_BYTES,
-    INDEX_MAGIC,
-    RECORD_BYTES,
-    SLAB_MAGIC,
     BlockKey,
-    CorruptRecord,
-    Header,
     SlotRecord,
     align_up,
     check_key,
-    decode_record,
     encode_record,
 )
 
 from pegaflow.checksum import checksum
-from pegaflow.errors import BadRequest, IncompatibleFormat, NoSpace
+from pegaflow.errors import BadRequest
 
 log = logging.getLogger(__name__)
 
-DEFAULT_FILE_BYTES = 64 << 30
-"""largest slab file; a bigger tier is split over several"""
 _LOG_EVERY_S = 10.0
-_SCAN_CHUNK = 8 << 20
-
-
-class DiskInUse(OSError):
-    """Another live process holds this disk tier's directory."""
-
-
-class DiskIO:
-    """The tier's system calls (the fault-injection hook: override and raise OSError)."""
-
-    def pwritev(self, fd: int, bufs: Sequence[Any], offset: int) -> int:
-        return os.pwritev(fd, bufs, offset)
-
-    def preadv(self, fd: int, bufs: Sequence[Any], offset: int) -> int:
-        return os.preadv(fd, bufs, offset)
 
 
 @dataclass
@@ -180,27 +145,20 @@ class DiskTier:
             )
         self._on_evict = on_evict
         self._on_spilled = on_spilled
-        self._io = io or DiskIO()
         self._lock = threading.Lock()
         self._last_log = 0.0
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.path / "pegaflow-disk.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise DiskInUse(
-                errno.EBUSY,
-                f"disk tier {self.path} is in use by another process: give each node "
-                "its own [node] disk_path",
-            ) from None
-        self._fds: list[int] = []
-        self._index_fd = -1
-        try:
-            self._open_files(slot_count, file_bytes, direct, preallocate)
-        except BaseException:
-            self._close_fds()
-            raise
+        self._files = DiskFiles(
+            self.path,
+            slot_count,
+            block_size,
+            self.stride,
+            file_bytes=file_bytes,
+            direct=direct,
+            preallocate=preallocate,
+            io=io,
+        )
+        self.header = self._files.header
+        self.direct_io = self._files.direct_io
         self.slot_count = self.header.slot_count
         self.capacity = self.slot_count * self.stride
         self._index: dict[BlockKey, _Slot] = {}
@@ -213,147 +171,15 @@ class DiskTier:
         self._staging_mem = mmap.mmap(-1, queue_depth * self.stride)
         whole = memoryview(self._staging_mem)
         self._staging = [whole[i * self.stride : (i + 1) * self.stride] for i in range(queue_depth)]
-        self._bounce = threading.local()
         self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix="pegaflow-disk-w")
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="pegaflow-disk-r")
+        self.read_threads = read_threads
         self._inflight: set[Future[Any]] = set()
         self.spills = self.spill_drops = self.evictions = 0
         self.reads = self.hits = self.misses = self.errors = 0
         self.read_bytes = self.write_bytes = 0
         self.read_seconds = self.write_seconds = 0.0
         self.recovered = self.recover_dropped = 0
-
-    # ---- opening -------------------------------------------------------------------
-
-    def _slab_path(self, n: int) -> Path:
-        return self.path / f"pegaflow-disk.{n}.slab"
-
-    def _open_files(self, slot_count: int, file_bytes: int, direct: bool, prealloc: bool) -> None:
-        index_path = self.path / "pegaflow-disk.index"
-        per_file = max(1, (max(file_bytes, HEADER_BYTES + self.stride) - HEADER_BYTES))
-        per_file //= self.stride
-        want = Header(
-            block_size=self.block_size,
-            stride=self.stride,
-            slot_count=slot_count,
-            slots_per_file=min(per_file, slot_count),
-            file_count=-(-slot_count // min(per_file, slot_count)),
-            tier_id=uuid.uuid4().bytes,
-        )
-        self._fresh_files: set[int] = set()
-        if index_path.exists():
-            self._index_fd = os.open(index_path, os.O_RDWR)
-            head = os.pread(self._index_fd, HEADER_BYTES, 0)
-            got = Header.decode(head, INDEX_MAGIC, str(index_path))
-            geometry = (got.block_size, got.slot_count, got.slots_per_file)
-            if geometry != (want.block_size, want.slot_count, want.slots_per_file):
-                raise IncompatibleFormat(
-                    f"{index_path}: written for blocks of {got.block_size} bytes x "
-                    f"{got.slot_count} slots ({got.slots_per_file} a file), configured "
-                    f"{want.block_size} x {want.slot_count} ({want.slots_per_file}); set "
-                    "disk_bytes and the block size back, or remove the directory's "
-                    "pegaflow-disk.* files to start the tier empty"
-                )
-            self.header = got
-            size = HEADER_BYTES + got.slot_count * RECORD_BYTES
-            if os.fstat(self._index_fd).st_size < size:  # cut short: the rest reads empty
-                os.ftruncate(self._index_fd, size)
-        else:
-            self.header = want
-            self._check_room(want, prealloc)
-        fresh = self._index_fd < 0
-        for n in range(self.header.file_count):
-            self._fds.append(self._open_slab(n, prealloc, fresh))
-        if self._index_fd < 0:
-            self._index_fd = self._create_index(index_path, prealloc)
-        self.direct_io = direct and self._try_direct()
-        if not self.direct_io and direct:
-            log.info("disk tier %s: O_DIRECT not supported here, using buffered I/O", self.path)
-
-    def _check_room(self, h: Header, prealloc: bool) -> None:
-        need = h.slot_count * (h.stride + RECORD_BYTES) + (h.file_count + 1) * HEADER_BYTES
-        st = os.statvfs(self.path)
-        free = st.f_bavail * st.f_frsize
-        if prealloc and need > free:
-            raise NoSpace(
-                f"disk tier of {need >> 20} MiB does not fit: {free >> 20} MiB free in "
-                f"{self.path}; lower disk_bytes, or make room"
-            )
-
-    def _slab_bytes(self, n: int) -> int:
-        h = self.header
-        slots = min(h.slots_per_file, h.slot_count - n * h.slots_per_file)
-        return HEADER_BYTES + slots * h.stride
-
-    def _open_slab(self, n: int, prealloc: bool, fresh: bool) -> int:
-        """The slab file ``n``, checked against the index (``fresh``: made anew); one
-        that is missing or not of this tier is made anew (its slots' records are
-        cleared by :meth:`recover`)."""
-        p = self._slab_path(n)
-        want = dataclasses.replace(self.header, file_no=n)
-        fd = -1
-        if not fresh:
-            try:
-                fd = os.open(p, os.O_RDWR)
-            except FileNotFoundError:
-                log.warning("disk tier: %s is missing; making it anew (its blocks are lost)", p)
-        if fd >= 0:
-            try:
-                got = Header.decode(os.pread(fd, HEADER_BYTES, 0), SLAB_MAGIC, str(p))
-                if got != want:
-                    raise IncompatibleFormat(f"{p}: belongs to another disk tier")
-            except IncompatibleFormat as e:
-                log.warning("disk tier: %s; making it anew (its blocks are lost)", e)
-                os.close(fd)
-                fd = -1
-        if fd < 0:
-            fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            self._fresh_files.add(n)
-            os.pwrite(fd, want.encode(SLAB_MAGIC), 0)
-        size = self._slab_bytes(n)
-        if os.fstat(fd).st_size < size:
-            _allocate(fd, size, prealloc, p)
-        return fd
-
-    def _create_index(self, path: Path, prealloc: bool) -> int:
-        """Write a new, empty index next to the slabs (named only once it is whole)."""
-        tmp = path.with_suffix(".index.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.pwrite(fd, self.header.encode(INDEX_MAGIC), 0)
-            _allocate(fd, HEADER_BYTES + self.header.slot_count * RECORD_BYTES, prealloc, tmp)
-            os.fsync(fd)
-            os.rename(tmp, path)
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        return fd
-
-    def _try_direct(self) -> bool:
-        """Reopen the slab files with O_DIRECT; False where the file system refuses."""
-        direct: list[int] = []
-        for n in range(len(self._fds)):
-            try:
-                direct.append(os.open(self._slab_path(n), os.O_RDWR | os.O_DIRECT))
-            except OSError as e:
-                for fd in direct:
-                    os.close(fd)
-                if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-                    return False
-                raise
-        for old in self._fds:
-            os.close(old)
-        self._fds = direct
-        return True
-
-    def _close_fds(self) -> None:
-        for fd in [*self._fds, self._index_fd, self._lock_fd]:
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._fds = []
-        self._index_fd = self._lock_fd = -1
 
     # ---- recovery ------------------------------------------------------------------
 
@@ -365,38 +191,8 @@ class DiskTier:
         every payload: seconds a GB)."""
         if self._recovered:
             raise RuntimeError("DiskTier.recover() was already called")
-        h = self.header
         t0 = time.perf_counter()
-        found: dict[BlockKey, SlotRecord] = {}
-        empty: list[int] = []
-        bad: list[int] = []
-        span = h.slot_count * RECORD_BYTES
-        for start in range(0, span, _SCAN_CHUNK):
-            chunk = os.pread(self._index_fd, min(_SCAN_CHUNK, span - start), HEADER_BYTES + start)
-            mv = memoryview(chunk)
-            first = start // RECORD_BYTES
-            for i in range(len(chunk) // RECORD_BYTES):
-                slot = first + i
-                rec_buf = mv[i * RECORD_BYTES : (i + 1) * RECORD_BYTES]
-                if slot // h.slots_per_file in self._fresh_files:
-                    (bad if rec_buf[:4] != EMPTY_RECORD[:4] else empty).append(slot)
-                    continue
-                try:
-                    r = decode_record(rec_buf, slot, h.block_size)
-                except CorruptRecord as e:
-                    log.debug("disk tier: %s", e)
-                    bad.append(slot)
-                    continue
-                if r is None:
-                    empty.append(slot)
-                    continue
-                old = found.get(r.key)
-                if old is not None:
-                    keep, lose = (r, old) if r.seq > old.seq else (old, r)
-                    found[r.key] = keep
-                    bad.append(lose.slot)
-                else:
-                    found[r.key] = r
+        found, empty, bad = self._files.scan_records()
         with self._lock:
             for slot in bad:
                 self._clear_record(slot)
@@ -503,13 +299,13 @@ class DiskTier:
                 with self._lock:
                     self.spill_drops += 1
                 return
-            fd, off = self._where(slot)
+            fd, off = self._files.where(slot)
             t0 = time.perf_counter()
-            _write_all(self._io, fd, buf[:padded], off)
+            self._files.write(fd, buf[:padded], off)
             dt = time.perf_counter() - t0
             rec = encode_record(SlotRecord(slot, key, seq, gen, n, xxh3))
             with self._lock:
-                _write_all(self._io, self._index_fd, rec, self._rec_off(slot))
+                self._files.write_record(slot, rec)
                 s = _Slot(slot, key, gen, n, xxh3, seq, verified=True)
                 self._index[key] = self._lru[key] = s
                 self.spills += 1
@@ -549,7 +345,7 @@ class DiskTier:
 
     def _clear_record(self, slot: int) -> None:
         try:
-            _write_all(self._io, self._index_fd, EMPTY_RECORD, self._rec_off(slot))
+            self._files.write_record(slot, EMPTY_RECORD)
         except OSError as e:
             self.errors += 1
             self._log_error(f"clearing a slot record failed ({e})")
@@ -631,13 +427,7 @@ class DiskTier:
 
     def _read_bytes(self, s: _Slot) -> bytes | None:
         n = self._read_slot(s, None)
-        return None if n is None else bytes(self._bounce_buf()[:n])
-
-    def _bounce_buf(self) -> memoryview:
-        mem = getattr(self._bounce, "mem", None)
-        if mem is None:
-            mem = self._bounce.mem = memoryview(mmap.mmap(-1, self.stride))
-        return mem
+        return None if n is None else bytes(self._files.bounce()[:n])
 
     def _read_slot(self, s: _Slot, dest: memoryview | None, count: bool = True) -> int | None:
         """Read and verify slot ``s`` into ``dest`` (None: into this thread's bounce
@@ -645,32 +435,10 @@ class DiskTier:
         ok = False
         try:
             n = s.length
-            padded = align_up(n)
-            whole = n & ~(ALIGN - 1)
-            bounce = self._bounce_buf()
-            copy_at = -1  # where in dest the bounce buffer's first bytes go
-            if dest is None:
-                dest = bounce
-                bufs = [bounce[:padded]]
-            elif not self.direct_io:
-                bufs = [dest[:n]]
-            elif _aligned(dest):
-                bufs = [dest[:whole]] if whole else []
-                if padded > whole:
-                    bufs.append(bounce[: padded - whole])
-                    copy_at = whole
-            else:
-                bufs = [bounce[:padded]]
-                copy_at = 0
-            fd, off = self._where(s.idx)
             t0 = time.perf_counter()
-            got = self._io.preadv(fd, bufs, off)
+            data = self._files.read_payload(s.idx, n, dest)
             dt = time.perf_counter() - t0
-            if got < sum(b.nbytes for b in bufs):
-                raise OSError(errno.EIO, f"short read: {got} bytes")
-            if copy_at >= 0:
-                dest[copy_at:n] = bounce[: n - copy_at]
-            if checksum(dest[:n]) != s.xxh3:
+            if checksum(data) != s.xxh3:
                 self._count(count, error=True)
                 self._log_error(f"a block failed its checksum (slot {s.idx}): dropped")
                 return None
@@ -678,7 +446,7 @@ class DiskTier:
             with self._lock:
                 if count:
                     self.hits += 1
-                self.read_bytes += padded
+                self.read_bytes += align_up(n)
                 self.read_seconds += dt
             return n
         except OSError as e:
@@ -719,14 +487,6 @@ class DiskTier:
             return True
 
     # ---- helpers -------------------------------------------------------------------
-
-    def _where(self, slot: int) -> tuple[int, int]:
-        per = self.header.slots_per_file
-        return self._fds[slot // per], HEADER_BYTES + (slot % per) * self.stride
-
-    @staticmethod
-    def _rec_off(slot: int) -> int:
-        return HEADER_BYTES + slot * RECORD_BYTES
 
     def _log_error(self, what: str) -> None:
         now = time.monotonic()
@@ -771,40 +531,7 @@ class DiskTier:
         self.flush(timeout)
         self._writers.shutdown(wait=True, cancel_futures=True)
         self._readers.shutdown(wait=True)  # reads under way finish; later ones are misses
-        self._close_fds()
-
-
-def _aligned(mv: memoryview) -> bool:
-    if mv.readonly or not mv.nbytes:
-        return False
-    return np.frombuffer(mv, dtype=np.uint8).ctypes.data % ALIGN == 0
-
-
-def _allocate(fd: int, size: int, prealloc: bool, path: Path) -> None:
-    """Grow ``fd`` to ``size`` bytes, reserving the blocks where ``prealloc`` and the file
-    system allow (NoSpace when they do not fit)."""
-    if prealloc:
-        try:
-            os.posix_fallocate(fd, 0, size)
-            return
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise NoSpace(
-                    f"disk tier file {path} ({size >> 20} MiB) does not fit: {e.strerror}; "
-                    "lower disk_bytes, or make room"
-                ) from None
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-    os.ftruncate(fd, size)
-
-
-def _write_all(io: DiskIO, fd: int, buf: Any, offset: int) -> None:
-    mv = memoryview(buf).cast("B")
-    while mv.nbytes:
-        n = io.pwritev(fd, [mv], offset)
-        if n <= 0:
-            raise OSError(errno.EIO, "write made no progress")
-        mv, offset = mv[n:], offset + n
+        self._files.close()
 
 
 def _resolved(value: Any) -> Future[Any]:

@@ -116,6 +116,12 @@ class NodeMetrics:
             "Blocks read back from the disk tier into the pool",
             registry=r,
         )
+        self.disk_streamed = FastCounter(
+            "pegaflow_node_disk_streamed_blocks",
+            "Blocks of a get read from the disk tier and sent while its later ones were "
+            "still being read",
+            registry=r,
+        )
 
     def request_done(self, op: str, seconds: float) -> None:
         """A request of ``op`` (a peer's string: labelled ``unknown`` if not an op) took

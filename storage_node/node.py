@@ -57,7 +57,8 @@ from pegaflow.storage_node.disk_tier import DiskTier
 from pegaflow.storage_node.local_control import SOCKET_SUFFIX, LocalControl
 from pegaflow.storage_node.metrics import DiskCollector, NodeMetrics
 from pegaflow.storage_node.node_service import NodeService
-from pegaflow.storage_node.pool import BlockPool, Entry, apply_access, resolve_group
+from pegaflow.storage_node.pool import BlockPool, Entry
+from pegaflow.storage_node.shm_file import apply_access, resolve_group
 from pegaflow.storage_node.ucx_site import UcxSite
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -288,8 +289,9 @@ class StorageNode:
 
     def _spilled(self, key: BlockKey, on_disk: bool) -> None:
         """A spill of ``key`` was written (``on_disk``) or failed, or the tier dropped
-        it: publish where it is now, unless the pool holds it again."""
-        if self.pool is None or self.pool.contains(key):
+        it: publish where it is now, unless the pool holds it again (a reservation
+        does not count: a promotion whose read failed is aborted right after this)."""
+        if self.pool is None or self.pool.get(key) is not None:
             return
         loc = self._disk_location(key) if on_disk else None
         if loc is not None:

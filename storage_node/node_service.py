@@ -35,7 +35,7 @@ from pegaflow.storage_node.pool import BlockPool, Entry
 from pegaflow.storage_node.promotion import Promotion
 from pegaflow.storage_node.protocol import OPS, Key, Op
 from pegaflow.storage_node.puts import Puts
-from pegaflow.storage_node.reads import Reads
+from pegaflow.storage_node.reads import OpenGet, Reads
 from pegaflow.storage_node.sessions import Handler, PinTable, Quotas, Session
 
 from pegaflow.config import NodeConfig
@@ -153,21 +153,14 @@ class NodeService:
         :meth:`.reads.Reads.find`)."""
         return self.reads.find(ns, hashes, shards)
 
-    async def promote(self, keys: Sequence[Key]) -> None:
-        """Bring the blocks of ``keys`` held only on the disk tier into the pool (on the
-        data loop; a block that cannot come back stays a miss)."""
-        await self.promotion.promote(keys)
-
-    def open_get(
-        self, keys: Sequence[Key], want: Sequence[int | None] | None
-    ) -> tuple[list[Entry | None], list[Any]]:
-        """What a get sends (see :meth:`.reads.Reads.open_get`), pinned until
+    def open_get(self, keys: Sequence[Key], want: Sequence[int | None] | None) -> OpenGet:
+        """What a get sends, block by block (see :class:`.reads.OpenGet`), pinned until
         :meth:`close_get`."""
         return self.reads.open_get(keys, want)
 
-    def close_get(self, sent: list[Entry | None], ok: bool) -> None:
+    def close_get(self, get: OpenGet, ok: bool) -> None:
         """A get of :meth:`open_get` is over (``ok``: every payload went out)."""
-        self.reads.close_get(sent, ok)
+        self.reads.close_get(get, ok)
 
     # ---- node-wide ops -------------------------------------------------------------
 

@@ -2,12 +2,14 @@
 
 Disk tier (``[node] disk_path``, :mod:`~pegaflow.storage_node.disk_tier`): a block
 evicted from the pool may live on in the tier.  ``get``, ``pin`` and ``locate`` of a block
-held only there first *promote* it (:meth:`Promotion.promote`): a pool slot is reserved,
-the block is read into it (verified against its checksum) and committed with the
-generation it had, so a reader's fenced get still matches, and the disk copy stays
-(evicting it again writes nothing).  Reads run on the tier's read threads, all of a
-request's at once; a block that fails its read is a miss.  One promotion of a key runs
-at a time: a second request for it waits on the first.
+held only there first *promote* it (:meth:`Promotion.promotion`): a pool slot is
+reserved, the block is read into it (verified against its checksum) and committed with
+the generation it had, so a reader's fenced get still matches, and the disk copy stays
+(evicting it again writes nothing).  Reads run on the tier's read threads: a ``pin`` or
+``locate`` promotes all of its blocks at once (:meth:`Promotion.promote`), a ``get``
+a few ahead of its sends (:class:`~pegaflow.storage_node.reads.OpenGet`).  A block that
+fails its read is a miss.  One promotion of a key runs at a time: a second request for
+it waits on the first.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class Promotion:
         data loop; a block that cannot come back stays a miss)."""
         todo = self.disk_only(keys)
         if todo:
-            await asyncio.gather(*(asyncio.shield(self._promotion(k)) for k in todo))
+            await asyncio.gather(*(asyncio.shield(self.promotion(k)) for k in todo))
 
     def promote_threadsafe(self, keys: Sequence[Key]) -> asyncio.Future[None]:
         """:meth:`promote` on the data loop, awaitable from another loop."""
@@ -65,8 +67,9 @@ class Promotion:
             await self.promote_threadsafe(keys)
         return then()
 
-    def _promotion(self, key: Key) -> asyncio.Future[bool]:
-        """The promotion of ``key`` under way, or a new one (one per key at a time)."""
+    def promotion(self, key: Key) -> asyncio.Future[bool]:
+        """The promotion of ``key`` under way, or a new one (one per key at a time; on
+        the data loop): its result says whether the block came into the pool."""
         fut = self._promoting.get(key)
         if fut is None:
             fut = self._promoting[key] = asyncio.ensure_future(self._promote(key))

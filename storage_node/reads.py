@@ -12,8 +12,9 @@ the present blocks for ``ttl_ms`` (no eviction while the reader copies them out 
 file) and says where they lie, packed (:class:`~pegaflow.wire.LocatedBlocks`): a
 10k-token prefix is hundreds of blocks.
 
-Blocks held only on the disk tier are promoted before a ``get``, ``pin`` or ``locate``
-serves them (:mod:`~pegaflow.storage_node.promotion`); ``check`` counts a block on disk
+Blocks held only on the disk tier are promoted before a ``pin`` or ``locate`` serves
+them (:mod:`~pegaflow.storage_node.promotion`); a ``get`` streams them, each sent as
+soon as its own promotion is done (:class:`OpenGet`); ``check`` counts a block on disk
 as stored.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,126 @@ from pegaflow.wire import LocatedBlocks
 
 if TYPE_CHECKING:
     from pegaflow.storage_node.node_service import NodeService
+
+log = logging.getLogger(__name__)
+
+STREAM_WINDOW_PER_THREAD = 2
+"""a streamed get keeps this many disk reads a read thread going ahead of its sends"""
+
+
+class OpenGet:
+    """The blocks of one get, each pinned from the moment it is ready to send.
+
+    ``found[i]``: block ``i``'s entry once it is ready (None: a miss, or stale against
+    ``want``), and ``header[i]`` the reply's word on it.  Blocks in the pool are ready at
+    once.  Those held only on the disk tier are promoted (read, verified, committed:
+    :mod:`~pegaflow.storage_node.promotion`), at most ``window`` ahead of the send
+    cursor, and each is ready as soon as its own promotion is done: a get sends its
+    first blocks while later ones are still being read (:meth:`waiting`).  A block whose
+    read fails is a miss for that block only.
+    """
+
+    def __init__(self, reads: Reads, keys: Sequence[Key], want: Sequence[int | None] | None):
+        self._reads = reads
+        self._keys = keys
+        self._want = want
+        self.found: list[Entry | None] = reads._find_keys(keys)
+        self.header: list[Any] = [None] * len(keys)
+        self._held: list[Entry] = []
+        self._closed = False
+        svc = reads._svc
+        disk = svc.disk
+        self._disk: list[int] = []
+        """the blocks held only on disk, in the request's order"""
+        if disk is not None:
+            self._disk = [
+                i for i, e in enumerate(self.found) if e is None and disk.contains(keys[i])
+            ]
+        self._rank = {i: r for r, i in enumerate(self._disk)}
+        for i, e in enumerate(self.found):
+            if e is not None:
+                self._take(i, e)
+        reads.pool.pin_many(self._held)
+        self._ready: dict[int, asyncio.Future[None]] = {}
+        self._launched = 0
+        self.window = STREAM_WINDOW_PER_THREAD * (disk.read_threads if disk is not None else 1)
+        self._launch(0)
+
+    def waiting(self, i: int) -> asyncio.Future[None] | None:
+        """None when block ``i`` is ready to send (send it now), else a future done once
+        its disk read is done, verified and committed, or failed (a miss): then ask
+        again."""
+        rank = self._rank.get(i)
+        if rank is None:
+            return None  # in the pool, or a miss
+        self._launch(rank)
+        fut = self._ready[i]
+        if not fut.done():
+            return fut
+        disk = self._disk
+        later = self._launched < len(disk) or any(
+            not self._ready[disk[r]].done() for r in range(rank + 1, self._launched)
+        )
+        if later and self.found[i] is not None:
+            self._reads.metrics.disk_streamed.inc()  # sent ahead of a later disk read
+        return None
+
+    def _launch(self, cursor: int) -> None:
+        """Start the promotions of the disk blocks up to ``window`` past the
+        ``cursor``-th one (on the data loop)."""
+        end = min(len(self._disk), cursor + self.window)
+        if self._launched >= end:
+            return
+        promotion = self._reads._svc.promotion
+        loop = asyncio.get_running_loop()
+        while self._launched < end:
+            i = self._disk[self._launched]
+            self._launched += 1
+            ready = self._ready[i] = loop.create_future()
+            promotion.promotion(self._keys[i]).add_done_callback(
+                lambda f, i=i, ready=ready: self._arrived(f, i, ready)
+            )
+
+    def _arrived(self, done: asyncio.Future[bool], i: int, ready: asyncio.Future[None]) -> None:
+        """Block ``i``'s promotion is over: pin it now (it is sent when its turn
+        comes), or it is a miss."""
+        if not done.cancelled() and done.exception() is not None:
+            log.error("promoting a block from disk failed: a miss", exc_info=done.exception())
+        if self._closed:
+            return
+        e = self._reads.pool.get(self._keys[i])
+        if e is not None and self._take(i, e):
+            self._reads.pool.pin_many([e])
+        ready.set_result(None)
+
+    def _take(self, i: int, e: Entry) -> bool:
+        """Block ``i`` is ``e``: whether it is sent (held: to pin), not stale against
+        ``want``."""
+        want = self._want
+        if want is not None and want[i] is not None and e.gen != want[i]:
+            self.header[i] = proto.STALE  # the slot holds another generation now
+            self.found[i] = None
+            return False
+        self.found[i] = e
+        self.header[i] = proto.get_hit(e.size, e.gen, e.xxh3)
+        self._held.append(e)
+        return True
+
+    def close(self) -> list[Entry]:
+        """The get is over: count its blocks; the entries it pinned (to unpin)."""
+        self._closed = True
+        for fut in self._ready.values():
+            fut.cancel()
+        m = self._reads.metrics.get_blocks
+        hits = len(self._held)
+        stale = self.header.count(proto.STALE)
+        if hits:
+            m.labels(result="hit").inc(hits)
+        if stale:
+            m.labels(result="stale").inc(stale)
+        if hits + stale < len(self._keys):
+            m.labels(result="miss").inc(len(self._keys) - hits - stale)
+        return self._held
 
 
 class Reads:
@@ -65,38 +187,14 @@ class Reads:
         """``e`` left the pool (evicted or dropped)."""
         self._located.pop(e, None)
 
-    def open_get(
-        self, keys: Sequence[Key], want: Sequence[int | None] | None
-    ) -> tuple[list[Entry | None], list[Any]]:
-        """What a get sends: per block its entry, pinned until :meth:`close_get` (None:
-        a miss, or stale against ``want``), and the reply's entry for it."""
-        found = self._find_keys(keys)
-        pinned: list[Entry] = []
-        header: list[Any] = []
-        stale = 0
-        for i, e in enumerate(found):
-            if e is None:
-                header.append(None)
-            elif want is not None and want[i] is not None and e.gen != want[i]:
-                header.append(proto.STALE)  # the slot holds another generation now
-                found[i] = None
-                stale += 1
-            else:
-                pinned.append(e)
-                header.append(proto.get_hit(e.size, e.gen, e.xxh3))
-        self.pool.pin_many(pinned)
-        m = self.metrics.get_blocks
-        if pinned:
-            m.labels(result="hit").inc(len(pinned))
-        if stale:
-            m.labels(result="stale").inc(stale)
-        if len(pinned) + stale < len(keys):
-            m.labels(result="miss").inc(len(keys) - len(pinned) - stale)
-        return found, header
+    def open_get(self, keys: Sequence[Key], want: Sequence[int | None] | None) -> OpenGet:
+        """What a get sends, block by block (see :class:`OpenGet`), pinned until
+        :meth:`close_get`."""
+        return OpenGet(self, keys, want)
 
-    def close_get(self, sent: list[Entry | None], ok: bool) -> None:
+    def close_get(self, get: OpenGet, ok: bool) -> None:
         """A get of :meth:`open_get` is over (``ok``: every payload went out)."""
-        held = [e for e in sent if e is not None]
+        held = get.close()
         if ok:
             self.metrics.get_bytes.inc(sum(e.size for e in held))
         self.pool.unpin_many(held)

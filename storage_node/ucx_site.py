@@ -2,8 +2,8 @@
 
 Each UCX connection is a :class:`~pegaflow.storage_node.sessions.Session` of the
 node service; the site serves the transport's own ops (``hello``, and ``get``, whose
-payloads it streams straight from the pool, once the blocks held only on the disk tier
-are promoted into it) and passes every other op of the protocol
+payloads it streams straight from the pool, each block held only on the disk tier
+as soon as it is promoted into it) and passes every other op of the protocol
 table (:data:`~.protocol.OPS`) to the service, posting the receives of a reservation's
 payloads into its slots when the service asks.  A connection that has not said
 ``hello`` within ``[node] hello_timeout_s`` is closed (in an open cluster, one that has
@@ -41,6 +41,7 @@ from pegaflow.storage_node.sessions import Session
 from pegaflow import telemetry
 from pegaflow.auth import Authenticator, check_access
 from pegaflow.config import NodeConfig
+from pegaflow.deadline import Deadline
 from pegaflow.errors import BadRequest, DeadlineExceeded, PegaError, ProtocolError, Unauthorized
 from pegaflow.ucx import DEFAULT_TLS, SHARED_TLS, UcxWorker, close_endpoint, make_tag
 from pegaflow.wire import pack, req_map, req_str, unpack
@@ -341,29 +342,37 @@ class UcxSite:
         assert w is not None
         rid = msg.get("id")
         _, seq, keys, want = proto.decode_get(msg, self.cfg.max_batch)
-        if self.service.disk is not None:
-            await self.service.promote(keys)  # blocks only on disk come back first
-        found, header = self.service.open_get(keys, want)
+        # blocks only on the disk tier are read as the sends go: each is sent once its
+        # own read is verified and committed, while the later ones are still being read
+        get = self.service.open_get(keys, want)
+        deadline = Deadline.after(self.cfg.reserve_timeout_s)
+        found = get.found
         pool = self.service.pool
         ep = conn.ep
         ok = False
         try:
             # Every index gets a message so that the reader's pre-posted receives all
             # complete: the block, or an empty message for a miss.  A rendezvous send
-            # only announces itself (a small RTS), so all of them reach the reader
-            # before any payload, the reader answers them at once and the payloads then
-            # stream back to back.
-            reqs = [
-                w.tag_send(ep, _EMPTY if e is None else pool.view(e), make_tag(seq, i))
-                for i, e in enumerate(found)
-            ]
-            # the reply goes right behind the announcements, ahead of every payload (the
-            # reader has it before the last block lands), then payloads start moving now
-            # (the reader's answers may be in), not once the loop has come round
-            reqs.append(w.am_send(ep, pack({"id": rid, "ok": True, "blocks": header})))
+            # only announces itself (a small RTS), so the reader answers each at once
+            # and the payloads then stream back to back.
+            reqs = []
+            for i in range(len(keys)):
+                while (ready := get.waiting(i)) is not None:
+                    w.worker.progress()  # what is posted starts moving meanwhile
+                    w.kick()
+                    try:
+                        await asyncio.wait_for(ready, deadline.left())
+                    except TimeoutError:
+                        raise DeadlineExceeded("a get's disk reads ran past its deadline") from None
+                e = found[i]
+                reqs.append(w.tag_send(ep, _EMPTY if e is None else pool.view(e), make_tag(seq, i)))
+            # the reply goes right behind the announcements, ahead of the payloads not
+            # yet sent (the reader has it before the last block lands), then payloads
+            # start moving now, not once the loop has come round
+            reqs.append(w.am_send(ep, pack({"id": rid, "ok": True, "blocks": get.header})))
             w.worker.progress()
             w.kick()
-            await w.wait_all(reqs, self.cfg.reserve_timeout_s)
+            await w.wait_all(reqs, deadline)
             ok = True
         except PegaError as e:
             self.metrics.transfer_errors.labels(kind=e.code).inc()
@@ -374,7 +383,7 @@ class UcxSite:
             self._close_conn(conn)
             raise
         finally:
-            self.service.close_get(found, ok)
+            self.service.close_get(get, ok)
 
     def _receive(self, conn: _Conn, seq: int, slots: list[tuple[int, Any]]) -> _UcxInflow:
         """Post the receives of reservation ``seq``'s payloads (tag ``(seq, index)``)

@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from pegaflow.storage_node.disk_files import DiskInUse, DiskIO
 from pegaflow.storage_node.disk_format import HEADER_BYTES, RECORD_BYTES
-from pegaflow.storage_node.disk_tier import BlockKey, DiskInUse, DiskIO, DiskTier
+from pegaflow.storage_node.disk_tier import BlockKey, DiskTier
 
 from pegaflow.checksum import checksum
 from pegaflow.errors import BadRequest, IncompatibleFormat
@@ -80,7 +81,7 @@ class FaultyIO(DiskIO):
 def faulty_tier(path: Path, slots: int, **kw: Any) -> tuple[DiskTier, FaultyIO]:
     io = FaultyIO()
     t = open_tier(path, slots, io=io, **kw)
-    io.slab_fds = set(t._fds)
+    io.slab_fds = set(t._files.fds)
     t.recover()
     return t, io
 
@@ -161,13 +162,14 @@ def test_lru_eviction_order_and_callback(tmp_path: Path) -> None:
 _KILL_CHILD = """
 import os, signal, sys
 import numpy as np
-from pegaflow.storage_node.disk_tier import DiskIO, DiskTier
+from pegaflow.storage_node.disk_files import DiskIO
+from pegaflow.storage_node.disk_tier import DiskTier
 from tests.test_disk_tier import BLOCK, STRIDE, key, payload
 
 class TearAndDie(DiskIO):
     armed = False
     def pwritev(self, fd, bufs, offset):
-        if self.armed and fd != tier._index_fd:
+        if self.armed and fd != tier._files.index_fd:
             half = bytes(bufs[0])[: len(bufs[0]) // 2]
             os.pwrite(fd, half, offset)  # a torn write: half the payload, then gone
             os.kill(os.getpid(), signal.SIGKILL)

@@ -34,14 +34,18 @@ def blocks(n: int, seed: int = 0) -> tuple[list[bytes], np.ndarray]:
     return hashes, rng.integers(0, 255, (n, BLOCK), dtype=np.uint8)
 
 
-def server(disk: Path | str, shm: str, *, disk_bytes: str = "16MiB") -> Proc:
+def server(
+    disk: Path | str, shm: str, *, disk_bytes: str = "16MiB", prefix: Sequence[str] = ()
+) -> Proc:
+    """A ``pegaflow-server`` with a 2 MiB pool and a disk tier in ``disk`` (run behind
+    the command line ``prefix``, if any)."""
     argv = [
         "--node-id", NODE, "--node-shm-dir", shm,
         "--node-pool-bytes", "2MiB", "--node-slab-bytes", "1MiB",
         "--node-disk-path", str(disk), "--node-disk-bytes", disk_bytes,
         "--node-disk-block-bytes", "64KiB",
     ]  # fmt: skip
-    return start_server(extra=argv)
+    return start_server(extra=argv, prefix=prefix)
 
 
 def client(p: Proc) -> SyncPegaClient:
