@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pegaflow.errors import PegaError
-from pegaflow.rpc import RpcClient
+from pegaflow.errors import PegaError, Unauthorized
+from pegaflow.rpc_client import RpcClient
 
 log = logging.getLogger("pegaflow.router")
 
@@ -27,6 +27,12 @@ log = logging.getLogger("pegaflow.router")
 TTL_INTERVALS = 3
 #: Longest wait for a coordinator to take the withdrawal when the router stops.
 WITHDRAW_TIMEOUT_S = 1.0
+#: What to do when a coordinator refuses the router's token or its report.
+AUTH_HINT = (
+    " (give the router the coordinators' cluster token or one of their tenant tokens, "
+    "--security-token / PEGAFLOW_SECURITY_TOKEN; a tenant's router may not replace a URL "
+    "another tenant's router reports)"
+)
 
 
 def advertised_url(host: str, port: int) -> str:
@@ -87,11 +93,12 @@ class Reporter:
             await self._clients[addr].call("router_report", args, timeout=timeout)
         except PegaError as e:
             if not self._failing.get(addr):
+                fix = AUTH_HINT if isinstance(e, Unauthorized) else ""
                 log.warning(
                     "cannot report to coordinator %s (%s: %s): pegaflow status and the "
-                    "dashboard there do not list this router until it can; retrying every "
-                    "%.3g s",
-                    addr, e.code, e, self.interval_s,
+                    "dashboard there do not list this router until it can%s; requests are "
+                    "routed as before; retrying every %.3g s",
+                    addr, e.code, e, fix, self.interval_s,
                 )  # fmt: skip
             self._failing[addr] = True
             return

@@ -26,6 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
 from pegaflow.config import ClientConfig, RouterConfig, SecurityConfig
+from pegaflow.errors import Unauthorized
 from pegaflow.http import new_registry
 
 from .hashing import BlockHasher, hashable
@@ -160,6 +161,7 @@ class Router:
         self.hasher: BlockHasher | None = None
         self.tokenizer = PromptTokenizer()
         self._pega: Any = None
+        self._refused = False
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
@@ -199,12 +201,7 @@ class Router:
                         warm_up=True,
                     )
                 except Exception as e:
-                    log.warning(
-                        "coordinator %s not reachable yet (%s): requests are routed by load "
-                        "until it is",
-                        ",".join(self._client_cfg.coordinators),
-                        _describe(e),
-                    )
+                    self._lookup_failed(e, at_start=True)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
             auto_decompress=False,
@@ -451,7 +448,7 @@ class Router:
                     self.cfg.namespace, hashes, timeout=self.cfg.lookup_timeout_s
                 )
             except Exception as e:  # any failure: route by load, never fail the request
-                log.debug("coordinator lookup failed: %s", _describe(e))
+                self._lookup_failed(e)
                 choice = Choice(self.picker.least_loaded(), "lookup_failed")
                 self._remember(hashes, choice)
                 return choice
@@ -471,6 +468,30 @@ class Router:
             self.metrics.prefix_blocks.labels("elsewhere").inc(stored)
         self._remember(hashes, choice)
         return choice
+
+    def _lookup_failed(self, e: Exception, at_start: bool = False) -> None:
+        """Log a failed coordinator lookup: a refusal (token or namespace) once at
+        WARNING, saying what to fix; the coordinator not reachable at start at WARNING;
+        any other failure at DEBUG (each is a request routed by load)."""
+        where = ",".join(self._client_cfg.coordinators)
+        if isinstance(e, Unauthorized):
+            if not self._refused:
+                self._refused = True
+                log.warning(
+                    "coordinator %s refuses this router's lookups (%s): requests are "
+                    "routed by load. Give the router the engines' token "
+                    "(--security-token) and namespace (--router-namespace; a tenant's "
+                    "token only admits namespaces 'tenant@...')",
+                    where, e,
+                )  # fmt: skip
+        elif at_start:
+            log.warning(
+                "coordinator %s not reachable yet (%s): requests are routed by load "
+                "until it is",
+                where, _describe(e),
+            )  # fmt: skip
+        else:
+            log.debug("coordinator lookup failed: %s", _describe(e))
 
     def _remember(self, hashes: list[bytes], choice: Choice) -> None:
         if choice.replica is not None:
@@ -570,18 +591,26 @@ class Router:
             status=200,
             headers={"Content-Type": ctype, "Cache-Control": "no-cache", REPLICA_HEADER: rep.url},
         )
-        await out.prepare(req)
-        await out.write(chunk)
+        broken = False
         try:
-            async for chunk in up.content.iter_any():
+            await out.prepare(req)
+            while chunk:
                 await out.write(chunk)
-        except (TimeoutError, aiohttp.ClientError) as e:  # not OSError: the client left
-            log.warning("replica %s broke a stream mid-way: %s", rep.url, _describe(e))
-            self._failed(rep, e, "stream_broken")
-            await out.write(_sse_error(f"replica {rep.url} failed mid-stream: {_describe(e)}"))
-        else:
-            self.metrics.upstream.labels(rep.url, "200").inc()
-        await out.write_eof()
+                try:
+                    chunk = await up.content.readany()
+                except _NET_ERRORS as e:
+                    broken = True
+                    log.warning("replica %s broke a stream mid-way: %s", rep.url, _describe(e))
+                    self._failed(rep, e, "stream_broken")
+                    why = f"replica {rep.url} failed mid-stream: {_describe(e)}"
+                    await out.write(_sse_error(why))
+                    break
+            else:
+                self.metrics.upstream.labels(rep.url, "200").inc()
+            await out.write_eof()
+        except ConnectionError:  # the client left; closing ``up`` aborts the request upstream
+            if not broken:
+                self.metrics.upstream.labels(rep.url, "client_left").inc()
         return out
 
     # ---- prefill/decode ------------------------------------------------------------

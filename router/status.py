@@ -46,9 +46,12 @@ def render_router(doc: dict[str, Any]) -> str:
     up = sum(1 for r in reps if r.get("healthy"))
     seen = doc.get("last_seen_s")
     seen_text = f", reported {seen:.0f} s ago" if isinstance(seen, int | float) else ""
+    tenant = doc.get("tenant")
+    tenant_text = f", tenant {tenant}" if tenant else ""
     lines = [
         f"router {doc['url']}: mode {info.get('mode', '?')}, {up} of {len(reps)} replicas "
         f"healthy, affinity cap {info.get('max_inflight', '?')} in flight{seen_text}"
+        f"{tenant_text}"
     ]
     lines.append(
         f"  {'replica':<32} {'role':<8} {'node/host':<20} {'health':<9} "

@@ -24,8 +24,8 @@ from aiohttp import web
 from pegaflow.coordinator.routers import RouterTable, parse_report
 
 from pegaflow.devcluster import Proc, free_port, start, start_coordinator
-from pegaflow.errors import BadRequest, TooLarge
-from pegaflow.rpc import RpcClient
+from pegaflow.errors import BadRequest, TooLarge, Unauthorized
+from pegaflow.rpc_client import RpcClient
 from tests.test_dashboard import CHROMIUM, chromium
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,6 +65,33 @@ def test_parse_report_checks_every_field() -> None:
         parse_report(_report(replicas=[_report()["replicas"][0]] * 1000))
 
 
+def test_router_table_scopes_entries_to_their_tenant() -> None:
+    """A tenant reports and withdraws its own routers only, within its share of the
+    table; a cluster-wide connection may replace or withdraw any entry."""
+    table = RouterTable(max_routers=8, max_per_tenant=2)
+    table.report(_report(url="http://a:1"), "acme")
+    for args in (_report(url="http://a:1"), _report(url="http://a:1", ttl_ms=0)):
+        with pytest.raises(Unauthorized, match="another"):
+            table.report(args, "beta")
+    table.report(_report(url="http://a:1", mode="pd"), "acme")  # its own: replaced
+    table.report(_report(url="http://b:1"), "acme")
+    with pytest.raises(TooLarge, match="acme"):
+        table.report(_report(url="http://c:1"), "acme")
+    table.report(_report(url="http://c:1"), "beta")  # another tenant's share is its own
+    table.report(_report(url="http://d:1"), None)
+    with pytest.raises(Unauthorized):
+        table.report(_report(url="http://d:1"), "acme")
+    got = {r["url"]: (r["tenant"], r["mode"]) for r in table.status()}
+    assert got == {"http://a:1": ("acme", "pd"), "http://b:1": ("acme", "cache"),
+                   "http://c:1": ("beta", "cache"), "http://d:1": ("", "cache")}  # fmt: skip
+    table.report(_report(url="http://a:1", ttl_ms=0), None)  # the cluster token: any
+    table.report(_report(url="http://c:1"), None)  # taken over: now cluster-wide
+    table.report(_report(url="http://e:1"), "acme")  # a's slot is free again
+    got = {r["url"]: r["tenant"] for r in table.status()}
+    assert got == {"http://b:1": "acme", "http://c:1": "", "http://d:1": "",
+                   "http://e:1": "acme"}  # fmt: skip
+
+
 def test_router_table_ttl_withdraw_and_bound() -> None:
     table = RouterTable(max_routers=2)
     table.op_report(_report(url="http://a:1"))
@@ -84,7 +111,8 @@ def test_router_table_ttl_withdraw_and_bound() -> None:
 
 @pytest.fixture
 def stub_replica() -> Iterator[str]:
-    """A replica that answers ``/health`` (and nothing else), in a thread; its URL."""
+    """A replica that answers ``/health`` and ``/v1/completions`` (always ``"stub"``),
+    in a thread; its URL."""
     loop = asyncio.new_event_loop()
     port = free_port()
     runner: list[web.AppRunner] = []
@@ -93,9 +121,13 @@ def stub_replica() -> Iterator[str]:
     async def health(_req: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def completion(_req: web.Request) -> web.Response:
+        return web.json_response({"choices": [{"index": 0, "text": "stub"}]})
+
     async def serve() -> None:
         app = web.Application()
         app.router.add_get("/health", health)
+        app.router.add_post("/v1/completions", completion)
         r = web.AppRunner(app)
         await r.setup()
         await web.TCPSite(r, "127.0.0.1", port).start()
@@ -119,12 +151,12 @@ def coordinator(etcd_server: Any, etcd_prefix: str) -> Iterator[Proc]:
     proc.terminate()
 
 
-def _router(coord: Proc, replicas: str, interval: float) -> tuple[Proc, str]:
+def _router(coord: Proc, replicas: str, interval: float, *extra: str) -> tuple[Proc, str]:
     proc = start(
         "pegaflow-router",
         ["pegaflow.router.main", "--router-port", "0", "--router-health-interval-s", "0.5",
          "--router-replicas", replicas, "--client-coordinators", coord.ready["address"],
-         "--router-report-interval-s", str(interval)],
+         "--router-report-interval-s", str(interval), *extra],
     )  # fmt: skip
     return proc, "http://" + proc.ready["address"]
 
@@ -164,10 +196,10 @@ def _router_rows(dom: str) -> dict[str, dict[str, str]]:
     return p.rows
 
 
-def _pegaflow_status(coord: Proc) -> subprocess.CompletedProcess[str]:
+def _pegaflow_status(coord: Proc, token: str = "") -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "pegaflow.cli", "status", "--no-health",
-         "--coordinators", coord.ready["address"]],
+         "--coordinators", coord.ready["address"], *(["--token", token] if token else [])],
         capture_output=True, text=True, timeout=60, cwd=REPO,
     )  # fmt: skip
 
@@ -245,3 +277,122 @@ def test_bad_router_report_is_refused_and_the_coordinator_serves_on(coordinator:
             await client.close()
 
     asyncio.run(run())
+
+
+# ---- tenants -----------------------------------------------------------------------------
+
+ADMIN = "admin"
+TENANTS = {"acme": "a-secret", "beta": "b-secret"}
+
+
+@pytest.fixture
+def tenant_coordinator(etcd_server: Any, etcd_prefix: str) -> Iterator[Proc]:
+    """A coordinator with the cluster token ``ADMIN`` and the tenants of ``TENANTS``."""
+    tokens = ",".join(f"{t}={s}" for t, s in TENANTS.items())
+    proc = start_coordinator(
+        etcd=etcd_server.endpoint,
+        prefix=etcd_prefix,
+        token=ADMIN,
+        extra=["--security-tenant-tokens", tokens],
+    )
+    yield proc
+    proc.terminate()
+
+
+def test_a_tenant_router_reports_its_own_entry_only(
+    tenant_coordinator: Proc, stub_replica: str
+) -> None:
+    """A router given a tenant's token (not the cluster token) is listed, as that
+    tenant's; another tenant can neither replace nor withdraw its entry, the cluster
+    token can; the router's own withdrawal at SIGTERM works."""
+    coord = tenant_coordinator
+    proc, url = _router(coord, stub_replica, 0.3, "--security-token", TENANTS["acme"])
+    try:
+        (r,) = _wait_routers(coord, lambda rs: [r["url"] for r in rs] == [url], "no report")
+        assert r["tenant"] == "acme" and r["replicas"][0]["url"] == stub_replica
+
+        async def others() -> None:
+            beta = RpcClient([coord.ready["address"]], token=TENANTS["beta"], timeout=5)
+            admin = RpcClient([coord.ready["address"]], token=ADMIN, timeout=5)
+            try:
+                for ttl_ms in (60_000, 0):
+                    with pytest.raises(Unauthorized, match="another"):
+                        await beta.call("router_report", _report(url=url, ttl_ms=ttl_ms))
+                await beta.call("router_report", _report(url="http://beta-router:7790"))
+                st = await beta.call("status", {})
+                got = {r["url"]: r["tenant"] for r in st["routers"]}
+                assert got == {url: "acme", "http://beta-router:7790": "beta"}
+                await admin.call("router_report", _report(url="http://beta-router:7790", ttl_ms=0))
+            finally:
+                await beta.close()
+                await admin.close()
+
+        asyncio.run(others())
+        out = _pegaflow_status(coord, ADMIN)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert f"router {url}: mode rr, 1 of 1 replicas healthy" in out.stdout
+        assert "reported" in out.stdout and "s ago, tenant acme\n" in out.stdout, out.stdout
+    finally:
+        proc.terminate()
+    assert _http(coord, "/v1/status")["routers"] == []
+    assert not [line for line in proc.log if "WARNING" in line], proc.log
+
+
+def test_a_router_with_a_bad_token_warns_once_and_keeps_routing(
+    tenant_coordinator: Proc, stub_replica: str
+) -> None:
+    """A token the coordinator refuses: one WARNING naming the error and the flag to fix,
+    however many reports fail; the router serves requests all along and the coordinator
+    lists nothing and serves on."""
+    coord = tenant_coordinator
+    proc, url = _router(coord, stub_replica, 0.2, "--security-token", "wrong")
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not [line for line in proc.log if "unauthorized" in line]:
+            assert time.monotonic() < deadline, proc.log
+            time.sleep(0.1)
+        for _ in range(5):  # several more report intervals, each refused
+            req = urllib.request.Request(
+                url + "/v1/completions", data=b'{"prompt": "x"}',
+                headers={"Content-Type": "application/json"},
+            )  # fmt: skip
+            with urllib.request.urlopen(req, timeout=10) as r:
+                assert json.loads(r.read())["choices"][0]["text"] == "stub"
+            time.sleep(0.2)
+        assert proc.alive()
+        warned = [line for line in proc.log if "WARNING" in line]
+        assert len(warned) == 1, warned
+        assert "unauthorized" in warned[0] and "--security-token" in warned[0], warned
+        assert _http(coord, "/v1/status")["routers"] == []
+    finally:
+        proc.terminate()
+
+
+def test_a_cache_router_refused_its_lookups_warns_once_and_routes_by_load(
+    tenant_coordinator: Proc, stub_replica: str
+) -> None:
+    """Cache mode with a tenant's token but another tenant's namespace: the coordinator
+    refuses every lookup; the router says so once at WARNING (what to fix) and routes
+    each request by load."""
+    coord = tenant_coordinator
+    proc, url = _router(
+        coord, stub_replica, 0.3, "--security-token", TENANTS["acme"],
+        "--router-mode", "cache", "--router-namespace", "beta@model",
+        "--router-block-size", "4",
+    )  # fmt: skip
+    try:
+        for i in range(4):
+            req = urllib.request.Request(
+                url + "/v1/completions", data=json.dumps({"prompt": [i] * 16}).encode(),
+                headers={"Content-Type": "application/json"},
+            )  # fmt: skip
+            with urllib.request.urlopen(req, timeout=10) as r:
+                assert json.loads(r.read())["choices"][0]["text"] == "stub"
+        with urllib.request.urlopen(url + "/v1/status", timeout=10) as r:
+            assert json.loads(r.read())["counters"] == {"lookup_failed": 4}
+        warned = [line for line in proc.log if "WARNING" in line]
+        assert len(warned) == 1, warned
+        assert "refuses this router's lookups" in warned[0], warned
+        assert "--router-namespace" in warned[0] and "tenant@" in warned[0], warned
+    finally:
+        proc.terminate()
