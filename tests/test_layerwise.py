@@ -74,6 +74,24 @@ def _save_blocks_1_to_3(w: WorkerSide, c: Counters, ns: str, hashes: list[bytes]
     return c.totals().get("save_blocks", 0)
 
 
+def _saved_pair(
+    server: Proc, device: str, tag: str, seeds: tuple[int, int]
+) -> tuple[str, list[bytes], dict[str, torch.Tensor], dict[str, torch.Tensor], Any, Any]:
+    """Namespace ``NS-tag`` with blocks 1-3 saved by one worker, and a second worker
+    (its checks deferred) to load them: ``(ns, hashes, src, dst, (w1, c1), (w2, c2))``."""
+    ns = f"{NS}-{tag}"
+    src, dst = _kv(device, seeds[0]), _kv(device, seeds[1])
+    saver, loader = _worker(server, src), _worker(server, dst, defer=True)
+    hashes = [tag.encode() + bytes([i]) * 15 for i in range(4)]
+    try:
+        assert _save_blocks_1_to_3(saver[0], saver[1], ns, hashes) == 3
+    except BaseException:
+        saver[0].shutdown()
+        loader[0].shutdown()
+        raise
+    return ns, hashes, src, dst, saver, loader
+
+
 def _forward(w: WorkerSide, kv: dict[str, torch.Tensor], device: str) -> tuple[set[int], Any]:
     """A "forward pass": wait for every layer's loads, then what the step reports
     (blocks that failed, the report for the scheduler), with the device caught up."""
@@ -268,13 +286,8 @@ def test_an_answer_vllm_never_reads_is_checked_and_deferring_stops(server: Proc)
     go back), and the worker stops deferring: this vLLM does not read outputs the way
     the tested versions do."""
     node = server.ready["node"]
-    ns = f"{NS}-unread"
-    src, dst = _kv("cpu", 9), _kv("cpu", 10)
-    w1, c1 = _worker(server, src)
-    w2, _c2 = _worker(server, dst, defer=True)
-    hashes = [b"u" + bytes([i]) * 15 for i in range(4)]
+    ns, hashes, _src, _dst, (w1, _c1), (w2, _c2) = _saved_pair(server, "cpu", "u", (9, 10))
     try:
-        assert _save_blocks_1_to_3(w1, c1, ns, hashes) == 3
         w2.start_step(StepPlan(ns, loads=[LoadJob("x", [9], hashes[:1], [[node]], sync=True)]))
         unread = w2.take_load_errors()
         assert isinstance(unread, DeferredLoadErrors)
@@ -294,13 +307,8 @@ def test_a_planned_steps_loads_start_before_the_step_and_are_taken_by_it(server:
     and its blocks arrive byte-identical.  Loads planned for a step vLLM did not run
     are checked with the next one, their pins given back."""
     node = server.ready["node"]
-    ns = f"{NS}-prestart"
-    src, dst = _kv("cuda", 11), _kv("cuda", 12)
-    w1, c1 = _worker(server, src)
-    w2, c2 = _worker(server, dst, defer=True)
-    hashes = [b"p" + bytes([i]) * 15 for i in range(4)]
+    ns, hashes, src, dst, (w1, _c1), (w2, c2) = _saved_pair(server, "cuda", "p", (11, 12))
     try:
-        assert _save_blocks_1_to_3(w1, c1, ns, hashes) == 3
         plan = StepPlan(ns, loads=[LoadJob("x", [9, 10], hashes[:2], [[node]] * 2, sync=True)])
         w2.prestart(plan)
         assert w2._prestarted is not None and w2._prestarted[0] is plan
