@@ -25,17 +25,35 @@ ratios, plus per-prompt figures.  Each connector engine is timed once its connec
 pinned the node's pool for DMA (in the background at engine start, seconds for tens of
 GiB; ``pinned_<pass>_s`` says when, from the engine's start).
 
-    python3 scripts/bench_vllm_gpu.py [--prompts 6] [--batch 8] [--tokens 10000]
+With ``--tp N`` (N > 1) every engine runs with ``tensor_parallel_size`` N (NVLink
+multicast off in its environment, :func:`tp_env`); the ceiling is measured on the N GPUs
+at once, each copying its rank's share of a prompt's KV (``per_rank_ceiling_gbps``;
+``pinned_h2d_gbps`` is then their sum and the batch floor the slowest rank's share), and
+each rank's load rate, from its own connector stats file, is set against its own
+ceiling (``ranks_load_x_ceiling``, per warm window: ``defaults`` = sets B and A,
+``batch``, ``tuned``; rate = the bytes that rank loaded / the window's wall time, a lower
+bound of its copy rate; ``ranks_load_job_gbps``: the same bytes / the rank's summed load
+job times, which overlap in a batch).  Then a cross-TP pass: a TP=1 engine with the
+connector on prompts of set A must get no hit (the namespace includes the TP size), then
+hits on its own saves with its cold outputs; a TP=N engine on prompts only the TP=1
+engine saved must get none, then hits on set A with the cold run's outputs
+(``cross_tp_cached_tokens``, ``cross_tp_ok``).
+
+    python3 scripts/bench_vllm_gpu.py [--prompts 6] [--batch 8] [--tokens 10000] [--tp 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +110,159 @@ def pinned_h2d_gbps(nbytes: int) -> float:
     return nbytes / best / 1e9
 
 
+#: NVLink multicast off in NCCL, PyTorch and NVSHMEM: on the shared multi-GPU machines a
+#: program that uses it can put the host's GPUs out of service (the device KINDS.md)
+NO_MULTICAST: dict[str, str] = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+#: a copy round waits this long at most for the other ranks' copies to start
+ROUND_WAIT_S = 120.0
+#: a little over the connector's delay before it rewrites its stats file (0.3 s)
+STATS_SETTLE_S = 0.5
+#: prompts of set A (and of the fresh set D) that the cross-TP pass sends
+CROSS_PROMPTS = 2
+
+
+def tp_env(tp: int) -> dict[str, str]:
+    """What an engine of ``tp`` GPUs gets in its environment: multicast off when > 1."""
+    return dict(NO_MULTICAST) if tp > 1 else {}
+
+
+def rank_share(nbytes: int, ranks: int) -> int:
+    """Bytes of ``nbytes`` of KV that each of ``ranks`` TP ranks holds (its KV heads)."""
+    return nbytes // ranks
+
+
+def concurrent_copy_gbps(
+    make_copy: Callable[[int], Callable[[], None]], nbytes: int, ranks: int, rounds: int = 5
+) -> list[float]:
+    """Each rank's copy rate (GB/s, best of ``rounds``) with every rank copying at once.
+
+    ``make_copy(rank)`` (run in that rank's thread) prepares its buffers and returns one
+    copy of ``nbytes`` that returns once the copy is done; every round starts all ranks'
+    copies together.  The first error of any rank is raised here."""
+    best = [math.inf] * ranks
+    errors: list[BaseException] = []
+    start = threading.Barrier(ranks)
+
+    def run(rank: int) -> None:
+        try:
+            copy = make_copy(rank)
+            for _ in range(rounds):
+                start.wait(timeout=ROUND_WAIT_S)
+                t0 = time.perf_counter()
+                copy()
+                best[rank] = min(best[rank], time.perf_counter() - t0)
+        except BaseException as e:  # handed to the caller below
+            errors.append(e)
+            start.abort()
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if real or errors:
+        raise (real or errors)[0]
+    return [nbytes / max(b, 1e-9) / 1e9 for b in best]
+
+
+def pinned_copy(nbytes: int) -> Callable[[int], Callable[[], None]]:
+    """For :func:`concurrent_copy_gbps`: a pinned host-to-device copy of ``nbytes`` on
+    GPU ``rank`` (its buffers live as long as the copy function)."""
+
+    def make(rank: int) -> Callable[[], None]:
+        import torch
+
+        torch.cuda.set_device(rank)
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{rank}")
+        torch.cuda.synchronize(rank)
+
+        def copy() -> None:
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(rank)
+
+        return copy
+
+    return make
+
+
+def rank_ceilings_gbps(nbytes: int, ranks: int) -> list[float]:
+    """GPUs 0..ranks-1's pinned host-to-device rates (GB/s), all copying ``nbytes`` at
+    the same time (as a TP engine's ranks load their shards)."""
+    import torch
+
+    if torch.cuda.device_count() < ranks:
+        raise SystemExit(f"--tp {ranks} needs {ranks} GPUs; {torch.cuda.device_count()} here")
+    rates = concurrent_copy_gbps(pinned_copy(nbytes), nbytes, ranks)
+    for r in range(ranks):
+        with torch.cuda.device(r):
+            torch.cuda.empty_cache()
+    return rates
+
+
+def floor_ms(total_bytes: int, ceilings_gbps: list[float]) -> float:
+    """Time (ms) to copy ``total_bytes`` of KV split evenly over the ranks, each at its
+    own ceiling: the slowest rank decides (one rank: the whole copy at its ceiling)."""
+    share = total_bytes / len(ceilings_gbps)
+    return max(share / (c * 1e9) for c in ceilings_gbps) * 1000
+
+
+def rank_stats(prefix: str, ranks: int) -> list[dict[str, float]]:
+    """Each worker's cumulative connector counters, from its own stats file
+    (``<prefix>.worker<rank>.json``; empty where absent or being replaced)."""
+    out: list[dict[str, float]] = []
+    for r in range(ranks):
+        try:
+            with open(f"{prefix}.worker{r}.json") as fh:
+                out.append({k: float(v) for k, v in json.load(fh).items()})
+        except (OSError, ValueError):
+            out.append({})
+    return out
+
+
+def _delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def rank_load_gbps(
+    before: list[dict[str, float]], after: list[dict[str, float]], wall_s: float
+) -> list[float]:
+    """Each rank's load rate (GB/s) over a window of ``wall_s`` seconds: the bytes it
+    loaded between the two :func:`rank_stats` readings / the window's wall time."""
+    if wall_s <= 0:
+        return [0.0] * len(after)
+    return [_delta(b, a, "load_bytes") / wall_s / 1e9 for b, a in zip(before, after, strict=True)]
+
+
+def rank_job_gbps(before: list[dict[str, float]], after: list[dict[str, float]]) -> list[float]:
+    """Each rank's bytes loaded / its summed load-job wall times (GB/s) between two
+    readings; 0 where no load time was counted."""
+    out: list[float] = []
+    for b, a in zip(before, after, strict=True):
+        secs = _delta(b, a, "load_seconds")
+        out.append(_delta(b, a, "load_bytes") / secs / 1e9 if secs > 0 else 0.0)
+    return out
+
+
+def x_ceiling(rates: list[float], ceilings: list[float]) -> list[float]:
+    """Each rank's rate against its own ceiling, rounded to 0.01 (0 for no ceiling)."""
+    return [round(r / c, 2) if c > 0 else 0.0 for r, c in zip(rates, ceilings, strict=True)]
+
+
+def cross_tp_ok(cached: dict[str, list[int]], outputs_match: bool) -> bool:
+    """The cross-TP verdict: no hit across TP sizes (``tp1_on_tpN``, ``tpN_on_tp1``),
+    hits on each engine's own saves (``tp1_own``, ``tpN_own``: the connector worked, so
+    the zeros mean something), and outputs equal to each TP size's cold outputs."""
+    crossed = cached.get("tp1_on_tpN", [1]) + cached.get("tpN_on_tp1", [1])
+    own = cached.get("tp1_own", [0]) + cached.get("tpN_own", [0])
+    return outputs_match and not any(crossed) and all(own)
+
+
 def diagnose(
     start: Any, batch: Any, set_c: list[list[int]], warm_up: list[list[int]],
     args: argparse.Namespace, out: dict[str, Any], where: Path,
@@ -133,6 +304,67 @@ def diagnose(
             print(f"profiled step {i}: {json.dumps(st)}", file=sys.stderr)
 
 
+Runs = list[tuple[float, int, list[int]]]
+
+
+def cross_tp_pass(
+    start: Any, timed: Any, cold_a: Runs, set_a: list[list[int]], warm_up: list[list[int]],
+    args: argparse.Namespace, work: Path, out: dict[str, Any],
+) -> None:  # fmt: skip
+    """Blocks of one TP size are no hits for another (the namespace includes it).
+
+    A TP=1 engine with the connector (vLLM's prefix cache off) gets :data:`CROSS_PROMPTS`
+    prompts of set A, which only TP=``args.tp`` engines saved: no hit; it also computes
+    a fresh set D, then gets set A's prompts again: hits on its own saves, with its
+    first outputs.  Then a TP=``args.tp`` engine gets set D, which only the TP=1 engine
+    saved: no hit; then set A's prompts: hits, with the cold run's outputs."""
+    ours = set_a[:CROSS_PROMPTS]
+    set_d = prompts(CROSS_PROMPTS, args.tokens, seed=40_000, vocab=128_000)
+    s_one = str(work / "cross_tp1")
+    e = start("cross_tp1", env={"PEGAFLOW_CONNECTOR_STATS_PATH": s_one}, three_keys=True,
+              prefix_caching=False, tp=1)  # fmt: skip
+    try:
+        e.generate(warm_up, 1)
+        tp1_first = [timed(e, p, args.pause) for p in ours]
+        for p in set_d:
+            timed(e, p, args.pause)
+        n = 2 * CROSS_PROMPTS * (args.tokens // 16) + 1024 // 16
+        print(f"cross_tp1 counters: {wait_saved(s_one, n, timeout=300)}", flush=True)
+        tp1_again = [timed(e, p, args.pause) for p in ours]
+    finally:
+        e.stop()
+    name = f"cross_tp{args.tp}"
+    s_n = str(work / name)
+    e = start(name, env={"PEGAFLOW_CONNECTOR_STATS_PATH": s_n}, three_keys=True)
+    try:
+        e.generate(warm_up, 1)
+        tpn_on_tp1 = [timed(e, p, args.pause) for p in set_d]
+        tpn_own = [timed(e, p, args.pause) for p in ours]
+    finally:
+        e.stop()
+        print(f"{name} counters: {stats(s_n)}", flush=True)
+
+    def cached(xs: Runs) -> list[int]:
+        return [c for _, c, _ in xs]
+
+    def outputs(xs: Runs) -> list[list[int]]:
+        return [o for _, _, o in xs]
+
+    got = {
+        "tp1_on_tpN": cached(tp1_first),
+        "tp1_own": cached(tp1_again),
+        "tpN_on_tp1": cached(tpn_on_tp1),
+        "tpN_own": cached(tpn_own),
+    }
+    match = outputs(tp1_again) == outputs(tp1_first) and outputs(tpn_own) == outputs(
+        cold_a[:CROSS_PROMPTS]
+    )
+    out["cross_tp_cached_tokens"] = got
+    out["cross_tp_outputs_match"] = match
+    out["cross_tp_ok"] = cross_tp_ok(got, match)
+    print(f"cross-TP: {got}, outputs match: {match}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=6, help="prompts in sets A and B")
@@ -150,7 +382,24 @@ def main() -> None:
     ap.add_argument(
         "--diagnose-only", action="store_true", help="the cold engine, then --diagnose alone"
     )
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor_parallel_size of every engine (GPUs 0..N-1); N > 1 adds the per-rank "
+        "ceilings and load rates and the cross-TP pass",
+    )
+    ap.add_argument(
+        "--pool-size",
+        default="",
+        help="the server's pool (pegaflow-server --pool-size, e.g. 48GiB); default: its own "
+        "default size (too small where the host's MemTotal reads low at start)",
+    )
     args = ap.parse_args()
+    if args.tp < 1:
+        ap.error("--tp must be at least 1")
+    # the server, this process and every engine (and their workers) inherit it
+    os.environ.update(tp_env(args.tp))
 
     work = Path(tempfile.mkdtemp(prefix="pf-gpu-bench-"))
     model_dir = work / "llama-3.1-8b-dummy"
@@ -163,16 +412,26 @@ def main() -> None:
         "max_model_len": args.tokens + 64,
         "max_num_batched_tokens": batch_tokens,
         "kv_cache_bytes": int(args.kv_cache_gb * 1e9),
+        "tp": args.tp,
     }
     set_a = prompts(args.prompts, args.tokens, seed=10_000, vocab=128_000)
     set_b = prompts(args.prompts, args.tokens, seed=20_000, vocab=128_000)
     set_c = prompts(args.batch, args.tokens, seed=30_000, vocab=128_000)
     warm_up = prompts(1, 1024, seed=7, vocab=128_000)
     kv_bytes_per_token = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 heads, head 128, bf16
-    ceiling = pinned_h2d_gbps(args.tokens * kv_bytes_per_token)
+    prompt_bytes = args.tokens * kv_bytes_per_token
+    if args.tp == 1:
+        ceilings = [pinned_h2d_gbps(prompt_bytes)]
+    else:  # every rank copies its share of a prompt's KV, all at the same time
+        ceilings = rank_ceilings_gbps(rank_share(prompt_bytes, args.tp), args.tp)
+    ceiling = sum(ceilings)
     out: dict[str, Any] = {"tokens": args.tokens, "prompts": args.prompts, "batch": args.batch}
     out["pinned_h2d_gbps"] = round(ceiling, 1)
     print(f"pinned H2D ceiling {ceiling:.1f} GB/s", flush=True)
+    if args.tp > 1:
+        out["tp"] = args.tp
+        out["per_rank_ceiling_gbps"] = [round(c, 1) for c in ceilings]
+        print(f"per-rank ceilings, all at once: {out['per_rank_ceiling_gbps']} GB/s", flush=True)
 
     def timed(engine: VllmEngine, p: list[int], pause: float) -> tuple[float, int, list[int]]:
         if pause:
@@ -191,11 +450,12 @@ def main() -> None:
 
     def start(name: str, env: dict[str, str] | None = None, **extra: Any) -> VllmEngine:
         t0 = time.monotonic()
+        ranks = int(extra.get("tp", args.tp))
         # vLLM 0.26 seeds its block-hash chain randomly per process unless
         # PYTHONHASHSEED is set: the README tells every user to set it
         e = VllmEngine(
             {**spec, **extra},
-            env={"PYTHONHASHSEED": "0", **(env or {})},
+            env={"PYTHONHASHSEED": "0", **tp_env(ranks), **(env or {})},
             name=name,
             start_timeout=600,
         )
@@ -207,13 +467,23 @@ def main() -> None:
             # (4-5 s for 31 GiB here); loads before that are slower and were timed in
             # some runs and not others: wait, so every pass measures the same state
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not any("pinned for DMA" in x for x in e.log):
+            # (each worker pins it: one line per rank)
+            while time.monotonic() < deadline and sum("pinned for DMA" in x for x in e.log) < ranks:
                 time.sleep(0.1)
             out[f"pinned_{name}_s"] = round(time.monotonic() - t0, 1)
         return e
 
+    def settled(prefix: str, waited: float = 0.0) -> list[dict[str, float]]:
+        """Each rank's counters once the stats files caught up (``waited``: seconds
+        already idle since the last request)."""
+        time.sleep(max(0.0, STATS_SETTLE_S - waited))
+        return rank_stats(prefix, args.tp)
+
+    windows: dict[str, tuple[list[dict[str, float]], list[dict[str, float]], float]] = {}
+
     # the server as a newcomer starts it: default pool, default ports
-    server = start_server(extra=["--coordinator-port", "7700"])
+    pool = ["--pool-size", args.pool_size] if args.pool_size else []
+    server = start_server(extra=["--coordinator-port", "7700", *pool])
     node = server.ready["node"]
     try:
         s1 = str(work / "cold")
@@ -226,6 +496,7 @@ def main() -> None:
             time.sleep(args.pause)
             cold_c_ms, cold_c_out = batch(e, set_c)
             n = (2 * args.prompts + args.batch) * (args.tokens // 16) + 1024 // 16
+            n *= args.tp  # every rank saves its shard of each block
             print(f"cold counters: {wait_saved(s1, n, timeout=300)}", flush=True)
         finally:
             e.stop()
@@ -250,24 +521,36 @@ def main() -> None:
         e = start("defaults", env={"PEGAFLOW_CONNECTOR_STATS_PATH": s2}, three_keys=True)
         try:
             e.generate(warm_up, 1)
+            r_start = settled(s2) if args.tp > 1 else []
             warm_b = [timed(e, p, args.pause) for p in set_b]
             warm_a = [timed(e, p, 0.0) for p in set_a]  # back to back
             time.sleep(args.pause)
+            r_mid = settled(s2, args.pause) if args.tp > 1 else []
             warm_c_ms, warm_c_out = batch(e, set_c)
         finally:
             e.stop()  # the engine exits right after its last request
             print(f"defaults counters: {stats(s2)}", flush=True)
             lines = [x for x in e.log if "PegaFlow" in x]
             print("\n".join(lines[-40:]), file=sys.stderr)
+        if args.tp > 1:
+            r_end = rank_stats(s2, args.tp)  # written by each worker at its exit
+            sequential_s = sum(t for t, _, _ in warm_b + warm_a) / 1000.0
+            windows["defaults"] = (r_start, r_mid, sequential_s)
+            windows["batch"] = (r_mid, r_end, warm_c_ms / 1000.0)
 
         s3 = str(work / "tuned")
         e = start("tuned", connector={"local_node": node, "stats_path": s3})
         try:
             e.generate(warm_up, 1)
+            r_start = settled(s3) if args.tp > 1 else []
             tuned_b = [timed(e, p, args.pause) for p in set_b]
         finally:
             e.stop()
             print(f"tuned counters: {stats(s3)}", flush=True)
+        if args.tp > 1:
+            tuned_s = sum(t for t, _, _ in tuned_b) / 1000.0
+            windows["tuned"] = (r_start, rank_stats(s3, args.tp), tuned_s)
+            cross_tp_pass(start, timed, cold_a, set_a, warm_up, args, work, out)
         if args.diagnose:
             diagnose(start, batch, set_c, warm_up, args, out, Path(args.log_dir or work))
     finally:
@@ -275,8 +558,6 @@ def main() -> None:
         if args.log_dir:
             for e in engines:
                 Path(args.log_dir, f"{e.name}.log").write_text("\n".join(e.log))
-
-    Runs = list[tuple[float, int, list[int]]]
 
     def ms(xs: Runs) -> list[float]:
         return [round(t, 1) for t, _, _ in xs]
@@ -305,7 +586,7 @@ def main() -> None:
     out["batch_cold_ms"] = round(cold_c_ms, 1)
     out["batch_warm_ms"] = round(warm_c_ms, 1)
     batch_bytes = args.batch * args.tokens * kv_bytes_per_token
-    out["batch_floor_ms"] = round(batch_bytes / (ceiling * 1e9) * 1000, 1)
+    out["batch_floor_ms"] = round(floor_ms(batch_bytes, ceilings), 1)
     out["plain_batch_hit_ms"] = round(plain_batch_hit_ms, 1)
     out["batch_cached_tokens"] = batch_cached
     out["batch_x_ceiling"] = round(out["batch_floor_ms"] / out["batch_warm_ms"], 2)
@@ -313,6 +594,17 @@ def main() -> None:
     out["back_to_back_over_floor"] = round(
         out["ttft_warm_back_to_back_ms"] / out["ttft_local_hit_ms"], 2
     )
+    if windows:
+        rates = {k: rank_load_gbps(b, a, w) for k, (b, a, w) in windows.items()}
+        out["ranks_load_gbps"] = {k: [round(x, 1) for x in v] for k, v in rates.items()}
+        out["ranks_load_x_ceiling"] = {k: x_ceiling(v, ceilings) for k, v in rates.items()}
+        out["ranks_load_job_gbps"] = {
+            k: [round(x, 1) for x in rank_job_gbps(b, a)] for k, (b, a, _w) in windows.items()
+        }
+        out["ranks_load_blocks"] = {
+            k: [int(_delta(br, ar, "load_blocks")) for br, ar in zip(b, a, strict=True)]
+            for k, (b, a, _w) in windows.items()
+        }
     print(json.dumps(out), flush=True)
 
 
