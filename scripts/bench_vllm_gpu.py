@@ -48,6 +48,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -123,6 +124,14 @@ ROUND_WAIT_S = 120.0
 STATS_SETTLE_S = 0.5
 #: prompts of set A (and of the fresh set D) that the cross-TP pass sends
 CROSS_PROMPTS = 2
+
+
+def pinned_ranks(log: list[str]) -> set[str]:
+    """The processes (``pid=N`` of vLLM's line prefix) whose connector said it pinned the
+    node's pool for DMA."""
+    return {
+        m.group(1) if (m := re.search(r"pid=(\d+)", x)) else x for x in log if "pinned for DMA" in x
+    }
 
 
 def tp_env(tp: int) -> dict[str, str]:
@@ -270,7 +279,9 @@ def diagnose(
     """Where a batch of hits spends its time: an engine with the connector's debug log
     runs the batch under vLLM's torch profiler (summarized by ``scripts/trace_summary.py``
     into ``where/trace_summary.json``), then twice more (its lines on stderr, with the
-    CPU's time to each layer), vLLM's own cache emptied before each."""
+    CPU's time to each layer), vLLM's own cache emptied before each; then an engine started
+    with ``CUDA_MODULE_LOADING=EAGER`` runs the first batch (``batch_eager_modules_ms``,
+    and ``start_eager_modules_s`` for what eager loading costs at start)."""
     prof = where / "profile"
     env = {"PEGAFLOW_CONNECTOR_LOG_LEVEL": "debug", "VLLM_CUSTOM_SCOPES_FOR_PROFILING": "1"}
     e = start("diagnose", three_keys=True, profile_dir=str(prof), env=env)
@@ -302,6 +313,18 @@ def diagnose(
         (where / "trace_summary.json").write_text(json.dumps(steps, indent=1))
         for i, st in enumerate(steps):
             print(f"profiled step {i}: {json.dumps(st)}", file=sys.stderr)
+    # the same first batch with every CUDA module loaded at start: does the stall of a
+    # new shape's first GEMM (a kernel loaded lazily waits for the copies in flight) go?
+    e = start("eager_modules", three_keys=True, env={**env, "CUDA_MODULE_LOADING": "EAGER"})
+    try:
+        e.generate(warm_up, 1)
+        time.sleep(args.pause)
+        mark = len(e.log)
+        out["batch_eager_modules_ms"] = round(batch(e, set_c)[0], 1)
+        time.sleep(1.0)
+        print("\n".join(x for x in e.log[mark:] if "PegaFlow" in x), file=sys.stderr)
+    finally:
+        e.stop()
 
 
 Runs = list[tuple[float, int, list[int]]]
@@ -467,8 +490,9 @@ def main() -> None:
             # (4-5 s for 31 GiB here); loads before that are slower and were timed in
             # some runs and not others: wait, so every pass measures the same state
             deadline = time.monotonic() + 60
-            # (each worker pins it: one line per rank)
-            while time.monotonic() < deadline and sum("pinned for DMA" in x for x in e.log) < ranks:
+            # (each worker pins it: a line from each rank's process; vLLM's handler and
+            # the connector's may print each line twice)
+            while time.monotonic() < deadline and len(pinned_ranks(e.log)) < ranks:
                 time.sleep(0.1)
             out[f"pinned_{name}_s"] = round(time.monotonic() - t0, 1)
         return e

@@ -174,3 +174,16 @@ def test_cross_tp_pass_sends_each_engine_the_other_size_s_prompts(
     }
     assert out["cross_tp_outputs_match"] is True
     assert out["cross_tp_ok"] is True
+
+
+def test_each_ranks_pinned_line_counts_once(bench: ModuleType) -> None:
+    """An engine is timed once every rank's connector pinned the pool: a line printed
+    twice (vLLM's handler and the connector's) is one rank, not two."""
+    log = [
+        "(Worker_TP0 pid=11) INFO pegaflow.connector: node pool x pinned for DMA in 3.8 s",
+        "(Worker_TP0 pid=11) INFO:pegaflow.connector:node pool x pinned for DMA in 3.8 s",
+        "(Worker_TP1 pid=12) INFO pegaflow.connector: node pool x pinned for DMA in 3.9 s",
+        "(EngineCore pid=10) INFO something else",
+    ]
+    assert bench.pinned_ranks(log[:2]) == {"11"}
+    assert bench.pinned_ranks(log) == {"11", "12"}
