@@ -501,7 +501,8 @@ def _setup_logging(level: str) -> None:
     lines (the same-host node found, the ``PegaFlow cache:`` report) would go nowhere, or
     to a root handler at WARNING (vLLM 0.26 on the H200 has one).  Unless ``pegaflow``
     has handlers of its own, they go to vLLM's handlers at vLLM's level (and not on to
-    the root); with the ``log_level`` setting, to a handler of their own at that level.
+    the root); with the ``log_level`` setting, to a handler of their own at that level
+    (and not on to the root either).
     """
     log = logging.getLogger("pegaflow")
     if level:
@@ -525,3 +526,4 @@ def _setup_logging(level: str) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     log.addHandler(handler)
+    log.propagate = False  # a root handler would print each line again

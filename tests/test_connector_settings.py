@@ -216,3 +216,23 @@ def test_block_hash_bytes() -> None:
     assert len(long) == 32 and long == block_hash_bytes(b"x" * 100)
     with pytest.raises(TypeError):
         block_hash_bytes(1.5)
+
+
+def test_a_connector_log_level_prints_each_line_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """With ``log_level`` the connector's loggers get a handler of their own; a root
+    handler (vLLM 0.26 has one on the H200) must not print every line a second time."""
+    from pegaflow.connector.connector import _setup_logging
+
+    log = logging.getLogger("pegaflow")
+    root = logging.getLogger()
+    saved = (log.handlers[:], log.level, log.propagate, root.handlers[:])
+    log.handlers.clear()
+    root_handler = logging.StreamHandler()
+    root.addHandler(root_handler)
+    try:
+        _setup_logging("debug")
+        logging.getLogger("pegaflow.connector").debug("PegaFlow: once")
+        assert capsys.readouterr().err.count("PegaFlow: once") == 1
+    finally:
+        root.removeHandler(root_handler)
+        log.handlers[:], log.level, log.propagate = saved[0], saved[1], saved[2]
