@@ -17,19 +17,39 @@ Steps, on one directory (``--dir``, default a fresh one under /var/tmp):
    ``recover(verify=True)`` (every payload read and checked) are timed;
 6. node (``--node-prefix-gb``, 0: skipped): a real ``pegaflow-node`` whose pool holds a
    bit more than one prefix of that size (1.31 GB: a 10k-token Llama-8B prefix) and a
-   disk tier in the same directory; prefix A is put, then prefixes B and C (which evict
+   disk tier of four prefixes in the same directory, in five steps:
+
+   ``node_saves_during_spills``: a prefix's blocks are put (saved) unpaced into the
+   empty pool (no evictions), then, the pool filled, into the full pool (every put
+   evicts, and each eviction is spilled, or dropped past the spill queue), ``--rounds``
+   times: ``save_gbps``, ``save_during_spills_gbps`` and their ratio ("saves are not
+   slowed by spills");
+
+   ``node_control_during_spills``: ``--locates`` one-block locates (through a client's
+   node session: the control socket) of blocks in memory, alone, while a writer puts
+   into a pool with room, and while it puts into a full pool (spilling): p50 / p99 ms;
+
+   ``node_promote``: prefix A is put, then prefixes B and C (which evict
    all of A to disk), paced so that the spills keep up (a put waits until the
    evictions before it are written or dropped); one batched get of A through a real
    client is timed (``promote_s``: the disk reads, the commits into the pool and the
    sends, streamed).  Then a set of blocks in memory is read by back-to-back gets,
    alone and while a writer puts new blocks that evict (and spill) others:
-   ``get_from_memory_gbps`` and ``get_from_memory_during_spills_gbps``.
+   ``get_from_memory_gbps`` and ``get_from_memory_during_spills_gbps``
+   (``node_spills_effect``);
+
+   ``node_restart_get``: a probe block and a prefix are put and pushed out to disk, and
+   more blocks until the tier is full; the node is stopped (SIGTERM) and started on an
+   empty pool (a fresh pool file) and the same tier: ``ready_s`` (process start to its
+   READY line), ``serving_s`` (to a first one-block get, from disk, answered), then one
+   batched get of the prefix (held only on disk): ``get_gbps``, byte-exact, and
+   ``get_to_raw_read`` (its ratio to step 1's raw read).
 
 Every step has a deadline (``--step-timeout-s``) and prints its JSON line
 (``{"step": ...}``) the moment it is done, so a run killed midway still shows the
 steps before; a step that fails or runs out of time prints ``{"step": ..., "error":
-...}`` and the run goes on with the next one (but the node's second step, which
-reads what the first promoted).
+...}`` and the run goes on with the next one (but ``node_spills_effect``, which reads
+what ``node_promote`` promoted).
 
 ``O_DIRECT`` bypasses the page cache, so no cache dropping is needed (on a file system
 without ``O_DIRECT``, e.g. some tmpfs, both sides are buffered and say so).  Every figure
@@ -42,12 +62,13 @@ node figures (``node``: ``promote_s``, ``promote_gbps``, ``promoted_blocks`` and
 ``byte_exact_blocks`` of the prefix's ``blocks``, ``streamed_blocks`` (sent ahead of a
 later disk read), ``spill_drops_before`` / ``spill_drops_during`` (evictions not kept on
 disk, before the get and by the get's own promotions), ``get_from_memory_gbps``,
-``get_from_memory_during_spills_gbps``, ``spilled_during``) and the parameters.
+``get_from_memory_during_spills_gbps``, ``spilled_during``; the other node steps'
+lines under their names) and the parameters.
 ``--gb 0`` skips steps 1 to 5.
 
     .venv/bin/python scripts/bench_disk_tier.py [--gb 2] [--block-mib 2] [--batch 32]
         [--read-threads 4] [--dir /path/on/the/disk] [--rounds 3] [--node-prefix-gb 1.31]
-        [--step-timeout-s 300]
+        [--locates 300] [--step-timeout-s 300]
 """
 
 from __future__ import annotations
@@ -68,6 +89,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -76,11 +98,15 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pegaflow.storage_node import protocol as proto  # noqa: E402
 from pegaflow.storage_node.disk_tier import DiskTier  # noqa: E402
 
 from pegaflow.deadline import Deadline  # noqa: E402
 
 GB = 1e9
+NS = "bench-disk"
+SCRATCH = "bench-disk-scratch"
+"""the namespace of the saves and writers of the first node steps, dropped after each"""
 
 
 class StepTimeout(Exception):
@@ -243,6 +269,12 @@ def mixed_round(
     return read_gbps, spill_gbps[0]
 
 
+def quantile_ms(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (seconds), in milliseconds."""
+    ys = sorted(xs)
+    return round(ys[min(len(ys) - 1, int(q * len(ys)))] * 1000, 3)
+
+
 def summary(xs: list[float]) -> dict[str, float]:
     return {"best": round(max(xs), 3), "median": round(statistics.median(xs), 3)}
 
@@ -356,6 +388,12 @@ def restart(args: argparse.Namespace, root: Path, deadline: Deadline) -> dict[st
     return {"recover_s": round(recover_s, 3), "recover_verify_s": round(recover_verify_s, 3)}
 
 
+async def _data_client() -> Any:
+    from pegaflow.client.data import DataClient
+
+    return DataClient()
+
+
 class NodeBench:
     """Step 6 (see the module docstring): a real node with a disk tier, in two steps
     (``promote``, then ``spills_effect``) that share the node."""
@@ -371,24 +409,26 @@ class NodeBench:
         self.pool = -(-(n * block) // slab) * slab + slab  # one prefix, a slab to spare
         self.pool_blocks = self.pool // block
         self.queue_blocks = max(1, args.node_queue_mib * (1 << 20) // block)
-        self.node = start_node(
-            "bench-disk", pool=str(self.pool), slab=str(slab),
+        self.disk_slots = 4 * n
+        self._start = partial(
+            start_node, "bench-disk", pool=str(self.pool), slab=str(slab),
             extra=["--node-disk-path", str(root / "node-disk"),
-                   "--node-disk-bytes", str(4 * n * block), "--node-disk-block-bytes", str(block),
+                   "--node-disk-bytes", str(self.disk_slots * block),
+                   "--node-disk-block-bytes", str(block),
                    "--node-disk-read-threads", str(args.read_threads),
                    "--node-disk-write-threads", str(args.write_threads),
                    "--node-disk-queue-bytes", str(self.queue_blocks * block)],
         )  # fmt: skip
+        self.node = self._start()
         self.addr = self.node.ready["ucx"]
         self.put_blocks = 0
         self.data = np.random.default_rng(7).integers(0, 255, (n, block), dtype=np.uint8)
         self.loop = asyncio.new_event_loop()
-        self.client: Any = None
+        self.client = self.loop.run_until_complete(_data_client())
 
     def close(self) -> None:
-        if self.client is not None:
-            with contextlib.suppress(Exception):
-                self.loop.run_until_complete(asyncio.wait_for(self.client.close(), 10))
+        with contextlib.suppress(Exception):
+            self.loop.run_until_complete(asyncio.wait_for(self.client.close(), 10))
         self.loop.close()
         self.node.terminate()
 
@@ -425,7 +465,7 @@ class NodeBench:
             last = now
             await asyncio.sleep(0.1)
 
-    async def put(self, hs: list[bytes], paced: bool) -> None:
+    async def put(self, hs: list[bytes], paced: bool, ns: str = NS) -> None:
         """Put ``hs``; ``paced``: in pieces no larger than the spill queue, each once
         the evictions before it are written (so that none is dropped)."""
         most = max(1, min(64, self.pool_blocks // 4))  # within a connection's quota
@@ -435,16 +475,22 @@ class NodeBench:
             part = [(h, 0, self.data[(i + j) % n]) for j, h in enumerate(hs[i : i + step])]
             if paced:
                 await self.wait_settled()
-            out = await self.client.put(self.addr, "bench-disk", part, 60)
+            out = await self.client.put(self.addr, ns, part, 60)
             assert out.stored + out.skipped == len(part), out
             self.put_blocks += out.stored
+
+    async def drop_scratch(self) -> None:
+        """Drop the scratch namespace's blocks (the pool has room again, and the tier
+        holds none of them)."""
+        reply = await self.client.call(self.addr, proto.encode_drop(SCRATCH), 30)
+        out = proto.drop_reply(reply)
+        self.put_blocks -= out.dropped + out.pinned
+        await self.wait_settled()
 
     async def get(self, hs: list[bytes], out: np.ndarray) -> tuple[float, int]:
         """Seconds of one batched get of ``hs``, and the blocks it found."""
         t0 = time.perf_counter()
-        ok = await self.client.get(
-            self.addr, "bench-disk", [(h, 0, out[i]) for i, h in enumerate(hs)], 120
-        )
+        ok = await self.client.get(self.addr, NS, [(h, 0, out[i]) for i, h in enumerate(hs)], 120)
         return time.perf_counter() - t0, sum(ok)
 
     async def get_gbps(self, hs: list[bytes], out: np.ndarray) -> float:
@@ -455,11 +501,9 @@ class NodeBench:
         return len(hs) * self.block / dt / GB
 
     async def promote(self) -> dict[str, Any]:
-        from pegaflow.client.data import DataClient
-
-        self.client = DataClient()
         n, block = self.n, self.block
         a = self.hashes(1, n)
+        drops0 = self.metric("pegaflow_node_disk_spill_drops_total")
         await self.put(a, paced=True)
         await self.put(self.hashes(2, n), paced=True)  # B then C evict all of A to disk
         await self.put(self.hashes(3, n), paced=True)
@@ -477,7 +521,7 @@ class NodeBench:
             "promoted_blocks": hits,
             "byte_exact_blocks": int(good),
             "disk_blocks_before": int(on_disk),
-            "spill_drops_before": int(drops),  # evictions of the puts not kept on disk
+            "spill_drops_before": int(drops - drops0),  # evictions of its puts not kept
             "spill_drops_during": int(self.metric("pegaflow_node_disk_spill_drops_total") - drops),
             "streamed_blocks": int(self.metric("pegaflow_node_disk_streamed_blocks_total")),
             "pool_bytes": self.pool,
@@ -503,6 +547,179 @@ class NodeBench:
             "spilled_during": int(self.metric("pegaflow_node_disk_spills_total") - before),
         }
 
+    async def timed_put(self, hs: list[bytes]) -> tuple[float, int, int]:
+        """GB/s of putting ``hs`` (scratch) unpaced, as a save does, and the evictions it
+        caused that were spilled and that were dropped (once those settled; the tier's
+        counters: the pool's own gauge lags by up to a second)."""
+        spills0 = self.metric("pegaflow_node_disk_spills_total")
+        drops0 = self.metric("pegaflow_node_disk_spill_drops_total")
+        t0 = time.perf_counter()
+        await self.put(hs, paced=False, ns=SCRATCH)
+        gbps = len(hs) * self.block / (time.perf_counter() - t0) / GB
+        await self.wait_settled()
+        spilled = int(self.metric("pegaflow_node_disk_spills_total") - spills0)
+        return gbps, spilled, int(self.metric("pegaflow_node_disk_spill_drops_total") - drops0)
+
+    async def fill(self, keep: int = 0) -> None:
+        """Fill a pool holding only ``keep`` other blocks with scratch blocks (the next
+        put evicts)."""
+        await self.put(self.hashes(11, self.pool_blocks - keep), paced=True, ns=SCRATCH)
+
+    async def saves_during_spills(self, rounds: int) -> dict[str, Any]:
+        """Put throughput of the same batches into an empty pool (no evictions), then
+        into a full one (every put evicts, and each eviction is spilled or dropped), in
+        ``rounds`` rounds (the scratch blocks dropped after each put)."""
+        n = self.n
+        room: list[float] = []
+        full: list[float] = []
+        spilled = dropped = 0
+        for _ in range(rounds):
+            gbps, *evicted = await self.timed_put(self.hashes(10, n))
+            if sum(evicted):
+                raise RuntimeError(f"the pool evicted {sum(evicted)} blocks with room left")
+            room.append(gbps)
+            await self.drop_scratch()
+            await self.fill()
+            gbps, s, d = await self.timed_put(self.hashes(12, n))
+            full.append(gbps)
+            spilled, dropped = spilled + s, dropped + d
+            await self.drop_scratch()
+        return {
+            "save_gbps": summary(room)["best"],
+            "save_during_spills_gbps": summary(full)["best"],
+            "save_ratio": round(max(full) / max(room), 3),
+            "save_ratio_paired_median": round(
+                statistics.median(f / r for f, r in zip(full, room, strict=True)), 3
+            ),
+            "save": summary(room),
+            "save_during_spills": summary(full),
+            "blocks": n,
+            "rounds": rounds,
+            "spilled_during": spilled,
+            "spill_drops_during": dropped,  # past the spill queue: not kept on disk
+        }
+
+    async def control_during_spills(self, count: int) -> dict[str, Any]:
+        """Latency of ``count`` one-block locates (through a client's node session: the
+        control socket on this host) of a few blocks in memory: alone, while a writer
+        puts into a pool with room (no evictions), and while it puts into a full pool
+        (every put evicts, and the evictions are spilled)."""
+        from pegaflow.client.session import NodeSession
+
+        session = NodeSession.at(self.addr, self.client)
+        hot = self.hashes(40, 8)
+        await self.put(hot, paced=True)
+        batch = max(1, min(self.n, self.pool_blocks - 2 * len(hot)))  # fits beside them
+        tags = iter(range(41, 1 << 30))
+
+        async def locate(i: int) -> float:
+            t0 = time.perf_counter()
+            pin, where = await session.locate(NS, [hot[i % len(hot)]], 0, 5.0, 10)
+            dt = time.perf_counter() - t0
+            await session.unpin(pin, 10)
+            if not where.found[0]:
+                raise RuntimeError("a located block was not found")
+            return dt
+
+        async def during(room: bool) -> tuple[list[float], int]:
+            """Locates while writers put ``batch`` new blocks each (dropped after each
+            one with ``room``), until ``count`` overlapped one; and the spills meanwhile."""
+            before = self.metric("pegaflow_node_disk_spills_total")
+            out: list[float] = []
+            while len(out) < count:
+                hs = self.hashes(next(tags), batch)
+                writer = asyncio.ensure_future(self.put(hs, paced=False, ns=SCRATCH))
+                try:
+                    while not writer.done():
+                        out.append(await locate(len(out)))
+                    await writer
+                finally:
+                    writer.cancel()
+                if room:
+                    await self.drop_scratch()
+            return out, int(self.metric("pegaflow_node_disk_spills_total") - before)
+
+        try:
+            alone = [await locate(i) for i in range(count)]
+            with_room, spilled_room = await during(room=True)
+            if spilled_room:
+                raise RuntimeError(f"{spilled_room} spills while the pool had room")
+            await self.fill(keep=len(hot))
+            for i in range(len(hot)):  # the most recently used: the fill is evicted first
+                await locate(i)
+            spilling, spilled = await during(room=False)
+            over_socket = session.over_socket
+        finally:
+            session.close()
+        await self.drop_scratch()
+        return {
+            "locate_p50_ms": quantile_ms(alone, 0.5),
+            "locate_p99_ms": quantile_ms(alone, 0.99),
+            "locate_during_saves_p50_ms": quantile_ms(with_room, 0.5),
+            "locate_during_saves_p99_ms": quantile_ms(with_room, 0.99),
+            "locate_during_spills_p50_ms": quantile_ms(spilling, 0.5),
+            "locate_during_spills_p99_ms": quantile_ms(spilling, 0.99),
+            "locates": count,
+            "locates_during_saves": len(with_room),
+            "locates_during_spills": len(spilling),
+            "spilled_during": spilled,
+            "over_control_socket": over_socket,
+        }
+
+    async def fill_for_restart(self) -> tuple[list[bytes], list[bytes]]:
+        """A probe block and a prefix held only on disk, with the tier full: new blocks
+        until the tier is full, then the probe and the prefix, then new blocks until
+        both have left the pool (the tier's LRU evicts those older than the probe)."""
+        tags = iter(range(32, 1 << 30))
+        part = min(self.n, max(1, self.pool_blocks // 4))
+        while self.metric("pegaflow_node_disk_blocks") < self.disk_slots:
+            await self.put(self.hashes(next(tags), part), paced=True)
+            await self.wait_settled()
+        probe, prefix = self.hashes(30, 1), self.hashes(31, self.n)
+        await self.put(probe, paced=True)
+        await self.put(prefix, paced=True)
+        for _ in range(-(-self.pool_blocks // part)):
+            await self.put(self.hashes(next(tags), part), paced=True)
+        await self.wait_settled()
+        return probe, prefix
+
+    def restart_get(self, raw_gbps: float | None, deadline: Deadline) -> dict[str, Any]:
+        """The node stopped (SIGTERM) with its tier full and restarted on an empty pool
+        (a fresh pool file): seconds to its READY line and to a first one-block get
+        answered, then one batched get of a prefix held only on disk."""
+        probe, prefix = self.run(self.fill_for_restart(), deadline)
+        disk_blocks = self.metric("pegaflow_node_disk_blocks")
+        t0 = time.perf_counter()
+        self.node.terminate(timeout=max(1.0, deadline.remaining()))  # queued spills first
+        stop_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.node = self._start()
+        ready_s = time.perf_counter() - t0
+        self.addr = self.node.ready["ucx"]
+        first = np.empty((1, self.block), dtype=np.uint8)
+        _, probe_hits = self.run(self.get(probe, first), deadline)
+        serving_s = time.perf_counter() - t0
+        if probe_hits != 1:
+            raise RuntimeError("the probe block was not served from disk after the restart")
+        out = np.empty((self.n, self.block), dtype=np.uint8)
+        get_s, hits = self.run(self.get(prefix, out), deadline)
+        good = sum(np.array_equal(out[i], self.data[i]) for i in range(self.n))
+        gbps = self.n * self.block / get_s / GB
+        return {
+            "stop_s": round(stop_s, 3),
+            "ready_s": round(ready_s, 3),
+            "serving_s": round(serving_s, 3),
+            "disk_blocks": int(disk_blocks),
+            "disk_slots": self.disk_slots,
+            "recovered_blocks": int(self.metric("pegaflow_node_disk_blocks")),
+            "get_s": round(get_s, 3),
+            "get_gbps": round(gbps, 3),
+            "get_to_raw_read": round(gbps / raw_gbps, 3) if raw_gbps else None,
+            "got_blocks": hits,
+            "byte_exact_blocks": int(good),
+            "blocks": self.n,
+        }
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -521,6 +738,10 @@ def main() -> None:
     p.add_argument(
         "--node-queue-mib", type=int, default=256,
         help="the node's spill queue ([node] disk_queue_bytes, default 256 MiB)",
+    )  # fmt: skip
+    p.add_argument(
+        "--locates", type=int, default=300,
+        help="one-block locates of the control step, alone and during spills (default 300)",
     )  # fmt: skip
     p.add_argument(
         "--step-timeout-s", type=float, default=300.0,
@@ -562,13 +783,24 @@ def main() -> None:
                 emit("node_promote", {"error": f"the node did not start: {e}"})
             else:
                 try:
+                    saves = step(
+                        "node_saves_during_spills",
+                        lambda d: nb.run(nb.saves_during_spills(args.rounds), d),
+                    )
+                    node["saves_during_spills"] = saves
+                    node["control_during_spills"] = step(
+                        "node_control_during_spills",
+                        lambda d: nb.run(nb.control_during_spills(args.locates), d),
+                    )
                     promoted = step("node_promote", lambda d: nb.run(nb.promote(), d))
-                    if promoted is not None:  # the next step reads what this one promoted
+                    if promoted is not None:  # the next steps read what this one promoted
                         node.update(promoted)
                         node.update(
                             step("node_spills_effect", lambda d: nb.run(nb.spills_effect(), d))
                             or {}
                         )
+                    raw = result.get("raw_read_gbps")
+                    node["restart_get"] = step("node_restart_get", lambda d: nb.restart_get(raw, d))
                 finally:
                     nb.close()
     finally:
