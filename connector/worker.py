@@ -301,6 +301,8 @@ class WorkerSide:
             return
         if not plan.namespace or plan.preempted or not self._local_ready.is_set():
             return  # preempted: blocks still being copied out may be given to new requests
+        if self._prestarted is not None:
+            return  # a plan not yet taken by its step: this one starts in its own step
         try:
             client = self._get_client()
             if client is None:
