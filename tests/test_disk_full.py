@@ -34,6 +34,7 @@ from tests.test_disk_tier_node import (
     put_all,
     server,
     wait_for,
+    wait_spilled,
 )
 from tests.test_disk_tier_node import procs as procs  # a fixture
 from tests.test_disk_tier_node import shm as shm  # a fixture
@@ -116,8 +117,7 @@ def test_a_disk_that_fills_up_after_it_opened_leaves_the_memory_tier_serving(
         filler.unlink()
         more, more_data = blocks(POOL_BLOCKS + BATCH, seed=8)
         put_all(c, more, more_data)
-        wait_for(lambda: metrics(p)["pegaflow_node_disk_spills_total"] >= BATCH,
-                 "spills written once there is room")  # fmt: skip
+        wait_spilled(p, BATCH, "spills written once there is room")
         ok, out = get_all(c, more[:BATCH])  # evicted from memory: on disk only
         assert all(ok) and np.array_equal(out, more_data[:BATCH])
     finally:

@@ -20,7 +20,6 @@ from tests.test_disk_tier_node import (
     BLOCK,
     NODE,
     NS,
-    POOL_BLOCKS,
     WORKING_SET,
     blocks,
     client,
@@ -28,6 +27,7 @@ from tests.test_disk_tier_node import (
     put_all,
     server,
     wait_for,
+    wait_spilled,
 )
 from tests.test_disk_tier_node import procs as procs  # a fixture
 from tests.test_disk_tier_node import shm as shm  # a fixture
@@ -66,8 +66,7 @@ def node(
         put_all(c, hashes, data)
     finally:
         c.close()
-    wait_for(lambda: metrics(p)["pegaflow_node_disk_spills_total"] >= WORKING_SET - POOL_BLOCKS,
-             "the evicted blocks written to disk")  # fmt: skip
+    wait_spilled(p)
     yield p, hashes, data
 
 

@@ -74,6 +74,13 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None
         time.sleep(0.1)
 
 
+def wait_spilled(p: Proc, n: int = WORKING_SET - POOL_BLOCKS, what: str = "") -> None:
+    """Until node ``p`` has written ``n`` evicted blocks to its disk tier (by default
+    what a working set of :data:`WORKING_SET` evicts from the pool)."""
+    wait_for(lambda: metrics(p)["pegaflow_node_disk_spills_total"] >= n,
+             what or "the evicted blocks written to disk")  # fmt: skip
+
+
 def put_all(c: SyncPegaClient, hashes: Sequence[bytes], data: np.ndarray) -> None:
     for i in range(0, len(hashes), BATCH):
         items = [(hashes[j], 0, data[j]) for j in range(i, min(i + BATCH, len(hashes)))]
@@ -116,8 +123,7 @@ def test_a_working_set_larger_than_memory_spills_and_comes_back_byte_exact(
     try:
         hashes, data = blocks(WORKING_SET)
         put_all(c, hashes, data)
-        wait_for(lambda: metrics(p)["pegaflow_node_disk_spills_total"] >= WORKING_SET - POOL_BLOCKS,
-                 "the evicted blocks written to disk")  # fmt: skip
+        wait_spilled(p)
         assert all(present(c, hashes))  # the index still has every block (most on disk)
         ok, out = get_all(c, hashes)
         assert all(ok) and np.array_equal(out, data)
@@ -186,8 +192,7 @@ def test_a_corrupted_disk_block_is_refused_and_counted(
     c = client(p)
     try:
         put_all(c, hashes, data)
-        wait_for(lambda: metrics(p)["pegaflow_node_disk_spills_total"] >= WORKING_SET - POOL_BLOCKS,
-                 "the evicted blocks written to disk")  # fmt: skip
+        wait_spilled(p)
     finally:
         c.close()
     p.terminate()
@@ -358,8 +363,7 @@ def test_a_dropped_namespace_leaves_the_disk_tier_too(
     hashes, data = blocks(WORKING_SET, seed=5)
     try:
         put_all(c, hashes, data)
-        wait_for(lambda: metrics(p)["pegaflow_node_disk_spills_total"] >= WORKING_SET - POOL_BLOCKS,
-                 "the evicted blocks written to disk")  # fmt: skip
+        wait_spilled(p)
         got = c.drop(NODE, NS)
         assert got.dropped + got.pinned <= WORKING_SET
         wait_for(lambda: not any(present(c, hashes)), "the namespace gone from the index")
