@@ -381,10 +381,18 @@ def test_every_server_query_and_alert_selects_existing_series(server: Proc, tmp_
 
 
 def wait_engine(engine: Any, sample: str, at_least: float, timeout: float = 60.0) -> None:
-    """Until the engine's ``/metrics`` shows ``sample`` >= ``at_least`` (connector stats
-    reach vLLM's frontend with the engine steps after them)."""
+    """Until the engine's ``/metrics`` shows ``sample`` >= ``at_least``.  Connector stats
+    reach vLLM's frontend with the engine steps after them: a save done after the last
+    step waits for the next one, so a prompt shorter than a block (nothing to save or
+    load) is sent now and then to make steps."""
+    from tests.vllm_engine import text_prompt
+
     deadline = time.monotonic() + timeout
+    nudge = time.monotonic() + 2.0
     while (m := engine.metrics()).get(sample, 0) < at_least:
+        if time.monotonic() > nudge:
+            engine.complete(text_prompt(4, seed=99), max_tokens=1)
+            nudge = time.monotonic() + 2.0
         if time.monotonic() > deadline:
             ours = {k: v for k, v in m.items() if "pegaflow" in k and v}
             log = [ln for ln in engine.log if "GET /metrics" not in ln][-40:]
