@@ -327,6 +327,27 @@ def diagnose(
         e.stop()
 
 
+def module_loading(
+    start: Any, batch: Any, set_c: list[list[int]], warm_up: list[list[int]],
+    args: argparse.Namespace, out: dict[str, Any],
+) -> None:  # fmt: skip
+    """The first batch of a restarted engine with CUDA's lazy kernel loading (the
+    default) against ``CUDA_MODULE_LOADING=EAGER``, interleaved, two engines of each:
+    ``batch_lazy_ms`` / ``batch_eager_ms`` and what each engine took to start."""
+    for i in (1, 2):
+        for mode in ("LAZY", "EAGER"):
+            name = f"{mode.lower()}_{i}"
+            e = start(name, three_keys=True, env={"CUDA_MODULE_LOADING": mode})
+            try:
+                e.generate(warm_up, 1)
+                time.sleep(args.pause)
+                ms = round(batch(e, set_c)[0], 1)
+            finally:
+                e.stop()
+            out.setdefault(f"batch_{mode.lower()}_ms", []).append(ms)
+            print(f"{name}: batch {ms} ms", flush=True)
+
+
 Runs = list[tuple[float, int, list[int]]]
 
 
@@ -404,6 +425,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--diagnose-only", action="store_true", help="the cold engine, then --diagnose alone"
+    )
+    ap.add_argument(
+        "--module-loading-only",
+        action="store_true",
+        help="the cold engine, then the batch with lazy and eager CUDA module loading",
     )
     ap.add_argument(
         "--tp",
@@ -524,6 +550,10 @@ def main() -> None:
             print(f"cold counters: {wait_saved(s1, n, timeout=300)}", flush=True)
         finally:
             e.stop()
+        if args.module_loading_only:
+            module_loading(start, batch, set_c, warm_up, args, out)
+            print(json.dumps(out), flush=True)
+            return
         if args.diagnose_only:
             diagnose(start, batch, set_c, warm_up, args, out, Path(args.log_dir or work))
             print(json.dumps(out), flush=True)
