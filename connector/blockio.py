@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -332,7 +333,9 @@ class KVBlockIO:
         ``block_ids[i]`` of every layer: one :class:`CopyIn` of :meth:`copy_in_many`."""
         return self.copy_in_many([CopyIn(host, offsets, block_ids, mapped, digest, piece)], mode)[0]
 
-    def copy_in_many(self, loads: Sequence[CopyIn], mode: str = "auto") -> list[Transfer]:
+    def copy_in_many(
+        self, loads: Sequence[CopyIn], mode: str = "auto", ahead: int = 0
+    ) -> list[Transfer]:
         """Queue several loads at once (e.g. every layer-wise load of one step), one
         :class:`Transfer` each.
 
@@ -341,8 +344,11 @@ class KVBlockIO:
         shared by all the loads.  A forward pass that waits for layer ``k`` of all its
         requests then waits for ``k + 1`` layers' worth of the bytes, not for every
         earlier request's whole prefix (a batch of eight 10,000-token hits: its first
-        layer could start after 7/8 of all the copies).  On the CPU the copies are done
-        on return.
+        layer could start after 7/8 of all the copies).  ``ahead`` (> 0) queues only
+        that many layers now and each later one when the forward pass waits for the
+        layer ``ahead`` before it (:meth:`Transfer.wait_layer`): fewer copies in
+        flight when a kernel CUDA loads lazily synchronizes the context.  On the CPU
+        the copies are done on return.
 
         ``mode`` (pinned memory, tile layouts): ``dma2d`` moves each layer's tiles with
         the copy engines, one 2-D copy per run of blocks that are consecutive both in
@@ -359,13 +365,17 @@ class KVBlockIO:
             return [self._copy_in_cpu(ld) for ld in loads]
         ways = [self._way(ld, mode) for ld in loads]
         try:
-            return self._copy_in_layers(loads, ways)
+            feed = _LayerFeed(self, loads, ways, ahead)
         except _Refused2D as e:  # the copies queued so far are redone by the kernel
             if mode == "dma2d":
                 raise RuntimeError(str(e)) from e
             self._dma2d_ok = False
             logger.warning("PegaFlow: 2-D copies failed (%s); loads use the tile kernel", e)
-            return self.copy_in_many(loads, mode)
+            return self.copy_in_many(loads, mode, ahead)
+        return [
+            Transfer(feed.sums[j], None if way == "none" else feed, j, way == "2d" and ld.digest)
+            for j, (ld, (way, _)) in enumerate(zip(loads, ways, strict=True))
+        ]
 
     def _copy_in_cpu(self, ld: CopyIn) -> Transfer:
         n = len(ld.block_ids)
@@ -373,7 +383,7 @@ class KVBlockIO:
             bb = self.block_bytes
             rows = torch.stack([ld.host[o : o + bb] for o in ld.offsets])
             self._scatter_rows(torch.tensor(list(ld.block_ids), dtype=torch.long), rows)
-        return Transfer([], None, self.digest(ld.block_ids) if ld.digest and n else None)
+        return Transfer(self.digest(ld.block_ids) if ld.digest and n else None)
 
     def _way(self, ld: CopyIn, mode: str) -> tuple[str, list[tuple[int, int, int]]]:
         """How :meth:`copy_in_many` moves one load: ``("2d", runs)``, ``("kernel", [])``,
@@ -388,105 +398,6 @@ class KVBlockIO:
             if mode == "dma2d" or len(runs) * _MIN_RUN <= n:
                 return "2d", runs
         return "kernel", []
-
-    def _copy_in_layers(
-        self, loads: Sequence[CopyIn], ways: list[tuple[str, list[tuple[int, int, int]]]]
-    ) -> list[Transfer]:
-        """:meth:`copy_in_many` on CUDA: the staging-buffer loads first (all layers at
-        once), then per layer every other load's tiles (2-D copies or the tile kernel),
-        an event, and the 2-D loads' digest kernels behind it on the check stream."""
-        sums: list[torch.Tensor | None] = [None] * len(loads)
-        ids: list[dict[int, torch.Tensor]] = [{} for _ in loads]
-        srcs: list[tuple[Any, torch.Tensor]] = [(None, torch.empty(0))] * len(loads)
-        checked = False
-        events: list[Any] = []
-        handle = self._stream.cuda_stream
-        timing = None
-        if logger.isEnabledFor(logging.DEBUG):
-            timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            timing[0].record(self._stream)
-        with torch.cuda.stream(self._stream):
-            for j, (ld, (way, _)) in enumerate(zip(loads, ways, strict=True)):
-                if way == "none":
-                    continue
-                if way == "dma":
-                    self._copy_in_dma(ld.host, ld.offsets, ld.block_ids)
-                    sums[j] = self._digest(ld.block_ids) if ld.digest else None
-                    continue
-                ids[j] = self._tile_offsets(ld.block_ids)
-                if ld.digest:
-                    sums[j] = torch.zeros(len(ld.block_ids), dtype=torch.int64, device=self.device)
-                if way == "kernel":
-                    srcs[j] = (
-                        tilecopy.RawPointer(ld.host.data_ptr()),
-                        tilecopy.offsets_tensor(ld.offsets, self.device),
-                    )
-                elif ld.digest:
-                    checked = True
-                    for t in (sums[j], *ids[j].values()):
-                        assert t is not None
-                        t.record_stream(self._check_stream)
-            for layer, off in zip(self.layers, self._offsets, strict=True):
-                assert layer.raw is not None
-                tb = layer.tile_bytes
-                dst0 = layer.raw.data_ptr()
-                for j, (ld, (way, runs)) in enumerate(zip(loads, ways, strict=True)):
-                    if way == "2d":
-                        base = ld.host.data_ptr()
-                        for i, m, pitch in runs:
-                            try:
-                                tilecopy.copy_2d(
-                                    dst0 + ld.block_ids[i] * tb, tb, base + ld.offsets[i] + off,
-                                    pitch or tb, tb, m, handle,
-                                )  # fmt: skip
-                            except RuntimeError as e:
-                                raise _Refused2D(str(e)) from e
-                    elif way == "kernel":
-                        src, src_off = srcs[j]
-                        tilecopy.copy_tiles(
-                            src, src_off, layer.raw, ids[j][tb], tb,
-                            self._digest_args(off, tb, sums[j]), src_shift=off,
-                        )  # fmt: skip
-                ev = torch.cuda.Event()
-                ev.record(self._stream)
-                events.append(ev)
-                if not checked:
-                    continue
-                with torch.cuda.stream(self._check_stream):
-                    self._check_stream.wait_event(ev)
-                    for j, (ld, (way, _)) in enumerate(zip(loads, ways, strict=True)):
-                        if way == "2d" and ld.digest:
-                            tilecopy.copy_tiles(
-                                layer.raw, ids[j][tb], layer.raw, ids[j][tb], tb,
-                                self._digest_args(off, tb, sums[j]), store=False,
-                            )  # fmt: skip
-        tail = None
-        if checked:
-            tail = torch.cuda.Event()
-            tail.record(self._check_stream)
-        if timing is not None:
-            timing[1].record(self._stream)
-        out = [
-            Transfer(
-                [] if way == "none" else events,
-                None if way == "none" else self._stream,
-                sums[j],
-                tail if way == "2d" and ld.digest else None,
-            )
-            for j, (ld, (way, _)) in enumerate(zip(loads, ways, strict=True))
-        ]
-        if timing is not None:
-            for x in out:
-                x.timing = timing
-            logger.debug(
-                "PegaFlow: %d loads queued layer-major: %s",
-                len(loads),
-                ", ".join(
-                    f"{len(ld.block_ids)} blocks by {way}" + (f", {len(runs)} runs" if runs else "")
-                    for ld, (way, runs) in zip(loads, ways, strict=True)
-                ),
-            )
-        return out
 
     @staticmethod
     def _runs(
@@ -642,47 +553,215 @@ class KVBlockIO:
         return total
 
 
-class Transfer:
-    """Copies queued on a CUDA stream, with one completion event per layer, and the
-    digests of the copied blocks when they were asked for (done with the last event)."""
+class _LayerFeed:
+    """The copies of one :meth:`KVBlockIO.copy_in_many` call on CUDA, queued layer by
+    layer: the staging-buffer loads first (all layers at once), then per layer every
+    other load's tiles (2-D copies or the tile kernel), an event, and the 2-D loads'
+    digest kernels behind it on the check stream.  The first ``ahead`` layers (all of
+    them when 0) are queued on construction, the others by :meth:`to`."""
 
     def __init__(
         self,
-        events: list[Any],
-        stream: Any,
-        digests: torch.Tensor | None = None,
-        tail: Any = None,
+        io: KVBlockIO,
+        loads: Sequence[CopyIn],
+        ways: list[tuple[str, list[tuple[int, int, int]]]],
+        ahead: int,
     ) -> None:
-        self.events = events
-        self.stream = stream
-        self.digests = digests
-        self.tail = tail
-        """event after the digests, when they are computed behind the copies"""
+        self.io = io
+        self.loads = loads
+        self.ways = ways
+        self.ahead = max(0, ahead)
+        self.layers = len(io.layers)
+        self.events: list[Any] = []
+        """one per layer queued so far, after that layer's copies of every load"""
+        self.tail: Any = None
+        """after the digest kernels of the last layer (2-D loads with digests)"""
+        self.failed: set[int] = set()
+        """loads whose later layers could not be queued (their blocks are misses)"""
+        self.sums: list[torch.Tensor | None] = [None] * len(loads)
+        self._ids: list[dict[int, torch.Tensor]] = [{} for _ in loads]
+        self._srcs: list[tuple[Any, torch.Tensor]] = [(None, torch.empty(0))] * len(loads)
+        self._checked = False
+        self._lock = threading.Lock()
         self.timing: tuple[Any, Any] | None = None
         """timing events before the first copy and after the last (debug log only)"""
+        if logger.isEnabledFor(logging.DEBUG):
+            self.timing = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            self.timing[0].record(io._stream)
+        with torch.cuda.stream(io._stream):
+            self._start()
+        self._queue(self.ahead or self.layers, first=True)
+        if self.timing is not None:
+            logger.debug(
+                "PegaFlow: %d loads queued layer-major%s: %s",
+                len(loads),
+                f" ({self.ahead} layers ahead)" if self.ahead else "",
+                ", ".join(
+                    f"{len(ld.block_ids)} blocks by {way}" + (f", {len(runs)} runs" if runs else "")
+                    for ld, (way, runs) in zip(loads, ways, strict=True)
+                ),
+            )
+
+    def _start(self) -> None:
+        io = self.io
+        for j, (ld, (way, _)) in enumerate(zip(self.loads, self.ways, strict=True)):
+            if way == "none":
+                continue
+            if way == "dma":
+                io._copy_in_dma(ld.host, ld.offsets, ld.block_ids)
+                self.sums[j] = io._digest(ld.block_ids) if ld.digest else None
+                continue
+            self._ids[j] = io._tile_offsets(ld.block_ids)
+            if ld.digest:
+                self.sums[j] = torch.zeros(len(ld.block_ids), dtype=torch.int64, device=io.device)
+            if way == "kernel":
+                self._srcs[j] = (
+                    tilecopy.RawPointer(ld.host.data_ptr()),
+                    tilecopy.offsets_tensor(ld.offsets, io.device),
+                )
+            elif ld.digest:
+                self._checked = True
+                for t in (self.sums[j], *self._ids[j].values()):
+                    assert t is not None
+                    t.record_stream(io._check_stream)
+
+    @property
+    def done(self) -> bool:
+        """Whether every layer is queued."""
+        return len(self.events) == self.layers
+
+    def to(self, n: int) -> None:
+        """Queue the layers before ``n`` not queued yet (thread-safe)."""
+        if len(self.events) < min(n, self.layers):
+            self._queue(n)
+
+    def _queue(self, n: int, first: bool = False) -> None:
+        io = self.io
+        with self._lock, torch.cuda.stream(io._stream):
+            for k in range(len(self.events), min(n, self.layers)):
+                layer, off = io.layers[k], io._offsets[k]
+                for j, (ld, (way, runs)) in enumerate(zip(self.loads, self.ways, strict=True)):
+                    if j in self.failed:
+                        continue
+                    try:
+                        self._copy_layer(layer, off, ld, way, runs, self._srcs[j], self._ids[j], j)
+                    except _Refused2D as e:
+                        if first:
+                            raise  # copy_in_many redoes every load by the kernel
+                        self.failed.add(j)  # its earlier layers went by 2-D copies
+                        io._dma2d_ok = False
+                        logger.warning("PegaFlow: a 2-D copy failed mid-load (%s): a miss", e)
+                ev = torch.cuda.Event()
+                ev.record(io._stream)
+                self.events.append(ev)
+                if self._checked:
+                    self._check_layer(layer, off, ev)
+            if self.done:
+                if self._checked:
+                    self.tail = torch.cuda.Event()
+                    self.tail.record(io._check_stream)
+                if self.timing is not None:
+                    self.timing[1].record(io._stream)
+
+    def _copy_layer(
+        self, layer: _Layer, off: int, ld: CopyIn, way: str, runs: list[tuple[int, int, int]],
+        src: tuple[Any, torch.Tensor], ids: dict[int, torch.Tensor], j: int,
+    ) -> None:  # fmt: skip
+        assert layer.raw is not None
+        tb = layer.tile_bytes
+        if way == "2d":
+            dst0, base = layer.raw.data_ptr(), ld.host.data_ptr()
+            handle = self.io._stream.cuda_stream
+            for i, m, pitch in runs:
+                try:
+                    tilecopy.copy_2d(
+                        dst0 + ld.block_ids[i] * tb, tb, base + ld.offsets[i] + off,
+                        pitch or tb, tb, m, handle,
+                    )  # fmt: skip
+                except RuntimeError as e:
+                    raise _Refused2D(str(e)) from e
+        elif way == "kernel":
+            tilecopy.copy_tiles(
+                src[0], src[1], layer.raw, ids[tb], tb,
+                self.io._digest_args(off, tb, self.sums[j]), src_shift=off,
+            )  # fmt: skip
+
+    def _check_layer(self, layer: _Layer, off: int, ev: Any) -> None:
+        io = self.io
+        assert layer.raw is not None
+        tb = layer.tile_bytes
+        with torch.cuda.stream(io._check_stream):
+            io._check_stream.wait_event(ev)
+            for j, (ld, (way, _)) in enumerate(zip(self.loads, self.ways, strict=True)):
+                if way == "2d" and ld.digest and j not in self.failed:
+                    tilecopy.copy_tiles(
+                        layer.raw, self._ids[j][tb], layer.raw, self._ids[j][tb], tb,
+                        io._digest_args(off, tb, self.sums[j]), store=False,
+                    )  # fmt: skip
+
+
+class Transfer:
+    """One load's copies (of a :class:`_LayerFeed`, shared by the loads queued with
+    it; none on the CPU, where they are done), and the digests of the copied blocks
+    when they were asked for (done with the last layer's event, or the feed's tail)."""
+
+    def __init__(
+        self,
+        digests: torch.Tensor | None = None,
+        feed: _LayerFeed | None = None,
+        index: int = 0,
+        checked: bool = False,
+    ) -> None:
+        self.digests = digests
+        self._feed = feed
+        self._index = index
+        self._checked = checked
+        """whether digest kernels run behind the copies (the feed's tail ends them)"""
+
+    @property
+    def events(self) -> list[Any]:
+        """The completion event of each layer queued so far (shared by the feed's loads)."""
+        return [] if self._feed is None else self._feed.events
+
+    @property
+    def failed(self) -> bool:
+        """Whether part of the copies could not be queued (every block is a miss)."""
+        return self._feed is not None and self._index in self._feed.failed
 
     def device_ms(self) -> float | None:
-        """How long the copies took on the device (with :attr:`timing`, once done)."""
-        if self.timing is None or not self.timing[1].query():
+        """How long the copies took on the device (debug log only, once done)."""
+        f = self._feed
+        if f is None or f.timing is None or not f.done or not f.timing[1].query():
             return None
-        return float(self.timing[0].elapsed_time(self.timing[1]))
+        return float(f.timing[0].elapsed_time(f.timing[1]))
 
     def wait_layer(self, i: int) -> None:
-        """Make the current stream wait (on the device, not the CPU) for layer ``i``;
-        at the last layer, for the digests too (the step's work then follows every read
-        of its blocks, even when its checks are read later)."""
-        if self.events:
-            torch.cuda.current_stream().wait_event(self.events[i])
-            if self.tail is not None and i in (-1, len(self.events) - 1):
-                torch.cuda.current_stream().wait_event(self.tail)
+        """Make the current stream wait (on the device, not the CPU) for layer ``i``
+        (-1: the last), queuing it first if it is not yet, with the feed's ``ahead``
+        layers after it; at the last layer, for the digests too (the step's work then
+        follows every read of its blocks, even when its checks are read later)."""
+        f = self._feed
+        if f is None:
+            return
+        k = f.layers - 1 if i < 0 else i
+        f.to(k + 1 + f.ahead if f.ahead else f.layers)
+        torch.cuda.current_stream().wait_event(f.events[k])
+        if self._checked and k == f.layers - 1:
+            torch.cuda.current_stream().wait_event(f.tail)
 
     def wait_all(self) -> None:
         """Make the current stream wait for every layer (and the digests)."""
         self.wait_layer(-1)
 
     def synchronize(self) -> None:
-        """Block the calling thread until every copy is done."""
-        if self.events:
-            self.events[-1].synchronize()
-        if self.tail is not None:
-            self.tail.synchronize()
+        """Queue what is left and block the calling thread until every copy is done."""
+        f = self._feed
+        if f is None:
+            return
+        f.to(f.layers)
+        f.events[-1].synchronize()
+        if self._checked:
+            f.tail.synchronize()

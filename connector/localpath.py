@@ -148,13 +148,14 @@ class LocalPath:
         return got[0]
 
     def start_loads(
-        self, client: Any, ns: str, loads: Sequence[LoadRequest]
+        self, client: Any, ns: str, loads: Sequence[LoadRequest], ahead: int = 0
     ) -> list[PendingLoad | Exception]:
         """Pin, then queue the copies and the checks of several loads at once (a step's
         layer-wise loads: their copies go layer by layer across all of them, see
         :meth:`KVBlockIO.copy_in_many`); :meth:`PendingLoad.finish` waits for each and
         says which blocks are good.  Per load a :class:`PendingLoad`, or the error that
-        stopped it before its copies (its blocks are then misses)."""
+        stopped it before its copies (its blocks are then misses).  ``ahead``: layers
+        queued ahead of the forward pass (0: all at once, :meth:`KVBlockIO.copy_in_many`)."""
         pool = self.pool
         assert pool is not None
         picked: list[_Picked | Exception] = []
@@ -169,7 +170,7 @@ class LocalPath:
             for p in ready
         ]
         try:
-            xfers = iter(self.io.copy_in_many(copies, mode=self.copy_mode))
+            xfers = iter(self.io.copy_in_many(copies, mode=self.copy_mode, ahead=ahead))
         except BaseException:
             for p in ready:
                 self._unpin(client, p.pins)
@@ -359,6 +360,8 @@ class PendingLoad:
         ok = [False] * self._n
         try:
             self.transfer.synchronize()
+            if self.transfer.failed:
+                return ok
             if self.on_device:
                 digests, want = self._check
                 good = (digests.cpu().numpy() == want).tolist()

@@ -97,11 +97,12 @@ class PoolFileMedium:
         return set(idx)
 
     def start_layerwise(
-        self, client: Any, ns: str, jobs: list[LoadJob], t0: float
+        self, client: Any, ns: str, jobs: list[LoadJob], t0: float, ahead: int = 0
     ) -> list[SyncLoad]:
         """Queue the copies of those of ``jobs`` whose blocks are all on this host's node,
-        all at once so that their copies go layer-major (:meth:`LocalPath.start_loads`);
-        returns them (the worker loads the others whole)."""
+        all at once so that their copies go layer-major (:meth:`LocalPath.start_loads`,
+        ``ahead`` layers ahead of the forward pass, 0: all layers); returns them (the
+        worker loads the others whole)."""
         local = self.path
         here = [
             j
@@ -117,7 +118,7 @@ class PoolFileMedium:
             gens = [gen_of(job, self.shard, i) for i in range(len(job.block_ids))]
             reqs.append(LoadRequest(job.hashes, self.shard, job.block_ids, gens, located))
         try:
-            got: list[PendingLoad | Exception] = local.start_loads(client, ns, reqs)
+            got: list[PendingLoad | Exception] = local.start_loads(client, ns, reqs, ahead)
         except Exception as e:
             got = [e] * len(here)
         queued = time.monotonic() - t0

@@ -234,6 +234,12 @@ class ConnectorSettings:
         "hits held wholly by local_node (same host) load during the forward pass, each "
         "layer waited for on its own; off: every load is asynchronous",
     )
+    load_lookahead_layers: int = _f(
+        2,
+        "in a step of a size the engine has not run yet, layer-wise loads queue this many "
+        "layers ahead of the forward pass, the rest as it reaches them (CUDA loads a new "
+        "shape's kernels lazily, which waits for every copy in flight); 0: all at once",
+    )
     verify_threads: int = _f(
         0, "CPU threads that check checksums of same-host loads (0: min(16, cpus))"
     )
@@ -373,7 +379,8 @@ class ConnectorSettings:
         for name in ("lookup_timeout_s", "rpc_timeout_s", "transfer_timeout_s"):
             if getattr(s, name) <= 0:
                 raise ValueError(f"PegaKVConnector {name} must be > 0")
-        for name in ("report_interval_s", "shutdown_wait_s", "handoff_wait_s", "handoff_ttl_s"):
+        names = ("report_interval_s", "shutdown_wait_s", "handoff_wait_s", "handoff_ttl_s")
+        for name in (*names, "load_lookahead_layers"):
             if getattr(s, name) < 0:
                 raise ValueError(f"PegaKVConnector {name} must be >= 0")
         if s.chunk_bytes <= 0 or s.max_staging_bytes <= 0:

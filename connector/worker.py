@@ -138,6 +138,9 @@ class WorkerSide:
         self._deferred: collections.deque[tuple[int, DeferredLoadErrors]] = collections.deque()
         self._steps = 0
         self._idle = False
+        self._step_sizes: set[int] = set()
+        """token counts of the steps run so far (a new one loads new kernels, see
+        :meth:`_ahead`)"""
 
     # ---- setup ---------------------------------------------------------------------
 
@@ -247,6 +250,7 @@ class WorkerSide:
 
     def begin_forward(self, plan: StepPlan) -> None:
         """The step's forward pass starts now (vLLM bound its metadata): time it."""
+        self._step_sizes.add(plan.tokens)
         sync = any(j.sync for j in plan.loads)  # its forward waits on loads: not compute
         self._step.begin(0 if sync else plan.tokens, self.io.device if self.io else None)
         self._fwd_timing = None
@@ -310,10 +314,24 @@ class WorkerSide:
             io.follow(io.record_step())
             self._prestarted = (
                 plan,
-                pool.start_layerwise(client, plan.namespace, sync, time.monotonic()),
+                pool.start_layerwise(
+                    client, plan.namespace, sync, time.monotonic(), self._ahead(plan)
+                ),
             )
         except Exception as e:  # the step starts them itself
             logger.warning("PegaFlow: early start of a step's loads failed: %s", e)
+
+    def _ahead(self, plan: StepPlan) -> int:
+        """How many layers of a step's layer-wise loads to queue ahead of its forward
+        pass (0: all at once).  The first GEMM of a shape the engine has not run picks a
+        cuBLAS kernel that CUDA loads lazily, and loading it synchronizes the context:
+        the CPU then waits for every copy in flight before it issues the rest of the
+        forward pass (measured on the H200: 130-180 ms in a batch of eight hits).  In
+        a step of a new size only ``load_lookahead_layers`` go ahead, the rest as the
+        forward pass reaches them."""
+        if plan.tokens in self._step_sizes:
+            return 0
+        return self.settings.load_lookahead_layers
 
     def _take_prestarted(self, plan: StepPlan) -> list[SyncLoad]:
         """The loads :meth:`prestart` queued for ``plan``; those of another plan (vLLM
@@ -344,7 +362,7 @@ class WorkerSide:
         pool, client = self._pool, self._get_client()
         started = []
         if pool is not None and client is not None and self.io is not None and ns:
-            started = pool.start_layerwise(client, ns, jobs, t0)
+            started = pool.start_layerwise(client, ns, jobs, t0, self._ahead(plan))
         self._sync_loads.extend(started)
         taken = {id(j) for j, _p, _t in started}
         for job in jobs:

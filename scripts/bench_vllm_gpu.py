@@ -279,9 +279,7 @@ def diagnose(
     """Where a batch of hits spends its time: an engine with the connector's debug log
     runs the batch under vLLM's torch profiler (summarized by ``scripts/trace_summary.py``
     into ``where/trace_summary.json``), then twice more (its lines on stderr, with the
-    CPU's time to each layer), vLLM's own cache emptied before each; then an engine started
-    with ``CUDA_MODULE_LOADING=EAGER`` runs the first batch (``batch_eager_modules_ms``,
-    and ``start_eager_modules_s`` for what eager loading costs at start)."""
+    CPU's time to each layer), vLLM's own cache emptied before each."""
     prof = where / "profile"
     env = {"PEGAFLOW_CONNECTOR_LOG_LEVEL": "debug", "VLLM_CUSTOM_SCOPES_FOR_PROFILING": "1"}
     e = start("diagnose", three_keys=True, profile_dir=str(prof), env=env)
@@ -313,39 +311,6 @@ def diagnose(
         (where / "trace_summary.json").write_text(json.dumps(steps, indent=1))
         for i, st in enumerate(steps):
             print(f"profiled step {i}: {json.dumps(st)}", file=sys.stderr)
-    # the same first batch with every CUDA module loaded at start: does the stall of a
-    # new shape's first GEMM (a kernel loaded lazily waits for the copies in flight) go?
-    e = start("eager_modules", three_keys=True, env={**env, "CUDA_MODULE_LOADING": "EAGER"})
-    try:
-        e.generate(warm_up, 1)
-        time.sleep(args.pause)
-        mark = len(e.log)
-        out["batch_eager_modules_ms"] = round(batch(e, set_c)[0], 1)
-        time.sleep(1.0)
-        print("\n".join(x for x in e.log[mark:] if "PegaFlow" in x), file=sys.stderr)
-    finally:
-        e.stop()
-
-
-def module_loading(
-    start: Any, batch: Any, set_c: list[list[int]], warm_up: list[list[int]],
-    args: argparse.Namespace, out: dict[str, Any],
-) -> None:  # fmt: skip
-    """The first batch of a restarted engine with CUDA's lazy kernel loading (the
-    default) against ``CUDA_MODULE_LOADING=EAGER``, interleaved, two engines of each:
-    ``batch_lazy_ms`` / ``batch_eager_ms`` and what each engine took to start."""
-    for i in (1, 2):
-        for mode in ("LAZY", "EAGER"):
-            name = f"{mode.lower()}_{i}"
-            e = start(name, three_keys=True, env={"CUDA_MODULE_LOADING": mode})
-            try:
-                e.generate(warm_up, 1)
-                time.sleep(args.pause)
-                ms = round(batch(e, set_c)[0], 1)
-            finally:
-                e.stop()
-            out.setdefault(f"batch_{mode.lower()}_ms", []).append(ms)
-            print(f"{name}: batch {ms} ms", flush=True)
 
 
 Runs = list[tuple[float, int, list[int]]]
@@ -427,9 +392,10 @@ def main() -> None:
         "--diagnose-only", action="store_true", help="the cold engine, then --diagnose alone"
     )
     ap.add_argument(
-        "--module-loading-only",
+        "--compare-lookahead",
         action="store_true",
-        help="the cold engine, then the batch with lazy and eager CUDA module loading",
+        help="one more engine (the three keys, load_lookahead_layers 0: every layer's "
+        "copies queued at once) runs the batch first: batch_all_at_once_ms",
     )
     ap.add_argument(
         "--tp",
@@ -550,10 +516,6 @@ def main() -> None:
             print(f"cold counters: {wait_saved(s1, n, timeout=300)}", flush=True)
         finally:
             e.stop()
-        if args.module_loading_only:
-            module_loading(start, batch, set_c, warm_up, args, out)
-            print(json.dumps(out), flush=True)
-            return
         if args.diagnose_only:
             diagnose(start, batch, set_c, warm_up, args, out, Path(args.log_dir or work))
             print(json.dumps(out), flush=True)
@@ -605,6 +567,15 @@ def main() -> None:
             tuned_s = sum(t for t, _, _ in tuned_b) / 1000.0
             windows["tuned"] = (r_start, rank_stats(s3, args.tp), tuned_s)
             cross_tp_pass(start, timed, cold_a, set_a, warm_up, args, work, out)
+        if args.compare_lookahead:
+            env = {"PEGAFLOW_CONNECTOR_LOAD_LOOKAHEAD_LAYERS": "0"}
+            e = start("all_at_once", env=env, three_keys=True)
+            try:
+                e.generate(warm_up, 1)
+                time.sleep(args.pause)
+                out["batch_all_at_once_ms"] = round(batch(e, set_c)[0], 1)
+            finally:
+                e.stop()
         if args.diagnose:
             diagnose(start, batch, set_c, warm_up, args, out, Path(args.log_dir or work))
     finally:

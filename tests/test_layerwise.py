@@ -331,3 +331,39 @@ def test_a_planned_steps_loads_start_before_the_step_and_are_taken_by_it(server:
     finally:
         w1.shutdown()
         w2.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA loads kernels lazily")
+def test_a_step_of_a_new_size_queues_its_loads_a_few_layers_ahead(server: Proc) -> None:
+    """In a step whose token count the engine has not run yet (a new shape: CUDA may load
+    kernels for it, which waits for every copy in flight) only ``load_lookahead_layers``
+    layers are queued before the forward pass, each later one as the forward pass waits
+    for the layer that many before it; a later step of that size queues all at once.
+    The blocks arrive byte-identical either way."""
+    node = server.ready["node"]
+    ns, hashes, src, dst, (w1, _c1), (w2, c2) = _saved_pair(server, "cuda", "a", (13, 14))
+    names = list(dst)
+    try:
+        assert w2.settings.load_lookahead_layers == 2
+        for step, (ids, ahead) in enumerate((([9, 10], 2), ([12, 13], 0))):
+            job = LoadJob(f"r{step}", ids, hashes[:2], [[node]] * 2, sync=True)
+            plan = StepPlan(ns, loads=[job], tokens=32)
+            w2.start_step(plan)
+            w2.begin_forward(plan)
+            (xfer,) = [p.transfer for _, p, _ in w2._sync_loads]
+            assert len(xfer.events) == (ahead or len(names))
+            w2.wait_layer(names[0])
+            assert len(xfer.events) == (min(ahead + 1, len(names)) if ahead else len(names))
+            for name in names[1:]:
+                w2.wait_layer(name)
+            w2.end_forward()
+            assert len(xfer.events) == len(names)
+            assert bool(w2.take_load_errors()) is False
+            torch.cuda.synchronize()
+            for name in src:
+                got = dst[name][ids[0] : ids[-1] + 1].view(torch.int16)
+                assert torch.equal(got, src[name][1:3].view(torch.int16))
+        assert c2.totals()["local_load_blocks"] == 4
+    finally:
+        w1.shutdown()
+        w2.shutdown()
