@@ -271,6 +271,13 @@ class NodeConfig:
         "past it is not kept on disk (counted in pegaflow_node_disk_spill_drops)",
         size=True,
     )
+    disk_spill_ahead_bytes: int = opt(
+        256 << 20,
+        "pool room kept free by writing the least recently used blocks to the disk tier in "
+        "the background, so saves into a full pool pay no eviction copy; at most 1/8 of "
+        "the pool; 0: off",
+        size=True,
+    )
 
 
 @dataclass

@@ -21,9 +21,12 @@ Steps, on one directory (``--dir``, default a fresh one under /var/tmp):
 
    ``node_saves_during_spills``: a prefix's blocks are put (saved) unpaced into the
    empty pool (no evictions), then, the pool filled, into the full pool (every put
-   evicts, and each eviction is spilled, or dropped past the spill queue), ``--rounds``
-   times: ``save_gbps``, ``save_during_spills_gbps`` and their ratio ("saves are not
-   slowed by spills");
+   pushes a block out: into a slot the spill-ahead freed, ``[node]
+   disk_spill_ahead_bytes``, or by an eviction whose block is copied to the spill
+   queue, or dropped past it), ``--rounds`` times: ``save_gbps``,
+   ``save_during_spills_gbps`` and their ratio ("saves are not slowed by spills"), and
+   how the blocks left memory (``spill_ahead_during``, ``spill_copies_during``,
+   ``spill_drops_during``);
 
    ``node_control_during_spills``: ``--locates`` one-block locates (through a client's
    node session: the control socket) of blocks in memory, alone, while a writer puts
@@ -106,6 +109,7 @@ from pegaflow.deadline import Deadline  # noqa: E402
 GB = 1e9
 NS = "bench-disk"
 SCRATCH = "bench-disk-scratch"
+SPILL_COUNTERS = ("spills", "spill_drops", "spill_copies", "spill_ahead_blocks")
 """the namespace of the saves and writers of the first node steps, dropped after each"""
 
 
@@ -549,18 +553,22 @@ class NodeBench:
             "spilled_during": int(self.metric("pegaflow_node_disk_spills_total") - before),
         }
 
-    async def timed_put(self, hs: list[bytes]) -> tuple[float, int, int]:
-        """GB/s of putting ``hs`` (scratch) unpaced, as a save does, and the evictions it
-        caused that were spilled and that were dropped (once those settled; the tier's
-        counters: the pool's own gauge lags by up to a second)."""
-        spills0 = self.metric("pegaflow_node_disk_spills_total")
-        drops0 = self.metric("pegaflow_node_disk_spill_drops_total")
+    def spill_counts(self) -> dict[str, float]:
+        """The tier's spill counters: written, dropped, copied at eviction (the put's
+        own cost), written ahead of eviction from the pool (``disk_spill_ahead_bytes``)."""
+        return {k: self.metric(f"pegaflow_node_disk_{k}_total") for k in SPILL_COUNTERS}
+
+    async def timed_put(self, hs: list[bytes]) -> tuple[float, dict[str, int]]:
+        """GB/s of putting ``hs`` (scratch) unpaced, as a save does, and what became of
+        the blocks it pushed out of memory (:meth:`spill_counts`, once those settled;
+        the tier's counters: the pool's own gauge lags by up to a second)."""
+        before = self.spill_counts()
         t0 = time.perf_counter()
         await self.put(hs, paced=False, ns=SCRATCH)
         gbps = len(hs) * self.block / (time.perf_counter() - t0) / GB
         await self.wait_settled()
-        spilled = int(self.metric("pegaflow_node_disk_spills_total") - spills0)
-        return gbps, spilled, int(self.metric("pegaflow_node_disk_spill_drops_total") - drops0)
+        after = self.spill_counts()
+        return gbps, {k: int(after[k] - before[k]) for k in SPILL_COUNTERS}
 
     async def fill(self, keep: int = 0) -> None:
         """Fill a pool holding only ``keep`` other blocks with scratch blocks (the next
@@ -569,22 +577,23 @@ class NodeBench:
 
     async def saves_during_spills(self, rounds: int) -> dict[str, Any]:
         """Put throughput of the same batches into an empty pool (no evictions), then
-        into a full one (every put evicts, and each eviction is spilled or dropped), in
-        ``rounds`` rounds (the scratch blocks dropped after each put)."""
+        into a full one (every put evicts, and each eviction is spilled or dropped; or,
+        with spill-ahead, finds a slot freed ahead), in ``rounds`` rounds (the scratch
+        blocks dropped after each put)."""
         n = self.n
         room: list[float] = []
         full: list[float] = []
-        spilled = dropped = 0
+        during = dict.fromkeys(SPILL_COUNTERS, 0)
         for _ in range(rounds):
-            gbps, *evicted = await self.timed_put(self.hashes(10, n))
-            if sum(evicted):
-                raise RuntimeError(f"the pool evicted {sum(evicted)} blocks with room left")
+            gbps, c = await self.timed_put(self.hashes(10, n))
+            if c["spill_copies"] + c["spill_drops"]:  # spill-ahead may have written some
+                raise RuntimeError(f"the pool evicted with room left: {c}")
             room.append(gbps)
             await self.drop_scratch()
             await self.fill()
-            gbps, s, d = await self.timed_put(self.hashes(12, n))
+            gbps, c = await self.timed_put(self.hashes(12, n))
             full.append(gbps)
-            spilled, dropped = spilled + s, dropped + d
+            during = {k: during[k] + c[k] for k in SPILL_COUNTERS}
             await self.drop_scratch()
         return {
             "save_gbps": summary(room)["best"],
@@ -597,8 +606,10 @@ class NodeBench:
             "save_during_spills": summary(full),
             "blocks": n,
             "rounds": rounds,
-            "spilled_during": spilled,
-            "spill_drops_during": dropped,  # past the spill queue: not kept on disk
+            "spilled_during": during["spills"],
+            "spill_drops_during": during["spill_drops"],  # past the spill queue: not kept
+            "spill_copies_during": during["spill_copies"],  # copied by the evicting put
+            "spill_ahead_during": during["spill_ahead_blocks"],  # written from the pool
         }
 
     async def control_during_spills(self, count: int) -> dict[str, Any]:
@@ -623,10 +634,11 @@ class NodeBench:
                 raise RuntimeError("a located block was not found")
             return dt
 
-        async def during(room: bool) -> tuple[list[float], int]:
+        async def during(room: bool) -> tuple[list[float], dict[str, int]]:
             """Locates while writers put ``batch`` new blocks each (dropped after each
-            one with ``room``), until ``count`` overlapped one; and the spills meanwhile."""
-            before = self.metric("pegaflow_node_disk_spills_total")
+            one with ``room``), until ``count`` overlapped one; and the spill counters'
+            changes meanwhile."""
+            before = self.spill_counts()
             out: list[float] = []
             while len(out) < count:
                 hs = self.hashes(next(tags), batch)
@@ -639,13 +651,14 @@ class NodeBench:
                     writer.cancel()
                 if room:
                     await self.drop_scratch()
-            return out, int(self.metric("pegaflow_node_disk_spills_total") - before)
+            after = self.spill_counts()
+            return out, {k: int(after[k] - before[k]) for k in SPILL_COUNTERS}
 
         try:
             alone = [await locate(i) for i in range(count)]
             with_room, spilled_room = await during(room=True)
-            if spilled_room:
-                raise RuntimeError(f"{spilled_room} spills while the pool had room")
+            if spilled_room["spill_copies"] + spilled_room["spill_drops"]:
+                raise RuntimeError(f"the pool evicted with room left: {spilled_room}")
             await self.fill(keep=len(hot))
             for i in range(len(hot)):  # the most recently used: the fill is evicted first
                 await locate(i)
@@ -664,7 +677,9 @@ class NodeBench:
             "locates": count,
             "locates_during_saves": len(with_room),
             "locates_during_spills": len(spilling),
-            "spilled_during": spilled,
+            "spilled_during": spilled["spills"],
+            "spill_copies_during": spilled["spill_copies"],
+            "spill_ahead_during": spilled["spill_ahead_blocks"],
             "over_control_socket": over_socket,
         }
 

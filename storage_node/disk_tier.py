@@ -11,8 +11,10 @@ I/O.  Spills run on ``write_threads`` threads, reads on ``read_threads`` others
 spill never delays a read behind it in a queue), whole 4 KiB-multiple writes and reads
 from page-aligned buffers.  :meth:`DiskTier.spill` never waits for I/O: it copies the
 block into one of ``queue_depth`` staging buffers and returns; with none free the spill
-is dropped and counted.  Reads return ``concurrent.futures.Future`` objects (``await
-asyncio.wrap_future(f)`` in a loop).
+is dropped and counted.  :meth:`DiskTier.spill_in_place` writes a block straight from
+memory its caller keeps unchanged until told the write ended (a pool slot, written
+ahead of its eviction: :mod:`~pegaflow.storage_node.spill_ahead`).  Reads return
+``concurrent.futures.Future`` objects (``await asyncio.wrap_future(f)`` in a loop).
 
 Eviction.  When every slot is used, a spill takes the least recently used block's slot
 (a read marks a block used) and reports the evicted key to ``on_evict``, which is also
@@ -78,6 +80,10 @@ class DiskTierStats:
     blocks: int
     spills: int
     spill_drops: int
+    spill_copies: int
+    """spills copied into a staging buffer (by the eviction that made them)"""
+    spill_ahead: int
+    """spills written in place (:meth:`DiskTier.spill_in_place`)"""
     evictions: int
     reads: int
     hits: int
@@ -182,6 +188,7 @@ class DiskTier:
         self.read_threads = read_threads
         self._inflight: set[Future[Any]] = set()
         self.spills = self.spill_drops = self.evictions = 0
+        self.spill_copies = self.spill_ahead = 0
         self.reads = self.hits = self.misses = self.errors = 0
         self.read_bytes = self.write_bytes = 0
         self.read_seconds = self.write_seconds = 0.0
@@ -281,14 +288,55 @@ class DiskTier:
                 return False
             buf = self._staging.pop()
             self._pending.add(key)
+            self.spill_copies += 1
         buf[:n] = mv
+        return self._submit(key, gen, buf, n, xxh3, None)
+
+    def spill_in_place(
+        self,
+        key: BlockKey,
+        gen: int,
+        slot: Any,
+        length: int,
+        xxh3: int,
+        done: Callable[[bool], None],
+    ) -> bool:
+        """Write the first ``length`` bytes of ``slot`` in the background, straight from
+        that memory (no staging copy): the caller keeps the first ``align_up(length)``
+        bytes of ``slot`` (page-aligned, for ``O_DIRECT``) unchanged until ``done(ok)``
+        is called on the write thread (in place of ``on_spilled``).  Returns False, and
+        ``done`` is not called, when it was not taken: the key is on disk or queued
+        already, the block is too large, the tier is closed.  Raises BadRequest for a
+        key the wire would refuse."""
+        check_key(key)
+        mv = memoryview(slot).cast("B")
+        with self._lock:
+            if not self._recovered or self._closed:
+                return False
+            if key in self._index or key in self._pending:
+                return False
+            if not 0 < length <= self.block_size or mv.nbytes < align_up(length):
+                return False
+            self._pending.add(key)
+        return self._submit(key, gen, mv, length, xxh3, done)
+
+    def _submit(
+        self,
+        key: BlockKey,
+        gen: int,
+        buf: memoryview,
+        n: int,
+        xxh3: int | None,
+        done: Callable[[bool], None] | None,
+    ) -> bool:
         try:
-            fut = self._writers.submit(self._write, key, gen, buf, n, xxh3)
+            fut = self._writers.submit(self._write, key, gen, buf, n, xxh3, done)
         except RuntimeError:  # closed meanwhile
             with self._lock:
                 self._pending.discard(key)
-                self._staging.append(buf)
-                self.spill_drops += 1
+                if done is None:
+                    self._staging.append(buf)
+                    self.spill_drops += 1
             return False
         with self._lock:
             self._inflight.add(fut)
@@ -299,7 +347,17 @@ class DiskTier:
         with self._lock:
             self._inflight.discard(fut)
 
-    def _write(self, key: BlockKey, gen: int, buf: memoryview, n: int, xxh3: int | None) -> None:
+    def _write(
+        self,
+        key: BlockKey,
+        gen: int,
+        buf: memoryview,
+        n: int,
+        xxh3: int | None,
+        done: Callable[[bool], None] | None,
+    ) -> None:
+        """Write one spill (``done``: in place, from the caller's memory, told at the end
+        instead of ``on_spilled``; else from a staging buffer, given back at the end)."""
         slot: int | None = None
         evicted: BlockKey | None = None
         ok = False
@@ -307,7 +365,8 @@ class DiskTier:
             if xxh3 is None:
                 xxh3 = checksum(buf[:n])
             padded = align_up(n)
-            buf[n:padded] = bytes(padded - n)
+            if done is None:  # the caller's memory past the block is not ours to clear
+                buf[n:padded] = bytes(padded - n)
             with self._lock:
                 slot, evicted = self._alloc()
                 self._seq += 1
@@ -316,7 +375,7 @@ class DiskTier:
                 self._report(evicted)
             if slot is None:
                 with self._lock:
-                    self.spill_drops += 1
+                    self.spill_drops += done is None
                 return
             fd, off = self._files.where(slot)
             t0 = time.perf_counter()
@@ -328,6 +387,7 @@ class DiskTier:
                 s = _Slot(slot, key, gen, n, xxh3, seq, verified=True)
                 self._index[key] = self._lru[key] = s
                 self.spills += 1
+                self.spill_ahead += done is not None
                 self.write_bytes += padded
                 self.write_seconds += dt
                 slot = None
@@ -335,19 +395,22 @@ class DiskTier:
         except OSError as e:
             with self._lock:
                 self.errors += 1
-                self.spill_drops += 1
+                self.spill_drops += done is None
             self._log_error(f"a spill failed ({e}): that block is not kept on disk")
         finally:
             with self._lock:
                 if slot is not None:
                     self._free.append(slot)
                 self._pending.discard(key)
-                self._staging.append(buf)
-            if self._on_spilled is not None:
-                try:
+                if done is None:
+                    self._staging.append(buf)
+            try:
+                if done is not None:
+                    done(ok)
+                elif self._on_spilled is not None:
                     self._on_spilled(key, ok)
-                except Exception:
-                    log.exception("disk tier: on_spilled callback failed")
+            except Exception:
+                log.exception("disk tier: the callback of a spill failed")
 
     def _alloc(self) -> tuple[int | None, BlockKey | None]:
         """A free slot (lock held), taking the least recently used block's when none is
@@ -527,6 +590,8 @@ class DiskTier:
                 blocks=len(self._index),
                 spills=self.spills,
                 spill_drops=self.spill_drops,
+                spill_copies=self.spill_copies,
+                spill_ahead=self.spill_ahead,
                 evictions=self.evictions,
                 reads=self.reads,
                 hits=self.hits,

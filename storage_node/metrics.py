@@ -142,6 +142,8 @@ _DISK_GAUGES = (
 _DISK_COUNTERS = (
     ("spills", "Blocks written to the disk tier", "spills"),
     ("spill_drops", "Evicted blocks not written to the disk tier", "spill_drops"),
+    ("spill_copies", "Evicted blocks copied into the spill queue at eviction", "spill_copies"),
+    ("spill_ahead_blocks", "Blocks written to disk ahead of their eviction", "spill_ahead"),
     ("evictions", "Blocks evicted from the disk tier to make room", "evictions"),
     ("hits", "Disk tier reads that returned a verified block", "hits"),
     ("misses", "Disk tier reads that found no valid block", "misses"),

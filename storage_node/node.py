@@ -31,7 +31,10 @@ after the pool and recovered from its records; the pool's generations start abov
 largest one on disk.  A block the pool evicts is copied to the tier (written in the
 background) and stays published, its location's slot
 :data:`~pegaflow.keys.DISK_SLOT`, once written; a spill dropped or failed, or a block the
-tier evicts or finds corrupt, is unpublished (unless the pool holds it again).  At start
+tier evicts or finds corrupt, is unpublished (unless the pool holds it again).
+With ``[node] disk_spill_ahead_bytes`` the pool keeps that much room free by writing
+its coldest blocks to the tier ahead of their eviction
+(:mod:`~pegaflow.storage_node.spill_ahead`).  At start
 each block recovered from the disk and not in the pool is republished under the new
 lease, and a background scrub verifies every one of them (one that fails is dropped and
 unpublished; every read verifies its block anyway).  A tier that cannot be opened (of
@@ -59,6 +62,7 @@ from pegaflow.storage_node.metrics import DiskCollector, NodeMetrics
 from pegaflow.storage_node.node_service import NodeService
 from pegaflow.storage_node.pool import BlockPool, Entry
 from pegaflow.storage_node.shm_file import apply_access, resolve_group
+from pegaflow.storage_node.spill_ahead import SpillAhead, reserve_bytes
 from pegaflow.storage_node.ucx_site import UcxSite
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -140,6 +144,7 @@ class StorageNode:
         """the disk tier under the pool (None: off, or it could not be opened)"""
         self._disk_keys: list[BlockKey] = []
         """the blocks recovered from the disk tier at start"""
+        self._spill_ahead: SpillAhead | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.registry.register(JournalCollector(self))
         self.registry.register(DiskCollector(self._disk_stats))
@@ -246,6 +251,12 @@ class StorageNode:
         assert self.pool is not None
         self.pool.raise_gen(max((i.gen for k in keys if (i := disk.info(k))), default=0))
         self.disk, self._disk_keys = disk, keys
+        reserve = reserve_bytes(cfg.disk_spill_ahead_bytes, self.pool.capacity)
+        if reserve:
+            self._spill_ahead = SpillAhead(
+                self.pool, disk, reserve, self._on_data_loop,
+                max_inflight=4 * max(1, cfg.disk_write_threads),
+            )  # fmt: skip
         log.info(
             "disk tier %s: %d MiB, %d blocks recovered, %s I/O",
             cfg.disk_path,
@@ -522,6 +533,8 @@ class StorageNode:
     def _close_disk(self) -> None:
         """Close the disk tier (after the sites: its queued spills are written first)."""
         disk, self.disk = self.disk, None
+        if self._spill_ahead is not None:
+            self._spill_ahead.close()
         if disk is not None:
             disk.close()
 

@@ -11,6 +11,10 @@ Block states: *reserved* (a put is writing it; invisible, never evicted; reclaim
 its reservation expires) and *committed* (immutable, has a generation and an xxh3
 checksum, visible in the index).  Committed blocks sit in an LRU; eviction takes the
 least recently used block of the size class that is not pinned by an in-flight read.
+A block being written to the disk tier ahead of its eviction
+(:mod:`~pegaflow.storage_node.spill_ahead`) is *spilling*: served as any committed
+block, but never evicted and its slot never reused until that write ends; a drop
+meanwhile takes it out of the index at once and frees its slot at the end of the write.
 
 Restarts: commits and drops are journaled (:mod:`~pegaflow.storage_node.journal`); a
 pool file left by an earlier process is re-attached, keeping each journaled block only
@@ -72,6 +76,8 @@ class Entry:
     digest: int | None = None
     """the writer's device digest of the block (same-host GPU readers check it on the
     device); kept in memory only: after a restart readers fall back to the xxh3"""
+    spilling: bool = False
+    """being written to the disk tier ahead of eviction (out of the LRU meanwhile)"""
 
     def location(self, node_id: str) -> BlockLocation:
         return BlockLocation(node_id, self.offset, self.gen, self.size, self.xxh3)
@@ -98,6 +104,8 @@ class PoolStats:
     free_slabs: int
     quarantined_bytes: int = 0
     """slots held out of use because a failed put's receives may still write them"""
+    spilling: int = 0
+    """blocks being written to the disk tier ahead of eviction"""
 
 
 _T = TypeVar("_T")
@@ -132,7 +140,8 @@ class BlockPool:
     pool does not fit.
     ``on_spill``: offered each block evicted, before its slot is reused (the disk tier
     copies it at once); when it returns True the block is kept there and not reported
-    to ``on_evict``.
+    to ``on_evict``.  :meth:`watch_free`, :meth:`take_for_spill` and :meth:`end_spill`
+    serve the spill-ahead (:mod:`~pegaflow.storage_node.spill_ahead`).
     """
 
     def __init__(
@@ -193,6 +202,11 @@ class BlockPool:
         self.used_bytes = 0
         self.quarantined_bytes = 0
         self.evictions = 0
+        self._low_bytes = 0
+        self._on_low: Callable[[], None] | None = None
+        self._last_stride = 0
+        self.spilling = 0
+        """blocks being written ahead (:meth:`take_for_spill`), dropped ones included"""
         self.recovered: list[Entry] = []
         #: This pool file's id, kept across re-attaches (in the journal's header).
         self.pool_id = uuid.uuid4().hex
@@ -294,6 +308,7 @@ class BlockPool:
             evictions=self.evictions,
             free_slabs=len(self._free_slabs),
             quarantined_bytes=self.quarantined_bytes,
+            spilling=self.spilling,
         )
 
     # ---- reads ---------------------------------------------------------------------
@@ -321,7 +336,7 @@ class BlockPool:
         blocks, classes = self._blocks, self._classes
         for e in entries:
             e.pins -= 1
-            if e.pins == 0 and e.committed and blocks.get(e.key) is e:
+            if e.pins == 0 and e.committed and not e.spilling and blocks.get(e.key) is e:
                 classes[e.stride].lru[e.key] = e
 
     # ---- writes --------------------------------------------------------------------
@@ -343,6 +358,9 @@ class BlockPool:
         self._blocks[key] = e
         self._by_offset[offset] = e
         self.used_bytes += stride
+        self._last_stride = stride
+        if self._on_low is not None and self.capacity - self.used_bytes < self._low_bytes:
+            self._on_low()
         return e
 
     @_locked
@@ -423,7 +441,10 @@ class BlockPool:
         if self._blocks.get(e.key) is not e:
             return
         self._classes[e.stride].lru.pop(e.key, None)
-        self._release(e)
+        if e.spilling:  # the write reads its slot: freed when it ends (end_spill)
+            del self._blocks[e.key]
+        else:
+            self._release(e)
         if e.committed and self.journal is not None:
             self.journal.dropped(e.offset, e.gen)
         if report and e.committed and self._on_evict is not None:
@@ -438,6 +459,63 @@ class BlockPool:
             if e.pins == 0:
                 self.abort(e)
         return len(stale)
+
+    # ---- spill-ahead ---------------------------------------------------------------
+
+    @_locked
+    def watch_free(self, low_bytes: int, on_low: Callable[[], None]) -> None:
+        """Call ``on_low()`` after each reservation that leaves less than ``low_bytes``
+        of the pool free (under the pool's lock, on the reserving thread: it must be
+        quick and thread-safe)."""
+        self._low_bytes, self._on_low = low_bytes, on_low
+
+    def free_bytes(self) -> int:
+        """Bytes of the pool in no slot (free slots and free slabs)."""
+        return self.capacity - self.used_bytes
+
+    @_locked
+    def take_for_spill(self, skip: Callable[[Entry], bool], scan: int) -> Entry | None:
+        """The least recently used committed, unpinned block but those ``skip`` names,
+        among the ``scan`` least recently used (of the size class reserved last, else of
+        any), now *spilling*: out of the LRU, so neither evicted nor its slot reused
+        until :meth:`end_spill`; None when there is none."""
+        last = self._classes.get(self._last_stride)
+        for cls in (last, *self._classes.values()):
+            if cls is None:
+                continue
+            for n, (key, e) in enumerate(cls.lru.items()):
+                if n >= scan:
+                    break
+                if not skip(e):
+                    del cls.lru[key]
+                    e.spilling = True
+                    self.spilling += 1
+                    return e
+        return None
+
+    @_locked
+    def end_spill(self, e: Entry, on_disk: bool) -> bool:
+        """The write of ``e`` taken by :meth:`take_for_spill` ended (``on_disk``: its
+        copy on the disk tier is complete).  Written and not pinned by a read: evicted
+        (through ``on_spill``, which finds it on disk: nothing is copied); pinned: it
+        stays, its eviction later writes nothing; not written: back at the head of the
+        LRU (the next eviction takes it the usual way).  Returns False when ``e`` was
+        dropped meanwhile (its slot is freed now; the caller discards its disk copy)."""
+        e.spilling = False
+        self.spilling -= 1
+        if self._blocks.get(e.key) is not e:
+            if self._by_offset.get(e.offset) is e:
+                self._free_slot(e)
+            return False
+        if e.pins:
+            return True
+        if on_disk:
+            self._evict(e)
+        else:
+            lru = self._classes[e.stride].lru
+            lru[e.key] = e
+            lru.move_to_end(e.key, last=False)
+        return True
 
     # ---- allocation ----------------------------------------------------------------
 
@@ -496,7 +574,7 @@ class BlockPool:
                     base, base + (self.slab_bytes // other.stride) * other.stride, other.stride
                 )
                 entries = [self._by_offset[o] for o in offsets if o in self._by_offset]
-                if any(not e.committed or e.pins for e in entries):
+                if any(not e.committed or e.pins or e.spilling for e in entries):
                     continue
                 for e in entries:
                     self._evict(e)

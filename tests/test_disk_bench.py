@@ -37,7 +37,10 @@ def test_the_disk_benchmark_prints_each_step_and_the_whole(tmp_path: Path) -> No
     saves = steps["node_saves_during_spills"]
     assert saves["save_gbps"] > 0 and saves["save_during_spills_gbps"] > 0, saves
     evicted = saves["spilled_during"] + saves["spill_drops_during"]
-    assert evicted == saves["blocks"] * saves["rounds"], saves  # every put into a full pool
+    # every block put into a full pool pushed one out (spill-ahead may finish writes of
+    # the steps before it meanwhile)
+    assert evicted >= saves["blocks"] * saves["rounds"], saves
+    assert saves["spill_copies_during"] + saves["spill_ahead_during"] <= evicted, saves
     assert saves["save_ratio_paired_median"] > 0, saves
     control = steps["node_control_during_spills"]
     assert control["locates_during_saves"] >= control["locates"] > 0, control
