@@ -793,6 +793,11 @@ class Replica(ServeProcess):
         )
 
 
+_MEMORY_RACE = "larger than the available KV cache memory"
+"""vLLM's start failure when replicas starting together on one GPU measured each other's
+memory as taken"""
+
+
 def start_replicas(
     n: int,
     model: str,
@@ -821,8 +826,24 @@ def start_replicas(
             out.append(Replica(model, args, kv, e, name=f"{name}{i}"))
             if not parallel:
                 out[-1] = _ready(out[-1], timeout)
+        raced: list[int] = []
         for i, r in enumerate(out):
-            out[i] = _ready(r, timeout)
+            try:
+                out[i] = _ready(r, timeout)
+            except RuntimeError:
+                if not parallel or _MEMORY_RACE not in r.tail(200):
+                    raise
+                raced.append(i)
+        for i in raced:  # alone now: it sizes its KV cache from what the others left
+            r = out[i]
+            r.kill()
+            print(
+                f"{r.name}: too little GPU memory while the others started; starting it alone",
+                file=sys.stderr,
+            )
+            out[i] = _ready(
+                Replica(r.model, r.args, r.kv_transfer_config, r.env, name=r.name), timeout
+            )
     except BaseException:
         for r in out:
             r.kill()
