@@ -10,7 +10,7 @@ A request is reported finished (``get_finished``) when all of its blocks are in 
 failed; failed blocks are reported in the same step by
 ``get_block_ids_with_load_errors`` and vLLM recomputes them.  A block is never reported
 loaded unless its verified bytes were written.  Layer-wise loads (``LoadJob.sync``) are
-queued before the forward pass, which waits for them layer by layer.
+queued before the forward pass, which waits for them layer by layer (:mod:`.layerwise`).
 
 Saves (``wait_for_save``) are queued after the forward pass and never wait on the
 network: a background thread copies the new full blocks out and hands them to a
@@ -24,7 +24,6 @@ failing, saves are dropped (counted), never waited for.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import logging
 import threading
@@ -41,36 +40,18 @@ from pegaflow.deadline import Deadline
 from . import sameprocess
 from .blockio import KVBlockIO
 from .books import WorkerBooks
-from .costmodel import LOCAL
 from .discovery import LocalNodeFinder
-from .loadcheck import DeferredLoadErrors
+from .layerwise import LayerwiseLoads
 from .localpath import LocalPath
 from .media import BREAKER_OPEN, Medium
 from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport
 from .metrics import Counters
-from .policy import WARM_UP_WAIT_S
 from .poolfile import PoolFileMedium, SyncLoad
 from .remote import RemoteMedium
 from .settings import ConnectorSettings
 from .steptimer import StepTimer
 
 logger = logging.getLogger("pegaflow.connector")
-
-
-def _timing_event() -> Any:
-    return torch.cuda.Event(enable_timing=True)
-
-
-def _ms(x: float | None) -> str:
-    return "?" if x is None else f"{x:.2f}"
-
-
-def _elapsed_ms(timing: tuple[Any, Any] | None) -> float | None:
-    """The device time between a pair of timing events (waits for the second)."""
-    if timing is None:
-        return None
-    timing[1].synchronize()
-    return float(timing[0].elapsed_time(timing[1]))
 
 
 class WorkerSide:
@@ -118,10 +99,6 @@ class WorkerSide:
         self._probe_pool = concurrent.futures.ThreadPoolExecutor(1, "pegaflow-probe")
         self._step = StepTimer()
         """times forward passes for the cost model"""
-        self._fwd_timing: tuple[Any, Any] | None = None
-        """device timing of a step with layer-wise loads (debug log only)"""
-        self._cpu_marks: list[float] | None = None
-        """when the CPU reached each layer of such a step's forward pass (debug log only)"""
         self.books = WorkerBooks(settings, counters)
         """the report, the save counts and holds, the save breaker (shared with the media)"""
         self._lock = self.books.lock
@@ -129,18 +106,9 @@ class WorkerSide:
         self._done_loads: dict[str, tuple[list[int], int | None]] = {}
         self._delay_free: set[str] = set()
         self._load_errors: set[int] = set()
-        self._sync_loads: list[tuple[LoadJob, Any, float]] = []
-        self._prestarted: tuple[StepPlan, list[SyncLoad]] | None = None
-        """the layer-wise loads :meth:`prestart` queued, and the plan they belong to"""
-        self.defer_checks = defer_checks
-        """answer load errors deferred (:mod:`.loadcheck`); the connector sets it where
-        vLLM's scheduler shares this process"""
-        self._deferred: collections.deque[tuple[int, DeferredLoadErrors]] = collections.deque()
-        self._steps = 0
         self._idle = False
-        self._step_sizes: set[int] = set()
-        """token counts of the steps run so far (a new one loads new kernels, see
-        :meth:`_ahead`)"""
+        self.layerwise = LayerwiseLoads(self, defer_checks)
+        """the steps' layer-wise (synchronous) loads"""
 
     # ---- setup ---------------------------------------------------------------------
 
@@ -242,207 +210,51 @@ class WorkerSide:
                 self._loading[job.req_id] = self._loading.get(job.req_id, 0) + 1
         for job in async_loads:
             self._load_pool.submit(self._run_load_safe, plan.namespace, job)
-        sync = [j for j in plan.loads if j.sync]
-        if sync or self._prestarted is not None:
-            self._start_sync_loads(plan.namespace, sync, plan)
-            if self._cpu_marks is not None:
-                self._cpu_marks.append(time.perf_counter())
+        self.layerwise.start_step(plan)
 
     def begin_forward(self, plan: StepPlan) -> None:
         """The step's forward pass starts now (vLLM bound its metadata): time it."""
-        self._step_sizes.add(plan.tokens)
         sync = any(j.sync for j in plan.loads)  # its forward waits on loads: not compute
         self._step.begin(0 if sync else plan.tokens, self.io.device if self.io else None)
-        self._fwd_timing = None
-        on_gpu = self.io is not None and self.io.device.type == "cuda"
-        self._cpu_marks = None
-        if sync and on_gpu and logger.isEnabledFor(logging.DEBUG):
-            self._fwd_timing = (_timing_event(), _timing_event())
-            self._fwd_timing[0].record()
-            self._cpu_marks = [time.perf_counter()]
+        self.layerwise.begin_forward(plan, sync)
 
     def end_forward(self) -> None:
         """The step's forward pass was issued (``wait_for_save``)."""
-        if self._fwd_timing is not None:
-            self._fwd_timing[1].record()
-        if self._cpu_marks is not None:
-            self._log_cpu_marks(self._cpu_marks, time.perf_counter())
+        self.layerwise.end_forward()
         for tokens, seconds in self._step.end():
             self.books.sample("compute", tokens, seconds)
 
-    @staticmethod
-    def _log_cpu_marks(marks: list[float], end: float) -> None:
-        """Debug: where the CPU spent the issue of a forward pass with layer-wise loads
-        (ms from the step's start to its loads queued, to each eighth of the layers, and
-        to the end of the forward pass), and its slowest layer."""
-        t0 = marks[0]
-        layers = marks[2:]  # marks[1]: the loads queued
-        if not layers:
-            return
-        gaps = [b - a for a, b in zip(marks[1:], layers, strict=False)]
-        worst = max(range(len(gaps)), key=gaps.__getitem__)
-        picks = sorted({0, *range(len(layers) // 8, len(layers), max(1, len(layers) // 8))})
-        logger.debug(
-            "PegaFlow: forward issue (CPU, ms from the step's start): loads queued %.1f, "
-            "%s, end %.1f; slowest layer %d (%.1f ms)",
-            (marks[1] - t0) * 1e3,
-            ", ".join(f"layer {i} {(layers[i] - t0) * 1e3:.1f}" for i in picks),
-            (end - t0) * 1e3, worst, gaps[worst] * 1e3,
-        )  # fmt: skip
-
-    # ---- layer-wise (synchronous) loads ----------------------------------------------
+    # ---- layer-wise (synchronous) loads: :mod:`.layerwise` ---------------------------
 
     def prestart(self, plan: StepPlan) -> None:
-        """Queue the copies of a step's layer-wise loads as soon as the scheduler in
-        this process planned it (:mod:`.sameprocess`), behind the GPU work queued so far
-        (:meth:`KVBlockIO.follow`); :meth:`start_step` then takes them instead of queuing
-        them.  Does nothing unless the node's pool file is mapped and the cache is on a
-        GPU, nor in a step with preemptions (their blocks may be reallocated before
-        :meth:`wait_for_copies`); a failure leaves the loads to :meth:`start_step`."""
-        io, pool = self.io, self._pool
-        sync = [j for j in plan.loads if j.sync]
-        if not sync or io is None or io.device.type != "cuda" or pool is None:
-            return
-        if not plan.namespace or plan.preempted or not self._local_ready.is_set():
-            return  # preempted: blocks still being copied out may be given to new requests
-        if self._prestarted is not None:
-            return  # a plan not yet taken by its step: this one starts in its own step
-        try:
-            client = self._get_client()
-            if client is None:
-                return
-            io.follow(io.record_step())
-            self._prestarted = (
-                plan,
-                pool.start_layerwise(
-                    client, plan.namespace, sync, time.monotonic(), self._ahead(plan)
-                ),
-            )
-        except Exception as e:  # the step starts them itself
-            logger.warning("PegaFlow: early start of a step's loads failed: %s", e)
-
-    def _ahead(self, plan: StepPlan) -> int:
-        """How many layers of a step's layer-wise loads to queue ahead of its forward
-        pass (0: all at once).  The first GEMM of a shape the engine has not run picks a
-        cuBLAS kernel that CUDA loads lazily, and loading it synchronizes the context:
-        the CPU then waits for every copy in flight before it issues the rest of the
-        forward pass (measured on the H200: 130-180 ms in a batch of eight hits).  In
-        a step of a new size only ``load_lookahead_layers`` go ahead, the rest as the
-        forward pass reaches them."""
-        if plan.tokens in self._step_sizes:
-            return 0
-        return self.settings.load_lookahead_layers
-
-    def _take_prestarted(self, plan: StepPlan) -> list[SyncLoad]:
-        """The loads :meth:`prestart` queued for ``plan``; those of another plan (vLLM
-        did not run the step it planned) are checked with this step's."""
-        if self._prestarted is None:
-            return []
-        planned, started = self._prestarted
-        self._prestarted = None
-        if planned is plan:
-            return started
-        logger.debug("PegaFlow: %d early loads of a step vLLM did not run", len(started))
-        self._sync_loads.extend(started)
-        return []
-
-    def _start_sync_loads(self, ns: str, jobs: list[LoadJob], plan: StepPlan) -> None:
-        """Queue the copies of the loads that this step's forward pass waits for, layer
-        by layer (:meth:`wait_layer`), all of them at once so that their copies go
-        layer-major (:meth:`PoolFileMedium.start_layerwise`), unless :meth:`prestart`
-        did; verified and reported by :meth:`finish_sync_loads`."""
-        t0 = time.monotonic()
-        started = self._take_prestarted(plan)
-        early = {id(j) for j, _p, _t in started}
-        jobs = [j for j in jobs if id(j) not in early]
-        self._sync_loads.extend(started)
-        if not jobs:
-            return
-        self._wait_local(WARM_UP_WAIT_S)  # a request right after engine start
-        pool, client = self._pool, self._get_client()
-        started = []
-        if pool is not None and client is not None and self.io is not None and ns:
-            started = pool.start_layerwise(client, ns, jobs, t0, self._ahead(plan))
-        self._sync_loads.extend(started)
-        taken = {id(j) for j, _p, _t in started}
-        for job in jobs:
-            if id(job) in taken:
-                continue
-            # no local pool here after all: load now, whole, before the forward runs
-            ok = [False] * len(job.block_ids)
-            try:
-                self._run_load(ns, job, ok)
-            except Exception:
-                logger.exception("PegaFlow: load of %s failed", job.req_id)
-            self._sync_loads.append((job, ok, t0))
+        """Queue a planned step's layer-wise loads early (:meth:`LayerwiseLoads.prestart`)."""
+        self.layerwise.prestart(plan)
 
     def wait_layer(self, layer_name: str) -> None:
         """Make the forward pass (its CUDA stream) wait until ``layer_name``'s blocks
         of this step's layer-wise loads are in; never blocks the CPU."""
-        if not self._sync_loads or self.io is None:
-            return
-        if self._cpu_marks is not None:
-            self._cpu_marks.append(time.perf_counter())
-        idx = self.io.layer_of.get(layer_name)
-        for _job, pending, _t0 in self._sync_loads:
-            if isinstance(pending, list):
-                continue
-            if idx is None:
-                pending.transfer.wait_all()
-            else:
-                pending.transfer.wait_layer(idx)
+        self.layerwise.wait_layer(layer_name)
 
     def finish_sync_loads(self) -> None:
         """Verify and account the layer-wise loads queued so far; failed blocks are
         reported by the next :meth:`take_load_errors` (vLLM then recomputes them)."""
-        loads, self._sync_loads = self._sync_loads, []
-        failed = self._check_sync_loads(loads, time.monotonic(), self._fwd_timing)
+        failed = self.layerwise.finish()
         with self._lock:
             self._load_errors.update(failed)
 
-    def _check_sync_loads(
-        self, loads: list[tuple[LoadJob, Any, float]], issued: float, fwd: Any
-    ) -> set[int]:
-        """Wait for ``loads``' copies (their step was issued at ``issued``), verify and
-        account them; returns the failed block ids (each request's first failed block
-        goes to the report)."""
-        out: set[int] = set()
-        for job, pending, t0 in loads:
-            if isinstance(pending, list):
-                ok = pending
-            else:
-                try:
-                    t1 = max(issued, t0 + pending.queued_s)
-                    ok = pending.finish()
-                    t2 = time.monotonic()
-                    self.counters.add("layerwise_wait_seconds", t2 - t1)
-                    self.counters.add("local_load_blocks", sum(ok))
-                    if self.io is not None and any(ok):  # what the load added to the step
-                        self.books.sample(
-                            LOCAL, sum(ok) * self.io.block_bytes, pending.queued_s + (t2 - t1)
-                        )
-                    if logger.isEnabledFor(logging.DEBUG):
-                        logger.debug(
-                            "PegaFlow: layer-wise load of %s: %d of %d blocks, located %s, "
-                            "queued in %.2f ms, forward pass %.2f ms, then checked %.2f ms "
-                            "later; on the device: the step's copies %s ms, its forward %s ms",
-                            job.req_id, sum(ok), len(ok),
-                            "here" if pending.located_here else "by the scheduler",
-                            pending.queued_s * 1e3, (t1 - t0 - pending.queued_s) * 1e3,
-                            (t2 - t1) * 1e3, _ms(pending.transfer.device_ms()),
-                            _ms(_elapsed_ms(fwd)),
-                        )  # fmt: skip
-                except Exception as e:
-                    logger.warning("PegaFlow: layer-wise load of %s failed: %s", job.req_id, e)
-                    ok = [False] * len(job.block_ids)
-            failed, first = self._account_load(job, ok, t0)
-            self.counters.add("layerwise_load_jobs")
-            out.update(failed)
-            if first is not None:
-                with self._lock:
-                    prev = self._report.load_failed.get(job.req_id, first)
-                    self._report.load_failed[job.req_id] = min(prev, first)
-        return out
+    @property
+    def defer_checks(self) -> bool:
+        """Whether load errors are answered deferred (:mod:`.loadcheck`): as built
+        (``defer_checks``) until vLLM once does not read such an answer in time."""
+        return self.layerwise.defer_checks
+
+    @property
+    def _sync_loads(self) -> list[tuple[LoadJob, Any, float]]:
+        return self.layerwise.sync_loads
+
+    @property
+    def _prestarted(self) -> tuple[StepPlan, list[SyncLoad]] | None:
+        return self.layerwise.prestarted
 
     def submit_saves(self, plan: StepPlan) -> None:
         """Queue the copy-out of this step's newly full blocks (returns at once)."""
@@ -495,39 +307,14 @@ class WorkerSide:
         first reads it, so the engine's CPU goes on to schedule and launch the next step
         meanwhile (see :mod:`.loadcheck`).
         """
-        self._settle_deferred()
-        loads, self._sync_loads = self._sync_loads, []
+        return self.layerwise.take_load_errors(self._take_errors)
+
+    def _take_errors(self) -> set[int]:
+        """The failed block ids noted so far (of loads other than this step's layer-wise
+        ones), now forgotten."""
         with self._lock:
             errs, self._load_errors = self._load_errors, set()
-        if not loads:
-            return errs
-        issued, fwd = time.monotonic(), self._fwd_timing
-        if not self.defer_checks:
-            return errs | self._check_sync_loads(loads, issued, fwd)
-        deferred = DeferredLoadErrors(lambda: errs | self._check_sync_loads(loads, issued, fwd))
-        self._deferred.append((self._steps, deferred))
-        return deferred
-
-    def _settle_deferred(self, force: bool = False) -> None:
-        """Forget checked deferred answers; check those vLLM should have read by now
-        (two steps on: its batch queue holds two) and stop deferring if it did not
-        read one (that vLLM reads outputs otherwise), or all of them with ``force``."""
-        self._steps += 1
-        while self._deferred:
-            step, d = self._deferred[0]
-            if not d.checked and not force and step > self._steps - 3:
-                break
-            self._deferred.popleft()
-            if not d.checked:
-                d.read_first_by_vllm = False
-                d.resolve()
-                if not force and self.defer_checks:
-                    self.defer_checks = False
-                    logger.warning(
-                        "PegaFlow: vLLM did not read a step's load errors within two steps; "
-                        "this vLLM schedules differently from the versions tested: load "
-                        "checks now wait at the end of each step instead"
-                    )
+        return errs
 
     def take_report(self) -> WorkerReport | None:
         """Outcomes the scheduler should learn from (None when there are none)."""
@@ -683,11 +470,9 @@ class WorkerSide:
         if self._closed:
             return
         sameprocess.unregister(self)
-        if self._prestarted is not None:  # planned, never run: checked, their pins go back
-            self._sync_loads.extend(self._prestarted[1])
-            self._prestarted = None
-            self.finish_sync_loads()
-        self._settle_deferred(force=True)  # their pins go back now
+        failed = self.layerwise.close()  # planned, never run: checked, their pins go back
+        with self._lock:
+            self._load_errors.update(failed)
         wait_s = self.settings.shutdown_wait_s if wait_s is None else wait_s
         t0 = time.monotonic()
         deadline = Deadline.after(wait_s)
