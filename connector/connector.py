@@ -464,6 +464,24 @@ class PegaKVConnector(KVConnectorBase_V1):
         return delay, params
 
     @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Whether vLLM must capture piecewise CUDA graphs only (its default captures
+        full graphs for steps whose requests each compute one token).
+
+        Yes unless ``layerwise`` is off: a step's same-host hits load layer by layer,
+        each layer's attention waiting in :meth:`wait_for_layer_load`, which the replay
+        of a full graph skips; it would read the blocks before their copies land.  A
+        hit of all but a prompt's last token makes such a step.
+
+        Args:
+            extra_config: ``kv_connector_extra_config``.
+        """
+        try:
+            return ConnectorSettings.load(extra_config).layerwise
+        except ValueError:  # reported when the connector starts; stay safe meanwhile
+            return True
+
+    @classmethod
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:

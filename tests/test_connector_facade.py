@@ -183,3 +183,10 @@ def test_the_engine_log_says_what_the_cache_did(caplog: pytest.LogCaptureFixture
     conn.update_connector_output(SimpleNamespace(kv_connector_stats=worker_stats))
     conn.shutdown()  # the last line is logged at shutdown
     assert "PegaFlow cache (last" in caplog.text
+
+
+def test_full_cuda_graphs_are_refused_while_loads_wait_layer_by_layer() -> None:
+    # a full graph's replay skips wait_for_layer_load: vLLM must capture piecewise ones
+    assert PegaKVConnector.requires_piecewise_for_cudagraph({}) is True
+    assert PegaKVConnector.requires_piecewise_for_cudagraph({"layerwise": False}) is False
+    assert PegaKVConnector.requires_piecewise_for_cudagraph({"no_such_key": 1}) is True
