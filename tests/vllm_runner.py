@@ -62,7 +62,7 @@ def _engine(spec: dict[str, Any]) -> Any:
         model=spec["model"],
         load_format="dummy",
         skip_tokenizer_init=True,
-        enforce_eager=True,
+        enforce_eager=not spec.get("cuda_graphs"),  # vLLM's default compiles, with graphs
         dtype=spec.get("dtype", "bfloat16"),
         block_size=int(spec.get("block_size", 32)),
         max_model_len=int(spec.get("max_model_len", 2048)),
