@@ -182,6 +182,15 @@ def kv_load_failure_policy(vllm_config: Any) -> str:
     return str(getattr(ktc, "kv_load_failure_policy", "fail") or "fail")
 
 
+def captures_cuda_graphs(vllm_config: Any) -> bool:
+    """Whether vLLM captures CUDA graphs at engine start (its default; not with
+    ``enforce_eager``).  It captures after the connector got its KV caches, in CUDA's
+    global capture mode, where a synchronizing CUDA call of any other thread (a stream
+    sync, ``cudaHostRegister``) invalidates the capture and fails the engine's start."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    return mode is not None and getattr(mode, "name", str(mode)) != "NONE"
+
+
 def device_type() -> str:
     """The platform's device type (``cpu``, ``cuda`` ...)."""
     try:

@@ -34,6 +34,7 @@ from .compat import (
     PegaConnectorMetadata,
     PegaWorkerMetadata,
     block_ids_of,
+    captures_cuda_graphs,
     device_type,
     engine_geometry,
     hash_info,
@@ -116,6 +117,7 @@ class PegaKVConnector(KVConnectorBase_V1):
                 self._make_client,
                 retry_failed_loads=self.policy == "fail",
                 defer_checks=defer_possible(vllm_config),
+                defer_cuda=device_type() == "cuda" and captures_cuda_graphs(vllm_config),
             )
         else:
             self._scheduler = SchedulerSide(

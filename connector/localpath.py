@@ -84,10 +84,16 @@ class LocalPath:
         node_id: the local node's id.
         timeout: deadline of each control call and of a whole transfer.
         verify_threads: CPU threads that recompute checksums (0: ``min(16, cpus)``).
+        pin_after: the pool is pinned for DMA once this is set (None: at once).
     """
 
     def __init__(
-        self, io: KVBlockIO, node_id: str, timeout: float, verify_threads: int = 0
+        self,
+        io: KVBlockIO,
+        node_id: str,
+        timeout: float,
+        verify_threads: int = 0,
+        pin_after: threading.Event | None = None,
     ) -> None:
         self.io = io
         self.node_id = node_id
@@ -100,6 +106,7 @@ class LocalPath:
         the tile kernel"""
         self._failed = False
         self._attach_lock = threading.Lock()
+        self._pin_after = pin_after
 
     def attach(self, client: Any) -> bool:
         """Map the node's pool if it offers it and this process can open it (once)."""
@@ -117,7 +124,7 @@ class LocalPath:
             info = client.node_session(self.node_id).pool_file(self.timeout)
             if info is None:
                 raise OSError("the node does not offer its pool file to this client")
-            self.pool = MappedPool(info, self.io.device)
+            self.pool = MappedPool(info, self.io.device, self._pin_after)
         except Exception as e:
             self._failed = True
             logger.info(

@@ -65,6 +65,10 @@ class WorkerSide:
         retry_failed_loads: retry blocks that failed once more before reporting them
             (used with ``kv_load_failure_policy="fail"``, where a report fails requests).
         defer_checks: answer a step's load errors deferred (:mod:`.loadcheck`).
+        defer_cuda: the connector's own threads make no CUDA call (the tile kernel's
+            warm-up, pinning the node's pool) until the engine's first step: vLLM
+            captures CUDA graphs after :meth:`register_kv_caches`
+            (:func:`~.compat.captures_cuda_graphs`).
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class WorkerSide:
         client_factory: Callable[[], Any],
         retry_failed_loads: bool = False,
         defer_checks: bool = False,
+        defer_cuda: bool = False,
     ) -> None:
         self.settings = settings
         self.shard = shard
@@ -85,6 +90,11 @@ class WorkerSide:
         self._client_lock = threading.Lock()
         self.finder = LocalNodeFinder(settings.local_node, settings.rpc_timeout_s)
         """the storage node on this host (``local_node``, else found at start)"""
+        self._engine_running = threading.Event()
+        """set once background CUDA calls are safe (at once, or at the first step with
+        ``defer_cuda``)"""
+        if not defer_cuda:
+            self._engine_running.set()
         self._local_ready = threading.Event()
         """set once the first search for the node on this host and the mapping of its
         pool (when it has one) are done"""
@@ -126,7 +136,8 @@ class WorkerSide:
         chunk_blocks = self._remote.load_staging.chunk_blocks
         self.books.block_bytes = io.block_bytes
         self.io = io
-        self._load_pool.submit(self._warm_up)  # kernel compiles off the engine's start path
+        if self._engine_running.is_set():
+            self._load_pool.submit(self._warm_up)  # kernel compiles off the start path
         if self.settings.local_node and self.settings.same_host_shortcut:
             self._pool = self._pool_file(self.settings.local_node)
         if self.settings.mode != "off":
@@ -198,6 +209,7 @@ class WorkerSide:
         ``idle``: the step runs no forward pass (vLLM only polls for transfers).
         """
         self._idle = idle
+        self._note_engine_running()
         if self._local_ready.is_set() and not self.finder.node:
             self.finder.maybe_retry(self._discover)
         for job in plan.loads:
@@ -228,6 +240,7 @@ class WorkerSide:
 
     def prestart(self, plan: StepPlan) -> None:
         """Queue a planned step's layer-wise loads early (:meth:`LayerwiseLoads.prestart`)."""
+        self._note_engine_running()
         self.layerwise.prestart(plan)
 
     def wait_layer(self, layer_name: str) -> None:
@@ -399,6 +412,13 @@ class WorkerSide:
             return
         remote.probe(client, ns, job)
 
+    def _note_engine_running(self) -> None:
+        """The engine runs steps: vLLM's start (and its CUDA graph capture) is over, so
+        the deferred warm-up and pinning may go (see ``defer_cuda``)."""
+        if not self._engine_running.is_set():
+            self._engine_running.set()
+            self._load_pool.submit(self._warm_up)
+
     def _warm_up(self) -> None:
         try:
             if self.io is not None:
@@ -409,7 +429,9 @@ class WorkerSide:
     def _pool_file(self, node: str) -> PoolFileMedium:
         assert self.io is not None
         s = self.settings
-        path = LocalPath(self.io, node, s.transfer_timeout_s, s.verify_threads)
+        path = LocalPath(
+            self.io, node, s.transfer_timeout_s, s.verify_threads, pin_after=self._engine_running
+        )
         return PoolFileMedium(path, self.io, self.books, self.shard, s)
 
     def _discover(self) -> None:

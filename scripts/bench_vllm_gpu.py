@@ -499,6 +499,8 @@ def main() -> None:
             # the connector pins the node's pool for DMA in the background at start
             # (4-5 s for 31 GiB here); loads before that are slower and were timed in
             # some runs and not others: wait, so every pass measures the same state
+            if args.cuda_graphs:  # then it pins only once the engine runs its first step
+                e.generate(warm_up, 1)
             deadline = time.monotonic() + 60
             # (each worker pins it: a line from each rank's process; vLLM's handler and
             # the connector's may print each line twice)

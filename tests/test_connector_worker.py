@@ -401,3 +401,27 @@ def test_a_staging_buffer_that_a_failed_get_may_still_write_is_not_handed_out() 
     assert staging.acquire(wait=False) is None  # a is held, and no third may be made
     settled = True
     assert staging.acquire(wait=False) is a
+
+
+def test_with_cuda_graphs_the_kernel_warm_up_waits_for_the_first_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # vLLM captures CUDA graphs after register_kv_caches: a CUDA call of our threads
+    # meanwhile would invalidate the capture, so the warm-up goes at the first step
+    ran: list[str] = []
+    monkeypatch.setattr(WorkerSide, "_warm_up", lambda self: ran.append("warm-up"))
+    s = ConnectorSettings.load({"mode": "off"}, env={})
+    w = WorkerSide(s, 0, Counters(), FakeCluster, defer_cuda=True)
+    w.register_kv_caches(kv(1), NB)
+    w._load_pool.submit(lambda: None).result()  # what register_kv_caches queued ran
+    assert ran == []
+    w.start_step(StepPlan(NS))
+    w.start_step(StepPlan(NS))
+    w._load_pool.submit(lambda: None).result()
+    assert ran == ["warm-up"]
+    w.shutdown()
+    eager = WorkerSide(s, 0, Counters(), FakeCluster)
+    eager.register_kv_caches(kv(1), NB)
+    eager._load_pool.submit(lambda: None).result()
+    assert ran == ["warm-up", "warm-up"]  # without graphs: at once, as before
+    eager.shutdown()
