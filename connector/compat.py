@@ -182,13 +182,17 @@ def kv_load_failure_policy(vllm_config: Any) -> str:
     return str(getattr(ktc, "kv_load_failure_policy", "fail") or "fail")
 
 
-def captures_cuda_graphs(vllm_config: Any) -> bool:
-    """Whether vLLM captures CUDA graphs at engine start (its default; not with
-    ``enforce_eager``).  It captures after the connector got its KV caches, in CUDA's
-    global capture mode, where a synchronizing CUDA call of any other thread (a stream
-    sync, ``cudaHostRegister``) invalidates the capture and fails the engine's start."""
-    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
-    return mode is not None and getattr(mode, "name", str(mode)) != "NONE"
+def cuda_graph_tokens(vllm_config: Any) -> int:
+    """The largest step (in tokens) vLLM captures a CUDA graph for, 0 where it captures
+    none (``enforce_eager``; it does by default).  It captures them after the connector
+    got its KV caches, in CUDA's global capture mode, where a synchronizing CUDA call of
+    any other thread (a stream sync, ``cudaHostRegister``) invalidates the capture and
+    fails the engine's start."""
+    cc = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(cc, "cudagraph_mode", None)
+    if mode is None or getattr(mode, "name", str(mode)) == "NONE":
+        return 0
+    return int(getattr(cc, "max_cudagraph_capture_size", 0) or 0)
 
 
 def device_type() -> str:

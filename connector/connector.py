@@ -34,7 +34,7 @@ from .compat import (
     PegaConnectorMetadata,
     PegaWorkerMetadata,
     block_ids_of,
-    captures_cuda_graphs,
+    cuda_graph_tokens,
     device_type,
     engine_geometry,
     hash_info,
@@ -117,7 +117,7 @@ class PegaKVConnector(KVConnectorBase_V1):
                 self._make_client,
                 retry_failed_loads=self.policy == "fail",
                 defer_checks=defer_possible(vllm_config),
-                defer_cuda=device_type() == "cuda" and captures_cuda_graphs(vllm_config),
+                graph_tokens=cuda_graph_tokens(vllm_config) if device_type() == "cuda" else 0,
             )
         else:
             self._scheduler = SchedulerSide(

@@ -171,8 +171,9 @@ class LayerwiseLoads:
         the CPU then waits for every copy in flight before it issues the rest of the
         forward pass (measured on the H200: 130-180 ms in a batch of eight hits).  In
         a step of a new size only ``load_lookahead_layers`` go ahead, the rest as the
-        forward pass reaches them."""
-        if plan.tokens in self._step_sizes:
+        forward pass reaches them; not in a step that replays a CUDA graph, whose
+        kernels were loaded when vLLM captured it."""
+        if plan.tokens in self._step_sizes or plan.tokens <= self._w.graph_tokens:
             return 0
         return self._w.settings.load_lookahead_layers
 

@@ -65,10 +65,11 @@ class WorkerSide:
         retry_failed_loads: retry blocks that failed once more before reporting them
             (used with ``kv_load_failure_policy="fail"``, where a report fails requests).
         defer_checks: answer a step's load errors deferred (:mod:`.loadcheck`).
-        defer_cuda: the connector's own threads make no CUDA call (the tile kernel's
-            warm-up, pinning the node's pool) until the engine's first step: vLLM
-            captures CUDA graphs after :meth:`register_kv_caches`
-            (:func:`~.compat.captures_cuda_graphs`).
+        graph_tokens: vLLM captures CUDA graphs for steps of up to this many tokens (0:
+            none, eager).  It captures them after :meth:`register_kv_caches`, so the
+            connector's own threads then make no CUDA call (the tile kernel's warm-up,
+            pinning the node's pool) until the engine's first step
+            (:func:`~.compat.cuda_graph_tokens`).
     """
 
     def __init__(
@@ -79,7 +80,7 @@ class WorkerSide:
         client_factory: Callable[[], Any],
         retry_failed_loads: bool = False,
         defer_checks: bool = False,
-        defer_cuda: bool = False,
+        graph_tokens: int = 0,
     ) -> None:
         self.settings = settings
         self.shard = shard
@@ -91,9 +92,10 @@ class WorkerSide:
         self.finder = LocalNodeFinder(settings.local_node, settings.rpc_timeout_s)
         """the storage node on this host (``local_node``, else found at start)"""
         self._engine_running = threading.Event()
-        """set once background CUDA calls are safe (at once, or at the first step with
-        ``defer_cuda``)"""
-        if not defer_cuda:
+        """set once background CUDA calls are safe (at once, or at the first step where
+        vLLM captures CUDA graphs)"""
+        self.graph_tokens = graph_tokens
+        if not graph_tokens:
             self._engine_running.set()
         self._local_ready = threading.Event()
         """set once the first search for the node on this host and the mapping of its
@@ -414,7 +416,7 @@ class WorkerSide:
 
     def _note_engine_running(self) -> None:
         """The engine runs steps: vLLM's start (and its CUDA graph capture) is over, so
-        the deferred warm-up and pinning may go (see ``defer_cuda``)."""
+        the deferred warm-up and pinning may go (see ``graph_tokens``)."""
         if not self._engine_running.is_set():
             self._engine_running.set()
             self._load_pool.submit(self._warm_up)

@@ -411,7 +411,7 @@ def test_with_cuda_graphs_the_kernel_warm_up_waits_for_the_first_step(
     ran: list[str] = []
     monkeypatch.setattr(WorkerSide, "_warm_up", lambda self: ran.append("warm-up"))
     s = ConnectorSettings.load({"mode": "off"}, env={})
-    w = WorkerSide(s, 0, Counters(), FakeCluster, defer_cuda=True)
+    w = WorkerSide(s, 0, Counters(), FakeCluster, graph_tokens=512)
     w.register_kv_caches(kv(1), NB)
     w._load_pool.submit(lambda: None).result()  # what register_kv_caches queued ran
     assert ran == []
@@ -425,3 +425,18 @@ def test_with_cuda_graphs_the_kernel_warm_up_waits_for_the_first_step(
     eager._load_pool.submit(lambda: None).result()
     assert ran == ["warm-up", "warm-up"]  # without graphs: at once, as before
     eager.shutdown()
+
+
+def test_steps_that_replay_a_cuda_graph_queue_every_layer_at_once() -> None:
+    # a new step size may load new kernels (which wait for the copies in flight), but
+    # not a size vLLM captured a graph for: its loads are not held back
+    s = ConnectorSettings.load({"mode": "off"}, env={})
+    eager = WorkerSide(s, 0, Counters(), FakeCluster)
+    graphs = WorkerSide(s, 0, Counters(), FakeCluster, graph_tokens=512)
+    ahead = s.load_lookahead_layers
+    assert ahead > 0
+    assert eager.layerwise._ahead(StepPlan(NS, tokens=128)) == ahead
+    assert graphs.layerwise._ahead(StepPlan(NS, tokens=128)) == 0
+    assert graphs.layerwise._ahead(StepPlan(NS, tokens=4096)) == ahead  # past the graphs
+    eager.shutdown()
+    graphs.shutdown()
