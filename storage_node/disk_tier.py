@@ -266,6 +266,11 @@ class DiskTier:
 
     # ---- spills --------------------------------------------------------------------
 
+    def spill_queue_full(self) -> bool:
+        """Whether a :meth:`spill` now would be dropped for want of room in the queue."""
+        with self._lock:
+            return not self._staging
+
     def spill(self, key: BlockKey, gen: int, data: Any, xxh3: int | None = None) -> bool:
         """Write a copy of ``data`` (a block of at most ``block_size`` bytes) in the
         background; returns at once, False when it was dropped (no staging buffer free:

@@ -14,7 +14,9 @@ took it (each pins it in a done callback of the promotion: the get's send; or, f
 ``pin`` and ``locate``, :class:`Held` until their reply is made), so no eviction can
 take it in between.  A promotion that finds no slot while blocks are being written
 ahead to the disk (:mod:`~pegaflow.storage_node.spill_ahead`: their slots are freed when
-those writes end) waits for them, up to ``[node] reserve_timeout_s``.
+those writes end) waits for them, up to ``[node] reserve_timeout_s``.  So does one whose
+slot would evict a block while the spill queue is full, which would drop that block:
+a large promotion into a full pool goes at the pace of the disk's writes.
 """
 
 from __future__ import annotations
@@ -168,11 +170,20 @@ class Promotion:
     async def _reserve(self, key: Key, length: int) -> Entry | None:
         """A slot for ``key`` (None: stored or being written meanwhile, or no room: the
         pool is full of pinned or reserved blocks); while only blocks being written
-        ahead hold the room, waits for their writes (up to ``reserve_timeout_s``)."""
-        pool, cfg = self.pool, self._svc.cfg
+        ahead hold the room, or while the eviction it needs would find the spill queue
+        full, waits for the writes (up to ``reserve_timeout_s``; then it evicts anyway)."""
+        pool, cfg, disk = self.pool, self._svc.cfg, self._svc.disk
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.reserve_timeout_s
         while True:
+            if (
+                disk is not None
+                and pool.free_bytes() < length
+                and disk.spill_queue_full()
+                and loop.time() < deadline
+            ):
+                await asyncio.sleep(_SPILL_WAIT_S)
+                continue
             try:
                 return pool.reserve(key, length, 2 * cfg.reserve_timeout_s)
             except NoSpace as err:
