@@ -10,9 +10,8 @@ the blocks while they are copied) and writes through a local ``reserve`` / ``com
 On a CUDA device the mapping is registered with the driver (``cudaHostRegister``,
 portable and mapped), so the copy engines DMA at full speed and GPU kernels can read
 and write the file's pages directly.  Registration pins every page of the pool; it runs
-in a background thread so that engine start is not delayed (where vLLM captures CUDA
-graphs, only once the engine runs: ``pin_after``), and until it finishes the mapping is
-used like any pageable memory.
+in a background thread so that engine start is not delayed, and until it finishes the
+mapping is used like any pageable memory.
 """
 
 from __future__ import annotations
@@ -42,19 +41,9 @@ class MappedPool:
 
     Raises ``OSError`` when the file is not the one the node described (another host's
     path, a replaced file) or cannot be opened by this process.
-
-    Args:
-        info: the pool file, as the node described it.
-        device: a CUDA device pins the mapping for it (in the background).
-        pin_after: the pinning waits until this is set (None: it starts at once).
     """
 
-    def __init__(
-        self,
-        info: PoolFile,
-        device: torch.device | None = None,
-        pin_after: threading.Event | None = None,
-    ) -> None:
+    def __init__(self, info: PoolFile, device: torch.device | None = None) -> None:
         fd = open_pool_file(info)
         try:
             self._mmap = mmap.mmap(fd, info.size, mmap.MAP_SHARED)
@@ -70,21 +59,14 @@ class MappedPool:
         self.piece = _REGISTER_CHUNK
         """the pool is pinned in pieces of this many bytes (one registration each)"""
         self._register_thread: threading.Thread | None = None
-        self._closing = threading.Event()
         self.register_seconds = 0.0
         if device is not None and device.type == "cuda":
             self._register_thread = threading.Thread(
-                target=self._register,
-                args=(device, pin_after),
-                name="pegaflow-pool-register",
-                daemon=True,
+                target=self._register, args=(device,), name="pegaflow-pool-register", daemon=True
             )
             self._register_thread.start()
 
-    def _register(self, device: torch.device, after: threading.Event | None) -> None:
-        while after is not None and not after.wait(0.2):
-            if self._closing.is_set():
-                return
+    def _register(self, device: torch.device) -> None:
         t0 = time.monotonic()
         try:
             cudart = torch.cuda.cudart()
@@ -136,7 +118,6 @@ class MappedPool:
 
     def close(self) -> None:
         """Unregister and unmap (the caller makes sure no copy still uses the pool)."""
-        self._closing.set()
         if self._register_thread is not None:
             self._register_thread.join()
         if self._registered:

@@ -84,16 +84,10 @@ class LocalPath:
         node_id: the local node's id.
         timeout: deadline of each control call and of a whole transfer.
         verify_threads: CPU threads that recompute checksums (0: ``min(16, cpus)``).
-        pin_after: the pool is pinned for DMA once this is set (None: at once).
     """
 
     def __init__(
-        self,
-        io: KVBlockIO,
-        node_id: str,
-        timeout: float,
-        verify_threads: int = 0,
-        pin_after: threading.Event | None = None,
+        self, io: KVBlockIO, node_id: str, timeout: float, verify_threads: int = 0
     ) -> None:
         self.io = io
         self.node_id = node_id
@@ -106,7 +100,6 @@ class LocalPath:
         the tile kernel"""
         self._failed = False
         self._attach_lock = threading.Lock()
-        self._pin_after = pin_after
 
     def attach(self, client: Any) -> bool:
         """Map the node's pool if it offers it and this process can open it (once)."""
@@ -124,7 +117,7 @@ class LocalPath:
             info = client.node_session(self.node_id).pool_file(self.timeout)
             if info is None:
                 raise OSError("the node does not offer its pool file to this client")
-            self.pool = MappedPool(info, self.io.device, self._pin_after)
+            self.pool = MappedPool(info, self.io.device)
         except Exception as e:
             self._failed = True
             logger.info(

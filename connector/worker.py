@@ -67,9 +67,9 @@ class WorkerSide:
         defer_checks: answer a step's load errors deferred (:mod:`.loadcheck`).
         graph_tokens: vLLM captures CUDA graphs for steps of up to this many tokens (0:
             none, eager).  It captures them after :meth:`register_kv_caches`, so the
-            connector's own threads then make no CUDA call (the tile kernel's warm-up,
-            pinning the node's pool) until the engine's first step
-            (:func:`~.compat.cuda_graph_tokens`).
+            worker's start-up work (the tile kernel's warm-up; finding, mapping and
+            pinning the node's pool, whose client may touch CUDA) waits for the
+            engine's first step (:func:`~.compat.cuda_graph_tokens`).
     """
 
     def __init__(
@@ -138,15 +138,12 @@ class WorkerSide:
         chunk_blocks = self._remote.load_staging.chunk_blocks
         self.books.block_bytes = io.block_bytes
         self.io = io
-        if self._engine_running.is_set():
-            self._load_pool.submit(self._warm_up)  # kernel compiles off the start path
         if self.settings.local_node and self.settings.same_host_shortcut:
             self._pool = self._pool_file(self.settings.local_node)
-        if self.settings.mode != "off":
-            # find the node on this host, map and pin its pool, off the engine's start path
-            self._load_pool.submit(self._discover)
-        else:
+        if self.settings.mode == "off":
             self._local_ready.set()
+        if self._engine_running.is_set():
+            self._start_background()
         logger.info(
             "PegaFlow worker shard %d: %s; %d blocks per transfer chunk",
             self.shard,
@@ -419,7 +416,16 @@ class WorkerSide:
         the deferred warm-up and pinning may go (see ``graph_tokens``)."""
         if not self._engine_running.is_set():
             self._engine_running.set()
-            self._load_pool.submit(self._warm_up)
+            if self.io is not None:
+                self._start_background()
+
+    def _start_background(self) -> None:
+        """The worker's start-up work, off the engine's path: the search for the node on
+        this host and the mapping and pinning of its pool (what a first load waits
+        for), then the tile kernel's warm-up (its compiles)."""
+        if self.settings.mode != "off":
+            self._load_pool.submit(self._discover)
+        self._load_pool.submit(self._warm_up)
 
     def _warm_up(self) -> None:
         try:
@@ -431,9 +437,7 @@ class WorkerSide:
     def _pool_file(self, node: str) -> PoolFileMedium:
         assert self.io is not None
         s = self.settings
-        path = LocalPath(
-            self.io, node, s.transfer_timeout_s, s.verify_threads, pin_after=self._engine_running
-        )
+        path = LocalPath(self.io, node, s.transfer_timeout_s, s.verify_threads)
         return PoolFileMedium(path, self.io, self.books, self.shard, s)
 
     def _discover(self) -> None:

@@ -403,14 +403,16 @@ def test_a_staging_buffer_that_a_failed_get_may_still_write_is_not_handed_out() 
     assert staging.acquire(wait=False) is a
 
 
-def test_with_cuda_graphs_the_kernel_warm_up_waits_for_the_first_step(
+def test_with_cuda_graphs_the_start_up_work_waits_for_the_first_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # vLLM captures CUDA graphs after register_kv_caches: a CUDA call of our threads
-    # meanwhile would invalidate the capture, so the warm-up goes at the first step
+    # meanwhile would invalidate the capture, so the start-up work (the kernel warm-up;
+    # finding, mapping and pinning the node's pool) goes at the first step
     ran: list[str] = []
     monkeypatch.setattr(WorkerSide, "_warm_up", lambda self: ran.append("warm-up"))
-    s = ConnectorSettings.load({"mode": "off"}, env={})
+    monkeypatch.setattr(WorkerSide, "_discover", lambda self: ran.append("discover"))
+    s = ConnectorSettings.load({}, env={})
     w = WorkerSide(s, 0, Counters(), FakeCluster, graph_tokens=512)
     w.register_kv_caches(kv(1), NB)
     w._load_pool.submit(lambda: None).result()  # what register_kv_caches queued ran
@@ -418,12 +420,13 @@ def test_with_cuda_graphs_the_kernel_warm_up_waits_for_the_first_step(
     w.start_step(StepPlan(NS))
     w.start_step(StepPlan(NS))
     w._load_pool.submit(lambda: None).result()
-    assert ran == ["warm-up"]
+    assert ran == ["discover", "warm-up"]
     w.shutdown()
+    ran.clear()
     eager = WorkerSide(s, 0, Counters(), FakeCluster)
     eager.register_kv_caches(kv(1), NB)
     eager._load_pool.submit(lambda: None).result()
-    assert ran == ["warm-up", "warm-up"]  # without graphs: at once, as before
+    assert ran == ["discover", "warm-up"]  # without graphs: at once, as before
     eager.shutdown()
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -336,22 +334,3 @@ def test_runs_of_consecutive_blocks_for_2d_copies() -> None:
     far = [0, 1 << 30]  # a step too large for a 2-D copy's pitch
     assert KVBlockIO._runs(far, [1, 2]) == [(0, 1, 0), (1, 1, 0)]
     assert KVBlockIO._runs([], []) == []
-
-
-def test_pinning_waits_for_its_gate_and_a_close_before_it_opens_pins_nothing(
-    server: Proc,
-) -> None:
-    # where vLLM captures CUDA graphs at start, no thread of ours may make a CUDA call
-    # then: the pinning thread waits for the engine's first step (the gate)
-    c = client_of(server)
-    try:
-        info = c.local_pool(server.ready["node"])
-        assert info is not None
-        gate = threading.Event()
-        pool = MappedPool(info, torch.device("cuda"), pin_after=gate)
-        time.sleep(0.5)
-        assert not pool.registered
-        pool.close()  # the engine stopped before its first step: it returns, unpinned
-        assert not pool.registered
-    finally:
-        c.close()
