@@ -236,9 +236,10 @@ class ConnectorSettings:
     )
     load_lookahead_layers: int = _f(
         2,
-        "in a step of a size the engine has not run yet, layer-wise loads queue this many "
-        "layers ahead of the forward pass, the rest as it reaches them (CUDA loads a new "
-        "shape's kernels lazily, which waits for every copy in flight); 0: all at once",
+        "in a step of a size the engine has not run yet (and replays no CUDA graph of), "
+        "layer-wise loads queue this many layers ahead of the forward pass, the rest as it "
+        "reaches them (CUDA loads a new shape's kernels lazily, which waits for every copy "
+        "in flight); 0: all at once",
     )
     verify_threads: int = _f(
         0, "CPU threads that check checksums of same-host loads (0: min(16, cpus))"
