@@ -9,7 +9,6 @@ slab writes back, so the promotion meets a full queue for certain.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from pegaflow.checksum import checksum
 from pegaflow.config import NodeConfig
 from pegaflow.devcluster import _temp_shm_dir
+from tests.test_cluster import wait_for
 from tests.test_disk_spill_ahead import HeldIO
 
 SLOT = 64 << 10
@@ -31,14 +31,6 @@ POOL_SLOTS = 8
 
 def key(i: int) -> tuple[str, bytes, int]:
     return ("ns", i.to_bytes(16, "little"), 0)
-
-
-async def until(cond: Callable[[], bool], what: str) -> None:
-    for _ in range(3000):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out: {what}")
 
 
 async def test_a_promotion_into_a_full_pool_waits_for_the_spill_queue_and_drops_nothing(
@@ -77,12 +69,12 @@ async def test_a_promotion_into_a_full_pool_waits_for_the_spill_queue_and_drops_
             put(i)
         for i in range(POOL_SLOTS, 2 * POOL_SLOTS):  # each evicts one: written, one at a time
             put(i)
-            await until(lambda i=i: disk.contains(key(i - POOL_SLOTS)), "a spill written")
+            await wait_for(lambda i=i: disk.contains(key(i - POOL_SLOTS)), 30, "a spill written")
         assert disk.spill_drops == 0
         io.open.clear()  # from here the writes wait
         # blocks 0-3 live on disk only; each promoted one evicts one of 8-15 (not on disk)
         promoting = asyncio.ensure_future(svc.promotion.promote([key(i) for i in range(4)]))
-        await until(lambda: pool.get(key(0)) is not None, "the first promotion")
+        await wait_for(lambda: pool.get(key(0)) is not None, 30, "the first promotion")
         await asyncio.sleep(0.3)
         assert disk.spill_drops == 0  # the second eviction would find the queue full
         assert not promoting.done()
@@ -93,7 +85,9 @@ async def test_a_promotion_into_a_full_pool_waits_for_the_spill_queue_and_drops_
             e = pool.get(key(i))
             assert e is not None and np.array_equal(pool.view(e), data[i])
         # what the promotions evicted was written, not lost
-        await until(lambda: all(disk.contains(key(i)) for i in range(8, 12)), "evictions written")
+        await wait_for(
+            lambda: all(disk.contains(key(i)) for i in range(8, 12)), 30, "evictions written"
+        )
     finally:
         io.open.set()
         await svc.close()
