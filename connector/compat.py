@@ -195,6 +195,20 @@ def cuda_graph_tokens(vllm_config: Any) -> int:
     return int(getattr(cc, "max_cudagraph_capture_size", 0) or 0)
 
 
+def defers_block_frees() -> bool:
+    """Whether vLLM holds a finished or preempted request's blocks back from new
+    requests until the last step that touched them is done (its scheduler's
+    ``defer_block_free``, on with asynchronous scheduling for a KV consumer: every
+    engine whose connector loads).  Where it does not, a step still in flight may
+    touch blocks given to a new request, and the connector's copies into them must
+    wait for the GPU work queued before them."""
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except Exception:  # pragma: no cover
+        return False
+    return hasattr(Scheduler, "_drain_deferred_frees")
+
+
 def device_type() -> str:
     """The platform's device type (``cpu``, ``cuda`` ...)."""
     try:

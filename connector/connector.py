@@ -35,6 +35,7 @@ from .compat import (
     PegaWorkerMetadata,
     block_ids_of,
     cuda_graph_tokens,
+    defers_block_frees,
     device_type,
     engine_geometry,
     hash_info,
@@ -118,6 +119,7 @@ class PegaKVConnector(KVConnectorBase_V1):
                 retry_failed_loads=self.policy == "fail",
                 defer_checks=defer_possible(vllm_config),
                 graph_tokens=cuda_graph_tokens(vllm_config) if device_type() == "cuda" else 0,
+                new_blocks_may_be_busy=not defers_block_frees(),
             )
         else:
             self._scheduler = SchedulerSide(
@@ -401,7 +403,8 @@ class PegaKVConnector(KVConnectorBase_V1):
             return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Plan the load into the blocks vLLM allocated for the external hit.
+        """Plan the load into the blocks vLLM allocated for the external hit; a worker
+        in this process may start it now (:meth:`~.worker.WorkerSide.prestart_job`).
 
         Args:
             request: the request.
@@ -409,7 +412,12 @@ class PegaKVConnector(KVConnectorBase_V1):
             num_external_tokens: tokens to load (0: nothing to do).
         """
         assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, block_ids_of(blocks), num_external_tokens)
+        job = self._scheduler.update_state_after_alloc(
+            request, block_ids_of(blocks), num_external_tokens
+        )
+        worker = sameprocess.worker()
+        if job is not None and worker is not None:
+            worker.prestart_job(job, self._scheduler.namespace)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         """This step's loads, saves, preemptions and delayed frees for the workers; a

@@ -70,8 +70,9 @@ class LayerwiseLoads:
         """when the CPU reached each layer of such a step's forward pass (debug log only)"""
         self.sync_loads: list[tuple[LoadJob, Any, float]] = []
         """the layer-wise loads queued and not yet checked"""
-        self.prestarted: tuple[StepPlan, list[SyncLoad]] | None = None
-        """the layer-wise loads :meth:`prestart` queued, and the plan they belong to"""
+        self.early: list[SyncLoad] = []
+        """the layer-wise loads queued before their step (:meth:`prestart`,
+        :meth:`prestart_job`), taken by the step whose plan holds their jobs"""
         self.defer_checks = defer_checks
         """answer load errors deferred (:mod:`.loadcheck`); the connector sets it where
         vLLM's scheduler shares this process"""
@@ -86,7 +87,7 @@ class LayerwiseLoads:
     def start_step(self, plan: StepPlan) -> None:
         """Queue the step's layer-wise loads (or take those :meth:`prestart` queued)."""
         sync = [j for j in plan.loads if j.sync]
-        if sync or self.prestarted is not None:
+        if sync or self.early:
             self._start_sync_loads(plan.namespace, sync, plan)
             if self._cpu_marks is not None:
                 self._cpu_marks.append(time.perf_counter())
@@ -135,34 +136,56 @@ class LayerwiseLoads:
 
     def prestart(self, plan: StepPlan) -> None:
         """Queue the copies of a step's layer-wise loads as soon as the scheduler in
-        this process planned it (:mod:`.sameprocess`), behind the GPU work queued so far
-        (:meth:`KVBlockIO.follow`); :meth:`start_step` then takes them instead of queuing
-        them.  Does nothing unless the node's pool file is mapped and the cache is on a
-        GPU, nor in a step with preemptions (their blocks may be reallocated before
-        :meth:`WorkerSide.wait_for_copies`); a failure leaves the loads to
+        this process planned it (:mod:`.sameprocess`); :meth:`start_step` then takes
+        them instead of queuing them.  Loads :meth:`prestart_job` queued already are
+        left alone.  Does nothing unless the node's pool file is mapped and the cache
+        is on a GPU, nor in a step with preemptions (their blocks may be reallocated
+        before :meth:`WorkerSide.wait_for_copies`); a failure leaves the loads to
         :meth:`start_step`."""
+        if plan.preempted or not self._w.settings.early_start:
+            return  # preempted: blocks still being copied out may be given to new requests
+        early = {id(j) for j, _p, _t in self.early}
+        sync = [j for j in plan.loads if j.sync and id(j) not in early]
+        self._queue_early(plan.namespace, sync, self._ahead(plan))
+
+    def prestart_job(self, job: LoadJob, ns: str) -> None:
+        """Queue the copies of one request's layer-wise load the moment vLLM's scheduler
+        in this process allocated its blocks, while it goes on to look up the step's
+        other requests (each lookup a round trip to the node): the copy engines then
+        start on the first request of a batch instead of after the last one's lookup.
+        Only where vLLM replays CUDA graphs: in an eager engine, the first kernel of a
+        new shape waits for every copy in flight (:meth:`_ahead`), so its steps queue
+        their loads when planned, a few layers ahead of the forward pass."""
+        if job.sync and self._w.graph_tokens and self._w.settings.early_start:
+            self._queue_early(ns, [job], 0)
+
+    def _queue_early(self, ns: str, jobs: list[LoadJob], ahead: int) -> None:
+        """Queue ``jobs``' copies now, into :attr:`early` (see :meth:`prestart`)."""
         w = self._w
         io, pool = w.io, w._pool
-        sync = [j for j in plan.loads if j.sync]
-        if not sync or io is None or io.device.type != "cuda" or pool is None:
+        if not jobs or io is None or io.device.type != "cuda" or pool is None:
             return
-        if not plan.namespace or plan.preempted or not w._local_ready.is_set():
-            return  # preempted: blocks still being copied out may be given to new requests
-        if self.prestarted is not None:
-            return  # a plan not yet taken by its step: this one starts in its own step
+        if not ns or not w._local_ready.is_set():
+            return
         try:
             client = w._get_client()
             if client is None:
                 return
-            io.follow(io.record_step())
-            self.prestarted = (
-                plan,
-                pool.start_layerwise(
-                    client, plan.namespace, sync, time.monotonic(), self._ahead(plan)
-                ),
-            )
+            self.follow_steps()
+            self.early.extend(pool.start_layerwise(client, ns, jobs, time.monotonic(), ahead))
         except Exception as e:  # the step starts them itself
             logger.warning("PegaFlow: early start of a step's loads failed: %s", e)
+
+    def follow_steps(self) -> None:
+        """Make the loads queued from now on wait for the GPU work queued so far, where
+        a step in flight may still touch the blocks vLLM gives to new requests: vLLM
+        releases a finished or preempted request's blocks once the last step that
+        touched them is done (``defer_block_free``, with asynchronous scheduling and a
+        KV consumer: every engine that loads), but not in every version
+        (:func:`~.compat.defers_block_frees`)."""
+        io = self._w.io
+        if self._w.new_blocks_may_be_busy and io is not None:
+            io.follow(io.record_step())
 
     def _ahead(self, plan: StepPlan) -> int:
         """How many layers of a step's layer-wise loads to queue ahead of its forward
@@ -178,17 +201,18 @@ class LayerwiseLoads:
         return self._w.settings.load_lookahead_layers
 
     def _take_prestarted(self, plan: StepPlan) -> list[SyncLoad]:
-        """The loads :meth:`prestart` queued for ``plan``; those of another plan (vLLM
-        did not run the step it planned) are checked with this step's."""
-        if self.prestarted is None:
+        """The loads queued early for ``plan``; those of another plan (vLLM did not run
+        the step it planned) are checked with this step's."""
+        if not self.early:
             return []
-        planned, started = self.prestarted
-        self.prestarted = None
-        if planned is plan:
-            return started
-        logger.debug("PegaFlow: %d early loads of a step vLLM did not run", len(started))
-        self.sync_loads.extend(started)
-        return []
+        mine = {id(j) for j in plan.loads}
+        started = [x for x in self.early if id(x[0]) in mine]
+        stale = [x for x in self.early if id(x[0]) not in mine]
+        self.early = []
+        if stale:
+            logger.debug("PegaFlow: %d early loads of a step vLLM did not run", len(stale))
+            self.sync_loads.extend(stale)
+        return started
 
     def _start_sync_loads(self, ns: str, jobs: list[LoadJob], plan: StepPlan) -> None:
         """Queue the copies of the loads that this step's forward pass waits for, layer
@@ -207,6 +231,7 @@ class LayerwiseLoads:
         pool, client = w._pool, w._get_client()
         started = []
         if pool is not None and client is not None and w.io is not None and ns:
+            self.follow_steps()
             started = pool.start_layerwise(client, ns, jobs, t0, self._ahead(plan))
         self.sync_loads.extend(started)
         taken = {id(j) for j, _p, _t in started}
@@ -332,9 +357,9 @@ class LayerwiseLoads:
         """At shutdown: check the loads planned and never run (their pins go back) and
         every deferred answer; returns the failed block ids of the former."""
         failed: set[int] = set()
-        if self.prestarted is not None:  # planned, never run: checked, their pins go back
-            self.sync_loads.extend(self.prestarted[1])
-            self.prestarted = None
+        if self.early:  # planned, never run: checked, their pins go back
+            self.sync_loads.extend(self.early)
+            self.early = []
             failed = self.finish()
         self._settle_deferred(force=True)  # their pins go back now
         return failed

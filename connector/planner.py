@@ -66,11 +66,12 @@ class Planner:
             st.request = request
         return st
 
-    def plan_load(self, request: Any, block_ids: Any, num_external_tokens: int) -> None:
-        """Plan the load of the blocks vLLM just allocated for an external hit."""
+    def plan_load(self, request: Any, block_ids: Any, num_external_tokens: int) -> LoadJob | None:
+        """Plan the load of the blocks vLLM just allocated for an external hit (the job,
+        None when there is nothing to load)."""
         st = self.state(request)
         if num_external_tokens <= 0:
-            return
+            return None
         ids = group0(block_ids)
         bs = self.block_size
         n_load = -(-num_external_tokens // bs)
@@ -112,6 +113,7 @@ class Planner:
         self._pending_loads.append(job)
         st.loading = not job.sync
         self.counters.add("hit_tokens", num_external_tokens)
+        return job
 
     def build_plan(self, scheduler_output: Any, probes: list[LoadJob]) -> StepPlan:
         """This step's :class:`StepPlan`, with ``probes`` after the planned loads

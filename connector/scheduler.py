@@ -26,7 +26,7 @@ from .handoffwait import HandoffWait
 from .known import KnownBlocks
 from .locating import Locator
 from .lookups import Lookups
-from .metadata import StepPlan, WorkerReport
+from .metadata import LoadJob, StepPlan, WorkerReport
 from .metrics import Counters
 from .planner import Planner
 from .report import SameHostReport
@@ -196,9 +196,10 @@ class SchedulerSide:
 
     def update_state_after_alloc(
         self, request: Any, block_ids: Any, num_external_tokens: int
-    ) -> None:
-        """Plan the load of the blocks vLLM just allocated for an external hit."""
-        self.planner.plan_load(request, block_ids, num_external_tokens)
+    ) -> LoadJob | None:
+        """Plan the load of the blocks vLLM just allocated for an external hit (the
+        job, None when there is nothing to load)."""
+        return self.planner.plan_load(request, block_ids, num_external_tokens)
 
     def build_plan(self, scheduler_output: Any) -> StepPlan:
         """This step's :class:`StepPlan` (resets the pending loads and delayed frees)."""

@@ -234,6 +234,13 @@ class ConnectorSettings:
         "hits held wholly by local_node (same host) load during the forward pass, each "
         "layer waited for on its own; off: every load is asynchronous",
     )
+    early_start: bool = _f(
+        True,
+        "with one rank (the worker in vLLM's scheduler process), queue a step's layer-wise "
+        "copies before vLLM launches the step: each request's as vLLM allocates its blocks "
+        "where it replays CUDA graphs, else the step's when it is planned; off: when vLLM "
+        "launches the step",
+    )
     load_lookahead_layers: int = _f(
         2,
         "in a step of a size the engine has not run yet (and replays no CUDA graph of), "

@@ -70,6 +70,10 @@ class WorkerSide:
             worker's start-up work (the tile kernel's warm-up; finding, mapping and
             pinning the node's pool, whose client may touch CUDA) waits for the
             engine's first step (:func:`~.compat.cuda_graph_tokens`).
+        new_blocks_may_be_busy: a step still in flight on the GPU may touch the blocks
+            vLLM gives to new requests (a vLLM that does not defer frees,
+            :func:`~.compat.defers_block_frees`): loads then wait for the GPU work
+            queued before them.
     """
 
     def __init__(
@@ -81,6 +85,7 @@ class WorkerSide:
         retry_failed_loads: bool = False,
         defer_checks: bool = False,
         graph_tokens: int = 0,
+        new_blocks_may_be_busy: bool = True,
     ) -> None:
         self.settings = settings
         self.shard = shard
@@ -95,6 +100,7 @@ class WorkerSide:
         """set once background CUDA calls are safe (at once, or at the first step where
         vLLM captures CUDA graphs)"""
         self.graph_tokens = graph_tokens
+        self.new_blocks_may_be_busy = new_blocks_may_be_busy
         if not graph_tokens:
             self._engine_running.set()
         self._local_ready = threading.Event()
@@ -215,6 +221,8 @@ class WorkerSide:
             if job.probe:
                 self._probe_pool.submit(self._run_probe, plan.namespace, job)
         async_loads = [j for j in plan.loads if not j.sync and not j.probe]
+        if async_loads:
+            self.layerwise.follow_steps()
         with self._lock:
             self._delay_free.update(plan.delay_free)
             for job in async_loads:
@@ -242,6 +250,11 @@ class WorkerSide:
         self._note_engine_running()
         self.layerwise.prestart(plan)
 
+    def prestart_job(self, job: LoadJob, ns: str) -> None:
+        """Queue one request's layer-wise load as soon as vLLM allocated its blocks
+        (:meth:`LayerwiseLoads.prestart_job`)."""
+        self.layerwise.prestart_job(job, ns)
+
     def wait_layer(self, layer_name: str) -> None:
         """Make the forward pass (its CUDA stream) wait until ``layer_name``'s blocks
         of this step's layer-wise loads are in; never blocks the CPU."""
@@ -265,8 +278,8 @@ class WorkerSide:
         return self.layerwise.sync_loads
 
     @property
-    def _prestarted(self) -> tuple[StepPlan, list[SyncLoad]] | None:
-        return self.layerwise.prestarted
+    def _early_loads(self) -> list[SyncLoad]:
+        return self.layerwise.early
 
     def submit_saves(self, plan: StepPlan) -> None:
         """Queue the copy-out of this step's newly full blocks (returns at once)."""

@@ -404,6 +404,12 @@ def main() -> None:
         "copies queued at once) runs the batch first: batch_all_at_once_ms",
     )
     ap.add_argument(
+        "--compare-early-start",
+        action="store_true",
+        help="one more engine (the three keys, early_start off: a step's copies queued when "
+        "vLLM launches it) runs the batch first: batch_late_start_ms",
+    )
+    ap.add_argument(
         "--cuda-graphs",
         action="store_true",
         help="engines as vLLM runs them by default (compiled, CUDA graphs), not eager; adds "
@@ -598,13 +604,20 @@ def main() -> None:
                 tuned_s = sum(t for t, _, _ in tuned_b) / 1000.0
                 windows["tuned"] = (r_start, rank_stats(s3, args.tp), tuned_s)
             cross_tp_pass(start, timed, cold_a, set_a, warm_up, args, work, out)
-        if args.compare_lookahead:
-            env = {"PEGAFLOW_CONNECTOR_LOAD_LOOKAHEAD_LAYERS": "0"}
-            e = start("all_at_once", env=env, three_keys=True)
+        compare = {
+            "all_at_once": (args.compare_lookahead, "LOAD_LOOKAHEAD_LAYERS"),
+            "late_start": (args.compare_early_start, "EARLY_START"),
+        }
+        for name, (wanted, setting) in compare.items():
+            if not wanted:
+                continue
+            e = start(name, env={f"PEGAFLOW_CONNECTOR_{setting}": "0"}, three_keys=True)
             try:
                 e.generate(warm_up, 1)
                 time.sleep(args.pause)
-                out["batch_all_at_once_ms"] = round(batch(e, set_c)[0], 1)
+                ms_, outs = batch(e, set_c)
+                out[f"batch_{name}_ms"] = round(ms_, 1)
+                out[f"batch_{name}_outputs_match"] = outs == cold_c_out
             finally:
                 e.stop()
         if args.diagnose:

@@ -15,11 +15,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from pegaflow.connector import PegaKVConnector
+from pegaflow.connector import PegaKVConnector, sameprocess
 from pegaflow.connector.compat import (
     KVConnectorRole,
     PegaConnectorMetadata,
     PegaWorkerMetadata,
+    defers_block_frees,
 )
 from pegaflow.connector.metadata import WorkerReport
 from pegaflow.connector.stats import PegaConnectorStats
@@ -190,3 +191,40 @@ def test_full_cuda_graphs_are_refused_while_loads_wait_layer_by_layer() -> None:
     assert PegaKVConnector.requires_piecewise_for_cudagraph({}) is True
     assert PegaKVConnector.requires_piecewise_for_cudagraph({"layerwise": False}) is False
     assert PegaKVConnector.requires_piecewise_for_cudagraph({"no_such_key": 1}) is True
+
+
+def test_a_worker_in_the_schedulers_process_gets_each_load_as_vllm_allocates_it() -> None:
+    """With one rank the worker shares the scheduler's process: each layer-wise load
+    goes to it the moment vLLM allocates the request's blocks (it starts the copies
+    there where vLLM replays CUDA graphs), and the step's plan once it is built."""
+    cluster = FakeCluster()
+    conn = scheduler(cluster, extra={"local_node": "n1", "cost_model": False})
+    assert conn._scheduler is not None
+    ns = conn._scheduler.namespace
+    req = FakeRequest("r", list(range(100)), BS)  # 3 full blocks, all on this host's node
+    for h in req.block_hashes:
+        cluster.blocks[(ns, h, 0)] = ("n1", b"x")
+    calls: list[tuple[Any, ...]] = []
+    worker = SimpleNamespace(
+        prestart_job=lambda job, ns: calls.append(("job", job.req_id, job.sync, ns)),
+        prestart=lambda plan: calls.append(("plan", [j.req_id for j in plan.loads])),
+    )
+    sameprocess.register(worker)  # type: ignore[arg-type]
+    try:
+        assert conn.get_num_new_matched_tokens(req, 0) == (96, False)  # layer-wise
+        assert calls == []
+        blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],))
+        conn.update_state_after_alloc(req, blocks, 96)
+        assert calls == [("job", "r", True, ns)]
+        conn.build_connector_meta(
+            sched_output(new=[new_req("r", [1, 2, 3, 4], 96)], scheduled={"r": 4})
+        )
+        assert calls[-1] == ("plan", ["r"])
+    finally:
+        sameprocess.unregister(worker)  # type: ignore[arg-type]
+        conn.shutdown()
+
+
+def test_this_vllm_holds_freed_blocks_back_while_a_step_in_flight_may_touch_them() -> None:
+    # else the connector's copies into a new request's blocks follow the GPU work queued
+    assert defers_block_frees() is True

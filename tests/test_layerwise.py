@@ -311,10 +311,10 @@ def test_a_planned_steps_loads_start_before_the_step_and_are_taken_by_it(server:
     try:
         plan = StepPlan(ns, loads=[LoadJob("x", [9, 10], hashes[:2], [[node]] * 2, sync=True)])
         w2.prestart(plan)
-        assert w2._prestarted is not None and w2._prestarted[0] is plan
+        assert [j for j, _p, _t in w2._early_loads] == plan.loads
         queued = c2.totals().get("layerwise_start_seconds", 0.0)
         w2.start_step(plan)
-        assert w2._prestarted is None
+        assert w2._early_loads == []
         assert c2.totals().get("layerwise_start_seconds", 0.0) == queued  # nothing re-queued
         for name in dst:
             w2.wait_layer(name)
@@ -329,6 +329,48 @@ def test_a_planned_steps_loads_start_before_the_step_and_are_taken_by_it(server:
             assert torch.equal(dst[name][13].view(torch.int16), src[name][3].view(torch.int16))
         assert c2.totals()["local_load_blocks"] == 3
     finally:
+        w1.shutdown()
+        w2.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the early start is for GPUs")
+def test_with_cuda_graphs_each_load_starts_as_its_blocks_are_allocated(server: Proc) -> None:
+    """Where vLLM replays CUDA graphs, each request's layer-wise load is queued the
+    moment vLLM allocates its blocks (:meth:`WorkerSide.prestart_job`), before the
+    scheduler looks up the step's next request; the step takes every such load of its
+    plan and the blocks arrive byte-identical.  An eager worker leaves them to the plan."""
+    node = server.ready["node"]
+    ns, hashes, src, dst, (w1, _c1), (w2, c2) = _saved_pair(server, "cuda", "g", (15, 16))
+    eager = w2.graph_tokens
+    try:
+        w2.graph_tokens = 512
+        w2.start_step(StepPlan(ns))  # the engine's first step: its start-up work runs
+        w2.take_load_errors()
+        assert w2._local_ready.wait(30)
+        jobs = [
+            LoadJob("x", [9, 10], hashes[:2], [[node]] * 2, sync=True),
+            LoadJob("y", [13], hashes[2:3], [[node]], sync=True),
+        ]
+        for job in jobs:
+            w2.prestart_job(job, ns)
+        assert [j for j, _p, _t in w2._early_loads] == jobs
+        queued = c2.totals().get("layerwise_start_seconds", 0.0)
+        plan = StepPlan(ns, loads=jobs, tokens=2)
+        w2.start_step(plan)
+        assert w2._early_loads == []
+        assert c2.totals().get("layerwise_start_seconds", 0.0) == queued  # nothing re-queued
+        for name in dst:
+            w2.wait_layer(name)
+        assert set(w2.take_load_errors()) == set()
+        torch.cuda.synchronize()
+        for name in src:
+            assert torch.equal(dst[name][9:11].view(torch.int16), src[name][1:3].view(torch.int16))
+            assert torch.equal(dst[name][13].view(torch.int16), src[name][3].view(torch.int16))
+        w2.graph_tokens = 0
+        w2.prestart_job(LoadJob("z", [14], hashes[:1], [[node]], sync=True), ns)
+        assert w2._early_loads == []
+    finally:
+        w2.graph_tokens = eager
         w1.shutdown()
         w2.shutdown()
 
