@@ -309,6 +309,7 @@ def test_a_planned_steps_loads_start_before_the_step_and_are_taken_by_it(server:
     node = server.ready["node"]
     ns, hashes, src, dst, (w1, _c1), (w2, c2) = _saved_pair(server, "cuda", "p", (11, 12))
     try:
+        assert w2._local_ready.wait(30)  # the engine-start mapping of the node's pool
         plan = StepPlan(ns, loads=[LoadJob("x", [9, 10], hashes[:2], [[node]] * 2, sync=True)])
         w2.prestart(plan)
         assert [j for j, _p, _t in w2._early_loads] == plan.loads
