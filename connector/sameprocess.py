@@ -2,11 +2,13 @@
 
 With one rank vLLM runs its worker in the engine core's process (the ``uni`` executor,
 :func:`~.loadcheck.defer_possible`), and with asynchronous scheduling it schedules step
-N + 1 while step N runs on the GPU.  The scheduler's connector then hands each plan to
-the worker the moment it is built (:meth:`~.worker.WorkerSide.prestart`), and the
-copies of the step's layer-wise loads start behind the work already queued on the GPU
-instead of when vLLM launches the step's forward pass; that launch comes after the
-scheduler has answered the other requests' lookups and vLLM has prepared the inputs.
+N + 1 while step N runs on the GPU.  The scheduler's connector then hands each load to
+the worker the moment vLLM allocates its blocks
+(:meth:`~.worker.WorkerSide.prestart_job`, started there where vLLM replays CUDA
+graphs) and each plan the moment it is built (:meth:`~.worker.WorkerSide.prestart`), so
+the copies of a step's layer-wise loads start before vLLM launches its forward pass;
+that launch comes after the scheduler has answered the other requests' lookups and vLLM
+has prepared the inputs.
 """
 
 from __future__ import annotations
