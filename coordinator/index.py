@@ -388,13 +388,16 @@ class BlockIndex:
             if not marks:
                 del self._disk[ns]
 
-    def on_disk(self, ns: str, hashes: Sequence[bytes], shards: Sequence[int]) -> list[int]:
-        """Indexes into ``hashes`` of the blocks with any of ``shards`` held only on
-        its node's disk tier (a lookup's hit: a disk read costs more than memory)."""
+    def on_disk(
+        self, ns: str, hashes: Sequence[bytes], shards: Sequence[int], hits: int | None = None
+    ) -> list[int]:
+        """Indexes into ``hashes`` (its first ``hits``, when given) of the blocks with any
+        of ``shards`` held only on its node's disk tier (a lookup's hit: a disk read costs
+        more than memory)."""
         marks = self._disk.get(ns)
         if not marks:
             return []
-        got = list(map(marks.get, hashes))
+        got = list(map(marks.get, hashes if hits is None else hashes[:hits]))
         if got.count(None) == len(got):
             return []
         want = 0

@@ -292,7 +292,7 @@ class Coordinator:
         want_gens = args.get("gens") is True
         index = self.index
         hits, blocks, node_ids, gens = index.lookup(ns, hashes, shards, want_gens)
-        disk = index.on_disk(ns, hashes[:hits], shards) if hits else []
+        disk = index.on_disk(ns, hashes, shards, hits) if hits else []
         # {"hits": .., "nodes": {..}, "blocks": [..](, "gens": [..])(, "disk": b"..")}
         # from packed pieces.
         result = Packed(
