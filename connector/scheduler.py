@@ -57,6 +57,9 @@ class SchedulerSide:
         device: the engine's device type (the cost model's prior depends on it).
         block_bytes: bytes of one block of one shard, as far as the scheduler can tell
             (the workers report the exact figure).
+        first_steps_min_tokens: until the engine has run a step computing this many
+            tokens of a request, a hit leaves at least that many to compute (0: no
+            bound; see :func:`~.compat.first_steps_min_tokens`).
     """
 
     def __init__(
@@ -71,8 +74,11 @@ class SchedulerSide:
         clock: Callable[[], float] = time.monotonic,
         device: str = "cpu",
         block_bytes: int = 0,
+        first_steps_min_tokens: int = 0,
     ) -> None:
         self.settings = settings
+        self.first_steps_min_tokens = first_steps_min_tokens
+        """a hit leaves this many tokens to compute until a step has computed as many"""
         self.block_size = block_size
         self.world_size = world_size
         self.shards = list(range(world_size))
@@ -189,10 +195,25 @@ class SchedulerSide:
             # layer-wise: loaded during the step that computes the rest, so vLLM must
             # have at least one token left to compute
             tokens = min(lk.hits * bs, (request.num_tokens - 1) // bs * bs - num_computed_tokens)
+            tokens = self._leave_for_first_steps(request, num_computed_tokens, tokens)
             lk.sync = tokens > 0
             return (tokens, False) if tokens > 0 else (0, False)
         lk.sync = False
-        return lk.hits * bs, True
+        tokens = self._leave_for_first_steps(request, num_computed_tokens, lk.hits * bs)
+        return (tokens, True) if tokens > 0 else (0, False)
+
+    def _leave_for_first_steps(self, request: Any, computed: int, tokens: int) -> int:
+        """``tokens`` of a hit, whole blocks fewer where it would leave fewer than
+        ``first_steps_min_tokens`` to compute in an engine that has not computed that
+        many in one step yet."""
+        need = self.first_steps_min_tokens
+        if not need:
+            return tokens
+        short = need - (request.num_tokens - computed - tokens)
+        if short <= 0:
+            return tokens
+        bs = self.block_size
+        return max(0, tokens - -(-short // bs) * bs)
 
     def update_state_after_alloc(
         self, request: Any, block_ids: Any, num_external_tokens: int
@@ -203,6 +224,10 @@ class SchedulerSide:
 
     def build_plan(self, scheduler_output: Any) -> StepPlan:
         """This step's :class:`StepPlan` (resets the pending loads and delayed frees)."""
+        if self.first_steps_min_tokens:
+            sched = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+            if max(sched.values(), default=0) >= self.first_steps_min_tokens:
+                self.first_steps_min_tokens = 0  # the engine's kernels are past it
         return self.planner.build_plan(scheduler_output, self.lookups.take_probes())
 
     def request_finished(self, request: Any) -> bool:

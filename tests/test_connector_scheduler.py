@@ -126,6 +126,29 @@ def test_hits_on_the_local_node_load_layer_wise_and_leave_a_token() -> None:
     assert off.get_num_new_matched_tokens(req, 0) == (16, True)
 
 
+def test_an_engines_first_steps_compute_a_few_tokens_of_each_hit() -> None:
+    """Where vLLM's CPU attention runs AMX kernels, its first call crashes the engine when
+    it computes 4 tokens or fewer of a request (``compat.first_steps_min_tokens``): until
+    the engine has run a step of 5, a hit leaves at least 5 tokens, a whole block fewer
+    where it would leave less; from then on it leaves one token, as before."""
+    c = Counters()
+    s = ConnectorSettings.load({"cost_model": False, "local_node": "n1"}, env={})
+    side = SchedulerSide(
+        s, BS, 1, namespace=lambda: NS, counters=c, client=FakeCluster(), clock=Clock(),
+        first_steps_min_tokens=5,
+    )  # fmt: skip
+    req = FakeRequest("r1", toks(18), BS)  # 4 full blocks + 2 tokens
+    store(side.cluster.get(), req, 4)
+    assert side.get_num_new_matched_tokens(req, 0) == (12, False)  # 6 left, not 2
+    roomy = FakeRequest("r2", toks(24, 100), BS)  # 6 full blocks, the first 4 stored
+    store(side.cluster.get(), roomy, 4)
+    assert side.get_num_new_matched_tokens(roomy, 0) == (16, False)  # leaves 8: whole
+    side.update_state_after_alloc(req, ([1, 2, 3, 4, 5],), 12)
+    side.build_plan(sched_output(new=[new_req("r1", [1, 2, 3, 4, 5], 12)], scheduled={"r1": 6}))
+    again = FakeRequest("r3", toks(18), BS)
+    assert side.get_num_new_matched_tokens(again, 0) == (16, False)  # past it: 2 left
+
+
 def test_layer_wise_hits_are_located_before_the_coordinator_is_asked() -> None:
     side, cl, _ = make(local_node="n1")
     req = FakeRequest("r1", toks(24), BS)  # 6 full blocks
