@@ -73,6 +73,9 @@ class LayerwiseLoads:
         self.early: list[SyncLoad] = []
         """the layer-wise loads queued before their step (:meth:`prestart`,
         :meth:`prestart_job`), taken by the step whose plan holds their jobs"""
+        self._planned: StepPlan | None = None
+        """the plan whose early loads :meth:`prestart` completed, until its step takes
+        them (another plan's loads wait for their own step meanwhile)"""
         self.defer_checks = defer_checks
         """answer load errors deferred (:mod:`.loadcheck`); the connector sets it where
         vLLM's scheduler shares this process"""
@@ -144,9 +147,13 @@ class LayerwiseLoads:
         :meth:`start_step`."""
         if plan.preempted or not self._w.settings.early_start:
             return  # preempted: blocks still being copied out may be given to new requests
+        if self._planned is not None:
+            return  # a plan not yet taken by its step: this one starts in its own step
         early = {id(j) for j, _p, _t in self.early}
         sync = [j for j in plan.loads if j.sync and id(j) not in early]
         self._queue_early(plan.namespace, sync, self._ahead(plan))
+        if self.early:
+            self._planned = plan
 
     def prestart_job(self, job: LoadJob, ns: str) -> None:
         """Queue the copies of one request's layer-wise load the moment vLLM's scheduler
@@ -157,7 +164,8 @@ class LayerwiseLoads:
         new shape waits for every copy in flight (:meth:`_ahead`), so its steps queue
         their loads when planned, a few layers ahead of the forward pass."""
         if job.sync and self._w.graph_tokens and self._w.settings.early_start:
-            self._queue_early(ns, [job], 0)
+            if self._planned is None:  # else: a plan not yet taken by its step
+                self._queue_early(ns, [job], 0)
 
     def _queue_early(self, ns: str, jobs: list[LoadJob], ahead: int) -> None:
         """Queue ``jobs``' copies now, into :attr:`early` (see :meth:`prestart`)."""
@@ -203,6 +211,7 @@ class LayerwiseLoads:
     def _take_prestarted(self, plan: StepPlan) -> list[SyncLoad]:
         """The loads queued early for ``plan``; those of another plan (vLLM did not run
         the step it planned) are checked with this step's."""
+        self._planned = None
         if not self.early:
             return []
         mine = {id(j) for j in plan.loads}
@@ -360,6 +369,7 @@ class LayerwiseLoads:
         if self.early:  # planned, never run: checked, their pins go back
             self.sync_loads.extend(self.early)
             self.early = []
+            self._planned = None
             failed = self.finish()
         self._settle_deferred(force=True)  # their pins go back now
         return failed
