@@ -179,21 +179,10 @@ class LayerwiseLoads:
             client = w._get_client()
             if client is None:
                 return
-            self.follow_steps()
+            w.follow_steps()
             self.early.extend(pool.start_layerwise(client, ns, jobs, time.monotonic(), ahead))
         except Exception as e:  # the step starts them itself
             logger.warning("PegaFlow: early start of a step's loads failed: %s", e)
-
-    def follow_steps(self) -> None:
-        """Make the loads queued from now on wait for the GPU work queued so far, where
-        a step in flight may still touch the blocks vLLM gives to new requests: vLLM
-        releases a finished or preempted request's blocks once the last step that
-        touched them is done (``defer_block_free``, with asynchronous scheduling and a
-        KV consumer: every engine that loads), but not in every version
-        (:func:`~.compat.defers_block_frees`)."""
-        io = self._w.io
-        if self._w.new_blocks_may_be_busy and io is not None:
-            io.follow(io.record_step())
 
     def _ahead(self, plan: StepPlan) -> int:
         """How many layers of a step's layer-wise loads to queue ahead of its forward
@@ -240,7 +229,6 @@ class LayerwiseLoads:
         pool, client = w._pool, w._get_client()
         started = []
         if pool is not None and client is not None and w.io is not None and ns:
-            self.follow_steps()
             started = pool.start_layerwise(client, ns, jobs, t0, self._ahead(plan))
         self.sync_loads.extend(started)
         taken = {id(j) for j, _p, _t in started}

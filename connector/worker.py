@@ -221,8 +221,8 @@ class WorkerSide:
             if job.probe:
                 self._probe_pool.submit(self._run_probe, plan.namespace, job)
         async_loads = [j for j in plan.loads if not j.sync and not j.probe]
-        if async_loads:
-            self.layerwise.follow_steps()
+        if any(not j.probe for j in plan.loads):
+            self.follow_steps()
         with self._lock:
             self._delay_free.update(plan.delay_free)
             for job in async_loads:
@@ -249,6 +249,16 @@ class WorkerSide:
         """Queue a planned step's layer-wise loads early (:meth:`LayerwiseLoads.prestart`)."""
         self._note_engine_running()
         self.layerwise.prestart(plan)
+
+    def follow_steps(self) -> None:
+        """Make the loads queued from now on wait for the GPU work queued so far, where
+        a step in flight may still touch the blocks vLLM gives to new requests: vLLM
+        releases a finished or preempted request's blocks once the last step that
+        touched them is done (``defer_block_free``, with asynchronous scheduling and a
+        KV consumer: every engine that loads), but not in every version
+        (:func:`~.compat.defers_block_frees`)."""
+        if self.new_blocks_may_be_busy and self.io is not None:
+            self.io.follow(self.io.record_step())
 
     def prestart_job(self, job: LoadJob, ns: str) -> None:
         """Queue one request's layer-wise load as soon as vLLM allocated its blocks
