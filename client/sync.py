@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import uvloop
+from pegaflow.storage_node import protocol as proto
 
 from pegaflow.config import ClientConfig
-from pegaflow.deadline import Deadline
+from pegaflow.deadline import Deadline, Timeout
+from pegaflow.errors import Unavailable
+from pegaflow.rpc_client import BlockingRpcClient
+from pegaflow.wire import LocatedBlocks
 
 from .api import PegaClient
 from .calls import OnLoop, offer
@@ -73,6 +77,18 @@ class SyncPegaClient(OnLoop):
                     s = self._node_sessions[node_id] = SyncNodeSession(self, session)
         return s
 
+    def locate_here(
+        self,
+        ns: str,
+        node_id: str,
+        hashes: Sequence[bytes],
+        shard: int = 0,
+        ttl_s: float = 5.0,
+        timeout: Timeout = None,
+    ) -> tuple[int, LocatedBlocks]:
+        """:meth:`locate`, asked from the calling thread (:meth:`SyncNodeSession.locate_here`)."""
+        return self.node_session(node_id).locate_here(ns, hashes, shard, ttl_s, timeout)
+
     async def _session_of(self, node_id: str) -> NodeSession:
         return self._client.session(node_id)
 
@@ -97,6 +113,8 @@ class SyncPegaClient(OnLoop):
         """Close the client and stop its thread."""
         if not self._loop.is_running():
             return
+        for s in list(self._node_sessions.values()):
+            s.close_here()
         try:
             self._wait(self._submit(self._shutdown()), Deadline.of(5.0))
         finally:
@@ -114,11 +132,44 @@ class SyncNodeSession(OnLoop):
         super().__init__(client.cfg, client._loop)
         self._session = session
         self.node_id = session.node_id
+        self._here: BlockingRpcClient | None = None
+        self._here_lock = threading.Lock()
 
     @property
     def over_socket(self) -> bool:
         """See :attr:`NodeSession.over_socket`."""
         return self._session.over_socket
+
+    def locate_here(
+        self, ns: str, hashes: Sequence[bytes], shard: int = 0, ttl_s: float = 5.0,
+        timeout: Timeout = None,
+    ) -> tuple[int, LocatedBlocks]:  # fmt: skip
+        """:meth:`NodeSession.locate` asked from the calling thread: over a blocking
+        socket of its own (:class:`~pegaflow.rpc_client.BlockingRpcClient`) to the node's
+        control socket once the session uses that socket, so the caller waits for the GIL
+        once rather than at each hop to and from the loop thread (vLLM's scheduler, on
+        the path of a request's first token, while other threads of its process are
+        busy); through the loop before that, and whenever the blocking socket fails."""
+        deadline = Deadline.of(timeout, self.cfg.rpc_timeout_s)
+        here = self._here
+        if here is None:
+            here = self._here = self._session.blocking_control()
+        if here is not None and self._here_lock.acquire(blocking=False):
+            try:  # another thread asking at the same time takes the loop instead
+                msg = proto.encode_locate(ns, hashes, shard, ttl_s)
+                op = msg.pop("op")
+                return proto.locate_reply(here.call(op, msg, deadline), len(hashes))
+            except Unavailable:  # the socket went away: the session finds out and recovers
+                self.close_here()
+            finally:
+                self._here_lock.release()
+        return self.locate(ns, hashes, shard, ttl_s, deadline)
+
+    def close_here(self) -> None:
+        """Close the blocking socket of :meth:`locate_here` (a later call opens another)."""
+        here, self._here = self._here, None
+        if here is not None:
+            here.close()
 
 
 offer(SyncPegaClient, PegaClient, "_client")

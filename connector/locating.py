@@ -93,11 +93,11 @@ class Locator:
         part = asked[:MAX_LOCATE]
         try:
             deadline = Deadline.after(s.lookup_timeout_s)
-            futs = [
-                client.submit_locate(ns, node, part, shard, LOCATE_PIN_S, deadline)
+            # from this thread, shard after shard: no wait for the client's loop thread
+            got = [
+                client.locate_here(ns, node, part, shard, LOCATE_PIN_S, deadline)
                 for shard in self.shards
             ]
-            got = [f.result(deadline.remaining()) for f in futs]
         except Exception as e:
             self.breaker.failure()
             self.cluster.log_error("locate failed", e)

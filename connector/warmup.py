@@ -85,7 +85,7 @@ class WarmUp:
         probe = [bytes(32)]  # a block nobody stores, in a namespace of its own
         try:
             if node:  # fetches the node records, opens the data plane and control socket
-                client.locate(WARM_UP_NS, node, probe, 0, 0.001, timeout)
+                client.locate_here(WARM_UP_NS, node, probe, 0, 0.001, timeout)
             # flagged: the coordinator leaves it out of its lookup counts
             client.lookup(WARM_UP_NS, probe, self.shards, timeout, warm_up=True)
             logger.debug("PegaFlow: connected in %.1f ms", (time.monotonic() - t0) * 1e3)

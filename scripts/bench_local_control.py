@@ -20,6 +20,13 @@ sizes): what any control call on this machine costs at the least.  ``*_ratio`` i
 ceiling over our figure.  The node's own time per locate comes from its
 ``pegaflow_node_request_seconds`` metric.
 
+``here`` is the locate the connector's scheduler makes now: from the calling thread over
+a blocking socket of its own that keeps the GIL through the round trip
+(``SyncPegaClient.locate_here``), where ``socket`` hops to the client's loop thread and
+back.  With ``--busy-thread`` a thread of this process hashes all the while, as vLLM's
+input thread does the blocks of new requests (sha256 of pickled 16-token blocks): each
+time a call releases the GIL it then waits for it, up to the switch interval.
+
 The save side too: the ``reserve`` of a same-host save's slots (over either transport,
 like the locate), and the commit of a same-host save (``--save-blocks`` new blocks of
 ``--save-bytes``, written through the pool file): the node hashes every slot (xxh3, on
@@ -34,13 +41,16 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import os
+import pickle
 import re
 import socket
 import statistics
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -178,6 +188,25 @@ def hash_ceiling(n: int, size: int, threads: int) -> float:
     return best * 1e3
 
 
+class Busy:
+    """A thread that keeps the GIL busy until :meth:`stop`: sha256 of pickled 16-token
+    blocks, chained (what vLLM's input thread does to each new request's blocks)."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        tokens, h = tuple(range(16)), bytes(32)
+        while not self._stop.is_set():
+            h = hashlib.sha256(pickle.dumps((h, tokens, None))).digest()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def timed(fn: Callable[[], Any], calls: int) -> list[float]:
     out = []
     for _ in range(calls):
@@ -193,6 +222,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--calls", type=int, default=100, help="calls per size, transport and round")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per block (scheduler)")
+    ap.add_argument(
+        "--busy-thread",
+        action="store_true",
+        help="a thread of this process hashes all the while (vLLM's input thread's work)",
+    )
     ap.add_argument("--save-blocks", type=int, default=625, help="blocks per timed commit")
     ap.add_argument(
         "--save-bytes", type=int, default=2 << 20, help="block size of the commits (Llama-8B)"
@@ -236,6 +270,12 @@ def main() -> None:
                 raise SystemExit(f"locate found {int(where.found.sum())} of {m} blocks")
             c.submit_unpin(node, pin, 5.0)
 
+        def locate_here(c: SyncPegaClient, m: int) -> None:
+            pin, where = c.locate_here(NS, node, hashes[:m], 0, 10.0, 5.0)
+            if not where.found.all():
+                raise SystemExit(f"locate found {int(where.found.sum())} of {m} blocks")
+            c.submit_unpin(node, pin, 5.0)
+
         def lookup(c: SyncPegaClient, m: int) -> None:
             if c.lookup(NS, hashes[:m], timeout=5.0).hits != m:
                 raise SystemExit("lookup missed stored blocks")
@@ -259,7 +299,13 @@ def main() -> None:
         for c in clients.values():  # connect, warm up both paths
             for m in (1, n):
                 timed(lambda c=c, m=m: locate(c, m), 20)
+                timed(lambda c=c, m=m: locate_here(c, m), 20)
+        busy = Busy() if args.busy_thread else None
         for _ in range(args.rounds):
+            for m in (1, n):
+                times.setdefault(f"here_{m}", []).extend(
+                    timed(lambda m=m: locate_here(clients["socket"], m), args.calls)
+                )
             for name, c in clients.items():
                 for m in (1, n):
                     s0, k0 = node_locate_seconds(http)
@@ -280,6 +326,8 @@ def main() -> None:
                 times.setdefault(f"reserve_{name}", []).extend(
                     reserve(c, node, n, args.save_bytes, args.calls // 4)
                 )
+        if busy is not None:
+            busy.stop()
         saves = commits(clients["socket"], node, args.save_blocks, args.save_bytes, args.rounds)
         for c in clients.values():
             c.close()
@@ -294,6 +342,7 @@ def main() -> None:
         return round(sorted(xs)[min(len(xs) - 1, int(len(xs) * q))], 3)
 
     out: dict[str, Any] = {"blocks": n, "rounds": args.rounds, "calls": args.calls}
+    out["busy_thread"] = args.busy_thread
     for key, xs in times.items():
         out[f"{key}_p50_ms"] = pct(xs, 0.5)
         out[f"{key}_p90_ms"] = pct(xs, 0.9)
@@ -309,6 +358,7 @@ def main() -> None:
     for m in (1, n):
         out[f"socket_{m}_ratio"] = round(out[f"ceiling_{m}_ms"] / out[f"socket_{m}_p50_ms"], 3)
         out[f"ucx_{m}_ratio"] = round(out[f"ceiling_{m}_ms"] / out[f"ucx_{m}_p50_ms"], 3)
+        out[f"here_{m}_ratio"] = round(out[f"ceiling_{m}_ms"] / out[f"here_{m}_p50_ms"], 3)
     print(
         f"the scheduler's whole lookup of a {n}-block local hit (get_num_new_matched_tokens): "
         f"p50 {out['scheduler_socket_p50_ms']:.3f} ms over the socket, "
@@ -317,7 +367,8 @@ def main() -> None:
     for m in (1, n):
         print(
             f"locate of {m:4d} blocks: socket p50 {out[f'socket_{m}_p50_ms']:.3f} ms "
-            f"(node {out[f'socket_{m}_node_ms']:.3f}), UCX p50 {out[f'ucx_{m}_p50_ms']:.3f} ms "
+            f"(node {out[f'socket_{m}_node_ms']:.3f}), from the calling thread p50 "
+            f"{out[f'here_{m}_p50_ms']:.3f} ms, UCX p50 {out[f'ucx_{m}_p50_ms']:.3f} ms "
             f"(node {out[f'ucx_{m}_node_ms']:.3f}); coordinator lookup "
             f"{out[f'lookup_{m}_p50_ms']:.3f} ms; bare socket round trip "
             f"{out[f'ceiling_{m}_ms']:.3f} ms"

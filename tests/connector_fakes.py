@@ -267,8 +267,9 @@ class FakeCluster:
             rows.append((k * len(loc[1]), len(loc[1]), gen, 0, None))
         return len(self.locates), LocatedBlocks.build(rows)
 
-    def submit_locate(self, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
-        return _done(self.locate, *args, **kwargs)
+    def locate_here(self, *args: Any, **kwargs: Any) -> tuple[int, LocatedBlocks]:
+        """``SyncPegaClient.locate_here``: :meth:`locate`."""
+        return self.locate(*args, **kwargs)
 
     def submit_unpin(
         self, node: str, pin: int, timeout: Any = None

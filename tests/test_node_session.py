@@ -93,3 +93,29 @@ def test_the_socket_outlives_the_ucx_connection(server: Proc) -> None:
 
 async def _conns(a: object) -> dict[str, object]:
     return dict(a._data._conns)  # type: ignore[attr-defined]
+
+
+def test_locate_here_asks_from_the_calling_thread(server: Proc) -> None:
+    """``locate_here`` answers as ``locate`` does, over a blocking socket of its own to
+    the node's control socket, and goes through the loop when that socket fails."""
+    node = server.ready["node"]
+    c = _client(server)
+    try:
+        c.local_nodes()  # the search for this host's node gives the session its socket
+        session = c.node_session(node)
+        h = os.urandom(16)
+        seq, _ = session.reserve_local(NS, [(h, 0, 4096)], 5.0)
+        assert session.commit_local(seq, [True], 5.0).stored == 1
+        pin, where = c.locate_here(NS, node, [h, os.urandom(16)], 0, 5.0, 5.0)
+        assert where.found.tolist() == [True, False]
+        here = session._here
+        assert here is not None and here.address.startswith("unix:")
+        session.submit_unpin(pin, 5.0).result(5.0)
+
+        here.address = "unix:/nonexistent/pegaflow.sock"  # as if the socket went away
+        here.close()
+        pin, where = session.locate_here(NS, [h], 0, 5.0, 5.0)
+        assert where.found.all() and session._here is None  # answered through the loop
+        session.submit_unpin(pin, 5.0).result(5.0)
+    finally:
+        c.close()

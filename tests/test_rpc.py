@@ -9,10 +9,17 @@ from typing import Any
 
 import pytest
 
-from pegaflow import rpc, rpc_server
-from pegaflow.errors import BadRequest, DeadlineExceeded, Internal, TooLarge, Unavailable
+from pegaflow import gil_io, rpc, rpc_server
+from pegaflow.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    Internal,
+    TooLarge,
+    Unauthorized,
+    Unavailable,
+)
 from pegaflow.rpc import encode_frame, read_frame
-from pegaflow.rpc_client import RpcClient
+from pegaflow.rpc_client import BlockingRpcClient, RpcClient
 from pegaflow.rpc_server import Packed, RpcServer
 from pegaflow.wire import PROTOCOL_VERSION, pack
 
@@ -160,3 +167,60 @@ async def test_unix_socket_server_and_client(tmp_path: Any) -> None:
     assert not (tmp_path / "ctl.sock").exists()  # the socket goes with its server
     with pytest.raises(Unavailable):  # nothing listens there now: a typed error
         await RpcClient([rpc.UNIX_PREFIX + path], connect_timeout=0.5).call("echo", timeout=1)
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+async def test_blocking_client(tmp_path: Any, transport: str) -> None:
+    """The blocking client (run on another thread: the server shares the test's loop)
+    gets answers and typed errors, and reconnects after a deadline or a lost server."""
+    handlers: dict[str, Any] = {"echo": lambda a: a, "slow": _slow, "boom": _boom}
+    srv = RpcServer("t", handlers, token="s")
+    if transport == "unix":
+        path = str(tmp_path / "ctl.sock")
+        await srv.start_unix(path)
+        addr = rpc.UNIX_PREFIX + path
+    else:
+        addr = f"127.0.0.1:{await srv.start('127.0.0.1', 0)}"
+    c = BlockingRpcClient(addr, token="s", connect_timeout=0.5)
+    call = c.call
+    try:
+        big = {"x": b"\x01" * 300_000}  # more than one receive
+        assert await asyncio.to_thread(call, "echo", big, 5.0) == big
+        assert await asyncio.to_thread(call, "slow", {"v": 3}, 5.0) == 3
+        with pytest.raises(Internal):
+            await asyncio.to_thread(call, "boom", {}, 5.0)
+        with pytest.raises(BadRequest):
+            await asyncio.to_thread(call, "nope", {}, 5.0)
+        with pytest.raises(DeadlineExceeded):
+            await asyncio.to_thread(call, "slow", {"s": 2.0, "v": 1}, 0.1)
+        # a new connection: the late reply of the call given up cannot be taken for this one
+        assert await asyncio.to_thread(call, "echo", {"a": 1}, 5.0) == {"a": 1}
+        with pytest.raises(Unauthorized):
+            bad = BlockingRpcClient(addr, token="wrong", connect_timeout=0.5)
+            await asyncio.to_thread(bad.call, "echo", {}, 5.0)
+    finally:
+        await srv.close()
+    with pytest.raises(Unavailable):  # the server went away: typed, not a hang
+        await asyncio.to_thread(call, "echo", {}, 2.0)
+    c.close()
+
+
+def test_gil_io_send_and_receive() -> None:
+    """The GIL-keeping socket calls: what was sent is received; nothing within the wait
+    is None; a closed peer reads as empty."""
+    import socket
+
+    if not gil_io.AVAILABLE:
+        pytest.skip("no loadable libc")
+    a, b = socket.socketpair()
+    try:
+        r = gil_io.Receiver(64)
+        assert r.recv(b.fileno(), 0.0) is None
+        assert gil_io.send(a.fileno(), b"hello") == 5
+        assert bytes(r.recv(b.fileno(), 1.0) or b"") == b"hello"
+        a.close()
+        got = r.recv(b.fileno(), 1.0)
+        assert got is not None and len(got) == 0
+    finally:
+        a.close()
+        b.close()
