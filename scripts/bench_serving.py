@@ -690,6 +690,26 @@ def pct(xs: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def by_kind(results: Sequence[Result]) -> dict[str, dict[str, float]]:
+    """TTFT (ms) and hit rate per kind of request (``conv``, ``doc``, ``unique``): the
+    multi-turn and the document workloads of a mixed run, each on its own."""
+    out: dict[str, dict[str, float]] = {}
+    for kind in ("conv", "doc", "unique"):
+        rs = [r for r in results if r.kind == kind]
+        if not rs:
+            continue
+        ttft = [r.ttft * 1e3 for r in rs]
+        prompt = sum(r.prompt_tokens for r in rs)
+        out[kind] = {
+            "requests": len(rs),
+            "ttft_mean_ms": round(sum(ttft) / len(ttft), 1),
+            "ttft_p50_ms": round(pct(ttft, 50), 1),
+            "ttft_p99_ms": round(pct(ttft, 99), 1),
+            "hit_rate": round(sum(r.cached_tokens for r in rs) / prompt, 4) if prompt else 0.0,
+        }
+    return out
+
+
 def summarize(point: dict[str, Any], block_size: int = 0, warmup_s: float = 0.0) -> dict[str, Any]:
     """A load point's figures (times in ms); with ``block_size``, the share of hits
     served from the same host.  Latencies and the hit rate count only the requests sent
@@ -721,6 +741,7 @@ def summarize(point: dict[str, Any], block_size: int = 0, warmup_s: float = 0.0)
     if warmup_s:
         out["measured_after_s"] = warmup_s
         out["measured"] = len(steady)
+    out["by_kind"] = by_kind(steady)
     c = point["connector"]
     out["connector_per_s"] = {k: round(c.get(k, 0.0) / wall, 2) for k in RATE_COUNTERS}
     out["load_failed_blocks"] = c.get("load_failed_blocks", 0.0)
@@ -1252,6 +1273,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     lo.add_argument("--compare", type=int, default=32, help="requests per point compared")
     lo.add_argument("--plot", default="", help="PNG path")
     lo.add_argument("--out", default="", help="JSONL file of every request")
+    m = ap.add_argument_group("merge (no run)")
+    m.add_argument(
+        "--merge", default="", help="FILE,FILE: earlier runs' outputs, reported as one (--plot)"
+    )
+    m.add_argument("--merge-requests", default="", help="FILE,FILE: their --out files")
     return ap.parse_args(argv)
 
 
@@ -1345,6 +1371,8 @@ def run_setup(
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.merge:
+        return merge(a)
     mix = tuple(float(x) for x in a.mix.split(","))
     if len(mix) != 3:
         raise SystemExit("--mix takes three weights: conversation,document,unique")
@@ -1441,11 +1469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary: dict[str, Any] = {"setups": {}, "config": {**vars(a), "mix": list(mix)}}
     first = next(iter(raws))
     for name, points in results.items():
-        ok = [p for p in points if p["failed"] == 0 and p["ttft_p99_ms"] <= a.slo_ms]
-        entry: dict[str, Any] = {
-            "points": points,
-            "throughput_at_slo": max((p["req_per_s"] for p in ok), default=0.0),
-        }
+        entry: dict[str, Any] = {"points": points}
         if name != first:
             entry["outputs_vs_" + first] = [
                 compare_outputs(b, o, a.compare)
@@ -1453,31 +1477,82 @@ def main(argv: Sequence[str] | None = None) -> int:
             ]
         entry.update(extras.get(name, {}))
         summary["setups"][name] = entry
-    if first in summary["setups"] and len(results) > 1:
-        b = summary["setups"][first]
-        for name, entry in summary["setups"].items():
-            if name == first:
-                continue
-            entry["throughput_at_slo_ratio"] = (
-                round(entry["throughput_at_slo"] / b["throughput_at_slo"], 3)
-                if b["throughput_at_slo"]
-                else None
-            )
-            entry["ttft_p99_ratio"] = [
-                round(p0["ttft_p99_ms"] / p["ttft_p99_ms"], 2) if p["ttft_p99_ms"] else None
-                for p0, p in zip(b["points"], entry["points"], strict=True)
-            ]
-    if "rr-hosts" in summary["setups"] and "cache-hosts" in summary["setups"]:
-        summary["cache_vs_rr_hosts"] = hosts_comparison(
-            summary["setups"]["rr-hosts"], summary["setups"]["cache-hosts"]
+    return report(summary, a)
+
+
+def against_first(setups: dict[str, dict[str, Any]], slo_ms: float) -> None:
+    """Each setup's throughput at the TTFT p99 objective (the most requests/s served
+    at a point that met it with no failure); every other setup against the first:
+    that throughput's ratio and, at each offered load both measured, the first's TTFT
+    p99 over its own (``ttft_p99_ratio``, in its points' order)."""
+    for entry in setups.values():
+        ok = [p for p in entry["points"] if p["failed"] == 0 and p["ttft_p99_ms"] <= slo_ms]
+        entry["throughput_at_slo"] = max((p["req_per_s"] for p in ok), default=0.0)
+    names = list(setups)
+    if len(names) < 2:
+        return
+    b = setups[names[0]]
+    p99 = {p["offered"]: p["ttft_p99_ms"] for p in b["points"]}
+    for name in names[1:]:
+        entry = setups[name]
+        entry["throughput_at_slo_ratio"] = (
+            round(entry["throughput_at_slo"] / b["throughput_at_slo"], 3)
+            if b["throughput_at_slo"]
+            else None
         )
+        entry["ttft_p99_ratio"] = [
+            round(p99[p["offered"]] / p["ttft_p99_ms"], 2)
+            if p["offered"] in p99 and p["ttft_p99_ms"]
+            else None
+            for p in entry["points"]
+        ]
+
+
+def report(summary: dict[str, Any], a: argparse.Namespace) -> int:
+    """Compare the setups of ``summary`` (:func:`against_first`), plot them with
+    ``--plot``, and print the throughputs and, last, the summary as one JSON line."""
+    setups = summary["setups"]
+    against_first(setups, a.slo_ms)
+    if "rr-hosts" in setups and "cache-hosts" in setups:
+        summary["cache_vs_rr_hosts"] = hosts_comparison(setups["rr-hosts"], setups["cache-hosts"])
     if a.plot:
-        plot(a.plot, results, a.slo_ms)
-    for name, entry in summary["setups"].items():
+        plot(a.plot, {name: e["points"] for name, e in setups.items()}, a.slo_ms)
+    for name, entry in setups.items():
         print(f"{name}: throughput at TTFT p99 <= {a.slo_ms:g} ms: "
               f"{entry['throughput_at_slo']:.2f} req/s", flush=True)  # fmt: skip
     print(json.dumps(_json_safe(summary), default=str), flush=True)
     return 0
+
+
+def merge(a: argparse.Namespace) -> int:
+    """``--merge``: one report of setups measured by separate runs of this script (a
+    device's time limit per command, say).  Each file is a run's output, whose last line
+    is its summary; the first file's first setup is the reference.  With ``--out``
+    files of those runs (``--merge-requests``), the outputs of each other setup are
+    compared with the reference's by prompt (greedy: equal engines give equal text)."""
+    summary: dict[str, Any] = {"setups": {}, "merged": a.merge.split(",")}
+    for path in a.merge.split(","):
+        lines = [x for x in Path(path).read_text().splitlines() if x.startswith("{")]
+        got = json.loads(lines[-1])
+        summary.setdefault("config", got.get("config", {}))
+        for name, entry in got["setups"].items():
+            summary["setups"][name] = {"points": entry["points"]}
+    if a.merge_requests:
+        texts: dict[str, dict[str, str]] = {}
+        for path in a.merge_requests.split(","):
+            for line in Path(path).read_text().splitlines():
+                r = json.loads(line)
+                if not r.get("error") and r.get("prompt_sha"):
+                    texts.setdefault(r["setup"], {})[r["prompt_sha"]] = r["text"]
+        first = next(iter(summary["setups"]))
+        ref = texts.get(first, {})
+        for name, entry in summary["setups"].items():
+            if name == first:
+                continue
+            common = set(ref) & set(texts.get(name, {}))
+            equal = sum(ref[k] == texts[name][k] for k in common)
+            entry["outputs_vs_" + first] = {"compared": len(common), "equal": equal}
+    return report(summary, a)
 
 
 def _json_safe(x: Any) -> Any:

@@ -8,8 +8,10 @@ No process is started (the setups themselves run in the benchmark, see docs/rout
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -127,3 +129,60 @@ def test_the_steady_state_leaves_out_a_points_cold_start(bench: ModuleType) -> N
     assert whole["ttft_p99_ms"] > 4000 and steady["ttft_p99_ms"] == pytest.approx(100.0)
     assert steady["measured"] == 7 and steady["hit_rate"] == pytest.approx(0.9)
     assert whole["req_per_s"] == steady["req_per_s"] == 1.0
+
+
+def test_by_kind(bench: ModuleType) -> None:
+    R = bench.Result
+    rs = [R(0, "conv", "c0", 0, 0, ttft=0.2), R(1, "doc", "d0", 0, 0, ttft=0.1)]
+    for r in rs:
+        r.prompt_tokens, r.cached_tokens = 100, 50
+    got = bench.by_kind(rs)
+    assert set(got) == {"conv", "doc"}
+    assert got["conv"]["ttft_p99_ms"] == pytest.approx(200.0)
+    assert got["doc"]["requests"] == 1 and got["doc"]["hit_rate"] == 0.5
+
+
+def _point(offered: float, served: float, p99: float, failed: int = 0) -> dict[str, Any]:
+    return {"offered": offered, "req_per_s": served, "ttft_p99_ms": p99, "failed": failed}
+
+
+def test_against_first_matches_points_by_offered_load(bench: ModuleType) -> None:
+    """Setups measured at different loads: the objective's throughput is each one's
+    best passing point; the p99 ratio is taken where both measured the same load."""
+    setups = {
+        "vllm": {"points": [_point(12, 12.0, 1600), _point(16, 13.0, 8000)]},
+        "pegaflow": {
+            "points": [_point(16, 16.0, 800), _point(20, 19.5, 1900), _point(24, 20, 3500)]
+        },
+    }
+    bench.against_first(setups, 2000)
+    assert setups["vllm"]["throughput_at_slo"] == 12.0
+    assert setups["pegaflow"]["throughput_at_slo"] == 19.5
+    assert setups["pegaflow"]["throughput_at_slo_ratio"] == pytest.approx(1.625)
+    assert setups["pegaflow"]["ttft_p99_ratio"] == [10.0, None, None]
+
+
+def test_merge_reports_separate_runs_as_one(
+    bench: ModuleType, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = {
+        "vllm": [_point(12, 12.0, 1600), _point(16, 13.0, 8000)],
+        "pegaflow": [_point(16, 16.0, 800)],
+    }
+    files, reqs = [], []
+    for name, points in runs.items():
+        f = tmp_path / f"{name}.txt"
+        f.write_text("progress line\n" + json.dumps({"setups": {name: {"points": points}}}) + "\n")
+        files.append(str(f))
+        r = tmp_path / f"{name}.jsonl"
+        rows = [{"setup": name, "prompt_sha": "a", "text": "x", "error": ""}]
+        rows.append({"setup": name, "prompt_sha": "b", "text": "y" if name == "vllm" else "z"})
+        r.write_text("\n".join(json.dumps(x) for x in rows) + "\n")
+        reqs.append(str(r))
+    argv = ["--merge", ",".join(files), "--merge-requests", ",".join(reqs), "--slo-ms", "2000"]
+    assert bench.main(argv) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    peg = got["setups"]["pegaflow"]
+    assert peg["throughput_at_slo_ratio"] == pytest.approx(16 / 12, abs=1e-3)
+    assert peg["ttft_p99_ratio"] == [10.0]
+    assert peg["outputs_vs_vllm"] == {"compared": 2, "equal": 1}
