@@ -88,6 +88,41 @@ async def _per_node(
     return ok
 
 
+def lookup_args(
+    ns: str, hashes: Sequence[bytes], shards: Sequence[int], generations: bool, warm_up: bool
+) -> dict[str, Any]:
+    """The ``args`` of a coordinator ``lookup`` (see :meth:`PegaClient.lookup`)."""
+    args: dict[str, Any] = {"ns": ns, "hashes": list(hashes), "shards": list(shards)}
+    if generations:
+        args["gens"] = True
+    if warm_up:
+        args["warm_up"] = True
+    return args
+
+
+def lookup_result(res: Any, n_shards: int, generations: bool) -> LookupResult:
+    """A coordinator's ``lookup`` reply read into a :class:`LookupResult`; raises
+    ``Unavailable`` for a malformed one."""
+    try:
+        nodes = {nid: NodeRecord.from_wire(rec) for nid, rec in res.get("nodes", {}).items()}
+        hits = int(res["hits"])
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise Unavailable(f"malformed lookup reply ({type(e).__name__}: {e})") from None
+    gens: list[list[int]] = []
+    if generations:
+        flat, k = res.get("gens") or [], n_shards
+        if len(flat) != hits * k:
+            raise Unavailable("malformed lookup reply (generations)")
+        gens = [flat[i : i + k] for i in range(0, hits * k, k)]
+    disk = res.get("disk")
+    try:  # absent: a coordinator without disk tiers, or before them
+        on_disk = [False] * hits if disk is None else unpack_bits(disk, hits, "disk")
+    except BadRequest as e:
+        raise Unavailable(f"malformed lookup reply ({e})") from None
+    blocks = [list(b) for b in res.get("blocks", [])]
+    return LookupResult(hits, nodes, blocks, gens, on_disk)
+
+
 class PegaClient:
     """Async client of a PegaFlow cluster (one per event loop)."""
 
@@ -168,29 +203,21 @@ class PegaClient:
             else None
         )
         with telemetry.span("pegaflow.client.lookup", attrs) as span:
-            args: dict[str, Any] = {"ns": ns, "hashes": list(hashes), "shards": list(shards)}
-            if generations:
-                args["gens"] = True
-            if warm_up:
-                args["warm_up"] = True
+            args = lookup_args(ns, hashes, shards, generations, warm_up)
             res = await self._rpc.call("lookup", args, timeout=self._deadline("lookup", timeout))
             span.set_attribute("pegaflow.hits", int(res["hits"]))
-        nodes = {nid: NodeRecord.from_wire(rec) for nid, rec in res.get("nodes", {}).items()}
+        got = lookup_result(res, len(shards), generations)
+        self.learn_nodes(got.nodes)
+        return got
+
+    def learn_nodes(self, nodes: dict[str, NodeRecord]) -> None:
+        """Keep node records a coordinator sent (on the client's loop)."""
         self._nodes.update(nodes)
-        hits = int(res["hits"])
-        gens: list[list[int]] = []
-        if generations:
-            flat, k = res.get("gens") or [], len(shards)
-            if len(flat) != hits * k:
-                raise Unavailable("malformed lookup reply (generations)")
-            gens = [flat[i : i + k] for i in range(0, hits * k, k)]
-        disk = res.get("disk")
-        try:  # absent: a coordinator without disk tiers, or before them
-            on_disk = [False] * hits if disk is None else unpack_bits(disk, hits, "disk")
-        except BadRequest as e:
-            raise Unavailable(f"malformed lookup reply ({e})") from None
-        blocks = [list(b) for b in res.get("blocks", [])]
-        return LookupResult(hits, nodes, blocks, gens, on_disk)
+
+    @property
+    def coordinator_address(self) -> str:
+        """The coordinator address calls go to now."""
+        return self._rpc.current_address
 
     @_op("rpc_timeout_s")
     async def place(

@@ -17,11 +17,11 @@ from pegaflow.storage_node import protocol as proto
 
 from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline, Timeout
-from pegaflow.errors import Unavailable
+from pegaflow.errors import DeadlineExceeded, Unavailable
 from pegaflow.rpc_client import BlockingRpcClient
 from pegaflow.wire import LocatedBlocks
 
-from .api import PegaClient
+from .api import LookupResult, PegaClient, lookup_args, lookup_result
 from .calls import OnLoop, offer
 from .session import NodeSession
 
@@ -55,6 +55,11 @@ class SyncPegaClient(OnLoop):
         )
         self._node_sessions: dict[str, SyncNodeSession] = {}
         self._sessions_lock = threading.Lock()
+        self._token = token
+        self._lookup_here: BlockingRpcClient | None = None
+        self._lookup_lock = threading.Lock()
+        self._lookup_failed = False
+        """the last :meth:`lookup_here` passed its deadline: the next goes through the loop"""
 
     @staticmethod
     async def _make(cfg: ClientConfig, token: str | None) -> PegaClient:
@@ -89,6 +94,48 @@ class SyncPegaClient(OnLoop):
         """:meth:`locate`, asked from the calling thread (:meth:`SyncNodeSession.locate_here`)."""
         return self.node_session(node_id).locate_here(ns, hashes, shard, ttl_s, timeout)
 
+    def lookup_here(
+        self,
+        ns: str,
+        hashes: Sequence[bytes],
+        shards: Sequence[int] = (0,),
+        timeout: Timeout = None,
+        generations: bool = False,
+        warm_up: bool = False,
+    ) -> LookupResult:
+        """:meth:`lookup` asked from the calling thread, as :meth:`locate_here` asks a
+        node: over a blocking connection of its own to the coordinator the client talks
+        to now, keeping the GIL through the round trip; through the loop when that
+        connection fails, and for the call after one that failed (the loop's client
+        fails over to the next coordinator when one hangs or goes away)."""
+        deadline = Deadline.of(timeout, self.cfg.lookup_timeout_s)
+        if not hashes:
+            return LookupResult(0)
+        if self._lookup_failed:
+            self._lookup_failed = False
+            return self.lookup(ns, hashes, shards, deadline, generations, warm_up)
+        addr = self._client.coordinator_address
+        here = self._lookup_here
+        if here is None or here.address != addr:
+            if here is not None:
+                here.close()
+            here = self._lookup_here = BlockingRpcClient(addr, token=self._token)
+        if self._lookup_lock.acquire(blocking=False):
+            try:  # another thread asking at the same time takes the loop instead
+                args = lookup_args(ns, hashes, shards, generations, warm_up)
+                got = lookup_result(here.call("lookup", args, deadline), len(shards), generations)
+                if got.nodes:
+                    self._loop.call_soon_threadsafe(self._client.learn_nodes, got.nodes)
+                return got
+            except Unavailable:
+                here.close()
+            except DeadlineExceeded:
+                self._lookup_failed = True
+                raise
+            finally:
+                self._lookup_lock.release()
+        return self.lookup(ns, hashes, shards, deadline, generations, warm_up)
+
     async def _session_of(self, node_id: str) -> NodeSession:
         return self._client.session(node_id)
 
@@ -115,6 +162,8 @@ class SyncPegaClient(OnLoop):
             return
         for s in list(self._node_sessions.values()):
             s.close_here()
+        if self._lookup_here is not None:
+            self._lookup_here.close()
         try:
             self._wait(self._submit(self._shutdown()), Deadline.of(5.0))
         finally:

@@ -123,7 +123,7 @@ class Lookups:
                         self._debug_lookup(st, asked, local, t0, "answered by the local node")
                         st.lookup = local
                         return local
-                res = client.lookup(ns, asked, self.shards, timeout=timeout, generations=True)
+                res = client.lookup_here(ns, asked, self.shards, timeout, generations=True)
             hits = max(0, min(int(res.hits), len(asked)))
             blocks = list(res.blocks or [])
             gens = list(getattr(res, "generations", None) or [])

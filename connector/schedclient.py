@@ -20,13 +20,14 @@ ERROR_LOG_EVERY_S = 10.0
 class LookupClient(Protocol):
     """The part of :class:`pegaflow.client.SyncPegaClient` the scheduler uses."""
 
-    def lookup(
+    def lookup_here(
         self,
         ns: str,
         hashes: Sequence[bytes],
         shards: Sequence[int] = (0,),
         timeout: float | None = None,
         generations: bool = False,
+        warm_up: bool = False,
     ) -> Any: ...
 
 

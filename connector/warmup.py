@@ -87,7 +87,7 @@ class WarmUp:
             if node:  # fetches the node records, opens the data plane and control socket
                 client.locate_here(WARM_UP_NS, node, probe, 0, 0.001, timeout)
             # flagged: the coordinator leaves it out of its lookup counts
-            client.lookup(WARM_UP_NS, probe, self.shards, timeout, warm_up=True)
+            client.lookup_here(WARM_UP_NS, probe, self.shards, timeout, warm_up=True)
             logger.debug("PegaFlow: connected in %.1f ms", (time.monotonic() - t0) * 1e3)
         except Exception as e:
             logger.info("PegaFlow: could not connect ahead of the first lookup: %s", e)

@@ -20,7 +20,8 @@ sizes): what any control call on this machine costs at the least.  ``*_ratio`` i
 ceiling over our figure.  The node's own time per locate comes from its
 ``pegaflow_node_request_seconds`` metric.
 
-``here`` is the locate the connector's scheduler makes now: from the calling thread over
+``here`` is the locate (and ``lookup_here`` the coordinator lookup) the connector's
+scheduler makes now: from the calling thread over
 a blocking socket of its own that keeps the GIL through the round trip
 (``SyncPegaClient.locate_here``), where ``socket`` hops to the client's loop thread and
 back.  With ``--busy-thread`` a thread of this process hashes all the while, as vLLM's
@@ -276,6 +277,10 @@ def main() -> None:
                 raise SystemExit(f"locate found {int(where.found.sum())} of {m} blocks")
             c.submit_unpin(node, pin, 5.0)
 
+        def lookup_here(c: SyncPegaClient, m: int) -> None:
+            if c.lookup_here(NS, hashes[:m], timeout=5.0).hits != m:
+                raise SystemExit("lookup missed stored blocks")
+
         def lookup(c: SyncPegaClient, m: int) -> None:
             if c.lookup(NS, hashes[:m], timeout=5.0).hits != m:
                 raise SystemExit("lookup missed stored blocks")
@@ -317,6 +322,9 @@ def main() -> None:
             for m in (1, n):
                 times.setdefault(f"lookup_{m}", []).extend(
                     timed(lambda m=m: lookup(clients["ucx"], m), args.calls)
+                )
+                times.setdefault(f"lookup_here_{m}", []).extend(
+                    timed(lambda m=m: lookup_here(clients["ucx"], m), args.calls)
                 )
             for name in clients:
                 times.setdefault(f"scheduler_{name}", []).extend(
@@ -370,7 +378,8 @@ def main() -> None:
             f"(node {out[f'socket_{m}_node_ms']:.3f}), from the calling thread p50 "
             f"{out[f'here_{m}_p50_ms']:.3f} ms, UCX p50 {out[f'ucx_{m}_p50_ms']:.3f} ms "
             f"(node {out[f'ucx_{m}_node_ms']:.3f}); coordinator lookup "
-            f"{out[f'lookup_{m}_p50_ms']:.3f} ms; bare socket round trip "
+            f"{out[f'lookup_{m}_p50_ms']:.3f} ms (from the calling thread "
+            f"{out[f'lookup_here_{m}_p50_ms']:.3f}); bare socket round trip "
             f"{out[f'ceiling_{m}_ms']:.3f} ms"
         )
     print(

@@ -1448,10 +1448,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     kv = THREE_KEYS
                     env["PEGAFLOW_CLIENT_COORDINATORS"] = server.ready["coordinator"]
                 print(f"starting {a.replicas_n} replicas for {name} ...", file=sys.stderr)
+                t0 = time.monotonic()
                 replicas = start_replicas(
                     a.replicas_n, model, args, kv, env, gpus=gpus,
                     parallel=a.parallel_start, timeout=a.start_timeout, name=f"{name}-",
                 )  # fmt: skip
+                started = round(time.monotonic() - t0, 1)
+                extras.setdefault(name, {})["replicas_start_s"] = started
+                print(f"{name}: replicas ready in {started} s", file=sys.stderr, flush=True)
                 urls = [r.url for r in replicas]
                 if not specs:
                     specs.extend(specs_for(urls[0], model))

@@ -267,6 +267,10 @@ class FakeCluster:
             rows.append((k * len(loc[1]), len(loc[1]), gen, 0, None))
         return len(self.locates), LocatedBlocks.build(rows)
 
+    def lookup_here(self, *args: Any, **kwargs: Any) -> FakeLookup:
+        """``SyncPegaClient.lookup_here``: :meth:`lookup`."""
+        return self.lookup(*args, **kwargs)
+
     def locate_here(self, *args: Any, **kwargs: Any) -> tuple[int, LocatedBlocks]:
         """``SyncPegaClient.locate_here``: :meth:`locate`."""
         return self.locate(*args, **kwargs)

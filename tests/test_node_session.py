@@ -4,6 +4,7 @@ same-host ones straight over the node's control socket."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -117,5 +118,34 @@ def test_locate_here_asks_from_the_calling_thread(server: Proc) -> None:
         pin, where = session.locate_here(NS, [h], 0, 5.0, 5.0)
         assert where.found.all() and session._here is None  # answered through the loop
         session.submit_unpin(pin, 5.0).result(5.0)
+    finally:
+        c.close()
+
+
+def test_lookup_here_asks_the_coordinator_from_the_calling_thread(server: Proc) -> None:
+    """``lookup_here`` answers as ``lookup`` does, over a blocking connection of its own
+    to the coordinator, and goes through the loop when that connection fails."""
+    node = server.ready["node"]
+    c = _client(server)
+    try:
+        h = os.urandom(16)
+        c.put_blocks(NS, [(h, 0, bytes(4096))], node)
+        hashes = [h, os.urandom(16)]
+        deadline = time.monotonic() + 10
+        while c.lookup(NS, hashes, timeout=5.0).hits < 1:  # published asynchronously
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        got = c.lookup_here(NS, hashes, (0,), 5.0, generations=True)
+        want = c.lookup(NS, hashes, (0,), 5.0, generations=True)
+        assert (got.hits, got.blocks, got.generations) == (want.hits, want.blocks, want.generations)
+        here = c._lookup_here
+        assert here is not None and here.address == server.ready["coordinator"]
+
+        def gone(*_a: object) -> None:  # as if that coordinator went away
+            raise Unavailable("connection refused")
+
+        here.call = gone  # type: ignore[method-assign]
+        assert c.lookup_here(NS, hashes, (0,), 5.0).hits == 1  # answered through the loop
+        assert c.lookup_here(NS, [], (0,), 5.0).hits == 0
     finally:
         c.close()
