@@ -337,6 +337,8 @@ def main() -> None:
         if busy is not None:
             busy.stop()
         saves = commits(clients["socket"], node, args.save_blocks, args.save_bytes, args.rounds)
+        for sch in schedulers.values():  # their last same-host reports, then the clients
+            sch.close()
         for c in clients.values():
             c.close()
     finally:
