@@ -243,7 +243,7 @@ class LocalPath:
         try:
             for i in range(0, len(hashes), MAX_LOCATE):
                 part = hashes[i : i + MAX_LOCATE]
-                pin, got = node.locate(ns, part, shard, LOCATE_PIN_S, self.timeout)
+                pin, got = node.locate_here(ns, part, shard, LOCATE_PIN_S, self.timeout)
                 pins.append(pin)
                 parts.append(got)
         except BaseException:
