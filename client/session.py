@@ -31,7 +31,7 @@ from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import PegaError, Unavailable
 from pegaflow.rpc import UNIX_PREFIX
-from pegaflow.rpc_client import BlockingRpcClient, RpcClient
+from pegaflow.rpc_client import RpcClient
 from pegaflow.wire import LocatedBlocks
 
 from .calls import default_timeout, operation
@@ -101,20 +101,16 @@ class NodeSession:
         """Whether the same-host ops go over the control socket now."""
         return self._socket is not None
 
-    def blocking_control(self) -> BlockingRpcClient | None:
-        """A new blocking client of the control socket this session uses, or would use
-        first (None when it has none), for a caller that asks from its own thread (see
-        :meth:`~.sync.SyncNodeSession.locate_here`); the caller closes it."""
+    def control_address(self) -> str | None:
+        """The address of the control socket this session uses, or would use first
+        (None when it has none), for a caller that asks from its own thread (see
+        :meth:`~.sync.SyncNodeSession.locate_here`)."""
         sock, pool = self._socket, self._given
         if sock is not None:
-            address = sock.current_address
-        elif self._local_control and pool and pool.control and pool is not self._refused:
-            address = UNIX_PREFIX + pool.control  # given: this session has not used it yet
-        else:
-            return None
-        return BlockingRpcClient(
-            address, token=self._token, connect_timeout=self._data.connect_timeout
-        )
+            return sock.current_address
+        if self._local_control and pool and pool.control and pool is not self._refused:
+            return UNIX_PREFIX + pool.control  # given: this session has not used it yet
+        return None
 
     def close(self) -> None:
         """Close the control socket (the UCX connection is the client's)."""

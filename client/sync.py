@@ -56,8 +56,7 @@ class SyncPegaClient(OnLoop):
         self._node_sessions: dict[str, SyncNodeSession] = {}
         self._sessions_lock = threading.Lock()
         self._token = token
-        self._lookup_here: BlockingRpcClient | None = None
-        self._lookup_lock = threading.Lock()
+        self._lookup_here = _Here(token)
         self._lookup_failed = False
         """the last :meth:`lookup_here` passed its deadline: the next goes through the loop"""
 
@@ -114,27 +113,18 @@ class SyncPegaClient(OnLoop):
         if self._lookup_failed:
             self._lookup_failed = False
             return self.lookup(ns, hashes, shards, deadline, generations, warm_up)
-        addr = self._client.coordinator_address
-        here = self._lookup_here
-        if here is None or here.address != addr:
-            if here is not None:
-                here.close()
-            here = self._lookup_here = BlockingRpcClient(addr, token=self._token)
-        if self._lookup_lock.acquire(blocking=False):
-            try:  # another thread asking at the same time takes the loop instead
-                args = lookup_args(ns, hashes, shards, generations, warm_up)
-                got = lookup_result(here.call("lookup", args, deadline), len(shards), generations)
-                if got.nodes:
-                    self._loop.call_soon_threadsafe(self._client.learn_nodes, got.nodes)
-                return got
-            except Unavailable:
-                here.close()
-            except DeadlineExceeded:
-                self._lookup_failed = True
-                raise
-            finally:
-                self._lookup_lock.release()
-        return self.lookup(ns, hashes, shards, deadline, generations, warm_up)
+        args = lookup_args(ns, hashes, shards, generations, warm_up)
+        try:
+            res = self._lookup_here.call(self._client.coordinator_address, "lookup", args, deadline)
+        except DeadlineExceeded:
+            self._lookup_failed = True
+            raise
+        if res is _LOOP:
+            return self.lookup(ns, hashes, shards, deadline, generations, warm_up)
+        got = lookup_result(res, len(shards), generations)
+        if got.nodes:
+            self._loop.call_soon_threadsafe(self._client.learn_nodes, got.nodes)
+        return got
 
     async def _session_of(self, node_id: str) -> NodeSession:
         return self._client.session(node_id)
@@ -162,8 +152,7 @@ class SyncPegaClient(OnLoop):
             return
         for s in list(self._node_sessions.values()):
             s.close_here()
-        if self._lookup_here is not None:
-            self._lookup_here.close()
+        self._lookup_here.close()
         try:
             self._wait(self._submit(self._shutdown()), Deadline.of(5.0))
         finally:
@@ -181,8 +170,7 @@ class SyncNodeSession(OnLoop):
         super().__init__(client.cfg, client._loop)
         self._session = session
         self.node_id = session.node_id
-        self._here: BlockingRpcClient | None = None
-        self._here_lock = threading.Lock()
+        self._here = _Here(client._token)
 
     @property
     def over_socket(self) -> bool:
@@ -195,30 +183,60 @@ class SyncNodeSession(OnLoop):
     ) -> tuple[int, LocatedBlocks]:  # fmt: skip
         """:meth:`NodeSession.locate` asked from the calling thread: over a blocking
         socket of its own (:class:`~pegaflow.rpc_client.BlockingRpcClient`) to the node's
-        control socket once the session uses that socket, so the caller waits for the GIL
-        once rather than at each hop to and from the loop thread (vLLM's scheduler, on
-        the path of a request's first token, while other threads of its process are
-        busy); through the loop before that, and whenever the blocking socket fails."""
+        control socket when the session has one, so the caller waits for the GIL once
+        rather than at each hop to and from the loop thread (vLLM's scheduler, on the
+        path of a request's first token, while other threads of its process are busy);
+        through the loop otherwise, and whenever the blocking socket fails."""
         deadline = Deadline.of(timeout, self.cfg.rpc_timeout_s)
-        here = self._here
-        if here is None:
-            here = self._here = self._session.blocking_control()
-        if here is not None and self._here_lock.acquire(blocking=False):
-            try:  # another thread asking at the same time takes the loop instead
-                msg = proto.encode_locate(ns, hashes, shard, ttl_s)
-                op = msg.pop("op")
-                return proto.locate_reply(here.call(op, msg, deadline), len(hashes))
-            except Unavailable:  # the socket went away: the session finds out and recovers
-                self.close_here()
-            finally:
-                self._here_lock.release()
-        return self.locate(ns, hashes, shard, ttl_s, deadline)
+        msg = proto.encode_locate(ns, hashes, shard, ttl_s)
+        op = msg.pop("op")
+        res = self._here.call(self._session.control_address(), op, msg, deadline)
+        if res is _LOOP:  # the loop's session finds out what went wrong, and recovers
+            return self.locate(ns, hashes, shard, ttl_s, deadline)
+        return proto.locate_reply(res, len(hashes))
 
     def close_here(self) -> None:
         """Close the blocking socket of :meth:`locate_here` (a later call opens another)."""
-        here, self._here = self._here, None
-        if here is not None:
-            here.close()
+        self._here.close()
+
+
+_LOOP = object()
+"""what :meth:`_Here.call` answers when the call is to go through the loop instead"""
+
+
+class _Here:
+    """The blocking connection behind a facade's ``*_here`` calls
+    (:class:`~pegaflow.rpc_client.BlockingRpcClient`), to the address the facade's
+    loop-side client uses now (a new connection when that changes).  One thread at a
+    time: a call made while another thread asks, to no address, or whose connection
+    fails is answered :data:`_LOOP` (ask through the loop instead)."""
+
+    def __init__(self, token: str | None) -> None:
+        self.client: BlockingRpcClient | None = None
+        self._token = token
+        self._lock = threading.Lock()
+
+    def call(self, address: str | None, op: str, args: dict[str, Any], deadline: Deadline) -> Any:
+        """``op``'s result, or :data:`_LOOP`; raises the call's other errors."""
+        if address is None or not self._lock.acquire(blocking=False):
+            return _LOOP
+        try:
+            c = self.client
+            if c is None or c.address != address:
+                self.close()
+                c = self.client = BlockingRpcClient(address, token=self._token)
+            return c.call(op, args, deadline)
+        except Unavailable:
+            self.close()
+            return _LOOP
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        """Close the connection (a later call opens another)."""
+        c, self.client = self.client, None
+        if c is not None:
+            c.close()
 
 
 offer(SyncPegaClient, PegaClient, "_client")

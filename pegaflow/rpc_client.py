@@ -443,14 +443,12 @@ class BlockingRpcClient:
             hello = {"op": "hello", "version": PROTOCOL_VERSION, "token": self._token}
             sock.sendall(encode_frame(hello))
             reply = req_map(self._next(sock, deadline))
+            if not reply.get("ok"):
+                raise error_from_wire(reply.get("error"))
         except BaseException:
             sock.close()
             self._frames = FrameBuffer()
             raise
-        if not reply.get("ok"):
-            sock.close()
-            self._frames = FrameBuffer()
-            raise error_from_wire(reply.get("error"))
         self._sock = sock
         return sock
 

@@ -109,14 +109,16 @@ def test_locate_here_asks_from_the_calling_thread(server: Proc) -> None:
         assert session.commit_local(seq, [True], 5.0).stored == 1
         pin, where = c.locate_here(NS, node, [h, os.urandom(16)], 0, 5.0, 5.0)
         assert where.found.tolist() == [True, False]
-        here = session._here
+        here = session._here.client
         assert here is not None and here.address.startswith("unix:")
         session.submit_unpin(pin, 5.0).result(5.0)
 
-        here.address = "unix:/nonexistent/pegaflow.sock"  # as if the socket went away
-        here.close()
+        def gone(*_a: object) -> None:  # as if the socket went away
+            raise Unavailable("connection refused")
+
+        here.call = gone  # type: ignore[method-assign]
         pin, where = session.locate_here(NS, [h], 0, 5.0, 5.0)
-        assert where.found.all() and session._here is None  # answered through the loop
+        assert where.found.all() and session._here.client is None  # answered through the loop
         session.submit_unpin(pin, 5.0).result(5.0)
     finally:
         c.close()
@@ -138,7 +140,7 @@ def test_lookup_here_asks_the_coordinator_from_the_calling_thread(server: Proc) 
         got = c.lookup_here(NS, hashes, (0,), 5.0, generations=True)
         want = c.lookup(NS, hashes, (0,), 5.0, generations=True)
         assert (got.hits, got.blocks, got.generations) == (want.hits, want.blocks, want.generations)
-        here = c._lookup_here
+        here = c._lookup_here.client
         assert here is not None and here.address == server.ready["coordinator"]
 
         def gone(*_a: object) -> None:  # as if that coordinator went away
