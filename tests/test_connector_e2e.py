@@ -45,7 +45,8 @@ S = prompts(10, 200, seed=8)  # loaded from a node made slow
 # the three keys alone, cost model on: long enough that a load from the pool file beats
 # computing them even when the tiny model runs alone on an idle CPU (0.3 ms for A's 192)
 L = prompts(3, 1600, seed=9)  # 50 full blocks each
-ALL = {"A": A, "A2": A2, "B": B, "D": D, "F": F, "G": G, "H": H, "S": S, "L": L}
+W = prompts(3, 1600, seed=10)  # saved by engine 3 on its own node, loaded back layer-wise
+ALL = {"A": A, "A2": A2, "B": B, "D": D, "F": F, "G": G, "H": H, "S": S, "L": L, "W": W}
 
 
 class Cluster:
@@ -218,13 +219,18 @@ def test_two_engines_at_once_share_blocks(
     r = e2.generate(D, MAX_TOKENS)  # e3 is still running
     assert r["outputs"] == reference["D"]
     assert r["cached"] == [288, 288]
-    # A's blocks are on n1, e3's own node: loaded layer by layer through the pool file
-    # during the forward pass (the same-host shortcut), checked, same outputs
-    r = e3.generate(A, MAX_TOKENS)
-    assert r["outputs"] == reference["A"]
-    assert all(c >= 160 for c in r["cached"]), r["cached"]
+    # W's blocks, saved on n1 (e3's own node) and forgotten by vLLM, load layer by layer
+    # through the pool file during the forward pass (the same-host shortcut), checked,
+    # same outputs; W is long enough that e3's cost model claims it on an idle CPU too
+    r = e3.generate(W, MAX_TOKENS)
+    assert r["outputs"] == reference["W"]
+    wait_stats(s3, lambda s: s.get("save_blocks", 0) >= 2 * 9 + 3 * 50, engine=e3)
+    e3.call({"op": "reset_prefix_cache"})
+    r = e3.generate(W, MAX_TOKENS)
+    assert r["outputs"] == reference["W"]
+    assert all(c >= 1500 for c in r["cached"]), r["cached"]
     st = wait_stats(s3, lambda s: s.get("layerwise_load_jobs", 0) >= 3, engine=e3)
-    assert st.get("local_load_blocks", 0) >= 3 * 5
+    assert st.get("local_load_blocks", 0) >= 3 * 46
     assert st.get("load_failed_blocks", 0) == 0
 
 
@@ -324,7 +330,7 @@ def test_node_lost_after_lookup_recomputes(
     s2 = str(workdir / "e2")
     r = e3.generate(F, MAX_TOKENS)
     assert r["outputs"] == reference["F"]
-    wait_stats(str(workdir / "e3"), lambda s: s.get("save_blocks", 0) >= 18 + 2 * 8)  # D, F
+    wait_stats(str(workdir / "e3"), lambda s: s.get("save_blocks", 0) >= 18 + 150 + 16)  # D W F
     before = stats(s2).get("load_failed_blocks", 0)
     cluster.nodes["n1"].kill()
     r = e2.generate(F, MAX_TOKENS)
@@ -364,8 +370,12 @@ def test_tensor_parallel_two_ranks(
             engines,
             "e4",
             # two ranks pinned to both cores of a CI machine starve the node: no
-            # deadline of the test's usual 5 s should decide this test
-            {"connector": c.connector("t1", s4, transfer_timeout_s=30.0), "tp": 2},
+            # deadline of the test's usual 5 s should decide this test; every hit
+            # claimed (the shards are under test here, the cost model in e3's tests)
+            {
+                "connector": c.connector("t1", s4, transfer_timeout_s=30.0, cost_model=False),
+                "tp": 2,
+            },
             env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
         )
         cold = e4.generate(H, MAX_TOKENS)
