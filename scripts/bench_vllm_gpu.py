@@ -278,6 +278,24 @@ def cross_tp_ok(cached: dict[str, list[int]], outputs_match: bool) -> bool:
     return outputs_match and not any(crossed) and all(own)
 
 
+def phases_of(phases_ms: list[list[float]], elapsed_ms: float) -> dict[str, float]:
+    """One batch's time split at vLLM's own marks (``phases_ms``: per request, ms from
+    the call to its engine-core queueing, first scheduling and first token): before
+    the first request is queued; from then to its scheduling (adding and hashing the
+    batch); from the first scheduling to the last first token (the connector's lookups
+    and loads, the forward pass); and after it (outputs back to the caller)."""
+    queued = min(p[0] for p in phases_ms)
+    scheduled = min(p[1] for p in phases_ms)
+    token = max(p[2] for p in phases_ms)
+    return {
+        "to_queued": round(queued, 1),
+        "queued_to_scheduled": round(scheduled - queued, 1),
+        "scheduled_to_last_token": round(token - scheduled, 1),
+        "after_last_token": round(elapsed_ms - token, 1),
+        "steps_scheduled": len({p[1] for p in phases_ms}),
+    }
+
+
 def diagnose(
     start: Any, batch: Any, set_c: list[list[int]], warm_up: list[list[int]],
     args: argparse.Namespace, out: dict[str, Any], where: Path,
@@ -405,6 +423,13 @@ def main() -> None:
         "--diagnose-only", action="store_true", help="the cold engine, then --diagnose alone"
     )
     ap.add_argument(
+        "--batch-phases",
+        action="store_true",
+        help="vLLM's request stats on in the plain and defaults engines: each batch split "
+        "into its time before the first request is scheduled, to the last first token, "
+        "and after it (batch_phases_ms)",
+    )
+    ap.add_argument(
         "--compare-lookahead",
         action="store_true",
         help="one more engine (the three keys, load_lookahead_layers 0: every layer's "
@@ -489,9 +514,15 @@ def main() -> None:
 
     batch_cached: dict[str, list[int]] = {}
 
+    batch_phases: dict[str, list[dict[str, float]]] = {}
+
     def batch(engine: VllmEngine, ps: list[list[int]]) -> tuple[float, list[list[int]]]:
         r = engine.generate(ps, max_tokens=1)
         batch_cached[engine.name] = r["cached"]
+        if "phases_ms" in r:
+            batch_phases.setdefault(engine.name, []).append(
+                phases_of(r["phases_ms"], r["elapsed_s"] * 1000.0)
+            )
         return r["elapsed_s"] * 1000.0, r["outputs"]
 
     engines: list[VllmEngine] = []
@@ -562,7 +593,7 @@ def main() -> None:
             print(json.dumps(out), flush=True)
             return
 
-        e = start("plain", connector=None)
+        e = start("plain", connector=None, log_stats=args.batch_phases)
         try:
             e.generate(warm_up, 1)
             plain_cold = [timed(e, p, args.pause) for p in set_a]
@@ -575,7 +606,8 @@ def main() -> None:
             e.stop()
 
         s2 = str(work / "defaults")
-        e = start("defaults", env={"PEGAFLOW_CONNECTOR_STATS_PATH": s2}, three_keys=True)
+        e = start("defaults", env={"PEGAFLOW_CONNECTOR_STATS_PATH": s2}, three_keys=True,
+                  log_stats=args.batch_phases)  # fmt: skip
         try:
             e.generate(warm_up, 1)
             r_start = settled(s2) if args.tp > 1 else []
@@ -687,6 +719,8 @@ def main() -> None:
     out["plain_batch_hit_ms"] = round(plain_batch_hit_ms, 1)
     out["batch_cached_tokens"] = batch_cached
     out["batch_x_ceiling"] = round(out["batch_floor_ms"] / out["batch_warm_ms"], 2)
+    if batch_phases:
+        out["batch_phases_ms"] = batch_phases
     out["back_to_back_over_floor"] = round(
         out["ttft_warm_back_to_back_ms"] / out["ttft_local_hit_ms"], 2
     )

@@ -187,3 +187,18 @@ def test_each_ranks_pinned_line_counts_once(bench: ModuleType) -> None:
     ]
     assert bench.pinned_ranks(log[:2]) == {"11"}
     assert bench.pinned_ranks(log) == {"11", "12"}
+
+
+def test_a_batch_splits_at_vllm_s_own_marks(bench: ModuleType) -> None:
+    """``--batch-phases``: before the first request is queued, then to its scheduling,
+    to the last first token, and after it; requests of one step share its mark."""
+    phases = [[4.0, 30.0, 220.0], [5.0, 30.0, 231.5], [6.5, 30.0, 229.0]]
+    got = bench.phases_of(phases, 250.0)
+    assert got == {
+        "to_queued": 4.0,
+        "queued_to_scheduled": 26.0,
+        "scheduled_to_last_token": 201.5,
+        "after_last_token": 18.5,
+        "steps_scheduled": 1,
+    }
+    assert bench.phases_of([[4.0, 30.0, 90.0], [5.0, 95.0, 180.0]], 200.0)["steps_scheduled"] == 2

@@ -11,14 +11,16 @@ The spec: ``model`` (directory with config.json), ``block_size``, ``max_model_le
 ``three_keys`` (true: the connector with the three documented keys and nothing else;
 its settings then come from ``PEGAFLOW_*`` variables only),
 ``max_num_batched_tokens`` (optional), ``seed``, ``kv_role`` (with ``three_keys``; default
-``kv_both``), ``profile_dir`` (vLLM's torch profiler writes its traces there).
+``kv_both``), ``profile_dir`` (vLLM's torch profiler writes its traces there),
+``log_stats`` (vLLM's request stats: timings in ``generate``'s answer).
 
 Prints ``READY`` once the engine is up, then answers each command line with one JSON
 line:
 
 * ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n}`` ->
   ``{"outputs": [[ids...]], "cached": [num_cached_tokens...], "elapsed_s": t}``
-  (all prompts in one batch, greedy);
+  (all prompts in one batch, greedy), with ``log_stats``: ``"phases_ms"``, per prompt
+  the ms to its engine-core queueing, first scheduling and first token;
 * ``{"op": "ttft", "prompts": [...]}`` -> ``{"ttft_ms": [...], "cached": [...]}``: one
   prompt at a time, ``max_tokens=1``, wall time of each;
 * ``{"op": "reset_prefix_cache"}`` -> ``{"ok": true}`` (vLLM's local cache only);
@@ -79,14 +81,29 @@ def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, 
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    return {
+    elapsed = time.monotonic() - t0
+    out: dict[str, Any] = {
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
         "cached": [int(o.num_cached_tokens or 0) for o in outs],
         "elapsed_s": elapsed,
     }
+    phases = [_phases(o, t0) for o in outs]
+    if all(phases):
+        out["phases_ms"] = phases
+    return out
+
+
+def _phases(output: Any, t0: float) -> list[float] | None:
+    """ms from the call's start to when vLLM's engine core queued the request, first
+    scheduled it and produced its first token (its monotonic clock, this process's too);
+    None unless the engine logs stats (spec ``log_stats``)."""
+    m = getattr(output, "metrics", None)
+    ts = [getattr(m, k, 0.0) for k in ("queued_ts", "scheduled_ts", "first_token_ts")]
+    if not all(ts):
+        return None
+    return [round((t - t0) * 1e3, 2) for t in ts]
 
 
 def main() -> None:
