@@ -103,7 +103,9 @@ sys.path.insert(0, str(REPO))
 
 from pegaflow.storage_node import protocol as proto  # noqa: E402
 from pegaflow.storage_node.disk_tier import DiskTier  # noqa: E402
+from pegaflow.storage_node.spill_ahead import reserve_bytes  # noqa: E402
 
+from pegaflow.config import NodeConfig  # noqa: E402
 from pegaflow.deadline import Deadline  # noqa: E402
 
 GB = 1e9
@@ -622,7 +624,10 @@ class NodeBench:
         session = NodeSession.at(self.addr, self.client)
         hot = self.hashes(40, 8)
         await self.put(hot, paced=True)
-        batch = max(1, min(self.n, self.pool_blocks - 2 * len(hot)))  # fits beside them
+        # the room spill-ahead keeps free (the node runs the default) holds no block
+        ahead = -(-reserve_bytes(NodeConfig().disk_spill_ahead_bytes, self.pool) // self.block)
+        held = self.pool_blocks - ahead
+        batch = max(1, min(self.n, held - 2 * len(hot)))  # fits beside them
         tags = iter(range(41, 1 << 30))
 
         async def locate(i: int) -> float:
@@ -651,6 +656,9 @@ class NodeBench:
                     writer.cancel()
                 if room:
                     await self.drop_scratch()
+                else:  # the next batch evicts only blocks older than these
+                    for i in range(len(hot)):
+                        await locate(i)
             after = self.spill_counts()
             return out, {k: int(after[k] - before[k]) for k in SPILL_COUNTERS}
 
@@ -659,7 +667,7 @@ class NodeBench:
             with_room, spilled_room = await during(room=True)
             if spilled_room["spill_copies"] + spilled_room["spill_drops"]:
                 raise RuntimeError(f"the pool evicted with room left: {spilled_room}")
-            await self.fill(keep=len(hot))
+            await self.fill(keep=len(hot) + ahead)
             for i in range(len(hot)):  # the most recently used: the fill is evicted first
                 await locate(i)
             spilling, spilled = await during(room=False)
