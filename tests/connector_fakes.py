@@ -121,8 +121,6 @@ class FakeCluster:
         self.locates: list[tuple[str, list[Any], float]] = []
         self.unlocatable: set[bytes] = set()
         """blocks ``locate`` does not find (evicted between lookup and locate)"""
-        self.reports: list[tuple[str, int, int, int]] = []
-        """same-host lookup reports: ``(node, lookups, asked, hits)``"""
 
     def restore(self, ns: str, h: bytes, shard: int = 0) -> None:
         """The block was evicted and stored again: same bytes, a new generation."""
@@ -280,8 +278,7 @@ class FakeCluster:
     def report_lookups(
         self, node: str, lookups: int, asked: int, hits: int, timeout: Any = None
     ) -> None:
-        """``SyncPegaClient.report_lookups``: recorded in :attr:`reports`."""
-        self.reports.append((node, lookups, asked, hits))
+        """``SyncPegaClient.report_lookups``: the fake keeps no node counters."""
 
     def submit_unpin(
         self, node: str, pin: int, timeout: Any = None
