@@ -121,8 +121,14 @@ TINY_ARGS = [
     "--block-size", "32", "--max-model-len", "2048",
     "--kv-cache-memory-bytes", str(128 << 20),
 ]  # fmt: skip
-#: Connector counters reported per second (keys of ``connector.metrics.COUNTERS``).
-RATE_COUNTERS = ("lookups", "lookup_hit_blocks", "load_blocks", "local_load_blocks", "save_blocks")
+#: Connector counters reported per second (keys of ``connector.metrics.COUNTERS``): a hit
+#: found by a lookup is either loaded or declined by the cost model.
+RATE_COUNTERS = (
+    "lookups", "lookup_hit_blocks", "cost_declined_blocks", "load_blocks", "local_load_blocks",
+    "save_blocks", "save_dropped_blocks",
+)  # fmt: skip
+#: Of those, the ones the timeline (``--sample-s``) shows per sample.
+TIMELINE_COUNTERS = ("lookup_hit_blocks", "cost_declined_blocks", "load_blocks", "save_blocks")
 _PEGA = re.compile(r"^vllm:pegaflow_(?:connector_)?(\w+?)(?:_total)?$")
 #: Setups ``--setups`` knows; those behind ``pegaflow-router`` start it themselves.
 SETUPS = ("vllm", "pegaflow", "warm", "pd", "rr-hosts", "cache-hosts")
@@ -627,7 +633,7 @@ async def run_point(
                 if node:
                     row.update(await node.sample(session))
                 now_c = [connector_counters(await scrape(session, u + "/metrics")) for u in murls]
-                for k in ("lookup_hit_blocks", "load_blocks", "save_blocks"):
+                for k in TIMELINE_COUNTERS:
                     pairs = zip(before, now_c, strict=True)
                     row[k] = sum(c.get(k, 0.0) - b.get(k, 0.0) for b, c in pairs)
                 timeline.append(row)
