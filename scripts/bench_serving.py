@@ -121,11 +121,13 @@ TINY_ARGS = [
     "--block-size", "32", "--max-model-len", "2048",
     "--kv-cache-memory-bytes", str(128 << 20),
 ]  # fmt: skip
-#: Connector counters reported per second (keys of ``connector.metrics.COUNTERS``): a hit
-#: found by a lookup is either loaded or declined by the cost model.
+#: Connector counters reported per second (keys of ``connector.metrics.COUNTERS``).  A
+#: request vLLM keeps waiting is looked up again (``lookups_local`` where this host's node
+#: holds every block), a lookup past its deadline is an error and no hit, and a hit found
+#: is loaded unless the cost model declines it.
 RATE_COUNTERS = (
-    "lookups", "lookup_hit_blocks", "cost_declined_blocks", "load_blocks", "local_load_blocks",
-    "save_blocks", "save_dropped_blocks",
+    "lookups", "lookups_local", "lookup_errors", "lookup_hit_blocks", "cost_declined_blocks",
+    "load_blocks", "local_load_blocks", "save_blocks", "save_dropped_blocks",
 )  # fmt: skip
 #: Of those, the ones the timeline (``--sample-s``) shows per sample.
 TIMELINE_COUNTERS = ("lookup_hit_blocks", "cost_declined_blocks", "load_blocks", "save_blocks")
