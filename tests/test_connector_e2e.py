@@ -221,16 +221,31 @@ def test_two_engines_at_once_share_blocks(
     assert r["cached"] == [288, 288]
     # W's blocks, saved on n1 (e3's own node) and forgotten by vLLM, load layer by layer
     # through the pool file during the forward pass (the same-host shortcut), checked,
-    # same outputs; W is long enough that e3's cost model claims it on an idle CPU too
+    # same outputs
     r = e3.generate(W, MAX_TOKENS)
     assert r["outputs"] == reference["W"]
     wait_stats(s3, lambda s: s.get("save_blocks", 0) >= 2 * 9 + 3 * 50, engine=e3)
     e3.call({"op": "reset_prefix_cache"})
+    declined_before = stats(s3).get("cost_declined_blocks", 0)
     r = e3.generate(W, MAX_TOKENS)
     assert r["outputs"] == reference["W"]
-    assert all(c >= 1500 for c in r["cached"]), r["cached"]
-    st = wait_stats(s3, lambda s: s.get("layerwise_load_jobs", 0) >= 3, engine=e3)
-    assert st.get("local_load_blocks", 0) >= 3 * 46
+    cached = r["cached"]
+    # the first hit on this host's pool is claimed whatever the estimates (it is the
+    # pool's first measurement); the others as the estimates say, which hang on how fast
+    # this host computed and loaded before; every block not claimed is counted
+    assert max(cached) >= 1500, cached
+    full = 49 * BS  # W's hit: every full block but the one holding the last token
+    not_claimed = sum(full - c for c in cached) // BS
+    loaded = [c for c in cached if c]
+    st = wait_stats(
+        s3,
+        lambda s: (
+            s.get("layerwise_load_jobs", 0) >= len(loaded)
+            and s.get("cost_declined_blocks", 0) - declined_before >= not_claimed
+        ),
+        engine=e3,
+    )
+    assert st.get("local_load_blocks", 0) >= sum(c // BS - 3 for c in loaded)
     assert st.get("load_failed_blocks", 0) == 0
 
 
