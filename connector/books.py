@@ -156,12 +156,18 @@ class WorkerBooks:
             self.lock.notify_all()
 
     def record_put(
-        self, fut: concurrent.futures.Future[Any], hashes: list[bytes], started: float
+        self,
+        fut: concurrent.futures.Future[Any],
+        hashes: list[bytes],
+        started: float,
+        filled_at: float,
     ) -> None:
-        """Account the answer ``fut`` of a save of ``hashes`` sent at ``started``."""
+        """Account the answer ``fut`` of a save of ``hashes`` sent at ``started``, of
+        blocks filled at ``filled_at`` (:attr:`SaveJob.filled_at`)."""
         if self.closed:
             return  # answered after the bounded wait at shutdown: counted as dropped
-        self.counters.add("save_seconds", time.monotonic() - started)
+        now = time.monotonic()
+        self.counters.add("save_seconds", now - started)
         try:
             res = fut.result()
         except Exception as e:
@@ -178,6 +184,8 @@ class WorkerBooks:
                 self.report.save_failed.extend(hashes)
             self.counters.add("save_failed_blocks", len(hashes))
             return
+        if filled_at:
+            self.counters.add("save_publish_seconds", now - filled_at)
         self.save_breaker.success()
         self._save_failing = False
         stored = int(getattr(res, "stored", 0))

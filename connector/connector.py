@@ -136,7 +136,11 @@ class PegaKVConnector(KVConnectorBase_V1):
             )
             self._scheduler.start_warm_up()
             if self.settings.report_interval_s > 0 and self.settings.mode != "off":
-                self._report = CacheReport(self.counters, self.settings.report_interval_s)
+                self._report = CacheReport(
+                    self.counters,
+                    self.settings.report_interval_s,
+                    estimates=self._scheduler.costs.explain,
+                )
                 self._report.start()
             logger.info(
                 "PegaFlow connector (vLLM %s): mode=%s coordinators=%s local_node=%s",

@@ -338,6 +338,18 @@ class CostModel:
         """Blocks one probe fetches."""
         return max(1, PROBE_BYTES // self.block_bytes)
 
+    def explain(self) -> str:
+        """The estimates a decision rests on, in words (for the engine log's cache line):
+        computing, a step, and each source's load rate and fixed cost."""
+        parts = [
+            f"computing {self.compute.rate:,.0f} tokens/s",
+            f"a step {self.step_s * 1e3:.1f} ms",
+        ]
+        for name, c in list(self.sources.items()):
+            where = "this host" if name == LOCAL else name
+            parts.append(f"loading from {where} {c.rate / 1e9:.1f} GB/s + {c.fixed_s * 1e3:.1f} ms")
+        return ", ".join(parts)
+
     def snapshot(self) -> dict[str, Any]:
         """The current estimates (for logs and tests)."""
         return {

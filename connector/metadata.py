@@ -60,6 +60,9 @@ class SaveJob:
     req_id: str
     block_ids: list[int]
     hashes: list[bytes]
+    filled_at: float = 0.0
+    """when the worker queued it, right after the step that filled its blocks
+    (``time.monotonic``; 0: not queued)"""
 
 
 @dataclass

@@ -66,6 +66,10 @@ COUNTERS: dict[str, str] = {
     ),
     "save_bytes": "bytes sent to the cluster",
     "save_seconds": "wall time of puts",
+    "save_publish_seconds": (
+        "time from the step that filled saved blocks to the node's answer (they are hits "
+        "for other engines from then on)"
+    ),
     "save_shutdown_seconds": "time engine shutdown waited for pending saves",
     "probe_bytes": "bytes fetched by probes (into host memory only)",
     "copy_seconds": "time spent copying between the KV cache and staging memory",
@@ -78,6 +82,10 @@ HISTOGRAMS: dict[str, tuple[str, str]] = {
     "lookup_seconds": ("lookup_latency_seconds", "latency of one lookup, as the engine sees it"),
     "load_seconds": ("load_latency_seconds", "wall time of one load job, from start to last block"),
     "save_seconds": ("save_latency_seconds", "wall time of one put"),
+    "save_publish_seconds": (
+        "save_publish_latency_seconds",
+        "from the step that filled a put's blocks to the node's answer",
+    ),
 }
 #: bucket bounds (seconds) of the latency histograms
 LATENCY_BUCKETS = (

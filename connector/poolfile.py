@@ -170,7 +170,9 @@ class PoolFileMedium:
             self.books.counters.add("copy_seconds", time.monotonic() - t0)
             self.books.sent(len(hashes))
             fut.add_done_callback(
-                lambda f, hashes=hashes, t0=t0, taken=taken: self._commit_done(f, hashes, t0, taken)
+                lambda f, hashes=hashes, t0=t0, taken=taken: self._commit_done(
+                    f, hashes, t0, job.filled_at, taken
+                )
             )
         return True
 
@@ -179,10 +181,11 @@ class PoolFileMedium:
         fut: concurrent.futures.Future[Any],
         hashes: list[bytes],
         started: float,
+        filled_at: float,
         taken: Callable[[], None],
     ) -> None:
         try:
-            self.books.record_put(fut, hashes, started)
+            self.books.record_put(fut, hashes, started, filled_at)
         finally:
             taken()  # the commit failed, or the node never said it held it
             self.books.put_answered(len(hashes))

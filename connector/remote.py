@@ -273,17 +273,22 @@ class RemoteMedium:
             self.books.sent(len(hashes))
             fut.add_done_callback(
                 lambda f, buf=buf, hashes=hashes, started=started: self._put_done(
-                    f, buf, hashes, started
+                    f, buf, hashes, started, job.filled_at
                 )
             )
         return True
 
     def _put_done(
-        self, fut: concurrent.futures.Future[Any], buf: Buf, hashes: list[bytes], started: float
+        self,
+        fut: concurrent.futures.Future[Any],
+        buf: Buf,
+        hashes: list[bytes],
+        started: float,
+        filled_at: float,
     ) -> None:
         self.save_staging.release(buf)
         try:
-            self.books.record_put(fut, hashes, started)
+            self.books.record_put(fut, hashes, started, filled_at)
         finally:
             self.books.put_answered(len(hashes))
 

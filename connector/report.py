@@ -51,8 +51,9 @@ def _bytes(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def format_line(d: Mapping[str, float], seconds: float) -> str | None:
-    """The line for counter deltas ``d`` over ``seconds`` (None: nothing happened)."""
+def format_line(d: Mapping[str, float], seconds: float, estimates: str = "") -> str | None:
+    """The line for counter deltas ``d`` over ``seconds`` (None: nothing happened);
+    ``estimates``: the cost model's, shown when hits were declined."""
     if not any(d.get(k, 0) for k in _ACTIVITY):
         return None
     g = d.get
@@ -66,12 +67,13 @@ def format_line(d: Mapping[str, float], seconds: float) -> str | None:
     if loaded:
         load += f", {100.0 * g('local_load_blocks', 0) / loaded:.0f}% same-host"
     declined = int(g("cost_declined", 0) + g("cost_part", 0))
+    why = f" (estimates: {estimates})" if declined and estimates else ""
     failures = int(g("lookup_errors", 0) + g("load_failed_blocks", 0) + g("save_failed_blocks", 0))
     parts = [
         f"{lookups} lookups",
         f"hit rate {rate} ({hit} of {hit + miss} blocks)",
         f"{int(g('hit_tokens', 0))} tokens from the cache ({load})",
-        f"{declined} hits declined as slower than computing",
+        f"{declined} hits declined as slower than computing{why}",
         f"saved {int(g('save_blocks', 0))} blocks ({_bytes(g('save_bytes', 0))})",
         f"{int(g('save_dropped_blocks', 0))} dropped",
         f"{failures} failures",
@@ -88,6 +90,8 @@ class CacheReport:
         counters: the scheduler side's counters.
         interval_s: seconds between two lines.
         clock: monotonic clock (tests inject one).
+        estimates: the cost model's estimates in words (:meth:`~.costmodel.CostModel.explain`),
+            shown when hits were declined.
     """
 
     def __init__(
@@ -95,9 +99,11 @@ class CacheReport:
         counters: Counters,
         interval_s: float,
         clock: Callable[[], float] = time.monotonic,
+        estimates: Callable[[], str] | None = None,
     ) -> None:
         self._counters = counters
         self.interval_s = interval_s
+        self._estimates = estimates
         self._clock = clock
         self._lock = threading.Lock()
         self._seen = counters.totals()
@@ -124,7 +130,7 @@ class CacheReport:
             d.update(self._workers)
             self._seen, self._workers = totals, {}
             seconds, self._since = now - self._since, now
-        return format_line(d, seconds)
+        return format_line(d, seconds, self._estimates() if self._estimates else "")
 
     def start(self) -> None:
         """Log a line every ``interval_s`` until :meth:`close`."""

@@ -302,6 +302,9 @@ class WorkerSide:
             self.books.drop(plan.saves, BREAKER_OPEN)
             return
         marker = self.io.record_step()
+        now = time.monotonic()
+        for job in plan.saves:
+            job.filled_at = now
         self.books.queue_saves(plan.saves)
         for job in plan.saves:
             self._save_pool.submit(self._run_save_safe, plan.namespace, job, marker)

@@ -126,8 +126,9 @@ TINY_ARGS = [
 #: holds every block), a lookup past its deadline is an error and no hit, and a hit found
 #: is loaded unless the cost model declines it.
 RATE_COUNTERS = (
-    "lookups", "lookups_local", "lookup_errors", "lookup_hit_blocks", "cost_declined_blocks",
-    "load_blocks", "local_load_blocks", "save_blocks", "save_dropped_blocks",
+    "lookups", "lookups_local", "lookup_errors", "lookup_skipped", "lookup_hit_blocks",
+    "cost_declined_blocks", "load_blocks", "local_load_blocks", "save_blocks",
+    "save_dropped_blocks",
 )  # fmt: skip
 #: Of those, the ones the timeline (``--sample-s``) shows per sample.
 TIMELINE_COUNTERS = ("lookup_hit_blocks", "cost_declined_blocks", "load_blocks", "save_blocks")
@@ -448,12 +449,34 @@ def stickiness(results: Sequence[Result]) -> float | None:
 
 
 def connector_counters(metrics: dict[str, float]) -> dict[str, float]:
-    """The connector's counters (``vllm:pegaflow_*``) of a replica's ``/metrics``."""
+    """The connector's counters (``vllm:pegaflow_*``) of a replica's ``/metrics``, with
+    each latency histogram's ``<name>_count``."""
     out: dict[str, float] = {}
     for name, v in metrics.items():
         m = _PEGA.match(name)
-        if m and not name.endswith(("_created", "_bucket", "_count", "_sum")):
+        if m and not name.endswith(("_created", "_bucket", "_sum")):
             out[m.group(1)] = out.get(m.group(1), 0.0) + v
+    return out
+
+
+def save_publish_ms(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Mean ms from the step that filled saved blocks to the node's answer, over the puts
+    answered between two readings of :func:`connector_counters` (None: no put)."""
+    n = after.get("save_publish_latency_seconds_count", 0.0) - before.get(
+        "save_publish_latency_seconds_count", 0.0
+    )
+    if n <= 0:
+        return None
+    s = after.get("save_publish_seconds", 0.0) - before.get("save_publish_seconds", 0.0)
+    return round(s / n * 1e3, 1)
+
+
+def summed(counters: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Replicas' :func:`connector_counters` added up."""
+    out: dict[str, float] = {}
+    for c in counters:
+        for k, v in c.items():
+            out[k] = out.get(k, 0.0) + v
     return out
 
 
@@ -619,6 +642,7 @@ async def run_point(
 
         async def sampler() -> None:
             seen = 0
+            last = summed(before)
             while True:
                 await asyncio.sleep(sample_s)
                 window = results[seen:]
@@ -638,6 +662,9 @@ async def run_point(
                 for k in TIMELINE_COUNTERS:
                     pairs = zip(before, now_c, strict=True)
                     row[k] = sum(c.get(k, 0.0) - b.get(k, 0.0) for b, c in pairs)
+                now_sum = summed(now_c)
+                row["save_publish_ms"] = save_publish_ms(last, now_sum)  # this sample's puts
+                last = now_sum
                 timeline.append(row)
 
         sampling = asyncio.create_task(sampler()) if sample_s > 0 else None
@@ -752,6 +779,7 @@ def summarize(point: dict[str, Any], block_size: int = 0, warmup_s: float = 0.0)
     out["by_kind"] = by_kind(steady)
     c = point["connector"]
     out["connector_per_s"] = {k: round(c.get(k, 0.0) / wall, 2) for k in RATE_COUNTERS}
+    out["save_publish_ms_mean"] = save_publish_ms({}, c)
     out["load_failed_blocks"] = c.get("load_failed_blocks", 0.0)
     if block_size:
         cached = sum(r.cached_tokens for r in ok)
@@ -1367,6 +1395,11 @@ def run_setup(
             f"{s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f} ms  hit {s['hit_rate']:.2f}  "
             f"failed {s['failed']}  connector/s {s['connector_per_s']}"
             + (f"  same-host {s['same_host_share']}" if "same_host_share" in s else "")
+            + (
+                f"  saves stored {s['save_publish_ms_mean']} ms after their step"
+                if s.get("save_publish_ms_mean") is not None
+                else ""
+            )
             + (f"  router {s['router']}" if s.get("router") else ""),
             flush=True,
         )

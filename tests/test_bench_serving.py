@@ -76,6 +76,30 @@ def test_router_counters(bench: ModuleType) -> None:
     assert bench.router_local_share({}) is None
 
 
+def test_save_publish_mean(bench: ModuleType) -> None:
+    """The mean time from a save's step to the node's answer, from the connector's
+    counter and its histogram's count as ``/metrics`` shows them on two replicas."""
+    scraped = [
+        {
+            "vllm:pegaflow_save_publish_seconds_total": 1.5,
+            "vllm:pegaflow_save_publish_latency_seconds_count": 3.0,
+            "vllm:pegaflow_save_publish_latency_seconds_sum": 1.5,
+            "vllm:pegaflow_save_publish_latency_seconds_bucket": 3.0,
+            "vllm:pegaflow_save_blocks_total": 30.0,
+        },
+        {
+            "vllm:pegaflow_save_publish_seconds_total": 0.5,
+            "vllm:pegaflow_save_publish_latency_seconds_count": 1.0,
+        },
+    ]
+    now = bench.summed([bench.connector_counters(m) for m in scraped])
+    assert now["save_blocks"] == 30.0 and "save_publish_latency_seconds_sum" not in now
+    assert bench.save_publish_ms({}, now) == 500.0
+    earlier = {"save_publish_seconds": 1.9, "save_publish_latency_seconds_count": 3.0}
+    assert bench.save_publish_ms(earlier, now) == 100.0
+    assert bench.save_publish_ms(now, now) is None  # no put answered in between
+
+
 def test_stickiness(bench: ModuleType) -> None:
     R = bench.Result
     rs = [

@@ -67,6 +67,9 @@ def test_a_slow_source_is_declined_once_measured() -> None:
         m.observe_compute(4096, 0.1)  # and prefill runs at 41k tokens/s
     d = m.choose([LOCAL] * n, layerwise=True)
     assert d.blocks == 0 and d.reason == "declined"
+    # the engine log's cache line says why
+    why = m.explain()
+    assert "loading from this host 0.6 GB/s + 1.3 ms" in why and "tokens/s" in why, why
     # a remote node measured fast is claimed
     for _ in range(5):
         m.observe_load("n2", 100 * BB, 0.002 + 100 * BB / 40e9)

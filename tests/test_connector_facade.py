@@ -180,6 +180,11 @@ def test_the_engine_log_says_what_the_cache_did(caplog: pytest.LogCaptureFixture
         assert part in line, line
     assert report.take() is None  # reset: nothing since
     assert format_line({"lookup_errors": 2}, 10) is not None  # failures alone are news
+    declined = format_line({"lookups": 1, "cost_declined": 1}, 10, "computing 9 tokens/s")
+    assert "1 hits declined as slower than computing (estimates: computing 9 tokens/s)" in (
+        declined or ""
+    )
+    assert "estimates" not in (format_line({"lookups": 1}, 10, "computing 9 tokens/s") or "")
     caplog.set_level("INFO", "pegaflow.connector")
     conn.update_connector_output(SimpleNamespace(kv_connector_stats=worker_stats))
     conn.shutdown()  # the last line is logged at shutdown

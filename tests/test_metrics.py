@@ -299,6 +299,7 @@ def test_connector_metrics_are_exported() -> None:
     w0.add("load_seconds", 0.004)
     w1.add("load_seconds", 0.03)
     w1.add("save_seconds", 0.0003)
+    w1.add("save_publish_seconds", 0.3)
     step = PegaConnectorStats(data=w0.take_delta())
     step = step.aggregate(PegaConnectorStats(data=w1.take_delta()))
     step = step.aggregate(PegaConnectorStats(data=scheduler.take_delta()))
@@ -319,6 +320,9 @@ def test_connector_metrics_are_exported() -> None:
     assert delta(before, after, f"{load}_count", **labels) == 2  # one per worker
     assert delta(before, after, f"{load}_bucket", le="0.005", **labels) == 1
     assert delta(before, after, "vllm:pegaflow_save_latency_seconds_count", **labels) == 1
+    publish = "vllm:pegaflow_save_publish_latency_seconds"
+    assert delta(before, after, f"{publish}_bucket", le="0.25", **labels) == 0
+    assert delta(before, after, f"{publish}_bucket", le="0.5", **labels) == 1
 
     docs = documented()["connector"]
     exposed = {f"vllm:pegaflow_{n}_total" for n in COUNTERS}
