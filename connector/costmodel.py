@@ -72,7 +72,13 @@ def memory_source(name: str) -> str:
 
 
 DECAY = 0.8
-"""weight an estimate keeps per unit of new evidence (about the last 5-10 samples count)"""
+"""weight a load estimate keeps per unit of new evidence (about the last 5-10 samples
+count: a source that turns slow is seen within a few loads)"""
+COMPUTE_DECAY = 0.98
+"""the same for the prefill estimate (about the last 50 prefill steps count).  What a
+token costs this engine does not change as a link's speed does, while the length of a
+step varies with what else the device runs (four engines on one H200): over 5-10 steps
+that noise can pass for a time per token near zero, and then every hit is declined."""
 PROBE_INTERVAL_S = 30.0
 """least time between two probes of one source"""
 PROBE_BYTES = 64 << 20
@@ -230,7 +236,7 @@ class CostModel:
             if p.compute_kv_rate
             else 1.0 / p.compute_tokens_per_s
         )
-        self.compute = LinearCost(p.step_s, 1.0 / per_token)
+        self.compute = LinearCost(p.step_s, 1.0 / per_token, decay=COMPUTE_DECAY)
         """time of a step of N tokens, from prefill-sized steps"""
         self._step_w, self._step_sum = 1.0, p.step_s  # recent small steps (mean)
         self.sources: dict[str, LinearCost] = {}

@@ -1221,11 +1221,20 @@ def hosts_setup(
             etcd.stop()
 
 
+CACHE_LINE = "PegaFlow cache (last"
+"""the connector's periodic line in a replica's log (what its cache did, and the cost
+model's estimates when it declined hits)"""
+
+
 def stop_replicas(replicas: Sequence[Replica]) -> None:
-    """SIGTERM each replica (its saves drain), saying which one did not exit."""
+    """SIGTERM each replica (its saves drain), saying which one did not exit; then print
+    each one's cache lines (stderr)."""
     for r in replicas:
         if r.terminate(120.0) is None:
             print(f"{r.name} did not exit on SIGTERM:\n{r.tail(20)}", file=sys.stderr)
+    for r in replicas:
+        for line in [x for x in r.log if CACHE_LINE in x][-60:]:
+            print(f"{r.name}: {line}", file=sys.stderr)
 
 
 def stop_all(replicas: Sequence[Replica], procs: Sequence[Proc]) -> None:

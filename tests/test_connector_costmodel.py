@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from pegaflow.connector.costmodel import LOCAL, SPIKE, CostModel, LinearCost
 
@@ -37,6 +39,23 @@ def test_samples_of_one_size_keep_the_fixed_cost_of_the_prior() -> None:
         c.observe(1e8, 0.051)  # 50 ms for 100 MB, always: 2 GB/s plus the prior's 1 ms
     assert c.estimate(1e8) == pytest.approx(0.051, rel=0.05)
     assert c.fixed_s >= 0 and c.rate > 0
+
+
+def test_a_busy_device_does_not_make_computing_look_free() -> None:
+    """Four engines sharing one GPU: each step waits 50-350 ms for the others' kernels
+    whatever its own size.  The time per token stays near what the engine does alone
+    (40k tokens/s here), so a 4,000-token hit in this host's pool is still claimed."""
+    rng = random.Random(1)
+    m = gpu()
+    for tokens in (500, 2000, 4000, 8000) * 3:  # alone first
+        m.observe_compute(tokens, 0.01 + tokens / 40_000)
+    rates = []
+    for _ in range(400):
+        tokens = rng.randint(300, 8000)
+        m.observe_compute(tokens, rng.uniform(0.05, 0.35) + tokens / 40_000)
+        rates.append(m.compute.rate)
+    assert max(rates) < 100_000, max(rates)
+    assert m.choose([LOCAL] * 250, layerwise=True).blocks == 250
 
 
 def test_garbage_samples_are_ignored() -> None:
