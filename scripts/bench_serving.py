@@ -611,7 +611,10 @@ async def run_point(
     tasks: set[asyncio.Task[None]] = set()
     sem = asyncio.Semaphore(concurrency or 1)
     murls = list(metrics_urls or urls)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    # idle connections closed before the replica's own keep-alive ends (vLLM's uvicorn:
+    # 5 s): a request sent on one the server is closing fails with "Server disconnected"
+    keep = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
+    async with aiohttp.ClientSession(connector=keep) as session:
 
         async def routed() -> dict[str, float]:
             if router is None:
