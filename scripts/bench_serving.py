@@ -748,6 +748,28 @@ def by_kind(results: Sequence[Result]) -> dict[str, dict[str, float]]:
     return out
 
 
+def turn_misses(
+    results: Sequence[Result], counted: Sequence[Result], soon_s: float = 1.0
+) -> dict[str, int]:
+    """Conversation turns of ``counted`` that got under half of their previous turn's
+    prompt from a cache (that prompt is their prefix: a miss of the cache), and how many
+    of those were sent within ``soon_s`` of their previous turn's end (their prefix may
+    not have been stored yet); ``results``: every answered request, for the pairing."""
+    prev: dict[tuple[str, int], Result] = {
+        (r.stream, r.turn): r for r in results if r.kind == "conv" and r.ok
+    }
+    later = missed = soon = 0
+    for r in counted:
+        p = prev.get((r.stream, r.turn - 1)) if r.kind == "conv" else None
+        if p is None:
+            continue
+        later += 1
+        if r.cached_tokens < p.prompt_tokens / 2:
+            missed += 1
+            soon += r.t_send - (p.t_send + p.e2e) < soon_s
+    return {"later_turns": later, "missed": missed, "missed_sent_within_1s": soon}
+
+
 def summarize(point: dict[str, Any], block_size: int = 0, warmup_s: float = 0.0) -> dict[str, Any]:
     """A load point's figures (times in ms); with ``block_size``, the share of hits
     served from the same host.  Latencies and the hit rate count only the requests sent
@@ -780,6 +802,7 @@ def summarize(point: dict[str, Any], block_size: int = 0, warmup_s: float = 0.0)
         out["measured_after_s"] = warmup_s
         out["measured"] = len(steady)
     out["by_kind"] = by_kind(steady)
+    out["turn_misses"] = turn_misses(ok, steady)
     c = point["connector"]
     out["connector_per_s"] = {k: round(c.get(k, 0.0) / wall, 2) for k in RATE_COUNTERS}
     out["save_publish_ms_mean"] = save_publish_ms({}, c)

@@ -100,6 +100,25 @@ def test_save_publish_mean(bench: ModuleType) -> None:
     assert bench.save_publish_ms(now, now) is None  # no put answered in between
 
 
+def test_turn_misses(bench: ModuleType) -> None:
+    R = bench.Result
+
+    def turn(stream: str, n: int, t: float, cached: int, e2e: float = 1.0) -> object:
+        r = R(0, "conv", stream, n, 0, t_send=t, e2e=e2e)
+        r.prompt_tokens, r.cached_tokens = 1000 * (n + 1), cached
+        return r
+
+    rs = [
+        turn("a", 0, 0.0, 0), turn("a", 1, 1.2, 990), turn("a", 2, 2.5, 0),  # sent 0.3 s after
+        turn("b", 0, 0.0, 0), turn("b", 1, 5.0, 100),  # 4 s after: missed, not soon
+        turn("c", 1, 0.0, 0),  # its turn 0 is not in the run: not counted
+    ]  # fmt: skip
+    assert bench.turn_misses(rs, rs) == {
+        "later_turns": 3, "missed": 2, "missed_sent_within_1s": 1,
+    }  # fmt: skip
+    assert bench.turn_misses(rs, rs[2:3])["missed"] == 1  # only the counted ones
+
+
 def test_stickiness(bench: ModuleType) -> None:
     R = bench.Result
     rs = [
