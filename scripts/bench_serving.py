@@ -876,9 +876,12 @@ class Replica(ServeProcess):
         )
 
 
-_MEMORY_RACE = "larger than the available KV cache memory"
-"""vLLM's start failure when replicas starting together on one GPU measured each other's
-memory as taken"""
+_MEMORY_RACES = (
+    "larger than the available KV cache memory",
+    "Error in memory profiling",  # another replica freed memory while this one profiled
+)
+"""vLLM's start failures when replicas starting together on one GPU measured each
+other's memory as taken, or as freed"""
 
 
 def start_replicas(
@@ -914,14 +917,15 @@ def start_replicas(
             try:
                 out[i] = _ready(r, timeout)
             except RuntimeError:
-                if not parallel or _MEMORY_RACE not in r.tail(200):
+                tail = r.tail(200)
+                if not parallel or not any(m in tail for m in _MEMORY_RACES):
                     raise
                 raced.append(i)
         for i in raced:  # alone now: it sizes its KV cache from what the others left
             r = out[i]
             r.kill()
             print(
-                f"{r.name}: too little GPU memory while the others started; starting it alone",
+                f"{r.name}: its GPU memory check raced the others' start; starting it alone",
                 file=sys.stderr,
             )
             out[i] = _ready(
