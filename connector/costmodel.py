@@ -24,7 +24,8 @@ that node was measured fast enough.  A source that was declined for want of
 measurements is probed now and then (:meth:`CostModel.wants_probe`): a few of its blocks
 are fetched into host memory in the background, which times it without delaying any
 request; this host's pool, declined, has its next hit claimed all the same, at most
-every :data:`PROBE_INTERVAL_S` (a same-host load has no cheaper probe).  A source's
+every :data:`LOCAL_PROBE_INTERVAL_S` (a same-host load has no cheaper probe; while it
+stays declined, every same-host hit is computed).  A source's
 first load in each worker is not learned from: it pays one-off set-up (mapping and
 pinning the pool, connecting, compiling kernels; 0.5-2.2 s on the H200, 2026-12-01), and
 a single slow sample counts for at most :data:`SPIKE` times the estimate (two in a row
@@ -81,6 +82,9 @@ step varies with what else the device runs (four engines on one H200): over 5-10
 that noise can pass for a time per token near zero, and then every hit is declined."""
 PROBE_INTERVAL_S = 30.0
 """least time between two probes of one source"""
+LOCAL_PROBE_INTERVAL_S = 5.0
+"""the same for this host's pool in memory: a probe costs one request at most a
+same-host load's time, a wrong decline costs every same-host hit until the next one"""
 PROBE_BYTES = 64 << 20
 """most bytes one probe fetches"""
 SPIKE = 2.0
@@ -328,14 +332,13 @@ class CostModel:
         return Decision(k, sync, load, comp, "whole" if k == n else "part")
 
     def wants_probe(self, source: str) -> bool:
-        """Whether to time ``source`` in the background now: it was declined, nothing
-        measured it for :data:`PROBE_INTERVAL_S`, and it was not probed that recently.
-        Marks it probed."""
+        """Whether to time ``source`` now: it was declined, nothing measured it for
+        :data:`PROBE_INTERVAL_S` (:data:`LOCAL_PROBE_INTERVAL_S` for this host's pool in
+        memory), and it was not probed that recently.  Marks it probed."""
         now = self._clock()
         c = self.source(source)
-        if now - c.last_at < PROBE_INTERVAL_S or now - self._probed.get(source, -math.inf) < (
-            PROBE_INTERVAL_S
-        ):
+        every = LOCAL_PROBE_INTERVAL_S if source == LOCAL else PROBE_INTERVAL_S
+        if now - c.last_at < every or now - self._probed.get(source, -math.inf) < every:
             return False
         self._probed[source] = now
         return True

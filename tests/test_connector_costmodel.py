@@ -5,7 +5,14 @@ from __future__ import annotations
 import random
 
 import pytest
-from pegaflow.connector.costmodel import LOCAL, SPIKE, CostModel, LinearCost
+from pegaflow.connector.costmodel import (
+    LOCAL,
+    LOCAL_PROBE_INTERVAL_S,
+    PROBE_INTERVAL_S,
+    SPIKE,
+    CostModel,
+    LinearCost,
+)
 
 BS = 16  # tokens per block
 BB = 2 << 20  # bytes per block (one shard): 128 KiB per token, a Llama-8B-like KV
@@ -39,6 +46,22 @@ def test_samples_of_one_size_keep_the_fixed_cost_of_the_prior() -> None:
         c.observe(1e8, 0.051)  # 50 ms for 100 MB, always: 2 GB/s plus the prior's 1 ms
     assert c.estimate(1e8) == pytest.approx(0.051, rel=0.05)
     assert c.fixed_s >= 0 and c.rate > 0
+
+
+def test_this_hosts_pool_declined_is_tried_again_sooner_than_a_remote_node() -> None:
+    now = [100.0]
+    m = CostModel("cuda", block_size=BS, block_bytes=BB, clock=lambda: now[0])
+    for src in (LOCAL, "n2"):
+        for _ in range(5):
+            m.observe_load(src, 100 * BB, 100 * BB / 0.2e9)  # both measured slow
+    assert m.choose([LOCAL] * 200, layerwise=True).blocks == 0
+    now[0] += LOCAL_PROBE_INTERVAL_S - 1
+    assert not m.wants_probe(LOCAL)
+    now[0] += 2
+    assert m.wants_probe(LOCAL) and not m.wants_probe(LOCAL)  # once, then marked
+    assert not m.wants_probe("n2")
+    now[0] += PROBE_INTERVAL_S
+    assert m.wants_probe("n2")
 
 
 def test_a_busy_device_does_not_make_computing_look_free() -> None:
