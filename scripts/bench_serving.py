@@ -879,6 +879,7 @@ class Replica(ServeProcess):
 _MEMORY_RACES = (
     "larger than the available KV cache memory",
     "Error in memory profiling",  # another replica freed memory while this one profiled
+    "No available memory for the cache blocks",
 )
 """vLLM's start failures when replicas starting together on one GPU measured each
 other's memory as taken, or as freed"""
