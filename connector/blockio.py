@@ -553,6 +553,13 @@ class KVBlockIO:
         return total
 
 
+def _timing_event(stream: Any) -> Any:
+    """A timing event recorded on ``stream`` now."""
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(stream)
+    return ev
+
+
 class _LayerFeed:
     """The copies of one :meth:`KVBlockIO.copy_in_many` call on CUDA, queued layer by
     layer: the staging-buffer loads first (all layers at once), then per layer every
@@ -583,18 +590,14 @@ class _LayerFeed:
         self._srcs: list[tuple[Any, torch.Tensor]] = [(None, torch.empty(0))] * len(loads)
         self._checked = False
         self._lock = threading.Lock()
-        self.timing: tuple[Any, Any] | None = None
-        """timing events before the first copy and after the last (debug log only)"""
-        if logger.isEnabledFor(logging.DEBUG):
-            self.timing = (
-                torch.cuda.Event(enable_timing=True),
-                torch.cuda.Event(enable_timing=True),
-            )
-            self.timing[0].record(io._stream)
+        self.spans: list[tuple[Any, Any]] = []
+        """timing events around each batch of layers queued: the copies' busy time on
+        the device, without the gaps while the forward pass had not asked for more"""
+        begin = _timing_event(io._stream)
         with torch.cuda.stream(io._stream):
             self._start()
-        self._queue(self.ahead or self.layers, first=True)
-        if self.timing is not None:
+        self._queue(self.ahead or self.layers, first=True, begin=begin)
+        if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "PegaFlow: %d loads queued layer-major%s: %s",
                 len(loads),
@@ -638,9 +641,12 @@ class _LayerFeed:
         if len(self.events) < min(n, self.layers):
             self._queue(n)
 
-    def _queue(self, n: int, first: bool = False) -> None:
+    def _queue(self, n: int, first: bool = False, begin: Any = None) -> None:
         io = self.io
         with self._lock, torch.cuda.stream(io._stream):
+            if len(self.events) >= min(n, self.layers):
+                return
+            begin = begin or _timing_event(io._stream)
             for k in range(len(self.events), min(n, self.layers)):
                 layer, off = io.layers[k], io._offsets[k]
                 for j, (ld, (way, runs)) in enumerate(zip(self.loads, self.ways, strict=True)):
@@ -659,12 +665,17 @@ class _LayerFeed:
                 self.events.append(ev)
                 if self._checked:
                     self._check_layer(layer, off, ev)
-            if self.done:
-                if self._checked:
-                    self.tail = torch.cuda.Event()
-                    self.tail.record(io._check_stream)
-                if self.timing is not None:
-                    self.timing[1].record(io._stream)
+            self.spans.append((begin, _timing_event(io._stream)))
+            if self.done and self._checked:
+                self.tail = torch.cuda.Event()
+                self.tail.record(io._check_stream)
+
+    def busy_ms(self) -> float | None:
+        """The copies' time on the device, once every layer is done: the sum of the
+        spans, so that a forward pass that asked for its layers late does not count."""
+        if not self.done or not self.spans[-1][1].query():
+            return None
+        return float(sum(b.elapsed_time(e) for b, e in self.spans))
 
     def _copy_layer(
         self, layer: _Layer, off: int, ld: CopyIn, way: str, runs: list[tuple[int, int, int]],
@@ -732,11 +743,21 @@ class Transfer:
         return self._feed is not None and self._index in self._feed.failed
 
     def device_ms(self) -> float | None:
-        """How long the copies took on the device (debug log only, once done)."""
+        """From the first copy to the last on the device (once done), gaps included."""
         f = self._feed
-        if f is None or f.timing is None or not f.done or not f.timing[1].query():
+        if f is None or not f.done or not f.spans[-1][1].query():
             return None
-        return float(f.timing[0].elapsed_time(f.timing[1]))
+        return float(f.spans[0][0].elapsed_time(f.spans[-1][1]))
+
+    def busy_s(self) -> float | None:
+        """This load's share, by its blocks, of the time its feed's copies kept the
+        device busy (:meth:`_LayerFeed.busy_ms`), once done; None on the CPU."""
+        f = self._feed
+        busy = None if f is None else f.busy_ms()
+        if f is None or busy is None:
+            return None
+        total = sum(len(ld.block_ids) for ld in f.loads)
+        return busy / 1e3 * len(f.loads[self._index].block_ids) / max(1, total)
 
     def wait_layer(self, i: int) -> None:
         """Make the current stream wait (on the device, not the CPU) for layer ``i``

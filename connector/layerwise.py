@@ -286,10 +286,12 @@ class LayerwiseLoads:
                     t2 = time.monotonic()
                     w.counters.add("layerwise_wait_seconds", t2 - t1)
                     w.counters.add("local_load_blocks", sum(ok))
-                    if w.io is not None and any(ok):  # what the load added to the step
-                        w.books.sample(
-                            LOCAL, sum(ok) * w.io.block_bytes, pending.queued_s + (t2 - t1)
-                        )
+                    if w.io is not None and any(ok):
+                        # what the load costs: its copies' time on the device where
+                        # known, not the wait, which holds the step's other work too
+                        busy = pending.transfer.busy_s()
+                        spent = t2 - t1 if busy is None else busy
+                        w.books.sample(LOCAL, sum(ok) * w.io.block_bytes, pending.queued_s + spent)
                     if logger.isEnabledFor(logging.DEBUG):
                         logger.debug(
                             "PegaFlow: layer-wise load of %s: %d of %d blocks, located %s, "

@@ -410,3 +410,39 @@ def test_a_step_of_a_new_size_queues_its_loads_a_few_layers_ahead(server: Proc) 
     finally:
         w1.shutdown()
         w2.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="copies on a CUDA stream")
+def test_a_loads_cost_is_its_copies_time_not_the_forward_passes(server: Proc) -> None:
+    """The cost model learns what a layer-wise load costs from its copies' busy time on
+    the device: a forward pass that asks for its layers slowly (one that also computes
+    other requests' prompts, or waits for other engines on the GPU) does not make the
+    load look slow, which would have the scheduler decline the hits that follow."""
+    node = server.ready["node"]
+    ns, hashes, _src, dst, (w1, _c1), (w2, _c2) = _saved_pair(server, "cuda", "b", (15, 16))
+    try:
+        for step, tokens in enumerate((32, 48)):  # two new sizes: layers queued as asked
+            ids = [9 + 3 * step, 10 + 3 * step]
+            plan = StepPlan(
+                ns,
+                loads=[LoadJob(f"r{step}", ids, hashes[:2], [[node]] * 2, sync=True)],
+                tokens=tokens,
+            )
+            w2.start_step(plan)
+            w2.begin_forward(plan)
+            (xfer,) = [p.transfer for _, p, _ in w2._sync_loads]
+            for name in dst:
+                time.sleep(0.05)
+                w2.wait_layer(name)
+            w2.end_forward()
+            assert bool(w2.take_load_errors()) is False
+            torch.cuda.synchronize()
+        busy, span = xfer.busy_s(), xfer.device_ms()
+        assert busy is not None and span is not None
+        assert 0 < busy * 1e3 < span / 2  # its layers were asked for 50 ms apart
+        ((_source, size, seconds),) = w2.books.report.samples  # the first load's is dropped
+        assert w2.io is not None and size == 2 * w2.io.block_bytes
+        assert seconds < 0.15  # its forward pass took 0.2 s or more
+    finally:
+        w1.shutdown()
+        w2.shutdown()
