@@ -65,6 +65,7 @@ __all__ = [
     "hash_info",
     "kv_load_failure_policy",
     "parallel_ranks",
+    "recompute_load_failures",
 ]
 
 
@@ -180,6 +181,19 @@ def kv_load_failure_policy(vllm_config: Any) -> str:
     """``"recompute"`` or ``"fail"`` (vLLM's default)."""
     ktc = vllm_config.kv_transfer_config
     return str(getattr(ktc, "kv_load_failure_policy", "fail") or "fail")
+
+
+def recompute_load_failures(vllm_config: Any) -> bool:
+    """Have vLLM's scheduler recompute a block that could not be loaded, whatever
+    ``kv_load_failure_policy`` it was given; whether that took.  vLLM's scheduler reads
+    the policy right after it built its connector (0.26 to 0.32), so the scheduler
+    role's connector sets it in its constructor."""
+    ktc = vllm_config.kv_transfer_config
+    try:
+        ktc.kv_load_failure_policy = "recompute"
+    except Exception:  # a frozen or differently shaped config: vLLM's policy stays
+        return False
+    return kv_load_failure_policy(vllm_config) == "recompute"
 
 
 def cuda_graph_tokens(vllm_config: Any) -> int:

@@ -11,9 +11,10 @@ Guarantees, whatever the cluster does:
   serving goes on (a circuit breaker stops asking a dead cluster for a while);
 * loaded blocks are checksum-verified before they are written into the KV cache;
   a block that cannot be loaded is reported through
-  :meth:`PegaKVConnector.get_block_ids_with_load_errors` and vLLM recomputes it
-  (with ``kv_load_failure_policy="recompute"``; with vLLM's default ``"fail"`` the
-  affected request ends with an error instead, so set ``recompute``);
+  :meth:`PegaKVConnector.get_block_ids_with_load_errors` and vLLM recomputes it (the
+  scheduler's connector sets ``kv_load_failure_policy="recompute"``, vLLM's default
+  being ``"fail"``, which ends the request with an error; setting
+  ``recompute_failed_loads`` off keeps vLLM's);
 * saves never stall the forward pass and never read a block after vLLM reused it.
 """
 
@@ -42,6 +43,7 @@ from .compat import (
     hash_info,
     kv_load_failure_policy,
     parallel_ranks,
+    recompute_load_failures,
 )
 from .loadcheck import defer_possible
 from .metadata import StepPlan
@@ -106,6 +108,15 @@ class PegaKVConnector(KVConnectorBase_V1):
             "worker" if is_worker else "scheduler", self.shard, self.settings.stats_path
         )
         self.policy = kv_load_failure_policy(vllm_config)
+        policy_set = (
+            not is_worker
+            and self.policy != "recompute"
+            and self.settings.recompute_failed_loads
+            and self.settings.can_load
+            and recompute_load_failures(vllm_config)
+        )
+        if policy_set:
+            self.policy = "recompute"  # read by vLLM's scheduler right after this
         self._scheduler: SchedulerSide | None = None
         self._worker: Any = None
         self._report: CacheReport | None = None
@@ -142,19 +153,28 @@ class PegaKVConnector(KVConnectorBase_V1):
                     estimates=self._scheduler.costs.explain,
                 )
                 self._report.start()
+            fate = "is recomputed" if self.policy == "recompute" else "fails its request"
+            if policy_set:
+                fate += (
+                    " (the connector set vLLM's kv_load_failure_policy; inside a "
+                    "MultiConnector, give it at the top level)"
+                )
             logger.info(
-                "PegaFlow connector (vLLM %s): mode=%s coordinators=%s local_node=%s",
+                "PegaFlow connector (vLLM %s): mode=%s coordinators=%s local_node=%s; "
+                "a block that cannot be loaded %s",
                 VLLM_VERSION,
                 self.settings.mode,
                 ",".join(self.settings.coordinators),
                 self.settings.local_node or "(the node on this host, found by itself)",
+                fate,
             )
             if self.settings.can_load and self.policy != "recompute":
                 logger.warning(
                     "PegaFlow: kv_load_failure_policy=%r: a block that cannot be loaded from "
                     "the cluster (node lost, evicted, corrupt) FAILS its request instead of "
-                    'being recomputed. Set "kv_load_failure_policy": "recompute" in '
-                    "--kv-transfer-config.",
+                    "being recomputed (recompute_failed_loads is off, or this vLLM's config "
+                    'refused the change). To recompute, set "kv_load_failure_policy": '
+                    '"recompute" in --kv-transfer-config.',
                     self.policy,
                 )
 

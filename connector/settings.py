@@ -224,6 +224,12 @@ class ConnectorSettings:
         "after a hit, ask the nodes to keep the blocks from eviction this long (until the "
         "load); 0: no read pins",
     )
+    recompute_failed_loads: bool = _f(
+        True,
+        "a block that cannot be loaded (node lost, evicted, corrupt) is recomputed: the "
+        "connector sets vLLM's kv_load_failure_policy to recompute; off: vLLM's policy as "
+        "given (its default, fail, ends such a request with an error)",
+    )
     same_host_shortcut: bool = _f(
         True,
         "copy blocks straight between the KV cache and local_node's pool file when that "

@@ -214,8 +214,13 @@ def test_restart_and_across_nodes(
     assert nodes["n2"].blocks == 0  # whatever engine 2 loads must come from n1
     s2 = str(workdir / "e2")
     # every hit claimed: the tiny model computes these prompts faster than n1 sends them,
-    # and the tests below need e2's loads to happen (the cost model is e3's, below)
-    e2 = start(engines, "e2", {"connector": cluster.connector("n2", s2, cost_model=False)})
+    # and the tests below need e2's loads to happen (the cost model is e3's, below);
+    # vLLM's own failure policy (fail), which the connector turns to recompute
+    e2 = start(
+        engines,
+        "e2",
+        {"connector": cluster.connector("n2", s2, cost_model=False), "failure_policy": None},
+    )
     r = e2.generate(A, MAX_TOKENS)
     assert r["outputs"] == reference["A"]
     assert r["cached"] == [192, 192, 192]  # every full block came from the cluster
@@ -348,7 +353,8 @@ def test_node_lost_after_lookup_recomputes(
     cluster: Cluster, reference: Any, engines: Any, workdir: Path
 ) -> None:
     """n1 dies; the index still names it (its lease has seconds to run): loads fail, vLLM
-    recomputes, outputs stay correct."""
+    recomputes, outputs stay correct, with vLLM's default ``kv_load_failure_policy``
+    (``fail``) in e2's config: the connector set it to ``recompute``."""
     e2, e3 = engines["e2"], engines["e3"]
     s2 = str(workdir / "e2")
     r = e3.generate(F, MAX_TOKENS)

@@ -132,6 +132,26 @@ def test_bad_extra_config_is_refused() -> None:
         PegaKVConnector(vllm_config({"mdoe": "x"}), KVConnectorRole.SCHEDULER, kv_cache_config())
 
 
+def test_vllms_default_failure_policy_becomes_recompute() -> None:
+    """With the three keys vLLM's policy is ``fail`` (a block that cannot be loaded ends
+    its request with an error); the scheduler's connector sets ``recompute`` before
+    vLLM's scheduler reads it, on vLLM's own config class too, unless told not to."""
+    from vllm.config import KVTransferConfig
+
+    cfg = vllm_config()
+    cfg.kv_transfer_config = KVTransferConfig(
+        kv_connector="PegaKVConnector", kv_role="kv_both", kv_connector_extra_config={}
+    )
+    assert cfg.kv_transfer_config.kv_load_failure_policy == "fail"
+    conn = PegaKVConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+    assert cfg.kv_transfer_config.kv_load_failure_policy == "recompute"
+    assert conn.policy == "recompute"
+    conn.shutdown()
+    kept = vllm_config({"recompute_failed_loads": False}, policy="fail")
+    PegaKVConnector(kept, KVConnectorRole.SCHEDULER, kv_cache_config()).shutdown()
+    assert kept.kv_transfer_config.kv_load_failure_policy == "fail"
+
+
 def test_worker_metadata_aggregates_across_ranks() -> None:
     a = PegaWorkerMetadata(WorkerReport(save_failed=[b"a"], load_failed={"r": 3}))
     b = PegaWorkerMetadata(WorkerReport(save_failed=[b"b", b"a"], load_failed={"r": 1, "s": 0}))

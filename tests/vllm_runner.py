@@ -12,7 +12,9 @@ The spec: ``model`` (directory with config.json), ``block_size``, ``max_model_le
 its settings then come from ``PEGAFLOW_*`` variables only),
 ``max_num_batched_tokens`` (optional), ``seed``, ``kv_role`` (with ``three_keys``; default
 ``kv_both``), ``profile_dir`` (vLLM's torch profiler writes its traces there),
-``log_stats`` (vLLM's request stats: timings in ``generate``'s answer).
+``log_stats`` (vLLM's request stats: timings in ``generate``'s answer),
+``failure_policy`` (with ``connector``: ``kv_load_failure_policy``, default
+``recompute``; null: left to vLLM's default).
 
 Prints ``READY`` once the engine is up, then answers each command line with one JSON
 line:
@@ -53,9 +55,11 @@ def _engine(spec: dict[str, Any]) -> Any:
             "kv_connector": "PegaKVConnector",
             "kv_role": "kv_both",
             "kv_connector_module_path": "pegaflow.connector",
-            "kv_load_failure_policy": spec.get("failure_policy", "recompute"),
             "kv_connector_extra_config": spec["connector"],
         }
+        policy = spec.get("failure_policy", "recompute")
+        if policy is not None:  # None: vLLM's default
+            kw["kv_transfer_config"]["kv_load_failure_policy"] = policy
     if spec.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
     if spec.get("profile_dir"):
