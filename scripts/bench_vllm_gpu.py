@@ -567,6 +567,15 @@ def main() -> None:
     pool = ["--pool-size", args.pool_size] if args.pool_size else []
     server = start_server(extra=["--coordinator-port", "7700", *pool])
     node = server.ready["node"]
+    stored = (2 * args.prompts + args.batch * len(set_cs) + len(set_e)) * prompt_bytes
+    if stored > int(server.ready.get("pool") or stored):
+        server.terminate()
+        sys.exit(
+            f"the prompts' KV ({stored / 2**30:.1f} GiB) does not fit the server's pool "
+            f"({int(server.ready['pool']) / 2**30:.1f} GiB): the first prompts would be "
+            "evicted and the warm passes would miss; use fewer --batches or --prompts, or "
+            "a larger --pool-size"
+        )
     try:
         s1 = str(work / "cold")
         e = start("cold", env={"PEGAFLOW_CONNECTOR_STATS_PATH": s1}, three_keys=True,
