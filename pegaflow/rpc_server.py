@@ -35,6 +35,10 @@ from pegaflow.wire import PROTOCOL_VERSION, pack, req_int, req_map, req_str
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 10.0
+LINGER_S = 2.0
+"""After its last reply to a connection it closes, how long the server reads and drops
+what the client still sends: closing a socket with unread bytes resets it (Linux, TCP
+and Unix sockets alike), and the client could then lose the error reply it was sent."""
 _MAX_HELLO = 4096
 
 Handler = Callable[[dict[str, Any]], Awaitable[Any]]
@@ -279,6 +283,7 @@ class _ServerConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._ready = False
         self._closing = False
+        self._lingering = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._out: list[bytes] = []
         self._batching = False
@@ -297,6 +302,8 @@ class _ServerConnection(asyncio.Protocol):
         )
 
     def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return  # lingering (see LINGER_S): dropped
         self._frames.buf += data
         self._process()
 
@@ -411,7 +418,24 @@ class _ServerConnection(asyncio.Protocol):
             self._transport.write(out[0] if len(out) == 1 else b"".join(out))
         self._out.clear()
         if self._closing and self._transport is not None:
-            self._transport.close()
+            self._linger(self._transport)
+
+    def _linger(self, t: asyncio.Transport) -> None:
+        """Close after the replies queued: send EOF, then drop what the client still sends
+        until its own EOF or :data:`LINGER_S`, so that its unread bytes do not reset the
+        connection before it has read the replies."""
+        if t.is_closing() or self._lingering:
+            return
+        self._lingering = True
+        if not t.can_write_eof():
+            t.close()
+            return
+        t.write_eof()
+        if not t.is_reading():
+            t.resume_reading()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(LINGER_S, t.close)
 
     def _fail(self, e: PegaError) -> None:
         self._out.append(encode_frame({"id": None, "ok": False, "error": e.to_wire()}))
