@@ -13,7 +13,9 @@ Framing: every frame is a 4-byte big-endian length followed by one msgpack map.
 
 Requests on one connection run concurrently (bounded per connection); replies may come
 out of order and are matched by id.  A frame over the size limit gets a ``too_large``
-error and the connection is closed (its length prefix cannot be trusted to resync).
+error and the connection is closed (its length prefix cannot be trusted to resync): the
+server sends EOF after the error and drops what the client still sends for a while
+(``rpc_server.LINGER_S``), so a client still writing reads the error instead of a reset.
 
 Both ends are :class:`asyncio.Protocol` implementations rather than streams: frames are
 cut out of one receive buffer (:class:`FrameBuffer`) without a coroutine per frame, and
