@@ -638,7 +638,7 @@ class _LayerFeed:
 
     def to(self, n: int) -> None:
         """Queue the layers before ``n`` not queued yet (thread-safe)."""
-        if len(self.events) < min(n, self.layers):
+        if len(self.events) < min(n, self.layers):  # the forward pass's usual case: none
             self._queue(n)
 
     def _queue(self, n: int, first: bool = False, begin: Any = None) -> None:
@@ -673,9 +673,13 @@ class _LayerFeed:
     def busy_ms(self) -> float | None:
         """The copies' time on the device, once every layer is done: the sum of the
         spans, so that a forward pass that asked for its layers late does not count."""
-        if not self.done or not self.spans[-1][1].query():
+        if not self.finished():
             return None
         return float(sum(b.elapsed_time(e) for b, e in self.spans))
+
+    def finished(self) -> bool:
+        """Whether every layer is queued and its copies are done on the device."""
+        return self.done and bool(self.spans[-1][1].query())
 
     def _copy_layer(
         self, layer: _Layer, off: int, ld: CopyIn, way: str, runs: list[tuple[int, int, int]],
@@ -745,7 +749,7 @@ class Transfer:
     def device_ms(self) -> float | None:
         """From the first copy to the last on the device (once done), gaps included."""
         f = self._feed
-        if f is None or not f.done or not f.spans[-1][1].query():
+        if f is None or not f.finished():
             return None
         return float(f.spans[0][0].elapsed_time(f.spans[-1][1]))
 

@@ -143,12 +143,13 @@ def test_vllms_default_failure_policy_becomes_recompute() -> None:
         kv_connector="PegaKVConnector", kv_role="kv_both", kv_connector_extra_config={}
     )
     assert cfg.kv_transfer_config.kv_load_failure_policy == "fail"
-    conn = PegaKVConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+    kept = vllm_config({"recompute_failed_loads": False}, policy="fail")
+    with mock.patch.object(PegaKVConnector, "_make_client", lambda self: FakeCluster()):
+        conn = PegaKVConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+        PegaKVConnector(kept, KVConnectorRole.SCHEDULER, kv_cache_config()).shutdown()
     assert cfg.kv_transfer_config.kv_load_failure_policy == "recompute"
     assert conn.policy == "recompute"
     conn.shutdown()
-    kept = vllm_config({"recompute_failed_loads": False}, policy="fail")
-    PegaKVConnector(kept, KVConnectorRole.SCHEDULER, kv_cache_config()).shutdown()
     assert kept.kv_transfer_config.kv_load_failure_policy == "fail"
 
 

@@ -430,19 +430,20 @@ def test_a_loads_cost_is_its_copies_time_not_the_forward_passes(server: Proc) ->
             )
             w2.start_step(plan)
             w2.begin_forward(plan)
-            (xfer,) = [p.transfer for _, p, _ in w2._sync_loads]
+            (pending,) = [p for _, p, _ in w2._sync_loads]
             for name in dst:
                 time.sleep(0.05)
                 w2.wait_layer(name)
             w2.end_forward()
             assert bool(w2.take_load_errors()) is False
             torch.cuda.synchronize()
-        busy, span = xfer.busy_s(), xfer.device_ms()
-        assert busy is not None and span is not None
-        assert 0 < busy * 1e3 < span / 2  # its layers were asked for 50 ms apart
+        busy, span = pending.transfer.busy_s(), pending.transfer.device_ms()
+        assert busy is not None and span is not None and 0 < busy * 1e3 <= span
         ((_source, size, seconds),) = w2.books.report.samples  # the first load's is dropped
         assert w2.io is not None and size == 2 * w2.io.block_bytes
-        assert seconds < 0.15  # its forward pass took 0.2 s or more
+        # the time to queue it and its copies' busy time, not the wait through the
+        # forward pass (its layers were asked for 50 ms apart)
+        assert seconds == pytest.approx(pending.queued_s + busy)
     finally:
         w1.shutdown()
         w2.shutdown()
