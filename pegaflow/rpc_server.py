@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 10.0
 LINGER_S = 2.0
 """After its last reply to a connection it closes, how long the server reads and drops
-what the client still sends: closing a socket with unread bytes resets it (Linux, TCP
-and Unix sockets alike), and the client could then lose the error reply it was sent."""
+what the client still sends: a client still writing to a closed socket gets EPIPE, and
+an asyncio stream then drops what it had received, the error reply it was sent too."""
 _MAX_HELLO = 4096
 
 Handler = Callable[[dict[str, Any]], Awaitable[Any]]
@@ -422,8 +422,8 @@ class _ServerConnection(asyncio.Protocol):
 
     def _linger(self, t: asyncio.Transport) -> None:
         """Close after the replies queued: send EOF, then drop what the client still sends
-        until its own EOF or :data:`LINGER_S`, so that its unread bytes do not reset the
-        connection before it has read the replies."""
+        until its own EOF or :data:`LINGER_S`, so that its writes do not fail before it
+        has read the replies."""
         if t.is_closing() or self._lingering:
             return
         self._lingering = True
