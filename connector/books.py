@@ -132,18 +132,22 @@ class WorkerBooks:
             self.pending_gathers.pop(req_id, None)
         self.lock.notify_all()
 
-    def hold_until_taken(self, req_id: str) -> Callable[[], None]:
+    def hold_until_taken(self, req_id: str, filled_at: float = 0.0) -> Callable[[], None]:
         """Hold ``req_id``'s blocks from reuse until the callback returned is called (the
         node holds their commit: they are stored even if this process dies now); calls
-        after the first do nothing."""
+        after the first do nothing.  ``filled_at``: when the step that filled them ran
+        (the hold is counted from then as ``save_hold_seconds``)."""
         done = False
 
         def release() -> None:
             nonlocal done
             with self.lock:
-                if not done:
-                    done = True
-                    self._gathered(req_id)
+                if done:
+                    return
+                done = True
+                self._gathered(req_id)
+            if filled_at:
+                self.counters.add("save_hold_seconds", time.monotonic() - filled_at)
 
         with self.lock:
             self.pending_gathers[req_id] = self.pending_gathers.get(req_id, 0) + 1

@@ -70,6 +70,11 @@ COUNTERS: dict[str, str] = {
         "time from the step that filled saved blocks to the node's answer (they are hits "
         "for other engines from then on)"
     ),
+    "save_wait_seconds": "time save jobs waited behind earlier saves before their copy-out",
+    "save_hold_seconds": (
+        "time from the step that filled same-host saved blocks until vLLM may reuse them "
+        "(the node holds their commit)"
+    ),
     "save_shutdown_seconds": "time engine shutdown waited for pending saves",
     "probe_bytes": "bytes fetched by probes (into host memory only)",
     "copy_seconds": "time spent copying between the KV cache and staging memory",
@@ -85,6 +90,14 @@ HISTOGRAMS: dict[str, tuple[str, str]] = {
     "save_publish_seconds": (
         "save_publish_latency_seconds",
         "from the step that filled a put's blocks to the node's answer",
+    ),
+    "save_wait_seconds": (
+        "save_wait_latency_seconds",
+        "from the step that filled a save job's blocks until the save thread starts it",
+    ),
+    "save_hold_seconds": (
+        "save_hold_latency_seconds",
+        "from the step that filled a same-host save chunk's blocks until they may be reused",
     ),
 }
 #: bucket bounds (seconds) of the latency histograms

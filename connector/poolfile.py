@@ -158,7 +158,7 @@ class PoolFileMedium:
                 self.books.drop([SaveJob(job.req_id, [], job.hashes[rows.start :])], BREAKER_OPEN)
                 return True
             t0 = time.monotonic()
-            taken = self.books.hold_until_taken(job.req_id)
+            taken = self.books.hold_until_taken(job.req_id, job.filled_at)
             try:
                 fut = local.save(
                     client, ns, hashes, self.shard, job.block_ids[rows.start : rows.stop],

@@ -489,6 +489,8 @@ class WorkerSide:
         # the job's blocks count as queued until each chunk is sent (then in flight) or
         # the job ends: a save being copied out is never uncounted (shutdown's books)
         self.books.save_started()
+        if job.filled_at:
+            self.books.counters.add("save_wait_seconds", time.monotonic() - job.filled_at)
         try:
             with telemetry.span(
                 "pegaflow.connector.save", parent=telemetry.request_context(job.req_id)

@@ -124,11 +124,12 @@ TINY_ARGS = [
 #: Connector counters reported per second (keys of ``connector.metrics.COUNTERS``).  A
 #: request vLLM keeps waiting is looked up again (``lookups_local`` where this host's node
 #: holds every block), a lookup past its deadline is an error and no hit, and a hit found
-#: is loaded unless the cost model declines it.
+#: is loaded unless the cost model declines it.  ``copy_seconds`` per second is how busy
+#: the replicas' save threads (and their other copies) were.
 RATE_COUNTERS = (
     "lookups", "lookups_local", "lookup_errors", "lookup_skipped", "lookup_hit_blocks",
     "cost_declined_blocks", "load_blocks", "local_load_blocks", "save_blocks",
-    "save_dropped_blocks",
+    "save_dropped_blocks", "copy_seconds",
 )  # fmt: skip
 #: Of those, the ones the timeline (``--sample-s``) shows per sample.
 TIMELINE_COUNTERS = ("lookup_hit_blocks", "cost_declined_blocks", "load_blocks", "save_blocks")
@@ -459,16 +460,42 @@ def connector_counters(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def save_publish_ms(before: dict[str, float], after: dict[str, float]) -> float | None:
-    """Mean ms from the step that filled saved blocks to the node's answer, over the puts
-    answered between two readings of :func:`connector_counters` (None: no put)."""
-    n = after.get("save_publish_latency_seconds_count", 0.0) - before.get(
-        "save_publish_latency_seconds_count", 0.0
-    )
+#: The connector's save latencies a point and its timeline report as means, in ms: the
+#: wait behind earlier saves, the hold of the GPU blocks (same host) and the time until
+#: the node stored them, each from the step that filled the blocks.
+SAVE_LATENCIES = ("save_wait", "save_hold", "save_publish")
+
+
+def latency_ms(
+    before: dict[str, float], after: dict[str, float], name: str = "save_publish"
+) -> float | None:
+    """Mean ms of the connector's ``<name>_seconds`` over the operations done between two
+    readings of :func:`connector_counters` (the count of its ``<name>_latency_seconds``
+    histogram; None: none done)."""
+    count = f"{name}_latency_seconds_count"
+    n = after.get(count, 0.0) - before.get(count, 0.0)
     if n <= 0:
         return None
-    s = after.get("save_publish_seconds", 0.0) - before.get("save_publish_seconds", 0.0)
+    total = f"{name}_seconds"
+    s = after.get(total, 0.0) - before.get(total, 0.0)
     return round(s / n * 1e3, 1)
+
+
+#: vLLM's own gauges a timeline sample shows, summed over the replicas: requests queued
+#: and running.  With the fullest replica's KV cache use, they tell whether requests
+#: wait for compute or for KV cache blocks.
+VLLM_GAUGES = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running"}
+#: vLLM's KV cache use gauge (0-1), by its name in vLLM >= 0.10 and before.
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+def vllm_gauges(metrics: Sequence[dict[str, float]]) -> dict[str, float]:
+    """:data:`VLLM_GAUGES` summed over the replicas' ``/metrics``, and ``kv_usage_max``:
+    the highest KV cache use among them."""
+    out = {key: sum(m.get(name, 0.0) for m in metrics) for name, key in VLLM_GAUGES.items()}
+    usage = [next((m[k] for k in KV_USAGE if k in m), 0.0) for m in metrics]
+    out["kv_usage_max"] = round(max(usage, default=0.0), 3)
+    return out
 
 
 def summed(counters: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -661,12 +688,15 @@ async def run_point(
                 }
                 if node:
                     row.update(await node.sample(session))
-                now_c = [connector_counters(await scrape(session, u + "/metrics")) for u in murls]
+                scraped = [await scrape(session, u + "/metrics") for u in murls]
+                row.update(vllm_gauges(scraped))
+                now_c = [connector_counters(m) for m in scraped]
                 for k in TIMELINE_COUNTERS:
                     pairs = zip(before, now_c, strict=True)
                     row[k] = sum(c.get(k, 0.0) - b.get(k, 0.0) for b, c in pairs)
                 now_sum = summed(now_c)
-                row["save_publish_ms"] = save_publish_ms(last, now_sum)  # this sample's puts
+                for name in SAVE_LATENCIES:  # this sample's saves
+                    row[f"{name}_ms"] = latency_ms(last, now_sum, name)
                 last = now_sum
                 timeline.append(row)
 
@@ -805,7 +835,8 @@ def summarize(point: dict[str, Any], block_size: int = 0, warmup_s: float = 0.0)
     out["turn_misses"] = turn_misses(ok, steady)
     c = point["connector"]
     out["connector_per_s"] = {k: round(c.get(k, 0.0) / wall, 2) for k in RATE_COUNTERS}
-    out["save_publish_ms_mean"] = save_publish_ms({}, c)
+    for name in SAVE_LATENCIES:
+        out[f"{name}_ms_mean"] = latency_ms({}, c, name)
     out["load_failed_blocks"] = c.get("load_failed_blocks", 0.0)
     if block_size:
         cached = sum(r.cached_tokens for r in ok)
@@ -1436,7 +1467,8 @@ def run_setup(
             f"failed {s['failed']}  connector/s {s['connector_per_s']}"
             + (f"  same-host {s['same_host_share']}" if "same_host_share" in s else "")
             + (
-                f"  saves stored {s['save_publish_ms_mean']} ms after their step"
+                f"  saves after their step: started {s['save_wait_ms_mean']}, blocks "
+                f"reusable {s['save_hold_ms_mean']}, stored {s['save_publish_ms_mean']} ms"
                 if s.get("save_publish_ms_mean") is not None
                 else ""
             )

@@ -94,10 +94,27 @@ def test_save_publish_mean(bench: ModuleType) -> None:
     ]
     now = bench.summed([bench.connector_counters(m) for m in scraped])
     assert now["save_blocks"] == 30.0 and "save_publish_latency_seconds_sum" not in now
-    assert bench.save_publish_ms({}, now) == 500.0
+    assert bench.latency_ms({}, now) == 500.0
     earlier = {"save_publish_seconds": 1.9, "save_publish_latency_seconds_count": 3.0}
-    assert bench.save_publish_ms(earlier, now) == 100.0
-    assert bench.save_publish_ms(now, now) is None  # no put answered in between
+    assert bench.latency_ms(earlier, now) == 100.0
+    assert bench.latency_ms(now, now) is None  # no put answered in between
+    held = {"save_hold_seconds": 0.6, "save_hold_latency_seconds_count": 4.0}
+    assert bench.latency_ms({}, held, "save_hold") == 150.0
+    assert bench.latency_ms({}, held, "save_wait") is None
+
+
+def test_vllm_gauges(bench: ModuleType) -> None:
+    """Queued and running requests add up over the replicas; KV cache use is the fullest
+    replica's, by either of vLLM's names for it."""
+    scraped = [
+        {"vllm:num_requests_waiting": 3.0, "vllm:num_requests_running": 5.0,
+         "vllm:kv_cache_usage_perc": 0.97},
+        {"vllm:num_requests_waiting": 1.0, "vllm:num_requests_running": 2.0,
+         "vllm:gpu_cache_usage_perc": 0.5},
+        {},
+    ]  # fmt: skip
+    assert bench.vllm_gauges(scraped) == {"waiting": 4.0, "running": 7.0, "kv_usage_max": 0.97}
+    assert bench.vllm_gauges([])["kv_usage_max"] == 0.0
 
 
 def test_turn_misses(bench: ModuleType) -> None:
