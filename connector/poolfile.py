@@ -23,9 +23,16 @@ from .localpath import LoadRequest, LocalPath, PendingLoad
 from .media import BREAKER_OPEN, chunks, gen_of, node_of
 from .metadata import LoadJob, SaveJob
 from .policy import LOCATE_PIN_S
-from .settings import ConnectorSettings
 
 logger = logging.getLogger("pegaflow.connector")
+
+SAVE_CHUNK_BYTES = 256 << 20
+"""KV bytes a same-host save reserves, copies out and commits at once.  Each chunk costs
+a reservation round trip and a wait for its copies on the device, which on a GPU shared
+by busy engines can be tens of ms; a request's blocks stay allocated in vLLM until its
+last chunk is committed, so small chunks let saves fall behind and hold the KV cache
+that new requests need.  One step of one request (``max_num_batched_tokens``) is at most
+a few such chunks."""
 
 SyncLoad = tuple[LoadJob, PendingLoad | list[bool], float]
 """a layer-wise load of a step: its job, its queued copies (or, failed to start, every
@@ -40,7 +47,6 @@ class PoolFileMedium:
         io: the worker's KV block copier.
         books: the worker's books (counters, reports, the save breaker, holds).
         shard: this worker's shard.
-        settings: connector settings (chunk size).
     """
 
     name = "pool-file"
@@ -51,13 +57,11 @@ class PoolFileMedium:
         io: KVBlockIO,
         books: WorkerBooks,
         shard: int,
-        settings: ConnectorSettings,
     ) -> None:
         self.path = path
         self.io = io
         self.books = books
         self.shard = shard
-        self.settings = settings
 
     @property
     def node_id(self) -> str:
@@ -151,7 +155,7 @@ class PoolFileMedium:
         local = self.path
         if client is None or not local.attach(client):
             return False
-        chunk = max(1, self.settings.chunk_bytes // self.io.block_bytes) * 4
+        chunk = max(1, SAVE_CHUNK_BYTES // self.io.block_bytes)
         for rows in chunks(len(job.block_ids), chunk):
             hashes = job.hashes[rows.start : rows.stop]
             if not self.books.save_breaker.allow():

@@ -464,7 +464,7 @@ class WorkerSide:
         assert self.io is not None
         s = self.settings
         path = LocalPath(self.io, node, s.transfer_timeout_s, s.verify_threads)
-        return PoolFileMedium(path, self.io, self.books, self.shard, s)
+        return PoolFileMedium(path, self.io, self.books, self.shard)
 
     def _discover(self) -> None:
         """Find the node on this host (unless ``local_node`` names it) and, with the
