@@ -166,6 +166,11 @@ class WorkloadSpec:
     output_tokens: int = 16
     tokens_per_word: float = 1.0
     seed: int = 0
+    vary_turns: bool = False
+    """each conversation's length drawn from 1 .. 2 * ``turns`` - 1 (mean ``turns``);
+    else all have ``turns``, and the conversations, issued round robin over their slots,
+    end together and start again together: a wave of cold first turns every ``turns``
+    rounds"""
 
     def nwords(self, tokens: int) -> int:
         return max(1, round(tokens / self.tokens_per_word))
@@ -176,8 +181,10 @@ class Conversation:
 
     def __init__(self, cid: int, spec: WorkloadSpec) -> None:
         self.cid = cid
-        self.turns = spec.turns
         self._rng = random.Random(f"{spec.seed}-conv-{cid}")
+        self.turns = spec.turns
+        if spec.vary_turns and spec.turns > 1:
+            self.turns = self._rng.randint(1, 2 * spec.turns - 1)
         self._turn_words = spec.nwords(spec.turn_tokens)
         self.history = words(self._rng, spec.nwords(spec.first_tokens))
         self.issued = 0
@@ -1352,7 +1359,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--router-args", default="", help="more pegaflow-router arguments")
     w = ap.add_argument_group("workload (lengths in tokens)")
     w.add_argument("--conversations", type=int, default=8, help="active at once")
-    w.add_argument("--turns", type=int, default=4)
+    w.add_argument("--turns", type=int, default=4, help="turns per conversation, mean")
+    w.add_argument(
+        "--fixed-turns",
+        action="store_true",
+        help="every conversation has --turns turns (default: 1 .. 2 x --turns - 1, so that "
+        "conversations do not all start again at once)",
+    )
     w.add_argument("--first-tokens", type=int, default=512)
     w.add_argument("--turn-tokens", type=int, default=64)
     w.add_argument("--docs", type=int, default=4)
@@ -1498,7 +1511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         turn_tokens=a.turn_tokens, docs=a.docs, doc_tokens=a.doc_tokens,
         question_tokens=a.question_tokens, unique_tokens=a.unique_tokens,
         mix=mix,  # type: ignore[arg-type]
-        output_tokens=a.output_tokens, seed=a.seed,
+        output_tokens=a.output_tokens, seed=a.seed, vary_turns=not a.fixed_turns,
     )  # fmt: skip
     results: dict[str, list[dict[str, Any]]] = {}
     raws: dict[str, list[list[Result]]] = {}

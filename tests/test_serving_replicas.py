@@ -15,6 +15,7 @@ Slow (three servers start together): ``pytest -m slow tests/test_serving_replica
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import itertools
 import time
@@ -131,6 +132,26 @@ def test_workload_chains_turns_and_is_deterministic() -> None:
     assert {k for k, *_ in first} == {"conv", "doc", "unique"}
     assert max(t for _, _, t, _ in first) == spec.turns - 1
     assert bench.pct([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+
+
+def test_conversations_of_varied_length_start_out_of_step() -> None:
+    """With ``vary_turns`` conversations last 1 .. 2 x turns - 1 turns (mean about
+    ``turns``), so their first turns, cold for any cache, come spread out rather than
+    all the slots' at once every ``turns`` rounds."""
+    bench = load_bench()
+    spec = bench.WorkloadSpec(conversations=8, turns=4, first_tokens=4, turn_tokens=2, docs=0,
+                              mix=(1.0, 0.0, 0.0), vary_turns=True)  # fmt: skip
+    items = list(itertools.islice(bench.Workload(spec).items(), 8 * 40))
+    lengths: dict[str, int] = {}
+    for it in items:
+        lengths[it.stream] = max(lengths.get(it.stream, 0), it.turn + 1)
+    done = list(lengths.values())[:-8]  # the last of each slot may be cut short
+    assert min(done) >= 1 and max(done) <= 7 and 3.0 <= sum(done) / len(done) <= 5.0
+    firsts_per_round = [sum(it.turn == 0 for it in items[r : r + 8]) for r in range(8, 320, 8)]
+    assert max(firsts_per_round) < 8  # never every slot at once, as with fixed turns
+    fixed = bench.Workload(dataclasses.replace(spec, vary_turns=False))
+    fixed_items = list(itertools.islice(fixed.items(), 8 * 8))
+    assert [sum(it.turn == 0 for it in fixed_items[r : r + 8]) for r in (0, 32)] == [8, 8]
 
 
 @pytest.mark.slow
