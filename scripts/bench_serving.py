@@ -920,7 +920,8 @@ _MEMORY_RACES = (
     "No available memory for the cache blocks",
 )
 """vLLM's start failures when replicas starting together on one GPU measured each
-other's memory as taken, or as freed"""
+other's memory as taken, or as freed (its memory profile, which a fixed
+``--kv-cache-memory-bytes`` skips)"""
 
 
 def start_replicas(
@@ -964,7 +965,9 @@ def start_replicas(
             r = out[i]
             r.kill()
             print(
-                f"{r.name}: its GPU memory check raced the others' start; starting it alone",
+                f"{r.name}: its GPU memory check raced the others' start; starting it alone "
+                "(with --kv-cache-memory-bytes in --vllm-args vLLM skips that check, and "
+                "replicas sharing a GPU start together)",
                 file=sys.stderr,
             )
             out[i] = _ready(
@@ -1345,7 +1348,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--real-weights", action="store_true", help="load weights (default dummy)")
     g.add_argument("--vllm-args", default="", help="more `vllm serve` arguments (one string)")
     g.add_argument("--gpus", default="", help="CUDA_VISIBLE_DEVICES per replica, round robin")
-    g.add_argument("--parallel-start", action="store_true", help="start replicas together")
+    g.add_argument(
+        "--parallel-start",
+        action="store_true",
+        help="start replicas together (on one GPU give them --kv-cache-memory-bytes in "
+        "--vllm-args: vLLM's memory profile races otherwise, and a replica that lost the "
+        "race starts again alone)",
+    )
     g.add_argument("--start-timeout", type=float, default=900.0)
     g.add_argument("--setups", default="vllm,pegaflow,warm", help="of " + ",".join(SETUPS))
     g.add_argument("--pool-size", default="", help="pegaflow-server --pool-size (default auto)")
