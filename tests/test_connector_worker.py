@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from pegaflow.connector.blockio import KVBlockIO
+from pegaflow.connector.books import WorkerBooks
 from pegaflow.connector.metadata import LoadJob, SaveJob, StepPlan
 from pegaflow.connector.metrics import Counters
 from pegaflow.connector.settings import ConnectorSettings
@@ -443,3 +444,24 @@ def test_steps_that_replay_a_cuda_graph_queue_every_layer_at_once() -> None:
     assert graphs.layerwise._ahead(StepPlan(NS, tokens=4096)) == ahead  # past the graphs
     eager.shutdown()
     graphs.shutdown()
+
+
+def test_a_saves_wait_and_hold_are_counted() -> None:
+    """A save job's wait behind earlier saves is one ``save_wait_seconds`` sample; a
+    same-host hold is one ``save_hold_seconds`` sample from the step that filled the
+    blocks, at its first release only, and it ends the hold on the request."""
+    cluster = FakeCluster()
+    w, c = worker(cluster, kv(1))
+    save(w, cluster, [1, 2], [h(1), h(2)])
+    wait_for(lambda: "save_wait_latency_seconds" in c.take_delta())
+    assert c.totals()["save_wait_seconds"] >= 0
+
+    books = WorkerBooks(ConnectorSettings.load({}, env={}), Counters())
+    release = books.hold_until_taken("r", time.monotonic() - 0.5)
+    assert books.pending_gathers == {"r": 1}
+    release()
+    release()
+    assert books.pending_gathers == {}
+    assert books.counters.totals()["save_hold_seconds"] >= 0.5
+    assert len(books.counters.take_delta()["save_hold_latency_seconds"]) == 1  # type: ignore[arg-type]
+    w.shutdown(0.5)
