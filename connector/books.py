@@ -132,11 +132,11 @@ class WorkerBooks:
             self.pending_gathers.pop(req_id, None)
         self.lock.notify_all()
 
-    def hold_until_taken(self, req_id: str, filled_at: float = 0.0) -> Callable[[], None]:
+    def hold_until_taken(self, req_id: str, filled_at: float) -> Callable[[], None]:
         """Hold ``req_id``'s blocks from reuse until the callback returned is called (the
         node holds their commit: they are stored even if this process dies now); calls
-        after the first do nothing.  ``filled_at``: when the step that filled them ran
-        (the hold is counted from then as ``save_hold_seconds``)."""
+        after the first do nothing.  ``filled_at``: when the step that filled them was
+        queued (the hold is counted from then as ``save_hold_seconds``; 0: not counted)."""
         done = False
 
         def release() -> None:

@@ -97,6 +97,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from pegaflow.connector.metrics import HISTOGRAMS  # noqa: E402
 from pegaflow.router.server import REPLICA_HEADER  # noqa: E402
 
 from pegaflow.devcluster import (  # noqa: E402
@@ -477,13 +478,13 @@ def latency_ms(
     before: dict[str, float], after: dict[str, float], name: str = "save_publish"
 ) -> float | None:
     """Mean ms of the connector's ``<name>_seconds`` over the operations done between two
-    readings of :func:`connector_counters` (the count of its ``<name>_latency_seconds``
-    histogram; None: none done)."""
-    count = f"{name}_latency_seconds_count"
+    readings of :func:`connector_counters` (the count of its histogram, as
+    ``connector.metrics.HISTOGRAMS`` names it; None: none done)."""
+    total = f"{name}_seconds"
+    count = HISTOGRAMS[total][0] + "_count"
     n = after.get(count, 0.0) - before.get(count, 0.0)
     if n <= 0:
         return None
-    total = f"{name}_seconds"
     s = after.get(total, 0.0) - before.get(total, 0.0)
     return round(s / n * 1e3, 1)
 
