@@ -70,7 +70,7 @@ COUNTERS: dict[str, str] = {
         "time from the step that filled saved blocks to the node's answer (they are hits "
         "for other engines from then on)"
     ),
-    "save_wait_seconds": "time save jobs waited behind earlier saves before their copy-out",
+    "save_wait_seconds": "time from queuing a save job (with its step) until its copy-out began",
     "save_hold_seconds": (
         "time from the step that filled same-host saved blocks until vLLM may reuse them "
         "(the node holds their commit)"

@@ -469,8 +469,9 @@ def connector_counters(metrics: dict[str, float]) -> dict[str, float]:
 
 
 #: The connector's save latencies a point and its timeline report as means, in ms: the
-#: wait behind earlier saves, the hold of the GPU blocks (same host) and the time until
-#: the node stored them, each from the step that filled the blocks.
+#: wait until the save thread starts a job, the hold of the GPU blocks (same host) and
+#: the time until the node stored them, each from when the step that filled the blocks
+#: was queued.
 SAVE_LATENCIES = ("save_wait", "save_hold", "save_publish")
 
 
