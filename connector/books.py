@@ -115,12 +115,19 @@ class WorkerBooks:
             self.inflight_saves += n
             self._moved += n
 
+    def merged(self, n: int) -> None:
+        """``n`` queued blocks are stored once with the same blocks of another queued
+        job (:func:`~.metadata.merge_saves`): no longer queued."""
+        with self.lock:
+            self.queued_saves -= n
+
     def save_ended(self, job: SaveJob) -> None:
         """The save thread is done with ``job``: its blocks not sent are uncounted and
-        its hold ends."""
+        its holds end."""
         with self.lock:
             self.queued_saves -= len(job.hashes) - self._moved
-            self._gathered(job.req_id)
+            for req_id in job.holders:
+                self._gathered(req_id)
 
     def _gathered(self, req_id: str) -> None:
         """One hold on ``req_id``'s blocks is over (a save job, or a same-host commit the
@@ -132,11 +139,12 @@ class WorkerBooks:
             self.pending_gathers.pop(req_id, None)
         self.lock.notify_all()
 
-    def hold_until_taken(self, req_id: str, filled_at: float) -> Callable[[], None]:
-        """Hold ``req_id``'s blocks from reuse until the callback returned is called (the
-        node holds their commit: they are stored even if this process dies now); calls
-        after the first do nothing.  ``filled_at``: when the step that filled them was
-        queued (the hold is counted from then as ``save_hold_seconds``; 0: not counted)."""
+    def hold_until_taken(self, req_ids: Sequence[str], filled_at: float) -> Callable[[], None]:
+        """Hold the blocks of ``req_ids`` (a save job's :attr:`~.metadata.SaveJob.holders`)
+        from reuse until the callback returned is called (the node holds their commit:
+        they are stored even if this process dies now); calls after the first do
+        nothing.  ``filled_at``: when the step that filled them was queued (the hold is
+        counted from then as ``save_hold_seconds``; 0: not counted)."""
         done = False
 
         def release() -> None:
@@ -145,12 +153,14 @@ class WorkerBooks:
                 if done:
                     return
                 done = True
-                self._gathered(req_id)
+                for req_id in req_ids:
+                    self._gathered(req_id)
             if filled_at:
                 self.counters.add("save_hold_seconds", time.monotonic() - filled_at)
 
         with self.lock:
-            self.pending_gathers[req_id] = self.pending_gathers.get(req_id, 0) + 1
+            for req_id in req_ids:
+                self.pending_gathers[req_id] = self.pending_gathers.get(req_id, 0) + 1
         return release
 
     def put_answered(self, n: int) -> None:

@@ -7,7 +7,7 @@ network.  Pure module: no vLLM import.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pegaflow.wire import LocatedBlocks
@@ -63,6 +63,34 @@ class SaveJob:
     filled_at: float = 0.0
     """when the worker queued it, right after the step that filled its blocks
     (``time.monotonic``; 0: not queued)"""
+    owners: list[str] = field(default_factory=list)
+    """the requests of the queued jobs this one merges (:func:`merge_saves`), one entry
+    per job; empty: ``req_id``'s own"""
+
+    @property
+    def holders(self) -> list[str]:
+        """The request of each queued job whose blocks this job holds from reuse."""
+        return self.owners or [self.req_id]
+
+
+def merge_saves(jobs: Sequence[SaveJob]) -> SaveJob:
+    """One job for queued save jobs ``jobs`` (in queue order), so that they are copied
+    out and committed together (one reservation, one copy, one commit); a hash in
+    several of them is stored once.  It holds the blocks of every job merged and counts
+    from the earliest ``filled_at``."""
+    if len(jobs) == 1:
+        return jobs[0]
+    ids: list[int] = []
+    hashes: list[bytes] = []
+    seen: set[bytes] = set()
+    for job in jobs:
+        for b, h in zip(job.block_ids, job.hashes, strict=True):
+            if h not in seen:
+                seen.add(h)
+                ids.append(b)
+                hashes.append(h)
+    filled = min((j.filled_at for j in jobs if j.filled_at), default=0.0)
+    return SaveJob(jobs[0].req_id, ids, hashes, filled, [r for j in jobs for r in j.holders])
 
 
 @dataclass

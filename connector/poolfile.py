@@ -32,7 +32,7 @@ a reservation round trip and a wait for its copies on the device, which on a GPU
 by busy engines can be tens of ms; a request's blocks stay allocated in vLLM until its
 last chunk is committed, so small chunks let saves fall behind and hold the KV cache
 that new requests need.  One step of one request (``max_num_batched_tokens``) is at most
-a few such chunks."""
+a few such chunks; the worker merges small queued jobs up to one chunk."""
 
 SyncLoad = tuple[LoadJob, PendingLoad | list[bool], float]
 """a layer-wise load of a step: its job, its queued copies (or, failed to start, every
@@ -162,7 +162,7 @@ class PoolFileMedium:
                 self.books.drop([SaveJob(job.req_id, [], job.hashes[rows.start :])], BREAKER_OPEN)
                 return True
             t0 = time.monotonic()
-            taken = self.books.hold_until_taken(job.req_id, job.filled_at)
+            taken = self.books.hold_until_taken(job.holders, job.filled_at)
             try:
                 fut = local.save(
                     client, ns, hashes, self.shard, job.block_ids[rows.start : rows.stop],

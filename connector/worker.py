@@ -24,6 +24,7 @@ failing, saves are dropped (counted), never waited for.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import threading
@@ -44,9 +45,9 @@ from .discovery import LocalNodeFinder
 from .layerwise import LayerwiseLoads
 from .localpath import LocalPath
 from .media import BREAKER_OPEN, Medium
-from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport
+from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport, merge_saves
 from .metrics import Counters
-from .poolfile import PoolFileMedium, SyncLoad
+from .poolfile import SAVE_CHUNK_BYTES, PoolFileMedium, SyncLoad
 from .remote import RemoteMedium
 from .settings import ConnectorSettings
 from .steptimer import StepTimer
@@ -114,6 +115,8 @@ class WorkerSide:
         """the pool file of the node on this host (once known and mapped)"""
         self._load_pool = concurrent.futures.ThreadPoolExecutor(1, "pegaflow-load")
         self._save_pool = concurrent.futures.ThreadPoolExecutor(1, "pegaflow-save")
+        self._save_queue: collections.deque[tuple[str, SaveJob, Any]] = collections.deque()
+        """save jobs queued for the save thread (namespace, job, its step's marker)"""
         self._probe_pool = concurrent.futures.ThreadPoolExecutor(1, "pegaflow-probe")
         self._step = StepTimer()
         """times forward passes for the cost model"""
@@ -306,8 +309,8 @@ class WorkerSide:
         for job in plan.saves:
             job.filled_at = now
         self.books.queue_saves(plan.saves)
-        for job in plan.saves:
-            self._save_pool.submit(self._run_save_safe, plan.namespace, job, marker)
+        self._save_queue.extend((plan.namespace, job, marker) for job in plan.saves)
+        self._save_pool.submit(self._drain_saves)
 
     def wait_for_copies(self, req_ids: Sequence[str], timeout: float = 120.0) -> None:
         """Block until no copy-out of ``req_ids`` is pending (their blocks may be reused)."""
@@ -485,12 +488,37 @@ class WorkerSide:
 
     # ---- saves ---------------------------------------------------------------------
 
+    def _drain_saves(self) -> None:
+        """Run the queued save jobs (on the save thread), in order."""
+        while self._save_queue:
+            self._run_save_safe(*self._take_saves())
+
+    def _take_saves(self) -> tuple[str, SaveJob, Any]:
+        """The next queued save job, merged with those queued after it (same namespace)
+        up to one same-host chunk (``SAVE_CHUNK_BYTES``): a backlog of small jobs (a
+        block or two of each decoding request, a step) then costs one reservation, one
+        copy and one commit per chunk, not per job, and so drains."""
+        assert self.io is not None
+        q = self._save_queue
+        ns, job, marker = q.popleft()
+        jobs = [job]
+        room = max(1, SAVE_CHUNK_BYTES // self.io.block_bytes) - len(job.block_ids)
+        while q and q[0][0] == ns and len(q[0][1].block_ids) <= room:
+            _, job, marker = q.popleft()  # a later step's marker: after the earlier ones
+            jobs.append(job)
+            room -= len(job.block_ids)
+        now = time.monotonic()
+        for j in jobs:
+            if j.filled_at:
+                self.books.counters.add("save_wait_seconds", now - j.filled_at)
+        merged = merge_saves(jobs)
+        self.books.merged(sum(len(j.hashes) for j in jobs) - len(merged.hashes))
+        return ns, merged, marker
+
     def _run_save_safe(self, ns: str, job: SaveJob, marker: Any) -> None:
         # the job's blocks count as queued until each chunk is sent (then in flight) or
         # the job ends: a save being copied out is never uncounted (shutdown's books)
         self.books.save_started()
-        if job.filled_at:
-            self.books.counters.add("save_wait_seconds", time.monotonic() - job.filled_at)
         try:
             with telemetry.span(
                 "pegaflow.connector.save", parent=telemetry.request_context(job.req_id)

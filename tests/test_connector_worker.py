@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 from pegaflow.connector.blockio import KVBlockIO
 from pegaflow.connector.books import WorkerBooks
-from pegaflow.connector.metadata import LoadJob, SaveJob, StepPlan
+from pegaflow.connector.metadata import LoadJob, SaveJob, StepPlan, merge_saves
 from pegaflow.connector.metrics import Counters
 from pegaflow.connector.settings import ConnectorSettings
 from pegaflow.connector.staging import Staging
@@ -457,7 +458,7 @@ def test_a_saves_wait_and_hold_are_counted() -> None:
     assert c.totals()["save_wait_seconds"] >= 0
 
     books = WorkerBooks(ConnectorSettings.load({}, env={}), Counters())
-    release = books.hold_until_taken("r", time.monotonic() - 0.5)
+    release = books.hold_until_taken(["r"], time.monotonic() - 0.5)
     assert books.pending_gathers == {"r": 1}
     release()
     release()
@@ -465,3 +466,47 @@ def test_a_saves_wait_and_hold_are_counted() -> None:
     assert books.counters.totals()["save_hold_seconds"] >= 0.5
     assert len(books.counters.take_delta()["save_hold_latency_seconds"]) == 1  # type: ignore[arg-type]
     w.shutdown(0.5)
+
+
+def test_merged_save_jobs_store_each_hash_once_and_hold_every_request() -> None:
+    jobs = [
+        SaveJob("a", [1, 2], [h(1), h(2)], 5.0),
+        SaveJob("b", [3, 4], [h(3), h(1)], 4.0),  # h(1): the same block as a's
+        SaveJob("a", [5], [h(5)], 0.0),
+    ]
+    m = merge_saves(jobs)
+    assert (m.block_ids, m.hashes) == ([1, 2, 3, 5], [h(1), h(2), h(3), h(5)])
+    assert m.holders == ["a", "b", "a"] and m.filled_at == 4.0
+    assert merge_saves(jobs[:1]) is jobs[0] and jobs[0].holders == ["a"]
+
+
+def test_saves_queued_behind_a_busy_save_thread_go_out_together() -> None:
+    """Jobs that queue up while the save thread is busy are copied out and sent as one
+    (fewer puts; a hash in two of them stored once); every block is stored as it was
+    in the KV cache, the books end at zero and no request stays held."""
+    cluster = FakeCluster()
+    src = kv(12)
+    w, c = worker(cluster, src, chunk_bytes=8 * 3 * 512)  # 8 blocks a put
+    gate = threading.Event()
+    w._save_pool.submit(gate.wait, 10)  # the save thread is busy
+    w.submit_saves(StepPlan(NS, saves=[SaveJob("a", [1, 2], [h(1), h(2)])]))
+    w.submit_saves(StepPlan(NS, saves=[SaveJob("b", [3, 4], [h(3), h(1)])]))
+    w.submit_saves(StepPlan(NS, saves=[SaveJob("c", [5], [h(5)])]))
+    gate.set()
+    wait_for(lambda: w.pending_saves() == 0 and c.totals().get("save_blocks", 0) == 4)
+    assert cluster.puts == 1
+    assert "save_present_blocks" not in c.totals()
+    assert w.books.pending_gathers == {}
+    assert len(c.take_delta()["save_wait_latency_seconds"]) == 3  # type: ignore[arg-type]
+
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    w2, _ = worker(cluster, dst)
+    w2.start_step(
+        StepPlan(NS, loads=[LoadJob("r", [1, 2, 3, 5], [h(1), h(2), h(3), h(5)], [["n1"]] * 4)])
+    )
+    errors, _ = finish_loads(w2, "r")
+    assert errors == set()
+    for name in src:
+        assert torch.equal(dst[name][[1, 2, 3, 5]], src[name][[1, 2, 3, 5]])
+    w.shutdown()
+    w2.shutdown()
