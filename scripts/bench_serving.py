@@ -1668,7 +1668,9 @@ def report(summary: dict[str, Any], a: argparse.Namespace) -> int:
 def merge(a: argparse.Namespace) -> int:
     """``--merge``: one report of setups measured by separate runs of this script (a
     device's time limit per command, say).  Each file is a run's output, whose last line
-    is its summary; the first file's first setup is the reference.  With ``--out``
+    is its summary; the first file's first setup is the reference.  A setup measured by
+    several runs (rates split over commands) is reported with all their points, by
+    offered rate.  With ``--out``
     files of those runs (``--merge-requests``), the outputs of each other setup are
     compared with the reference's by prompt (greedy: equal engines give equal text)."""
     summary: dict[str, Any] = {"setups": {}, "merged": a.merge.split(",")}
@@ -1677,7 +1679,9 @@ def merge(a: argparse.Namespace) -> int:
         got = json.loads(lines[-1])
         summary.setdefault("config", got.get("config", {}))
         for name, entry in got["setups"].items():
-            summary["setups"][name] = {"points": entry["points"]}
+            points = summary["setups"].setdefault(name, {"points": []})["points"]
+            points.extend(entry["points"])
+            points.sort(key=lambda p: p.get("offered") or 0.0)
     if a.merge_requests:
         texts: dict[str, dict[str, str]] = {}
         for path in a.merge_requests.split(","):

@@ -225,16 +225,17 @@ def test_against_first_matches_points_by_offered_load(bench: ModuleType) -> None
 def test_merge_reports_separate_runs_as_one(
     bench: ModuleType, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    runs = {
-        "vllm": [_point(12, 12.0, 1600), _point(16, 13.0, 8000)],
-        "pegaflow": [_point(16, 16.0, 800)],
-    }
+    runs = [  # vllm's rates in two runs, the later one first
+        ("vllm", [_point(16, 13.0, 8000)]),
+        ("vllm", [_point(12, 12.0, 1600)]),
+        ("pegaflow", [_point(16, 16.0, 800)]),
+    ]
     files, reqs = [], []
-    for name, points in runs.items():
-        f = tmp_path / f"{name}.txt"
+    for i, (name, points) in enumerate(runs):
+        f = tmp_path / f"{name}{i}.txt"
         f.write_text("progress line\n" + json.dumps({"setups": {name: {"points": points}}}) + "\n")
         files.append(str(f))
-        r = tmp_path / f"{name}.jsonl"
+        r = tmp_path / f"{name}{i}.jsonl"
         rows = [{"setup": name, "prompt_sha": "a", "text": "x", "error": ""}]
         rows.append({"setup": name, "prompt_sha": "b", "text": "y" if name == "vllm" else "z"})
         r.write_text("\n".join(json.dumps(x) for x in rows) + "\n")
@@ -242,6 +243,7 @@ def test_merge_reports_separate_runs_as_one(
     argv = ["--merge", ",".join(files), "--merge-requests", ",".join(reqs), "--slo-ms", "2000"]
     assert bench.main(argv) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [p["offered"] for p in got["setups"]["vllm"]["points"]] == [12, 16]
     peg = got["setups"]["pegaflow"]
     assert peg["throughput_at_slo_ratio"] == pytest.approx(16 / 12, abs=1e-3)
     assert peg["ttft_p99_ratio"] == [10.0]
