@@ -120,7 +120,11 @@ class VllmEngine:
 
 
 def kill_group(popen: subprocess.Popen[Any]) -> None:
-    """SIGKILL a process started in its own session and every process of its group."""
+    """SIGKILL a process started in its own session and every process of its group, and
+    remove the shared-memory segments they had mapped (vLLM's message queues are
+    ``/dev/shm/psm_*``; a SIGKILL leaves them behind, a few hundred MiB each, and a
+    machine running many tests or benchmarks fills its ``/dev/shm``)."""
+    leftovers = _shm_segments(popen.pid)
     try:
         os.killpg(popen.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -128,6 +132,28 @@ def kill_group(popen: subprocess.Popen[Any]) -> None:
     if popen.poll() is None:
         popen.kill()
     popen.wait(30)
+    for path in leftovers:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass  # unlinked by its owner already
+
+
+def _shm_segments(pgid: int) -> set[str]:
+    """The ``/dev/shm/psm_*`` segments mapped by processes of group ``pgid``."""
+    found: set[str] = set()
+    for d in glob.glob("/proc/[0-9]*"):
+        try:
+            if os.getpgid(int(d[6:])) != pgid:
+                continue
+            with open(d + "/maps") as f:
+                for line in f:
+                    i = line.find("/dev/shm/psm_")
+                    if i >= 0:
+                        found.add(line[i:].split()[0])
+        except (OSError, ValueError):
+            continue  # gone, or not ours to read
+    return found
 
 
 def prompts(
