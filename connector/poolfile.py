@@ -34,6 +34,12 @@ last chunk is committed, so small chunks let saves fall behind and hold the KV c
 that new requests need.  One step of one request (``max_num_batched_tokens``) is at most
 a few such chunks; the worker merges small queued jobs up to one chunk."""
 
+
+def save_chunk_blocks(block_bytes: int) -> int:
+    """Blocks of ``block_bytes`` in one same-host save chunk (``SAVE_CHUNK_BYTES``)."""
+    return max(1, SAVE_CHUNK_BYTES // block_bytes)
+
+
 SyncLoad = tuple[LoadJob, PendingLoad | list[bool], float]
 """a layer-wise load of a step: its job, its queued copies (or, failed to start, every
 block's outcome) and when the step's loads started"""
@@ -155,7 +161,7 @@ class PoolFileMedium:
         local = self.path
         if client is None or not local.attach(client):
             return False
-        chunk = max(1, SAVE_CHUNK_BYTES // self.io.block_bytes)
+        chunk = save_chunk_blocks(self.io.block_bytes)
         for rows in chunks(len(job.block_ids), chunk):
             hashes = job.hashes[rows.start : rows.stop]
             if not self.books.save_breaker.allow():

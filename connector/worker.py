@@ -47,7 +47,7 @@ from .localpath import LocalPath
 from .media import BREAKER_OPEN, Medium
 from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport, merge_saves
 from .metrics import Counters
-from .poolfile import SAVE_CHUNK_BYTES, PoolFileMedium, SyncLoad
+from .poolfile import PoolFileMedium, SyncLoad, save_chunk_blocks
 from .remote import RemoteMedium
 from .settings import ConnectorSettings
 from .steptimer import StepTimer
@@ -495,14 +495,14 @@ class WorkerSide:
 
     def _take_saves(self) -> tuple[str, SaveJob, Any]:
         """The next queued save job, merged with those queued after it (same namespace)
-        up to one same-host chunk (``SAVE_CHUNK_BYTES``): a backlog of small jobs (a
+        up to one same-host chunk (:func:`~.poolfile.save_chunk_blocks`): a backlog of small jobs (a
         block or two of each decoding request, a step) then costs one reservation, one
         copy and one commit per chunk, not per job, and so drains."""
         assert self.io is not None
         q = self._save_queue
         ns, job, marker = q.popleft()
         jobs = [job]
-        room = max(1, SAVE_CHUNK_BYTES // self.io.block_bytes) - len(job.block_ids)
+        room = save_chunk_blocks(self.io.block_bytes) - len(job.block_ids)
         while q and q[0][0] == ns and len(q[0][1].block_ids) <= room:
             _, job, marker = q.popleft()  # a later step's marker: after the earlier ones
             jobs.append(job)

@@ -1679,9 +1679,9 @@ def merge(a: argparse.Namespace) -> int:
         got = json.loads(lines[-1])
         summary.setdefault("config", got.get("config", {}))
         for name, entry in got["setups"].items():
-            points = summary["setups"].setdefault(name, {"points": []})["points"]
-            points.extend(entry["points"])
-            points.sort(key=lambda p: p.get("offered") or 0.0)
+            summary["setups"].setdefault(name, {"points": []})["points"].extend(entry["points"])
+    for entry in summary["setups"].values():
+        entry["points"].sort(key=lambda p: p.get("offered") or 0.0)
     if a.merge_requests:
         texts: dict[str, dict[str, str]] = {}
         for path in a.merge_requests.split(","):
