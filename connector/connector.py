@@ -151,6 +151,7 @@ class PegaKVConnector(KVConnectorBase_V1):
                     self.counters,
                     self.settings.report_interval_s,
                     estimates=self._scheduler.costs.explain,
+                    worker_totals=sameprocess.worker_totals,
                 )
                 self._report.start()
             fate = "is recomputed" if self.policy == "recompute" else "fails its request"

@@ -9,8 +9,10 @@ engine process logs one INFO line, only when something happened since the last o
     0 dropped, 0 failures
 
 Lookups and decisions are counted in the scheduler's own process; loads and saves by
-the workers, whose counters reach the scheduler with every step's output (vLLM's
-connector stats, :meth:`CacheReport.add_workers`).  A final line is logged at shutdown.
+the workers.  A worker in the scheduler's process (one rank) is read directly, so saves
+that finish after an engine's last step still show; other workers' counters reach the
+scheduler with every step's output (vLLM's connector stats,
+:meth:`CacheReport.add_workers`).  A final line is logged at shutdown.
 
 :class:`SameHostReport` reports the lookups the node on this host answered alone (which
 no coordinator sees) to that node, so that ``pegaflow status`` counts them in the
@@ -92,6 +94,8 @@ class CacheReport:
         clock: monotonic clock (tests inject one).
         estimates: the cost model's estimates in words (:meth:`~.costmodel.CostModel.explain`),
             shown when hits were declined.
+        worker_totals: the cumulative counters of a worker in this process, or None
+            while there is none (the workers' stats are read instead).
     """
 
     def __init__(
@@ -100,8 +104,11 @@ class CacheReport:
         interval_s: float,
         clock: Callable[[], float] = time.monotonic,
         estimates: Callable[[], str] | None = None,
+        worker_totals: Callable[[], Mapping[str, float] | None] | None = None,
     ) -> None:
         self._counters = counters
+        self._worker_totals = worker_totals
+        self._seen_worker: dict[str, float] = {}
         self.interval_s = interval_s
         self._estimates = estimates
         self._clock = clock
@@ -127,10 +134,21 @@ class CacheReport:
             d = {k: v - self._seen.get(k, 0) for k, v in totals.items()}
             for k in WORKER_COUNTERS:  # worker counters come from the workers only
                 d.pop(k, None)
-            d.update(self._workers)
+            d.update(self._worker_delta())
             self._seen, self._workers = totals, {}
             seconds, self._since = now - self._since, now
         return format_line(d, seconds, self._estimates() if self._estimates else "")
+
+    def _worker_delta(self) -> Mapping[str, float]:
+        """The workers' counters since the last line: the same-process worker's own,
+        else the sum of the stats handed over (call with the lock held)."""
+        totals = self._worker_totals() if self._worker_totals is not None else None
+        if totals is None:
+            return self._workers
+        now = {k: v for k, v in totals.items() if k in WORKER_COUNTERS}
+        d = {k: v - self._seen_worker.get(k, 0) for k, v in now.items()}
+        self._seen_worker = now
+        return d
 
     def start(self) -> None:
         """Log a line every ``interval_s`` until :meth:`close`."""

@@ -37,3 +37,9 @@ def unregister(worker: WorkerSide) -> None:
 def worker() -> WorkerSide | None:
     """This process's worker, when the scheduler shares its process."""
     return _worker
+
+
+def worker_totals() -> dict[str, float] | None:
+    """The cumulative counters of this process's worker (None: no worker here)."""
+    w = _worker
+    return w.counters.totals() if w is not None else None

@@ -212,6 +212,33 @@ def test_the_engine_log_says_what_the_cache_did(caplog: pytest.LogCaptureFixture
     assert "PegaFlow cache (last" in caplog.text
 
 
+def test_the_line_reads_a_worker_in_the_schedulers_process_directly() -> None:
+    """With one rank the worker shares the scheduler's process: its saves show in the
+    next line even when they finish after the engine's last step (no stats follow)."""
+    from pegaflow.connector.metrics import Counters
+
+    conn = scheduler(FakeCluster(), extra={"report_interval_s": 3600})
+    report = conn._report
+    assert report is not None
+    counters = Counters("worker")
+    worker = SimpleNamespace(counters=counters)
+    sameprocess.register(worker)  # type: ignore[arg-type]
+    try:
+        counters.add("save_blocks", 5)
+        counters.add("save_bytes", 5e6)
+        line = report.take()
+        assert line is not None and "saved 5 blocks (5.0 MB)" in line, line
+        assert report.take() is None  # counted once
+        counters.add("save_blocks", 2)
+        stats = PegaConnectorStats(data={"save_blocks": 2})  # the same saves, via vLLM
+        conn.update_connector_output(SimpleNamespace(kv_connector_stats=stats))
+        line = report.take()
+        assert line is not None and "saved 2 blocks" in line, line
+    finally:
+        sameprocess.unregister(worker)  # type: ignore[arg-type]
+    conn.shutdown()
+
+
 def test_full_cuda_graphs_are_refused_while_loads_wait_layer_by_layer() -> None:
     # a full graph's replay skips wait_for_layer_load: vLLM must capture piecewise ones
     assert PegaKVConnector.requires_piecewise_for_cudagraph({}) is True
