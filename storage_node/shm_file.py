@@ -20,6 +20,7 @@ Access: the pool file is owner-only (0600), or readable and writable by one grou
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import grp
@@ -32,6 +33,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 PREPARE_CHUNK = 256 << 20
 """bytes allocated and touched per step while a pool is prepared"""
 PROGRESS_S = 3.0
@@ -270,13 +273,15 @@ def _prefault(mm: mmap.mmap, off: int, n: int) -> bool:
     first-touch faults; False where the kernel cannot.
 
     MADV_POPULATE_WRITE (Linux 5.14+) keeps existing contents, which matters when
-    the pool file is re-attached after a restart.
+    the pool file is re-attached after a restart.  Called through ctypes, which lets
+    go of the GIL (``mmap.madvise`` holds it: a chunk's seconds on a slow host stalled
+    every thread of the process, the all-in-one server's coordinator with them).
     """
+    view = (ctypes.c_char * n).from_buffer(mm, off)
     try:
-        mm.madvise(_MADV_POPULATE_WRITE, off, n)
-    except (OSError, ValueError):
-        return False
-    return True
+        return _libc.madvise(ctypes.addressof(view), n, _MADV_POPULATE_WRITE) == 0
+    finally:
+        del view  # releases the mmap's export, so that it can close
 
 
 def _lock(fd: int, path: Path) -> None:

@@ -239,3 +239,25 @@ def test_what_a_pool_needs_is_memory_and_space_less_what_its_file_holds() -> Non
     assert "(6.0 GiB more than its file holds)" in (
         room_problem(12 * GiB, 6 * GiB, "/x", 5 * GiB, mem, "f") or ""
     )
+
+
+def test_preparing_a_pool_touches_its_pages_without_the_gil(
+    tmp_path: Path, evicted: list[Entry], monkeypatch: Any
+) -> None:
+    """The pool's pages are touched through ctypes (which lets go of the GIL), not
+    ``mmap.madvise`` (which holds it): the all-in-one server's coordinator thread goes
+    on answering while its node prepares a large pool."""
+    from pegaflow.storage_node import shm_file as pool_mod
+
+    monkeypatch.setattr(pool_mod, "PREPARE_CHUNK", MiB)
+    calls: list[tuple[int, int]] = []
+    real = pool_mod._libc.madvise
+
+    def madvise(addr: int, n: int, advice: int) -> int:
+        calls.append((n, advice))
+        return int(real(addr, n, advice))
+
+    monkeypatch.setattr(pool_mod._libc, "madvise", madvise)
+    pool = make_pool(tmp_path, evicted)
+    assert calls == [(MiB, pool_mod._MADV_POPULATE_WRITE)] * 4
+    pool.close(unlink=True)  # preparing left no export of the mapping behind
