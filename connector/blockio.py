@@ -25,6 +25,10 @@ Two families of copies:
   (:mod:`~pegaflow.connector.tilecopy`), with an event per layer for layer-wise loads;
   otherwise blocks go by DMA through a device staging buffer and are scattered on the
   device.
+
+Every CUDA call releases the GIL; the copies are queued inside
+:func:`~pegaflow.gil_io.quick_handback`, so that each call gets it back at once from the
+engine's other busy threads.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from pegaflow.gil_io import quick_handback
 
 from . import tilecopy
 
@@ -220,7 +226,8 @@ class KVBlockIO:
         if self._stream is None:
             return None
         ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
+        with quick_handback():
+            ev.record(torch.cuda.current_stream(self.device))
         return ev
 
     def follow(self, marker: Any) -> None:
@@ -228,7 +235,8 @@ class KVBlockIO:
         :meth:`record_step`): blocks allocated to a new request may still be read or
         written by a step in flight."""
         if self._stream is not None and marker is not None:
-            self._stream.wait_event(marker)
+            with quick_handback():
+                self._stream.wait_event(marker)
 
     # ---- copies --------------------------------------------------------------------
 
@@ -241,14 +249,14 @@ class KVBlockIO:
         if self.is_cpu:
             self._gather_rows(torch.tensor(list(block_ids), dtype=torch.long), out[:n])
             return
-        with torch.cuda.stream(self._stream):
+        with quick_handback(), torch.cuda.stream(self._stream):
             if after is not None:
                 self._stream.wait_event(after)
             idx = torch.tensor(list(block_ids), dtype=torch.long).to(self.device)
             rows = torch.empty((n, self.block_bytes), dtype=torch.uint8, device=self.device)
             self._gather_rows(idx, rows)
             out[:n].copy_(rows, non_blocking=True)
-            self._stream.synchronize()
+        self._stream.synchronize()
 
     def scatter(self, block_ids: Sequence[int], src: torch.Tensor, rows: Sequence[int]) -> None:
         """Copy ``src[rows[i]]`` into block ``block_ids[i]`` of every layer."""
@@ -262,10 +270,10 @@ class KVBlockIO:
         if self.is_cpu:
             self._scatter_rows(torch.tensor(list(block_ids), dtype=torch.long), picked)
             return
-        with torch.cuda.stream(self._stream):
+        with quick_handback(), torch.cuda.stream(self._stream):
             dev = picked.to(self.device, non_blocking=True)
             self._scatter_rows(torch.tensor(list(block_ids), dtype=torch.long).to(self.device), dev)
-            self._stream.synchronize()
+        self._stream.synchronize()
 
     def _gather_rows(self, idx: torch.Tensor, out: torch.Tensor) -> None:
         """Blocks ``idx`` (on the cache's device) of every layer into the rows of ``out``
@@ -365,7 +373,8 @@ class KVBlockIO:
             return [self._copy_in_cpu(ld) for ld in loads]
         ways = [self._way(ld, mode) for ld in loads]
         try:
-            feed = _LayerFeed(self, loads, ways, ahead)
+            with quick_handback():
+                feed = _LayerFeed(self, loads, ways, ahead)
         except _Refused2D as e:  # the copies queued so far are redone by the kernel
             if mode == "dma2d":
                 raise RuntimeError(str(e)) from e
@@ -478,7 +487,7 @@ class KVBlockIO:
                 host[off : off + bb].copy_(rows[j])
             return self.digest(block_ids) if digest else None
         sums = None
-        with torch.cuda.stream(self._save_stream):
+        with quick_handback(), torch.cuda.stream(self._save_stream):
             if after is not None:
                 self._save_stream.wait_event(after)
             if self._use_kernel(host, offsets, mapped):
@@ -510,7 +519,7 @@ class KVBlockIO:
                     # same stream: the next chunk's gather waits for these copies
                     for j, off in enumerate(offsets[start : start + m]):
                         host[off : off + bb].copy_(stage[j], non_blocking=True)
-            self._save_stream.synchronize()
+        self._save_stream.synchronize()
         return sums
 
     def digest(self, block_ids: Sequence[int]) -> torch.Tensor:
@@ -639,7 +648,8 @@ class _LayerFeed:
     def to(self, n: int) -> None:
         """Queue the layers before ``n`` not queued yet (thread-safe)."""
         if len(self.events) < min(n, self.layers):  # the forward pass's usual case: none
-            self._queue(n)
+            with quick_handback():
+                self._queue(n)
 
     def _queue(self, n: int, first: bool = False, begin: Any = None) -> None:
         io = self.io
@@ -773,9 +783,10 @@ class Transfer:
             return
         k = f.layers - 1 if i < 0 else i
         f.to(k + 1 + f.ahead if f.ahead else f.layers)
-        torch.cuda.current_stream().wait_event(f.events[k])
-        if self._checked and k == f.layers - 1:
-            torch.cuda.current_stream().wait_event(f.tail)
+        with quick_handback():
+            torch.cuda.current_stream().wait_event(f.events[k])
+            if self._checked and k == f.layers - 1:
+                torch.cuda.current_stream().wait_event(f.tail)
 
     def wait_all(self) -> None:
         """Make the current stream wait for every layer (and the digests)."""

@@ -15,6 +15,7 @@ Triton is optional: :func:`available` says whether the kernel can run here.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any
 
@@ -155,6 +156,31 @@ try:  # the CUDA runtime's 2-D copy, for copy-engine loads of whole runs of tile
 except Exception:  # pragma: no cover - CPU installs, or an older cuda-python
     _cudart = None
 
+_H2D = 1
+"""``cudaMemcpyHostToDevice``"""
+_memcpy_2d: Any = None
+"""``cudaMemcpy2DAsync`` and ``cudaGetLastError`` of the libcudart torch loaded, through
+:class:`ctypes.PyDLL` (found at the first copy; False where they cannot be)"""
+
+
+def _find_memcpy_2d() -> Any:
+    """``(cudaMemcpy2DAsync, cudaGetLastError)`` of the process's own libcudart, called
+    without releasing the GIL: a layer-wise load makes about a hundred such calls, and
+    each release costs the engine's thread up to a switch interval beside a busy thread
+    (:mod:`pegaflow.gil_io`); the call itself only queues the copy.  False where no libcudart is mapped (Linux's
+    ``/proc/self/maps``) or it lacks the symbol: cuda-python's binding is used then."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next(line.split()[-1] for line in maps if "/libcudart.so" in line)
+        lib = ctypes.PyDLL(path)
+        fn, last_error = lib.cudaMemcpy2DAsync, lib.cudaGetLastError
+    except (OSError, StopIteration, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]
+    fn.argtypes += [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = last_error.restype = ctypes.c_int
+    return fn, last_error
+
 
 def dma2d_available() -> bool:
     """Whether :func:`copy_2d` can run here (cuda-python present)."""
@@ -168,12 +194,24 @@ def copy_2d(
     ``rows`` rows of ``width`` bytes, ``spitch`` apart at ``src``, ``dpitch`` apart at
     ``dst``.  The copy engines move such rows at full PCIe speed when they are large
     (a layer of a KV block is tens of KiB), where one copy per tile would not."""
+    global _memcpy_2d
     assert _cudart is not None
-    (err,) = _cudart.cudaMemcpy2DAsync(
-        dst, dpitch, src, spitch, width, rows, _cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, stream
-    )
-    if err != _cudart.cudaError_t.cudaSuccess:
+    if _memcpy_2d is None:
+        _memcpy_2d = _find_memcpy_2d()
+    if _memcpy_2d:
+        memcpy_2d, last_error = _memcpy_2d
+        code = memcpy_2d(dst, dpitch, src, spitch, width, rows, _H2D, stream)
+        ok = code == 0
+        if not ok:
+            last_error()  # torch shares this runtime: its next launch check must not see it
+    else:
+        (err,) = _cudart.cudaMemcpy2DAsync(
+            dst, dpitch, src, spitch, width, rows,
+            _cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, stream,
+        )  # fmt: skip
+        code, ok = err, err == _cudart.cudaError_t.cudaSuccess
+    if not ok:
         raise RuntimeError(
             f"cudaMemcpy2DAsync(dst={dst:#x}, dpitch={dpitch}, src={src:#x}, spitch={spitch},"
-            f" width={width}, rows={rows}) failed: {err}"
+            f" width={width}, rows={rows}) failed: {code}"
         )

@@ -15,6 +15,13 @@ CPU time of each part against the device time of the whole, per copy mode.  When
 queues full), not by our code.
 
     python3 scripts/bench_copy_issue.py [--tokens 10000] [--loads 1,4] [--kernels 15,40]
+    python3 scripts/bench_copy_issue.py --busy-thread --loads 1 --kernels 15 --modes dma2d
+
+``--busy-thread`` runs each point twice beside a thread that hashes 10k-token requests
+the way vLLM's input thread does (sha256 of each pickled 16-token block), once with the
+GIL's usual hand-back (``quick_handback`` and the GIL-keeping 2-D copy off: ``gil``
+``"off"``) and once as the connector runs (``"on"``), and reports how many requests
+the thread hashed meanwhile (``busy_requests_per_s``).
 
 Last line: one JSON object with ``ceiling_h2d_gbps`` (one pinned cudaMemcpy of the
 same bytes) and ``points``, each with ``queue_ms`` (CPU, queueing the copies),
@@ -25,10 +32,15 @@ same bytes) and ``points``, each with ``queue_ms`` (CPU, queueing the copies),
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
+import pickle
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -36,11 +48,48 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pegaflow.connector import tilecopy  # noqa: E402
 from pegaflow.connector.blockio import CopyIn, KVBlockIO  # noqa: E402
 
+from pegaflow import gil_io  # noqa: E402
 from scripts.bench_gpu_path import kv_caches, memcpy_ceiling  # noqa: E402
 
 BLOCK_TOKENS = 16
+
+
+@contextlib.contextmanager
+def busy_thread(blocks: int) -> Iterator[list[int]]:
+    """A thread hashing requests of ``blocks`` blocks like vLLM's input thread, while
+    inside; yields ``[requests hashed]``."""
+    done, stop = [0], threading.Event()
+
+    def hash_requests() -> None:
+        while not stop.is_set():
+            parent = bytes(32)
+            for i in range(blocks):
+                block = tuple(range(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS))
+                parent = hashlib.sha256(pickle.dumps((parent, block, None))).digest()
+            done[0] += 1
+
+    t = threading.Thread(target=hash_requests, daemon=True)
+    t.start()
+    try:
+        yield done
+    finally:
+        stop.set()
+        t.join()
+
+
+@contextlib.contextmanager
+def gil_handback(on: bool) -> Iterator[None]:
+    """The connector's GIL hand-back (on), or the interpreter's usual one (off)."""
+    saved = gil_io.QUICK_SWITCH_S, tilecopy._memcpy_2d
+    if not on:
+        gil_io.QUICK_SWITCH_S, tilecopy._memcpy_2d = 1.0, False
+    try:
+        yield
+    finally:
+        gil_io.QUICK_SWITCH_S, tilecopy._memcpy_2d = saved
 
 
 def run_point(
@@ -107,6 +156,7 @@ def main() -> None:
     ap.add_argument("--kernels", default="15,40")
     ap.add_argument("--modes", default="dma2d,kernel")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--busy-thread", action="store_true", help="beside a hashing thread")
     args = ap.parse_args()
     import logging
 
@@ -122,11 +172,20 @@ def main() -> None:
     for mode in args.modes.split(","):
         for n in loads:
             for k in (int(x) for x in args.kernels.split(",")):
-                p = run_point(io, host, blocks, n, k, mode, args.rounds)
-                if "copy_gbps" in p:
-                    p["copy_x"] = round(float(p["copy_gbps"]) / h2d, 3)  # type: ignore[arg-type]
-                points.append(p)
-                print(json.dumps(p), file=sys.stderr, flush=True)
+                for gil in ("off", "on") if args.busy_thread else ("on",):
+                    with gil_handback(gil == "on"), contextlib.ExitStack() as busy:
+                        t0 = time.perf_counter()
+                        hashed = (
+                            busy.enter_context(busy_thread(blocks)) if args.busy_thread else None
+                        )
+                        p = run_point(io, host, blocks, n, k, mode, args.rounds)
+                        if hashed is not None:
+                            p["gil"] = gil
+                            p["busy_requests_per_s"] = round(hashed[0] / (time.perf_counter() - t0))
+                    if "copy_gbps" in p:
+                        p["copy_x"] = round(float(p["copy_gbps"]) / h2d, 3)  # type: ignore[arg-type]
+                    points.append(p)
+                    print(json.dumps(p), file=sys.stderr, flush=True)
     print(json.dumps({"ceiling_h2d_gbps": round(h2d, 2), "points": points}))
 
 

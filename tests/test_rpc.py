@@ -224,3 +224,39 @@ def test_gil_io_send_and_receive() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_quick_handback_lowers_the_switch_interval_until_the_last_block_leaves() -> None:
+    """Inside ``quick_handback`` the interpreter hands the GIL back quickly; nested and
+    concurrent blocks (other threads) keep it so until the last one leaves, which
+    restores the interval the first one found."""
+    import sys
+    import threading
+
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(0.004)
+    try:
+        with gil_io.quick_handback():
+            assert sys.getswitchinterval() == pytest.approx(gil_io.QUICK_SWITCH_S)
+            with gil_io.quick_handback():
+                assert sys.getswitchinterval() == pytest.approx(gil_io.QUICK_SWITCH_S)
+            assert sys.getswitchinterval() == pytest.approx(gil_io.QUICK_SWITCH_S)
+            entered, leave = threading.Event(), threading.Event()
+
+            def other() -> None:
+                with gil_io.quick_handback():
+                    entered.set()
+                    leave.wait(5)
+
+            t = threading.Thread(target=other)
+            t.start()
+            assert entered.wait(5)
+        assert sys.getswitchinterval() == pytest.approx(gil_io.QUICK_SWITCH_S)  # the thread's
+        leave.set()
+        t.join(5)
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+        with pytest.raises(RuntimeError), gil_io.quick_handback():
+            raise RuntimeError("left by an exception")
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+    finally:
+        sys.setswitchinterval(saved)
