@@ -170,12 +170,15 @@ def _find_memcpy_2d() -> Any:
     (:mod:`pegaflow.gil_io`); the call itself only queues the copy.  False where no
     libcudart is mapped (Linux's ``/proc/self/maps``) or it lacks the symbol:
     cuda-python's binding is used then."""
+    major = (torch.version.cuda or "").split(".")[0]
     try:
         with open("/proc/self/maps") as maps:
-            path = next(line.split()[-1] for line in maps if "/libcudart.so" in line)
+            paths = [line.split()[-1] for line in maps if "/libcudart.so" in line]
+        # torch's runtime where another one is mapped too (cuda-python may load its own)
+        path = next((p for p in paths if f"/libcudart.so.{major}" in p), paths[0])
         lib = ctypes.PyDLL(path)
         fn, last_error = lib.cudaMemcpy2DAsync, lib.cudaGetLastError
-    except (OSError, StopIteration, AttributeError):
+    except (OSError, IndexError, AttributeError):
         return False
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]
     fn.argtypes += [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
