@@ -173,11 +173,9 @@ def main() -> None:
         for n in loads:
             for k in (int(x) for x in args.kernels.split(",")):
                 for gil in ("off", "on") if args.busy_thread else ("on",):
-                    with gil_handback(gil == "on"), contextlib.ExitStack() as busy:
-                        t0 = time.perf_counter()
-                        hashed = (
-                            busy.enter_context(busy_thread(blocks)) if args.busy_thread else None
-                        )
+                    t0 = time.perf_counter()
+                    beside = busy_thread(blocks) if args.busy_thread else contextlib.nullcontext()
+                    with gil_handback(gil == "on"), beside as hashed:
                         p = run_point(io, host, blocks, n, k, mode, args.rounds)
                         if hashed is not None:
                             p["gil"] = gil
