@@ -138,12 +138,14 @@ class KVBlockIO:
         self._stream: Any = None
         self._save_stream: Any = None
         self._check_stream: Any = None
+        self._readback_stream: Any = None
         self._dma2d_ok = True
         self._dev_staging: torch.Tensor | None = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)
             self._save_stream = torch.cuda.Stream(device=self.device)
             self._check_stream = torch.cuda.Stream(device=self.device)
+            self._readback_stream = torch.cuda.Stream(device=self.device)
         self.kernel_ok = tilecopy.available(self.device) and all(
             layer.raw is not None and tilecopy.aligned(layer.tile_bytes, layer.raw.data_ptr(), off)
             for layer, off in zip(self.layers, self._offsets, strict=True)
@@ -521,6 +523,19 @@ class KVBlockIO:
                         host[off : off + bb].copy_(stage[j], non_blocking=True)
         self._save_stream.synchronize()
         return sums
+
+    def to_host(self, t: torch.Tensor) -> np.ndarray:
+        """``t`` (a small tensor on the cache's device, such as :meth:`copy_out`'s or a
+        load's digests) as a host array.  The caller has already waited for what made
+        it (synchronized its event or stream).  The copy goes on a stream of its own:
+        ``t.cpu()`` would copy on the caller's current stream, behind everything queued
+        there.  With vLLM's asynchronous scheduling that is the next step's forward pass,
+        which waits for that step's loads, so a step's load check waited for the step
+        after it."""
+        if t.device.type != "cuda":
+            return t.numpy()
+        with quick_handback(), torch.cuda.stream(self._readback_stream):
+            return t.cpu().numpy()
 
     def digest(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A 64-bit digest of each block, computed where the KV cache lives.

@@ -304,7 +304,7 @@ class LocalPath:
         digs: list[int | None] | None = None
         if digests is not None:  # copy_out synchronized the save stream: they are done
             digs = [None] * len(hashes)
-            for i, d in zip(idx, digests.tolist(), strict=True):
+            for i, d in zip(idx, self.io.to_host(digests).tolist(), strict=True):
                 digs[i] = int(d)
         return node.submit_commit_local(
             seq, [o is not None for o in offsets], self.timeout, digs, on_taken
@@ -364,7 +364,7 @@ class PendingLoad:
                 return ok
             if self.on_device:
                 digests, want = self._check
-                good = (digests.cpu().numpy() == want).tolist()
+                good = (self._path.io.to_host(digests) == want).tolist()
             else:
                 good = []
                 for want, fut in self._check:

@@ -121,3 +121,27 @@ def test_gpu_loads_queued_together_go_layer_major(server: Proc) -> None:
         for name in src_kv:
             got = dst_kv[name][long_runs + singles].view(torch.int16)
             assert torch.equal(got, src_kv[name][ids].view(torch.int16)), name
+
+
+def test_gpu_checks_do_not_wait_for_work_queued_after_them(server: Proc) -> None:
+    """A save's digests and a load's check are read on a stream of their own: a
+    kernel queued later on the caller's stream (the next step's forward pass, under
+    vLLM's asynchronous scheduling) is still running when both have returned."""
+    with _pair(server, "per_layer", 5) as (client, src_kv, dst_kv, writer, reader):
+        ns = "gpu-readback"
+        hashes = [bytes([i, 9]) * 8 for i in range(16)]
+        pending = None
+        try:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(8_000_000_000)  # seconds on the current stream
+            busy = torch.cuda.Event()
+            busy.record()
+            assert writer.save(client, ns, hashes, 0, list(range(16))).result(30).stored == 16
+            pending = reader.start_load(client, ns, hashes, 0, list(range(40, 56)))
+            assert pending.finish() == [True] * 16
+            assert not busy.query(), "the checks waited for the caller's stream"
+        finally:
+            torch.cuda.synchronize()
+        for name in src_kv:
+            got = dst_kv[name][40:56].view(torch.int16)
+            assert torch.equal(got, src_kv[name][:16].view(torch.int16)), name
