@@ -12,6 +12,7 @@ Slow (engine starts of 20-40 s each): ``pytest -m slow tests/test_connector_e2e.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -345,6 +346,10 @@ def test_three_keys_against_a_default_server_use_the_same_host_path(
         log = "\n".join(e5.log)
         assert f"same-host node {server.ready['node']} found: pool" in log, e5.tail()
         assert "PegaFlow cache (last" in log, e5.tail()
+        # every save is in the log, even those that finished after the last step (a
+        # worker outside the scheduler's process logs those itself)
+        logged = sum(int(n) for n in re.findall(r"saved (\d+) blocks", log))
+        assert logged >= st["save_blocks"], (logged, st, e5.tail())
     finally:
         server.terminate()
 
@@ -417,5 +422,20 @@ def test_tensor_parallel_two_ranks(
         assert warm["cached"] == [224, 224]
         st = wait_stats(s4, lambda s: s.get("load_blocks", 0) >= 2 * 2 * 7, 60, e4)
         assert st.get("load_failed_blocks", 0) == 0
+        # the workers have processes of their own, and their counters reach the cache
+        # line only with a step's output: saves held back until after the last request
+        # (the node is stopped until then) still show (vLLM steps until they are sent)
+        before = stats(s4).get("save_blocks", 0)
+        node = c.nodes["t1"].pid
+        os.kill(node, signal.SIGSTOP)
+        try:
+            e4.generate(D, MAX_TOKENS)
+        finally:
+            os.kill(node, signal.SIGCONT)
+        wait_stats(s4, lambda s: s.get("save_blocks", 0) >= before + 2 * 2 * 9, 60, e4)  # 9 blocks
+        engines.pop("e4").stop()
+        saved = stats(s4).get("save_blocks", 0)
+        logged = sum(int(n) for n in re.findall(r"saved (\d+) blocks", "\n".join(e4.log)))
+        assert logged >= saved, (logged, saved, e4.tail())
     finally:
         c.stop()
