@@ -33,12 +33,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
-import pickle
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,31 +50,9 @@ from pegaflow.connector.blockio import CopyIn, KVBlockIO  # noqa: E402
 
 from pegaflow import gil_io  # noqa: E402
 from scripts.bench_gpu_path import kv_caches, memcpy_ceiling  # noqa: E402
+from scripts.busy_thread import BusyThread  # noqa: E402
 
 BLOCK_TOKENS = 16
-
-
-@contextlib.contextmanager
-def busy_thread(blocks: int) -> Iterator[list[int]]:
-    """A thread hashing requests of ``blocks`` blocks like vLLM's input thread, while
-    inside; yields ``[requests hashed]``."""
-    done, stop = [0], threading.Event()
-
-    def hash_requests() -> None:
-        while not stop.is_set():
-            parent = bytes(32)
-            for i in range(blocks):
-                block = tuple(range(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS))
-                parent = hashlib.sha256(pickle.dumps((parent, block, None))).digest()
-            done[0] += 1
-
-    t = threading.Thread(target=hash_requests, daemon=True)
-    t.start()
-    try:
-        yield done
-    finally:
-        stop.set()
-        t.join()
 
 
 @contextlib.contextmanager
@@ -174,12 +149,13 @@ def main() -> None:
             for k in (int(x) for x in args.kernels.split(",")):
                 for gil in ("off", "on") if args.busy_thread else ("on",):
                     t0 = time.perf_counter()
-                    beside = busy_thread(blocks) if args.busy_thread else contextlib.nullcontext()
-                    with gil_handback(gil == "on"), beside as hashed:
+                    beside = BusyThread(blocks) if args.busy_thread else contextlib.nullcontext()
+                    with gil_handback(gil == "on"), beside as busy:
                         p = run_point(io, host, blocks, n, k, mode, args.rounds)
-                        if hashed is not None:
+                        if busy is not None:
                             p["gil"] = gil
-                            p["busy_requests_per_s"] = round(hashed[0] / (time.perf_counter() - t0))
+                            per_s = busy.requests / (time.perf_counter() - t0)
+                            p["busy_requests_per_s"] = round(per_s)
                     if "copy_gbps" in p:
                         p["copy_x"] = round(float(p["copy_gbps"]) / h2d, 3)  # type: ignore[arg-type]
                     points.append(p)

@@ -42,16 +42,13 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
 import os
-import pickle
 import re
 import socket
 import statistics
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -61,6 +58,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from scripts.busy_thread import BusyThread  # noqa: E402
 
 NS = "bench-local-control"
 BLOCK_BYTES = 4096
@@ -189,25 +188,6 @@ def hash_ceiling(n: int, size: int, threads: int) -> float:
     return best * 1e3
 
 
-class Busy:
-    """A thread that keeps the GIL busy until :meth:`stop`: sha256 of pickled 16-token
-    blocks, chained (what vLLM's input thread does to each new request's blocks)."""
-
-    def __init__(self) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        tokens, h = tuple(range(16)), bytes(32)
-        while not self._stop.is_set():
-            h = hashlib.sha256(pickle.dumps((h, tokens, None))).digest()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def timed(fn: Callable[[], Any], calls: int) -> list[float]:
     out = []
     for _ in range(calls):
@@ -305,7 +285,7 @@ def main() -> None:
             for m in (1, n):
                 timed(lambda c=c, m=m: locate(c, m), 20)
                 timed(lambda c=c, m=m: locate_here(c, m), 20)
-        busy = Busy() if args.busy_thread else None
+        busy = BusyThread(args.blocks) if args.busy_thread else None
         for _ in range(args.rounds):
             for m in (1, n):
                 times.setdefault(f"here_{m}", []).extend(
