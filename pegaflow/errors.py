@@ -57,6 +57,23 @@ class Unavailable(PegaError):
     code = "unavailable"
 
 
+class HandshakeRefused(Unavailable):
+    """The peer refused our connection at its handshake and said why (a UCX address it
+    cannot take: another UCX release or configuration, or an address that names the
+    peer's own host but came from elsewhere).  An ``Unavailable``: the peer cannot be
+    used, whatever is retried."""
+
+    code = "handshake_refused"
+
+
+class WrongPeer(Unavailable):
+    """The process answering at an address is not the one the caller meant (another
+    node answers at the address a node published: an address that is not its own, such
+    as a loopback or wildcard ``[node] host`` in a cluster of several hosts)."""
+
+    code = "wrong_peer"
+
+
 class NoSpace(PegaError):
     """The storage pool cannot hold the block even after eviction."""
 
@@ -98,6 +115,8 @@ ERRORS_BY_CODE: dict[str, type[PegaError]] = {
         Unauthorized,
         DeadlineExceeded,
         Unavailable,
+        HandshakeRefused,
+        WrongPeer,
         NoSpace,
         QuotaExceeded,
         NotFound,

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -86,13 +87,14 @@ import ucxx._lib.libucxx as ucx_api  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 
 from pegaflow.deadline import Deadline  # noqa: E402
-from pegaflow.errors import DeadlineExceeded, Unavailable  # noqa: E402
+from pegaflow.errors import DeadlineExceeded, HandshakeRefused, Unavailable  # noqa: E402
 from pegaflow.ucx_address import (  # noqa: E402
     MAX_ADDRESS_BYTES,
     InvalidWorkerAddress,
     check_peer_address,
     peer_on_this_host,
 )
+from pegaflow.wire import pack, unpack  # noqa: E402
 
 _Done = Callable[[BaseException | None], None]
 """A completion callback: ``None`` on success, the (typed) error otherwise."""
@@ -143,6 +145,7 @@ class UcxWorker:
         # requests someone waits to see finished (see settle()), and the timer checking them
         self._settling: list[tuple[list[Any], Callable[[], None]]] = []
         self._settle_timer: asyncio.TimerHandle | None = None
+        self._refusals = _Refusals()
 
     def next_seq(self) -> int:
         """A sequence number unique on this worker, for payload tags."""
@@ -326,9 +329,8 @@ class UcxWorker:
                     )
                     writer.write(_frame(self.address))
                     await writer.drain()
-            except Exception as e:  # a bad or slow peer: drop it, keep serving
-                log.info("UCX handshake from %s failed: %s", writer.get_extra_info("peername"), e)
-                writer.close()
+            except Exception as e:  # a bad or slow peer: refused, and told why
+                self._refusals.refuse(writer, e)
                 return
             writer.close()
             self.kick()
@@ -344,14 +346,16 @@ class UcxWorker:
         return bytes(self.worker.address.tobytes())
 
     async def connect(self, host: str, port: int, timeout: float | Deadline) -> Any:
-        """An endpoint to the worker serving ``host:port`` (see :meth:`serve`)."""
+        """An endpoint to the worker serving ``host:port`` (see :meth:`serve`); raises
+        :class:`~pegaflow.errors.HandshakeRefused` with the peer's reason when it
+        refuses us, ``Unavailable`` when it cannot be reached or answers nonsense."""
         try:
             async with asyncio.timeout(Deadline.of(timeout).left()):
                 reader, writer = await asyncio.open_connection(host, port)
                 try:
                     writer.write(_frame(self.address))
                     await writer.drain()
-                    peer = await _read_address(reader, writer, self.address)
+                    peer = await _read_address(reader, writer, self.address, answer=True)
                 finally:
                     writer.close()
             ep = ucx_api.UCXEndpoint.create_from_worker_address(
@@ -359,6 +363,8 @@ class UcxWorker:
             )
         except TimeoutError:
             raise Unavailable(f"UCX handshake with {host}:{port} timed out") from None
+        except HandshakeRefused as e:
+            raise HandshakeRefused(f"{host}:{port} refused our UCX connection: {e}") from None
         except Exception as e:
             raise Unavailable(f"cannot connect to UCX {host}:{port}: {e}") from None
         self.kick()
@@ -406,22 +412,78 @@ class UcxWorker:
 
 
 HANDSHAKE_TIMEOUT_S = 5.0
+MAX_REFUSAL_BYTES = 1024
+"""longest reason a refused handshake carries"""
+_REFUSAL_LOG_EVERY_S = 10.0
 
 
 def _frame(address: bytes) -> bytes:
     return len(address).to_bytes(4, "big") + address
 
 
+def _refusal(e: BaseException) -> bytes:
+    """A handshake answer that refuses the peer and says why: a zero length (no
+    address), then a frame of msgpack ``{code, message}``."""
+    why = "handshake timed out" if isinstance(e, TimeoutError) else f"{e}" or type(e).__name__
+    body = pack({"code": HandshakeRefused.code, "message": why[:MAX_REFUSAL_BYTES]})
+    return b"\0\0\0\0" + _frame(body)
+
+
 async def _read_address(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, own: bytes
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    own: bytes,
+    *,
+    answer: bool = False,
 ) -> bytes:
     """The peer's worker address, once :mod:`pegaflow.ucx_address` found it one that
-    our worker (address ``own``) may take; ValueError otherwise."""
+    our worker (address ``own``) may take; ValueError otherwise.  ``answer``: this is
+    the node's answer to our handshake, which may be a refusal instead
+    (:class:`~pegaflow.errors.HandshakeRefused` with its reason)."""
     n = int.from_bytes(await reader.readexactly(4), "big")
+    if n == 0 and answer:
+        m = int.from_bytes(await reader.readexactly(4), "big")
+        if not 0 < m <= MAX_REFUSAL_BYTES + 64:
+            raise InvalidWorkerAddress(f"bad refusal length {m}")
+        why = unpack(await reader.readexactly(m), MAX_REFUSAL_BYTES + 64)
+        msg = why.get("message") if isinstance(why, dict) else None
+        raise HandshakeRefused(str(msg)[:MAX_REFUSAL_BYTES] if msg else "no reason given")
     if not 0 < n <= MAX_ADDRESS_BYTES:
         raise InvalidWorkerAddress(f"bad UCX address length {n}")
     peer = await reader.readexactly(n)
     return check_peer_address(peer, own, from_this_host=peer_on_this_host(writer))
+
+
+class _Refusals:
+    """Refuses handshakes, telling the peer why, and logs them: a refused address at
+    WARNING (a client that cannot use this node until its operator acts), anything
+    else (a timeout, a frame cut short) at INFO; at most one line per
+    :data:`_REFUSAL_LOG_EVERY_S` of each, counting the ones not logged."""
+
+    def __init__(self) -> None:
+        self._next: dict[int, float] = {}
+        self._quiet: dict[int, int] = {}
+
+    def refuse(self, writer: asyncio.StreamWriter, e: BaseException) -> None:
+        try:
+            writer.write(_refusal(e))
+        except Exception:  # the peer is gone already
+            pass
+        writer.close()
+        level = logging.WARNING if isinstance(e, InvalidWorkerAddress) else logging.INFO
+        now = time.monotonic()
+        if now < self._next.get(level, 0.0):
+            self._quiet[level] = self._quiet.get(level, 0) + 1
+            return
+        self._next[level] = now + _REFUSAL_LOG_EVERY_S
+        quiet = self._quiet.pop(level, 0)
+        log.log(
+            level,
+            "refused a UCX connection from %s: %s (the client is told why)%s",
+            writer.get_extra_info("peername"),
+            "handshake timed out" if isinstance(e, TimeoutError) else str(e) or type(e).__name__,
+            f"; {quiet} more refused since the last such line" if quiet else "",
+        )
 
 
 _closing: list[Any] = []

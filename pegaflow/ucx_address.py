@@ -49,6 +49,8 @@ unpacks can still abort the process later, in lane selection or endpoint configu
   ``/proc/<pid>/fd/<fd>``), read other processes (cma names a pid) or dial local
   ports chosen by the peer.  Such an entry must also have the address lengths of ours
   (one host, one UCX configuration and namespace set: the readers assume their own).
+  Namespaces count as UCX counts them (:func:`same_local_host`): a pod of this kernel
+  in its own IPC or network namespace is another host, reached over TCP.
 
 Alternatives considered: comparing only the header and a size bound to our own
 address stops the 5-byte packet but not a truncated or bit-flipped real address
@@ -410,6 +412,25 @@ def _shm_dev_len(dev_addr: bytes) -> int:
     return _NS_ADDR_BYTES if host_id & _LOCAL_ID_NS else _HOST_ID_BYTES
 
 
+def same_local_host(a: bytes, b: bytes) -> bool:
+    """Whether two UCX local addresses (``uct_iface_local_addr_ns_t``: an 8-byte host id
+    whose top bit flags a namespace other than the host's own, then that namespace's
+    8-byte id) name the same host *and namespace*, as ``uct_iface_local_is_reachable``
+    decides for shared memory (IPC namespace) and TCP loopback (network namespace).
+
+    The host id derives from the boot id, so every container of one kernel has the
+    same one: a pod in its own IPC or network namespace differs only in the namespace
+    part, and UCX never reaches it through this host's shared memory or loopback.
+    Comparing the host id alone took such a pod for this host and refused it."""
+    if len(a) < _HOST_ID_BYTES or a[:_HOST_ID_BYTES] != b[:_HOST_ID_BYTES]:
+        return False
+    (host_id,) = _U64.unpack_from(a)
+    if not host_id & _LOCAL_ID_NS:
+        return True  # both in the host's own namespace
+    ns = slice(_HOST_ID_BYTES, _NS_ADDR_BYTES)
+    return len(a) >= _NS_ADDR_BYTES and len(b) >= _NS_ADDR_BYTES and a[ns] == b[ns]
+
+
 class AddressPolicy:
     """What a peer's worker address must be for our worker (``own``: its address) to
     take it; raises InvalidWorkerAddress when our own address is not understood."""
@@ -442,9 +463,11 @@ class AddressPolicy:
         if t.tl_csum == SELF:
             return any(t.iface_addr == i for _, i in ours)
         if t.tl_csum in SHARED_MEMORY:
-            return any(dev_addr[:_HOST_ID_BYTES] == d[:_HOST_ID_BYTES] for d, _ in ours)
+            return any(same_local_host(dev_addr, d) for d, _ in ours)
         if t.tl_csum == TCP and dev_addr[:1] and dev_addr[0] & _TCP_LOOPBACK:
-            return any(d[0] & _TCP_LOOPBACK and d[2:10] == dev_addr[2:10] for d, _ in ours)
+            return any(
+                d[0] & _TCP_LOOPBACK and same_local_host(dev_addr[2:], d[2:]) for d, _ in ours
+            )
         return bool(dev_addr) and any(dev_addr == d for d, _ in ours)
 
     def check(self, peer: bytes, *, from_this_host: bool) -> WorkerAddress:

@@ -29,6 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -774,8 +775,8 @@ def test_handshake_port_survives_fuzzing(
     handshake_node: Proc, address_workers: dict[str, Any]
 ) -> None:
     """>= 10,000 inputs to a real node's handshake port: the node answers (with its
-    address) or closes every connection within the handshake timeout, never dies, and
-    then serves a real client."""
+    address) or refuses every connection (saying why) within the handshake timeout,
+    never dies, and then serves a real client."""
     host, port_s = handshake_node.ready["ucx"].rsplit(":", 1)
     port = int(port_s)
     sources = [worker_address(w) for w in address_workers.values()]
@@ -796,7 +797,7 @@ def test_handshake_port_survives_fuzzing(
             async with gate:
                 async with asyncio.timeout(pucx.HANDSHAKE_TIMEOUT_S + 10):
                     got = await _handshake(host, port, p)
-            if got:
+            if got and not _refused(got):
                 assert got == _frame(node_addr), got[:64]
                 answered += 1
             else:
@@ -822,9 +823,21 @@ def test_handshake_port_survives_fuzzing(
     _node_serves(handshake_node.ready["ucx"])
 
 
+def _refused(answer: bytes) -> str | None:
+    """The reason of a handshake refusal (a zero length, then msgpack ``{code,
+    message}``), None for any other answer."""
+    if answer[:4] != b"\0\0\0\0" or len(answer) < 8:
+        return None
+    (n,) = struct.unpack("!I", answer[4:8])
+    msg = msgpack.unpackb(answer[8 : 8 + n])
+    assert msg["code"] == "handshake_refused", msg
+    return str(msg["message"])
+
+
 async def _slow(host: str, port: int, partial: bytes) -> None:
     async with asyncio.timeout(pucx.HANDSHAKE_TIMEOUT_S + 10):
-        assert await _handshake(host, port, partial, half_close=False) == b""
+        got = await _handshake(host, port, partial, half_close=False)
+        assert got == b"" or _refused(got) == "handshake timed out", got
 
 
 async def _node_address(host: str, port: int, ours: bytes) -> bytes:
@@ -838,14 +851,59 @@ async def _node_address(host: str, port: int, ours: bytes) -> bytes:
         writer.close()
 
 
+def _recv_all(s: socket.socket) -> bytes:
+    out = b""
+    while chunk := s.recv(4096):
+        out += chunk
+    return out
+
+
 def test_handshake_refuses_a_5_byte_packet(handshake_node: Proc) -> None:
     """The probe that killed nodes: ``printf '\\0\\0\\0\\1\\2'`` to the handshake port."""
     host, port = handshake_node.ready["ucx"].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as s:
         s.sendall(b"\0\0\0\1\2")
-        assert s.recv(100) == b""
+        assert "not a UCX" in str(_refused(_recv_all(s)))
     assert handshake_node.alive(), "\n".join(handshake_node.log[-30:])
     _node_serves(handshake_node.ready["ucx"])
+
+
+_REFUSED_CLIENT = """
+import asyncio, sys
+from pegaflow.errors import HandshakeRefused
+from pegaflow.ucx import UcxWorker
+
+async def main(host: str, port: int) -> None:
+    w = UcxWorker({"ADDRESS_VERSION": "v2"})  # the node packs v1 (UCX's default)
+    try:
+        await w.connect(host, port, 10)
+    except HandshakeRefused as e:
+        print("refused:", e)
+    else:
+        print("connected")
+    w.close()
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
+
+def test_a_refused_client_is_told_why(handshake_node: Proc) -> None:
+    """A client whose UCX address the node cannot take gets a typed error naming the
+    cause (it used to read "0 bytes read on a total of 4 expected bytes"), and the
+    node says it at WARNING."""
+    host, port = handshake_node.ready["ucx"].rsplit(":", 1)
+    p = subprocess.run(
+        [sys.executable, "-c", _REFUSED_CLIENT, host, port],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "refused:" in p.stdout and "UCX_ADDRESS_VERSION" in p.stdout, p.stdout + p.stderr
+    assert any(
+        "WARNING" in line and "refused a UCX connection" in line for line in handshake_node.log
+    ), "\n".join(handshake_node.log[-30:])
 
 
 def test_server_with_a_token_survives_the_5_byte_packet() -> None:
@@ -859,7 +917,7 @@ def test_server_with_a_token_survives_the_5_byte_packet() -> None:
         host, port = server.ready["ucx"].rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=5) as s:
             s.sendall(b"\0\0\0\1\2")
-            assert s.recv(100) == b""
+            assert "not a UCX" in str(_refused(_recv_all(s)))
 
         async def coordinator_answers() -> None:
             c = RpcClient([server.ready["coordinator"]], token=token, timeout=5)
