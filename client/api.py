@@ -15,12 +15,13 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pegaflow.storage_node.protocol import Dropped
 
 from pegaflow import telemetry
+from pegaflow.addresses import AUTO, client_host
 from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import BadRequest, PegaError, Unavailable
@@ -127,6 +128,8 @@ class PegaClient:
     """Async client of a PegaFlow cluster (one per event loop)."""
 
     def __init__(self, cfg: ClientConfig, token: str | None = None) -> None:
+        if cfg.host == AUTO:  # decided once: a routing lookup (see pegaflow.addresses)
+            cfg = replace(cfg, host=client_host(cfg.coordinators))
         self.cfg = cfg
         self._rpc = RpcClient(cfg.coordinators, token=token or None, timeout=cfg.rpc_timeout_s)
         self._token = token or None

@@ -181,7 +181,11 @@ class ConnectorSettings:
         "node id on this host; saves go there and its hits load straight from its pool "
         "file (empty: found by itself, the node whose pool file this host can open)",
     )
-    host: str = _f("127.0.0.1", "this host's address, sent to placement")
+    host: str = _f(
+        "auto",
+        "this host's address, sent to placement ('auto': the address on the route to the "
+        "first coordinator on another host, else 127.0.0.1)",
+    )
     token: str = _f("", "shared secret of the cluster (also PEGAFLOW_SECURITY_TOKEN)")
     mode: str = _f("read_write", "read_write, save_only, load_only or off")
     namespace_extra: str = _f(

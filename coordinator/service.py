@@ -40,6 +40,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from pegaflow.addresses import settle_coordinator
 from pegaflow.auth import Authenticator
 from pegaflow.config import CoordinatorConfig, EtcdConfig, SecurityConfig
 from pegaflow.errors import NoSpace, Unavailable
@@ -113,7 +114,7 @@ class Coordinator:
         dashboard: bool = True,
         http_app_hook: Callable[[web.Application], None] | None = None,
     ) -> None:
-        self.config = config
+        self.config = settle_coordinator(config, etcd.endpoints if etcd is not None else ())
         self.etcd_config = etcd
         self.token = (security.token if security else "") or None
         self._security = security

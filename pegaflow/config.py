@@ -153,9 +153,15 @@ class SecurityConfig:
 class CoordinatorConfig:
     """The coordinator: global index mirror, lookups, placement, status."""
 
-    host: str = opt("127.0.0.1", "interface the control protocol binds to")
+    host: str = opt(
+        "auto",
+        "interface the control protocol binds to; 'auto': this host's address on the route "
+        "to etcd when etcd is on another host, else 127.0.0.1 (0.0.0.0: every interface)",
+    )
     port: int = opt(7700, "control protocol port (0: any free port)")
-    http_host: str = opt("127.0.0.1", "interface of the HTTP endpoint (/health, /metrics)")
+    http_host: str = opt(
+        "", "interface of the HTTP endpoint (/health, /metrics); empty: [coordinator] host"
+    )
     http_port: int = opt(7780, "HTTP port (0: any free port, -1: off)")
     max_frame_bytes: int = opt(16 << 20, "largest control frame accepted", size=True)
     election_ttl_s: int = opt(
@@ -180,9 +186,11 @@ class NodeConfig:
 
     node_id: str = opt("", "unique node name (empty: <hostname>-<ucx port>)")
     host: str = opt(
-        "127.0.0.1",
+        "auto",
         "interface this node's data plane binds to (its UCX handshake socket; UCX's own "
-        "transports follow ucx_net_devices) and the address clients use to reach it",
+        "transports follow ucx_net_devices) and the address it publishes for clients; "
+        "'auto': this host's address on the route to etcd when etcd is on another host, "
+        "else 127.0.0.1 (a loopback or wildcard address is refused with etcd on another host)",
     )
     ucx_port: int = opt(7800, "UCX listener port (0: any free port)")
     ucx_net_devices: str = opt(
@@ -191,7 +199,7 @@ class NodeConfig:
         "the interface that owns [node] host plus every RDMA device, so a loopback node "
         "refuses connections from other hosts; 'all': every device; else a UCX device list",
     )
-    http_host: str = opt("127.0.0.1", "interface of the HTTP endpoint")
+    http_host: str = opt("", "interface of the HTTP endpoint; empty: [node] host")
     http_port: int = opt(7880, "HTTP port (0: any free port, -1: off)")
     pool_bytes: int = opt(
         1 << 30,
@@ -288,7 +296,11 @@ class ClientConfig:
         ["127.0.0.1:7700"], "coordinator addresses, tried in order", addresses=True
     )
     local_node: str = opt("", "node id on this host, preferred for saves (empty: ask placement)")
-    host: str = opt("127.0.0.1", "this client's host, sent to placement")
+    host: str = opt(
+        "auto",
+        "this client's host, sent to placement; 'auto': its address on the route to the "
+        "first coordinator on another host, else 127.0.0.1",
+    )
     lookup_timeout_s: float = opt(0.05, "hard deadline of one lookup")
     rpc_timeout_s: float = opt(5.0, "deadline of other control calls")
     transfer_timeout_s: float = opt(10.0, "deadline of one batched get or put")

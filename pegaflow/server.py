@@ -198,7 +198,7 @@ class AllInOne:
         self.node.sink = sink
         await self._control.run(coord.start())
         if coord.http_port is not None:
-            self.node.http_address = f"{self.cfg.coordinator.http_host}:{coord.http_port}"
+            self.node.http_address = f"{coord.config.http_host}:{coord.http_port}"
         await self.node.start()
 
     async def close(self, failed: bool = False) -> None:
@@ -216,7 +216,7 @@ class AllInOne:
         pool = self.node.pool.capacity if self.node.pool is not None else 0
         return (
             f"READY coordinator={self.coordinator.address} node={self.node.node_id} "
-            f"ucx={self.cfg.node.host}:{self.node.ucx_port} http={http} pool={pool}"
+            f"ucx={self.node.cfg.host}:{self.node.ucx_port} http={http} pool={pool}"
         )
 
 

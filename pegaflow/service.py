@@ -12,6 +12,7 @@ from typing import Any
 
 import uvloop
 
+from pegaflow.addresses import settle
 from pegaflow.config import ArgParser, ClusterConfig, add_arguments, config_from_args
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -56,7 +57,7 @@ def run_service(
     add_arguments(parser, sections, defaults)
     args = parser.parse_args(argv)
     try:
-        cfg = config_from_args(args, defaults)
+        cfg = settle(config_from_args(args, defaults), sections)
     except ValueError as e:
         parser.exit(2, f"{prog}: error: {e}\n")
     logging.basicConfig(

@@ -69,6 +69,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pegaflow import __version__
+from pegaflow.addresses import settle_node
 from pegaflow.auth import Authenticator
 from pegaflow.config import NodeConfig
 from pegaflow.errors import PegaError
@@ -122,7 +123,7 @@ class StorageNode:
         registry: CollectorRegistry | None = None,
         size_flag: str = "--node-pool-bytes",
     ) -> None:
-        self.cfg = cfg
+        self.cfg = settle_node(cfg)  # run_service settled it against etcd already
         self.size_flag = size_flag
         self.sink: InventorySink = sink if sink is not None else NullSink()
         self.registry = registry if registry is not None else CollectorRegistry()
