@@ -48,8 +48,14 @@ from .compat import (
 from .loadcheck import defer_possible
 from .metadata import StepPlan
 from .metrics import Counters
-from .namespace import NamespaceFactors, hash_stability, make_namespace, shard_of
-from .report import CacheReport
+from .namespace import (
+    NamespaceFactors,
+    hash_stability,
+    make_namespace,
+    model_identity,
+    shard_of,
+)
+from .report import WORKER_COUNTERS, CacheReport, format_line
 from .scheduler import SchedulerSide
 from .settings import ConnectorSettings
 from .stats import PegaConnectorStats, PegaPromMetrics
@@ -108,9 +114,10 @@ class PegaKVConnector(KVConnectorBase_V1):
             "worker" if is_worker else "scheduler", self.shard, self.settings.stats_path
         )
         self.policy = kv_load_failure_policy(vllm_config)
+        # the same decision in every process: a worker of its own process must not retry
+        # loads the scheduler has vLLM recompute
         policy_set = (
-            not is_worker
-            and self.policy != "recompute"
+            self.policy != "recompute"
             and self.settings.recompute_failed_loads
             and self.settings.can_load
             and recompute_load_failures(vllm_config)
@@ -216,16 +223,21 @@ class PegaKVConnector(KVConnectorBase_V1):
         mc = vc.model_config
         weights = []
         load_format = str(getattr(vc.load_config, "load_format", ""))
-        if "dummy" in load_format:
+        dummy = "dummy" in load_format
+        if dummy:
             weights.append(f"dummy:seed={getattr(mc, 'seed', None)}")
         for attr in ("revision", "quantization", "tokenizer_revision"):
             v = getattr(mc, attr, None)
             if v:
                 weights.append(f"{attr}={v}")
+        served = getattr(mc, "served_model_name", None) or ""
+        if isinstance(served, list | tuple):  # several names: the first, as vLLM does
+            served = served[0] if served else ""
+        ident = model_identity(str(mc.model), self.settings.model_id, str(served), dummy)
         g = self.geometry
         cache_dtype = str(getattr(vc.cache_config, "cache_dtype", "auto"))
         f = NamespaceFactors(
-            model=self.settings.model_id or str(mc.model),
+            model=ident.identity,
             dtype=str(getattr(mc, "dtype", "")).replace("torch.", ""),
             kv_dtype=f"{g.kv_dtype}/{cache_dtype}",
             device=device_type(),
@@ -241,9 +253,17 @@ class PegaKVConnector(KVConnectorBase_V1):
             hash_seed_fingerprint=hi.root_fingerprint,
             weights=";".join(weights),
             extra=self.settings.namespace_extra,
+            label=ident.name,
         )
         ns = make_namespace(f)
-        logger.info("PegaFlow namespace %s for %s", ns, f)
+        # one line with every factor: two engines that share nothing compare theirs
+        logger.info(
+            "PegaFlow namespace %s for model identity %s (from %s; set model_id to override), %s",
+            ns,
+            ident.identity,
+            ident.source,
+            f,
+        )
         return ns
 
     def _plan(self, meta: KVConnectorMetadata | None = None) -> StepPlan:
@@ -400,11 +420,23 @@ class PegaKVConnector(KVConnectorBase_V1):
         """Drain queued copies, give pending puts a moment, close the client."""
         if self._worker is not None:
             self._worker.shutdown()
+            if self._scheduler is None and sameprocess.worker_totals() is None:
+                self._log_untold()
         if self._scheduler is not None:
             self._scheduler.close()
             self.counters.maybe_write(force=True)
         if self._report is not None:
             self._report.close()
+
+    def _log_untold(self) -> None:
+        """A worker of a process of its own: its counters reach the scheduler's cache
+        line only with a step's output, so what no step carried (saves that finished
+        after the engine's last step) is logged here, in a line of its own."""
+        untold = {k: v for k, v in self.counters.take_delta().items() if k in WORKER_COUNTERS}
+        title = f"PegaFlow cache (rank {self.shard}, after the last step)"
+        line = format_line(untold, 0.0, title=title)
+        if line is not None:
+            logger.info("%s", line)
 
     # ==============================
     # Scheduler-side methods

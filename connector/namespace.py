@@ -8,6 +8,32 @@ layout, block size, layer count, KV heads, head size, TP and PP sizes, and the
 fingerprint of the hash seed (``NONE_HASH``), so engines whose hashes cannot agree can
 never read each other's blocks.  The rank of the worker is the key's *shard*.
 
+**Model identity, not model path** (:func:`model_identity`).  Hosts mount one model at
+different paths (``/models/llama``, ``/mnt/llama``), so a path in the namespace would
+keep them from sharing anything.  The model is keyed, first match wins, on: the
+``model_id`` setting; vLLM's ``served_model_name`` when one was given (it differs from
+the model path); for a local directory, a digest of its *content*
+(:func:`dir_identity`); else the model name itself (a hub repo id; its revision is in
+the weights factor).
+
+A directory's content identity is its ``config.json`` (parsed and re-dumped with sorted
+keys) plus, unless the weights are dummy, a digest of the weight files vLLM loads (the
+top-level ``*.safetensors``, else ``*.bin``, else ``*.pt``, sorted by name): for each,
+its name, its size, its safetensors header (tensor names, dtypes, shapes, offsets) and
+xxh3 of samples of its bytes: :data:`SAMPLE_CHUNKS` evenly spaced chunks of
+:data:`CHUNK_BYTES` (the first one the file's start) and, of a safetensors file, the
+first :data:`TENSOR_SAMPLE_BYTES` of up to :data:`TENSOR_SAMPLES` of its tensors.  That
+is a few MB read per file, whatever the size of the weights (100+ GB start no slower).
+Sampling is safe enough because a fine-tune changes the bytes of each tensor it tuned
+throughout, so a sampled tensor start or chunk inside it differs, and a different
+model differs in its config, its header or everywhere.  It would *not* catch a change
+confined to bytes no sample reads: one tensor edited in a file of more than
+:data:`TENSOR_SAMPLES` tensors and missed by the chunks, a few weights patched by hand,
+or weights vLLM does not read from these files (e.g. a tokenizer change, which vLLM's
+hashes cover anyway as different token ids).  Set ``model_id`` (one name per distinct
+model) to override it in such a case, or when the same model is served from copies that
+differ in their files (e.g. safetensors on one host, ``.bin`` on another).
+
 Pure module: no vLLM import.
 """
 
@@ -15,12 +41,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import BinaryIO
+
+import xxhash
 
 _SLUG_RE = re.compile(r"[^A-Za-z0-9._-]+")
-_NS_VERSION = 1
+_NS_VERSION = 2
+"""2: the model factor is the model's identity (:func:`model_identity`), not its path"""
 
 
 @dataclass(frozen=True)
@@ -46,6 +77,9 @@ class NamespaceFactors:
     weights: str = ""
     """weights identity when not the model files (e.g. ``dummy:seed=0``), quantization"""
     extra: str = ""
+    label: str = ""
+    """readable name for the namespace's slug (:attr:`ModelIdentity.name`; never a path);
+    not part of the digest"""
 
     @property
     def world_size(self) -> int:
@@ -54,12 +88,191 @@ class NamespaceFactors:
 
 
 def make_namespace(f: NamespaceFactors) -> str:
-    """``<model slug>.<digest>``: readable, and within the wire's namespace alphabet."""
-    canon = json.dumps({"v": _NS_VERSION, **asdict(f)}, sort_keys=True, separators=(",", ":"))
+    """``<label or model slug>.<digest>``: readable, and within the wire's namespace
+    alphabet.  The digest covers every factor but the label."""
+    factors = asdict(f)
+    del factors["label"]
+    canon = json.dumps({"v": _NS_VERSION, **factors}, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(canon.encode()).hexdigest()[:24]
-    base = f.model.rstrip("/").rsplit("/", 1)[-1] or "model"
+    base = f.label or f.model.rstrip("/").rsplit("/", 1)[-1] or "model"
     slug = _SLUG_RE.sub("-", base).strip("-.")[:48] or "model"
     return f"{slug}.{digest}"
+
+
+# ---- model identity ----------------------------------------------------------------
+
+SAMPLE_CHUNKS = 16
+"""evenly spaced chunks hashed per weight file (the first at its start)"""
+CHUNK_BYTES = 64 * 1024
+"""bytes of one such chunk"""
+TENSOR_SAMPLES = 64
+"""safetensors tensors of a file whose first bytes are hashed (evenly chosen if more)"""
+TENSOR_SAMPLE_BYTES = 4096
+"""bytes hashed at the start of each sampled tensor"""
+MAX_HEADER_BYTES = 100 << 20
+"""a larger safetensors header is not one (only the chunks are hashed)"""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+"""weight files, in vLLM's order of preference: the first suffix present is the one read"""
+NOT_WEIGHTS = frozenset(
+    {"training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"}
+)
+"""files with a weights suffix that vLLM does not load"""
+CONFIG_FILES = ("config.json", "params.json")
+"""a model's config (``params.json``: Mistral's format), the first present"""
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What the namespace keys the model on, and where that came from."""
+
+    identity: str
+    """the namespace's model factor: never a local path (unless nothing else was found)"""
+    name: str
+    """readable name for the namespace's slug, as path-free as the identity"""
+    source: str
+    """how the identity was found, in words (for the start line of the log)"""
+
+
+def model_identity(
+    model: str, model_id: str = "", served_name: str = "", dummy_weights: bool = False
+) -> ModelIdentity:
+    """The identity of vLLM's ``model`` (a local directory or file, or a hub repo id).
+
+    ``model_id``: the setting, wins; ``served_name``: vLLM's ``served_model_name``, used
+    when it differs from ``model`` (vLLM defaults it to ``model``); ``dummy_weights``:
+    the weights are not read from the files (their seed is a factor of its own), so a
+    directory is identified by its config alone.
+    """
+    if model_id:
+        return ModelIdentity(model_id, _basename(model_id), "the model_id setting")
+    if served_name and served_name != model:
+        return ModelIdentity(
+            served_name, _basename(served_name), f"vLLM's served_model_name; model at {model}"
+        )
+    if os.path.isdir(model) or os.path.isfile(model):
+        try:
+            ident, name = dir_identity(model, weights=not dummy_weights)
+        except OSError as e:
+            return ModelIdentity(model, _basename(model), f"its path: {model} unreadable ({e})")
+        if ident:
+            return ModelIdentity(ident, name, f"the content of {model}")
+        return ModelIdentity(
+            model, _basename(model), f"its path: no config or weight files in {model}"
+        )
+    return ModelIdentity(model, _basename(model), "the model name (not a local directory)")
+
+
+def dir_identity(path: str, weights: bool = True) -> tuple[str, str]:
+    """``(identity, name)`` of a model directory from its content, never its path:
+    ``config:<xxh3 of its config>`` and, with ``weights``, ``weights:<digest of the
+    weight files>`` (:func:`weights_digest`); name: the config's ``model_type``.  A single
+    file (e.g. GGUF) is its :func:`file_digest`.  Empty identity: neither was found.
+    Raises OSError when a file cannot be read."""
+    if os.path.isfile(path):
+        h = xxhash.xxh3_128()
+        file_digest(path, h)
+        return f"weights:{h.hexdigest()}", "model"
+    parts, name = [], "model"
+    for fname in CONFIG_FILES:
+        cfg_path = os.path.join(path, fname)
+        if os.path.isfile(cfg_path):
+            with open(cfg_path, "rb") as fh:
+                raw = fh.read()
+            try:
+                cfg = json.loads(raw)
+                canon = json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode()
+            except ValueError:  # not JSON: its bytes, as they are
+                cfg, canon = None, raw
+            if isinstance(cfg, Mapping) and isinstance(cfg.get("model_type"), str):
+                name = cfg["model_type"] or name
+            parts.append(f"config:{xxhash.xxh3_128(canon).hexdigest()}")
+            break
+    if weights:
+        files = weight_files(path)
+        if files:
+            parts.append(f"weights:{weights_digest(path, files)}")
+    return ";".join(parts), name
+
+
+def weight_files(path: str) -> list[str]:
+    """The weight files vLLM loads from directory ``path``: the top-level files of the
+    first :data:`WEIGHT_SUFFIXES` present (minus :data:`NOT_WEIGHTS`), sorted by name."""
+    names = sorted(e.name for e in os.scandir(path) if e.is_file() and e.name not in NOT_WEIGHTS)
+    for suffix in WEIGHT_SUFFIXES:
+        found = [n for n in names if n.endswith(suffix)]
+        if found:
+            return found
+    return []
+
+
+def weights_digest(path: str, files: Sequence[str]) -> str:
+    """xxh3 of ``files`` (names relative to ``path``), each with its name and
+    :func:`file_digest`."""
+    h = xxhash.xxh3_128()
+    for name in files:
+        h.update(name.encode() + b"\0")
+        file_digest(os.path.join(path, name), h)
+    return h.hexdigest()
+
+
+def file_digest(path: str, h: xxhash.xxh3_128) -> None:
+    """Feed ``h`` one weight file's size, its safetensors header (if it is one) and
+    samples of its bytes (see the module's docstring for why samples are enough)."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        h.update(size.to_bytes(8, "little"))
+        for off in sample_offsets(size):
+            fh.seek(off)
+            h.update(fh.read(CHUNK_BYTES))
+        for off, n in _tensor_samples(fh, size, h):
+            fh.seek(off)
+            h.update(fh.read(n))
+
+
+def sample_offsets(size: int) -> list[int]:
+    """Offsets of the :data:`SAMPLE_CHUNKS` chunks sampled in a file of ``size`` bytes:
+    evenly spaced from its start to its end (one chunk for a small file)."""
+    last = max(0, size - CHUNK_BYTES)
+    if last == 0:
+        return [0]
+    n = SAMPLE_CHUNKS
+    return sorted({round(i * last / (n - 1)) for i in range(n)})
+
+
+def _tensor_samples(fh: BinaryIO, size: int, h: xxhash.xxh3_128) -> list[tuple[int, int]]:
+    """A safetensors file's header fed to ``h``, and the ``(offset, length)`` of the
+    tensor starts to sample; nothing when the file is no safetensors file."""
+    fh.seek(0)
+    head = fh.read(8)
+    if len(head) < 8:
+        return []
+    n = int.from_bytes(head, "little")
+    if not 2 <= n <= min(MAX_HEADER_BYTES, size - 8):
+        return []
+    raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        return []
+    if not isinstance(header, dict):
+        return []
+    h.update(raw)
+    spans = []
+    for name in sorted(k for k in header if k != "__metadata__"):
+        t = header[name]
+        offs = t.get("data_offsets") if isinstance(t, dict) else None
+        if isinstance(offs, list) and len(offs) == 2 and all(isinstance(x, int) for x in offs):
+            begin, end = offs
+            if 0 <= begin < end:
+                spans.append((8 + n + begin, min(end - begin, TENSOR_SAMPLE_BYTES)))
+    if len(spans) > TENSOR_SAMPLES:
+        step = len(spans) / TENSOR_SAMPLES
+        spans = [spans[int(i * step)] for i in range(TENSOR_SAMPLES)]
+    return spans
+
+
+def _basename(model: str) -> str:
+    return model.rstrip("/").rsplit("/", 1)[-1] or "model"
 
 
 def shard_of(tp_rank: int, pp_rank: int, tp_size: int) -> int:

@@ -8,6 +8,13 @@ engine process logs one INFO line, only when something happened since the last o
     0 hits declined as slower than computing, saved 128 blocks (167.8 MB),
     0 dropped, 0 failures
 
+An interval without lookups says ``no lookups``; failures are said by kind, each in a
+clause of its own (``2 lookups failed (answered as misses)``, ``62 blocks failed to load
+(recomputed)``, ``3 blocks failed to save``) instead of ``0 failures``.  Loads are
+counted when they end, lookups when they are made: a load that failed may belong to an
+earlier interval's lookup, whose request vLLM then looks up again (that lookup may miss,
+e.g. when the node that held the blocks is gone).
+
 Lookups and decisions are counted in the scheduler's own process; loads and saves by
 the workers.  A worker in the scheduler's process (one rank) is read directly, so saves
 that finish after an engine's last step still show; other workers' counters reach the
@@ -53,36 +60,74 @@ def _bytes(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def format_line(d: Mapping[str, float], seconds: float, estimates: str = "") -> str | None:
+def _rate(bps: float) -> str:
+    """A rate that shows its size: GB/s from 1 GB/s, else MB/s (kB/s, B/s) with 2 or 3
+    significant digits, never ``0.0 GB/s`` for a slow load."""
+    if bps >= 1e9:
+        return f"{bps / 1e9:.1f} GB/s"
+    for scale, unit in ((1e6, "MB/s"), (1e3, "kB/s")):
+        if bps >= scale:
+            v = bps / scale
+            digits = 0 if v >= 99.5 else 1 if v >= 9.995 else 2
+            return f"{v:.{digits}f} {unit}"
+    return f"{bps:.0f} B/s"
+
+
+def format_line(
+    d: Mapping[str, float],
+    seconds: float,
+    estimates: str = "",
+    load_failure_fate: str = "recomputed",
+    title: str = "",
+) -> str | None:
     """The line for counter deltas ``d`` over ``seconds`` (None: nothing happened);
-    ``estimates``: the cost model's, shown when hits were declined."""
+    ``estimates``: the cost model's, shown when hits were declined;
+    ``load_failure_fate``: what vLLM does with a block that failed to load;
+    ``title``: the line's start (default ``PegaFlow cache (last <seconds> s)``).
+
+    The hit rate covers the lookups of this interval only, and loads are counted when
+    they end: a load that failed may belong to a lookup of an earlier interval (vLLM
+    then asks again, and that lookup may miss), so failures are said apart from the
+    hit rate, each kind in its own clause.
+    """
     if not any(d.get(k, 0) for k in _ACTIVITY):
         return None
     g = d.get
     lookups = int(g("lookups", 0) + g("lookups_local", 0))
     hit, miss = int(g("lookup_hit_blocks", 0)), int(g("lookup_miss_blocks", 0))
-    rate = f"{100.0 * hit / (hit + miss):.1f}%" if hit + miss else "-"
+    errors = int(g("lookup_errors", 0))
+    load_failed, save_failed = int(g("load_failed_blocks", 0)), int(g("save_failed_blocks", 0))
     loaded, nbytes, secs = g("load_blocks", 0), g("load_bytes", 0), g("load_seconds", 0)
     load = f"{_bytes(nbytes)} loaded"
     if secs > 0 and nbytes:
-        load += f" at {nbytes / secs / 1e9:.1f} GB/s"
+        load += f" at {_rate(nbytes / secs)}"
     if loaded:
         load += f", {100.0 * g('local_load_blocks', 0) / loaded:.0f}% same-host"
     declined = int(g("cost_declined", 0) + g("cost_part", 0))
     why = f" (estimates: {estimates})" if declined and estimates else ""
-    failures = int(g("lookup_errors", 0) + g("load_failed_blocks", 0) + g("save_failed_blocks", 0))
-    parts = [
-        f"{lookups} lookups",
-        f"hit rate {rate} ({hit} of {hit + miss} blocks)",
+    if lookups:
+        rate = f"{100.0 * hit / (hit + miss):.1f}%" if hit + miss else "-"
+        parts = [f"{lookups} lookups", f"hit rate {rate} ({hit} of {hit + miss} blocks)"]
+    else:
+        parts = ["no lookups answered" if errors else "no lookups"]
+    parts += [
         f"{int(g('hit_tokens', 0))} tokens from the cache ({load})",
         f"{declined} hits declined as slower than computing{why}",
         f"saved {int(g('save_blocks', 0))} blocks ({_bytes(g('save_bytes', 0))})",
         f"{int(g('save_dropped_blocks', 0))} dropped",
-        f"{failures} failures",
     ]
+    if not (errors or load_failed or save_failed):
+        parts.append("0 failures")
+    if errors:
+        parts.append(f"{errors} lookups failed (answered as misses)")
+    if load_failed:
+        earlier = "hits of earlier lookups, " if load_failed > hit else ""
+        parts.append(f"{load_failed} blocks failed to load ({earlier}{load_failure_fate})")
+    if save_failed:
+        parts.append(f"{save_failed} blocks failed to save")
     if g("lookup_skipped", 0):
         parts.append(f"{int(g('lookup_skipped', 0))} lookups skipped (cluster backing off)")
-    return f"PegaFlow cache (last {seconds:.0f} s): " + ", ".join(parts)
+    return (title or f"PegaFlow cache (last {seconds:.0f} s)") + ": " + ", ".join(parts)
 
 
 class CacheReport:
@@ -96,6 +141,8 @@ class CacheReport:
             shown when hits were declined.
         worker_totals: the cumulative counters of a worker in this process, or None
             while there is none (the workers' stats are read instead).
+        load_failure_fate: what vLLM does with a block that failed to load, in words
+            (its ``kv_load_failure_policy``).
     """
 
     def __init__(
@@ -105,8 +152,10 @@ class CacheReport:
         clock: Callable[[], float] = time.monotonic,
         estimates: Callable[[], str] | None = None,
         worker_totals: Callable[[], Mapping[str, float] | None] | None = None,
+        load_failure_fate: str = "recomputed",
     ) -> None:
         self._counters = counters
+        self._load_failure_fate = load_failure_fate
         self._worker_totals = worker_totals
         self._seen_worker: dict[str, float] = {}
         self.interval_s = interval_s
@@ -137,7 +186,8 @@ class CacheReport:
             d.update(self._worker_delta())
             self._seen, self._workers = totals, {}
             seconds, self._since = now - self._since, now
-        return format_line(d, seconds, self._estimates() if self._estimates else "")
+        estimates = self._estimates() if self._estimates else ""
+        return format_line(d, seconds, estimates, self._load_failure_fate)
 
     def _worker_delta(self) -> Mapping[str, float]:
         """The workers' counters since the last line: the same-process worker's own,

@@ -212,6 +212,34 @@ def test_the_engine_log_says_what_the_cache_did(caplog: pytest.LogCaptureFixture
     assert "PegaFlow cache (last" in caplog.text
 
 
+def test_the_line_says_what_happened_to_small_and_failed_loads() -> None:
+    """Issue 35, defect 8: a small remote load read ``4.1 MB loaded at 0.0 GB/s``, and an
+    interval whose loads failed read ``hit rate 0.0% (0 of 62 blocks) ... 62 failures``
+    although the lookup that claimed them had hit."""
+    from pegaflow.connector.report import format_line
+
+    small = format_line({"lookups": 1, "lookup_hit_blocks": 2, "load_blocks": 2,
+                         "load_bytes": 4.1e6, "load_seconds": 0.05}, 10)  # fmt: skip
+    assert small is not None and "4.1 MB loaded at 82.0 MB/s" in small, small
+    assert "0.0 GB/s" not in small
+    slow = format_line({"load_blocks": 1, "load_bytes": 2000, "load_seconds": 1.0}, 10)
+    assert slow is not None and "at 2.00 kB/s" in slow, slow
+    # the loads of an earlier interval's hits failed; this interval's lookups missed
+    failed = format_line({"lookups": 2, "lookup_miss_blocks": 62, "load_failed_blocks": 62}, 10)
+    assert failed is not None
+    assert "62 blocks failed to load (hits of earlier lookups, recomputed)" in failed, failed
+    assert "0 failures" not in failed
+    # failures by kind, each said as what it is
+    kinds = format_line({"lookup_errors": 3, "save_failed_blocks": 4}, 10)
+    assert kinds is not None
+    assert "no lookups answered" in kinds and "3 lookups failed (answered as misses)" in kinds
+    assert "4 blocks failed to save" in kinds
+    this_interval = format_line(
+        {"lookups": 1, "lookup_hit_blocks": 8, "load_failed_blocks": 8}, 10, load_failure_fate="x"
+    )
+    assert this_interval is not None and "8 blocks failed to load (x)" in this_interval
+
+
 def test_the_line_reads_a_worker_in_the_schedulers_process_directly() -> None:
     """With one rank the worker shares the scheduler's process: its saves show in the
     next line even when they finish after the engine's last step (no stats follow)."""
