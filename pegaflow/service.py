@@ -25,6 +25,31 @@ def _log_level(value: str) -> str:
     return level
 
 
+def build_parser(
+    prog: str,
+    description: str | None,
+    sections: list[str],
+    defaults: dict[str, dict[str, Any]] | None = None,
+) -> ArgParser:
+    """The command line of a service: ``--config``, ``--log-level`` and a
+    ``--<section>-<option>`` flag for every option of its ``sections``."""
+    parser = ArgParser(
+        prog=prog,
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage=f"{prog} [--config FILE] [--log-level LEVEL] [--<table>-<option> VALUE ...]",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        type=_log_level,
+        metavar="LEVEL",
+        help=f"{', '.join(LOG_LEVELS)} (default: INFO)",
+    )
+    add_arguments(parser, sections, defaults)
+    return parser
+
+
 def run_service(
     prog: str,
     description: str | None,
@@ -41,20 +66,7 @@ def run_service(
     that fails with ``OSError`` or ``ValueError`` (``--log-level DEBUG`` adds the
     traceback).  ``defaults``: the program's own defaults (see
     :func:`pegaflow.config.load_config`)."""
-    parser = ArgParser(
-        prog=prog,
-        description=description,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage=f"{prog} [--config FILE] [--log-level LEVEL] [--<table>-<option> VALUE ...]",
-    )
-    parser.add_argument(
-        "--log-level",
-        default="INFO",
-        type=_log_level,
-        metavar="LEVEL",
-        help=f"{', '.join(LOG_LEVELS)} (default: INFO)",
-    )
-    add_arguments(parser, sections, defaults)
+    parser = build_parser(prog, description, sections, defaults)
     args = parser.parse_args(argv)
     try:
         cfg = settle(config_from_args(args, defaults), sections)

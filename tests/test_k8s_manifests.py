@@ -1,6 +1,8 @@
 """The Kubernetes manifests in configs/k8s: valid resources (kubernetes-validate, strict,
 offline schemas), their embedded configs load, every PEGAFLOW_* variable they set is a
-real option, and the vLLM Deployment fits the node DaemonSet it relies on."""
+real option, the vLLM Deployment fits the node DaemonSet it relies on, the node binds
+and advertises its host's address, and the etcd example serves the endpoints the
+ConfigMaps name with the settings of configs/etcd.conf.yml."""
 
 from __future__ import annotations
 
@@ -70,14 +72,18 @@ def test_vllm_deployment_uses_the_node_on_its_host() -> None:
     (c,) = containers(vllm)
     env = env_of(c)
     node_env = env_of(containers(node_ds)[0])
-    # the local node's id: the one the DaemonSet gives its node, from the downward API
-    assert env["PEGAFLOW_CLIENT_LOCAL_NODE"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    # no node id to configure: the connector finds its host's node by the pool file the
+    # node publishes (path, device, inode); the node's id stays stable across restarts
+    assert "PEGAFLOW_CLIENT_LOCAL_NODE" not in env
     assert node_env["PEGAFLOW_NODE_NODE_ID"] == "$(HOSTNAME_)"
     assert node_env["HOSTNAME_"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    # the pod's own network and IPC namespaces
+    pod = vllm["spec"]["template"]["spec"]
+    for shared in ("hostNetwork", "hostIPC", "hostPID"):
+        assert not pod.get(shared), f"the vLLM pod sets {shared}"
     # the pool file's directory: the host's, at the node's shm_dir, in both pods
     node_toml = tomllib.loads(resource("ConfigMap", "pegaflow-node")["data"]["node.toml"])
     shm_dir = node_toml["node"].get("shm_dir", ClusterConfig().node.shm_dir)
-    pod = vllm["spec"]["template"]["spec"]
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     shm = [n for n, p in mounts.items() if p == shm_dir]
@@ -98,11 +104,115 @@ def test_vllm_deployment_uses_the_node_on_its_host() -> None:
     }
     assert env["PYTHONHASHSEED"].isdigit()
     literal = {k: v for k, v in env.items() if isinstance(v, str)}
-    s = ConnectorSettings.load({}, env={**literal, "PEGAFLOW_CLIENT_LOCAL_NODE": "gpu-host-1"})
+    s = ConnectorSettings.load({}, env=literal)
     assert s.coordinators == ["pegaflow-coordinator.pegaflow.svc:7700"]
-    assert s.local_node == "gpu-host-1"
+    assert s.local_node == ""  # found by itself
     service = resource("Service", "pegaflow-coordinator")
-    assert s.coordinators[0].startswith(f"{service['metadata']['name']}.pegaflow.svc:")
+    assert s.coordinators[0] == f"{_service_dns(service)}:{_service_port(service, 'control')}"
+
+
+def test_node_daemonset_binds_and_advertises_the_host_address(tmp_path: Path) -> None:
+    node_ds = resource("DaemonSet", "pegaflow-node")
+    pod = node_ds["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True
+    assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"  # etcd-N.etcd.pegaflow.svc resolve
+    (c,) = containers(node_ds)
+    env = env_of(c)
+    # the data plane binds and is published at the host's IP, explicitly
+    assert env["PEGAFLOW_NODE_HOST"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
+    text = resource("ConfigMap", "pegaflow-node")["data"]["node.toml"]
+    (tmp_path / "node.toml").write_text(text)
+    cfg = load_config(tmp_path / "node.toml", env={"PEGAFLOW_NODE_HOST": "10.0.0.2"})
+    assert cfg.node.host == "10.0.0.2"
+    # the HTTP endpoint follows [node] host (empty http_host): the kubelet probes the pod
+    # IP, which with hostNetwork is the host's; never loopback
+    assert cfg.node.http_host in ("", cfg.node.host, "0.0.0.0")
+    assert not cfg.node.http_host.startswith("127.")
+    ports = {p["name"]: p for p in c["ports"]}
+    assert ports["ucx"]["containerPort"] == ports["ucx"]["hostPort"] == cfg.node.ucx_port
+    assert ports["http"]["containerPort"] == ports["http"]["hostPort"] == cfg.node.http_port
+    for probe in ("readinessProbe", "livenessProbe"):
+        get = c[probe]["httpGet"]
+        assert get["path"] == "/health" and "host" not in get
+        assert get["port"] in (cfg.node.http_port, "http")
+
+
+def test_etcd_statefulset_serves_the_endpoints_the_configmaps_name(tmp_path: Path) -> None:
+    sts = resource("StatefulSet", "etcd")
+    svc = resource("Service", sts["spec"]["serviceName"])
+    assert svc["spec"]["clusterIP"] == "None"  # headless: one DNS name per member
+    assert svc["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
+    ns = sts["metadata"]["namespace"]
+    assert svc["metadata"]["namespace"] == ns == "pegaflow"
+    replicas = sts["spec"]["replicas"]
+    assert replicas >= 3 and replicas % 2 == 1
+    client_port = _service_port(svc, "client")
+    members = {
+        f"{sts['metadata']['name']}-{i}.{svc['metadata']['name']}.{ns}.svc:{client_port}"
+        for i in range(replicas)
+    }
+    for name, key in (("pegaflow-node", "node.toml"), ("pegaflow-coordinator", "coordinator.toml")):
+        (tmp_path / key).write_text(resource("ConfigMap", name)["data"][key])
+        endpoints = load_config(tmp_path / key, env={}).etcd.endpoints
+        assert endpoints and set(endpoints) <= members, (name, endpoints)
+
+    (c,) = containers(sts)
+    assert c["image"].startswith(("quay.io/coreos/etcd:v3.5.", "registry.k8s.io/etcd:3.5."))
+    flags = _flags(c["args"])
+    conf = yaml.safe_load((K8S.parent / "etcd.conf.yml").read_text())
+    assert flags["auto-compaction-mode"] == conf["auto-compaction-mode"] == "periodic"
+    assert flags["auto-compaction-retention"] == conf["auto-compaction-retention"] == "1h"
+    assert int(flags["quota-backend-bytes"]) == conf["quota-backend-bytes"]
+    if "max-txn-ops" in conf:
+        assert int(flags["max-txn-ops"]) >= max(1024, conf["max-txn-ops"])
+    node_cfg = load_config(tmp_path / "node.toml", env={})
+    assert int(flags.get("max-txn-ops", 128)) >= node_cfg.etcd.batch_size
+    # every member: its own name, advertised under the headless Service, in the cluster
+    env = env_of(c)
+    assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert flags["name"] == "$(POD_NAME)"
+    assert flags["advertise-client-urls"] == (
+        f"http://$(POD_NAME).{svc['metadata']['name']}.{ns}.svc:{client_port}"
+    )
+    peers = dict(m.split("=", 1) for m in flags["initial-cluster"].split(","))
+    peer_port = _service_port(svc, "peer")
+    assert peers == {
+        f"{sts['metadata']['name']}-{i}": (
+            f"http://{sts['metadata']['name']}-{i}.{svc['metadata']['name']}.{ns}.svc:{peer_port}"
+        )
+        for i in range(replicas)
+    }
+    assert svc["spec"].get("publishNotReadyAddresses") is True  # members find each other
+    assert sts["spec"].get("podManagementPolicy") == "Parallel"  # and start together
+    # its data on a volume of its own, probes on /health
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert flags["data-dir"].startswith(mounts[claim["metadata"]["name"]] + "/")
+    named = {p["name"]: p["containerPort"] for p in c["ports"]}
+    for probe in ("livenessProbe", "readinessProbe"):
+        get = c[probe]["httpGet"]
+        assert get["path"].split("?")[0] == "/health"
+        port = named.get(get["port"], get["port"])
+        assert port in (2379, int(flags.get("listen-metrics-urls", ":-1").rsplit(":", 1)[1]))
+
+
+def _flags(args: list[str]) -> dict[str, str]:
+    """``--key=value`` arguments as a dict (every etcd flag here is written that way)."""
+    out = {}
+    for a in args:
+        assert a.startswith("--") and "=" in a, a
+        key, value = a[2:].split("=", 1)
+        out[key] = value
+    return out
+
+
+def _service_dns(service: dict[str, Any]) -> str:
+    return f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
+
+
+def _service_port(service: dict[str, Any], name: str) -> int:
+    (port,) = [p["port"] for p in service["spec"]["ports"] if p["name"] == name]
+    return port
 
 
 def _is_option(name: str) -> bool:
