@@ -24,7 +24,7 @@ from pegaflow import telemetry
 from pegaflow.addresses import AUTO, client_host
 from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline, Timeout
-from pegaflow.errors import BadRequest, PegaError, Unavailable
+from pegaflow.errors import BadRequest, PegaError, Unavailable, WrongPeer
 from pegaflow.keys import NodeRecord
 from pegaflow.rpc_client import RpcClient
 from pegaflow.wire import LocatedBlocks, unpack_bits
@@ -371,14 +371,21 @@ class PegaClient:
         in the data-plane handshake, this process can open as the same file
         (:func:`~.samehost.open_pool_file`).  Largest pool first, then by id, so every process of
         an engine picks the same one.  Nodes that do not answer within ``timeout``
-        (default ``rpc_timeout_s``, for the whole call) are left out.  Each one's
-        session then knows its control socket."""
+        (default ``rpc_timeout_s``, for the whole call) are left out, and so is a node
+        whose address another node answers at (two nodes publish one address: logged at
+        WARNING, see :class:`~pegaflow.errors.WrongPeer`).  Each one's session then knows
+        its control socket."""
         deadline = self._deadline("local_nodes", timeout)
         records = await self.nodes(timeout=deadline)
 
         async def probe(rec: NodeRecord) -> LocalNode | None:
             try:
-                pool = await self._data.pool_file(rec.ucx_address, deadline)
+                pool = await self._data.pool_file(
+                    rec.ucx_address, deadline, expect_node=rec.node_id
+                )
+            except WrongPeer as e:
+                log.warning("node %s left out of this host's nodes: %s", rec.node_id, e)
+                return None
             except PegaError as e:
                 log.debug("node %s (%s): no handshake: %s", rec.node_id, rec.ucx_address, e)
                 return None

@@ -11,6 +11,19 @@ land in its buffers later (at once over shared memory, or when a hung node resum
 the buffers of a failed get stay *unsettled* until UCX reports each receive finished:
 :meth:`DataClient.settled` tells a caller whether a buffer may be reused, and a get into
 an unsettled buffer is refused (all misses) rather than verified and then overwritten.
+
+Which node answers: connections are kept per address, and the node that answers the
+hello names itself (``node_id``).  A caller that means a given node passes its id
+(``expect_node``) and every call checks it against the hello's, so a node record whose
+address reaches another node (two nodes publishing one address, e.g. a loopback or
+wildcard ``--node-host`` in a cluster of several hosts) fails with
+:class:`~pegaflow.errors.WrongPeer` instead of storing on, reading from or pinning at
+the node that happens to answer.  A put raises it; a get gives misses (gets never raise
+for a node's failures) and logs it at WARNING, at most once a minute per address and
+node.  The connection itself is kept: it is the node at that address, and a call meant
+for that node may use it.  A caller that knows only an address (``expect_node`` empty)
+is not checked, and neither is a node whose hello names no id (a node older than this
+check: it cannot be told apart, so it is taken as the one meant).
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ import concurrent.futures
 import functools
 import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +44,7 @@ from pegaflow.storage_node import protocol as proto
 from pegaflow import telemetry
 from pegaflow.checksum import checksum
 from pegaflow.deadline import Deadline, Timeout
-from pegaflow.errors import BadRequest, PegaError, Unavailable, error_from_wire
+from pegaflow.errors import BadRequest, PegaError, Unavailable, WrongPeer, error_from_wire
 from pegaflow.rpc import parse_address
 from pegaflow.ucx import UcxWorker, close_endpoint, make_tag
 from pegaflow.wire import pack, unpack
@@ -39,6 +53,19 @@ log = logging.getLogger(__name__)
 
 _MAX_REPLY = 16 << 20
 _MAX_BLOCK = 1 << 30
+_WRONG_NODE_LOG_S = 60.0
+"""a get that reached the wrong node is logged at WARNING at most this often per address
+and node meant"""
+
+
+def wrong_node(addr: str, meant: str, answered: str) -> WrongPeer:
+    """The error of a call meant for node ``meant`` whose hello at ``addr`` came from
+    node ``answered``."""
+    return WrongPeer(
+        f"the node record of {meant} names address {addr}, where node {answered} answers: "
+        "two nodes publish one address (e.g. a loopback or wildcard --node-host, "
+        "[node] host); give each node its host's address"
+    )
 
 
 @dataclass
@@ -205,6 +232,8 @@ class DataClient:
         #: Blocks a node answered ``"stale"`` for: their slot now holds another
         #: generation than the one the caller expected (counted as misses).
         self.stale_misses = 0
+        self._wrong_logged: dict[tuple[str, str], float] = {}
+        """(address, node meant) -> when a get that reached another node was logged"""
 
     def settled(self, buf: Any) -> bool:
         """Whether no receive of an earlier, failed get can still write into ``buf``
@@ -270,10 +299,18 @@ class DataClient:
         except PegaError as e:
             self._drop(conn, Unavailable(f"data connection to {conn.addr} failed: {e}"))
 
-    async def _connection(self, addr: str, deadline: Deadline) -> _NodeConn:
+    async def _connection(self, addr: str, deadline: Deadline, expect_node: str = "") -> _NodeConn:
+        """The connection to the node at ``addr`` (opened and greeted if needed); with
+        ``expect_node``, raises :class:`WrongPeer` when another node answers there (see
+        the module docstring)."""
         conn = self._conns.get(addr)
-        if conn is not None:
-            return conn
+        if conn is None:
+            conn = await self._connect(addr, deadline)
+        if expect_node and conn.node_id and conn.node_id != expect_node:
+            raise wrong_node(addr, expect_node, conn.node_id)
+        return conn
+
+    async def _connect(self, addr: str, deadline: Deadline) -> _NodeConn:
         pending = self._connecting.get(addr)
         if pending is None:
             # the connection outlives this call: it gets the connect timeout, not our budget
@@ -341,14 +378,17 @@ class DataClient:
         items: Sequence[tuple[bytes, int, Any]],
         timeout: Timeout,
         gens: Sequence[int | None] | None = None,
+        *,
+        expect_node: str = "",
     ) -> list[bool]:
         """Fetch ``(hash, shard, buffer)`` blocks from the node at ``addr``.
 
         ``gens`` (optional, per item): the generation the block must still have (from a
         lookup); the node answers a typed miss (``"stale"``) for a block whose slot now
-        holds another generation.  Returns, per item, True when the block arrived whole
-        and its checksum matched.  Failures (missing, stale, wrong size, corrupt, node
-        down, timeout) are False, never raised.
+        holds another generation.  ``expect_node``: the id of the node meant (see the
+        module docstring).  Returns, per item, True when the block arrived whole and its
+        checksum matched.  Failures (missing, stale, wrong size, corrupt, node down,
+        timeout, another node answering) are False, never raised.
         """
         if not items:
             return []
@@ -362,7 +402,7 @@ class DataClient:
             )  # fmt: skip
             return [False] * len(items)
         try:
-            conn = await self._connection(addr, deadline)
+            conn = await self._connection(addr, deadline, expect_node)
             w = self.worker
             seq = w.next_seq()
             # Receives go up before the request, so payloads land as expected messages
@@ -404,16 +444,40 @@ class DataClient:
                 if not ok[i]:
                     log.warning("checksum mismatch on a block from %s: treated as a miss", addr)
             return ok
+        except WrongPeer as e:
+            self._log_wrong_node(addr, expect_node, len(items), e)
+            return [False] * len(items)
         except PegaError as e:
             log.info("get of %d blocks from %s failed: %s", len(items), addr, e)
             return [False] * len(items)
 
+    def _log_wrong_node(self, addr: str, meant: str, n: int, e: WrongPeer) -> None:
+        """A get that reached another node than ``meant``: WARNING, rate-limited."""
+        key = (addr, meant)
+        now = time.monotonic()
+        last = self._wrong_logged.get(key)
+        if last is not None and now - last < _WRONG_NODE_LOG_S:
+            log.debug("get of %d blocks from %s: misses: %s", n, addr, e)
+            return
+        if len(self._wrong_logged) > 1024:
+            self._wrong_logged.clear()
+        self._wrong_logged[key] = now
+        log.warning("get of %d blocks from node %s gives misses: %s", n, meant, e)
+
     async def put(
-        self, addr: str, ns: str, items: Sequence[tuple[bytes, int, Any]], timeout: Timeout
+        self,
+        addr: str,
+        ns: str,
+        items: Sequence[tuple[bytes, int, Any]],
+        timeout: Timeout,
+        *,
+        expect_node: str = "",
     ) -> PutOutcome:
         """Store ``(hash, shard, buffer)`` blocks on the node at ``addr`` (two-phase).
 
-        Raises a typed error when the node cannot be reached or refuses the batch.
+        Raises a typed error when the node cannot be reached or refuses the batch, and
+        :class:`WrongPeer` (nothing sent) when another node than ``expect_node``
+        answers at ``addr``.
         """
         if not items:
             return PutOutcome()
@@ -423,7 +487,7 @@ class DataClient:
         # checksums are computed off the loop thread while the reservation round-trips
         hashing = asyncio.gather(*(loop.run_in_executor(self._hasher, checksum, v) for v in views))
         try:
-            conn = await self._connection(addr, deadline)
+            conn = await self._connection(addr, deadline, expect_node)
             w = self.worker
             blocks = [(h, s, len(v)) for (h, s, _), v in zip(items, views, strict=True)]
             msg = proto.encode_reserve(ns, blocks)
@@ -475,19 +539,25 @@ class DataClient:
         blocks: Sequence[tuple[bytes, int]],
         ttl_s: float,
         timeout: Timeout,
+        *,
+        expect_node: str = "",
     ) -> list[bool]:
         """Ask the node to keep blocks from eviction for ``ttl_s`` (a read pin between
         lookup and get); per block, whether it is stored and now pinned."""
         if not blocks:
             return []
-        return proto.pin_reply(await self.call(addr, proto.encode_pin(ns, blocks, ttl_s), timeout))
+        msg = proto.encode_pin(ns, blocks, ttl_s)
+        return proto.pin_reply(await self.call(addr, msg, timeout, expect_node=expect_node))
 
-    async def call(self, addr: str, msg: dict[str, Any], timeout: Timeout) -> dict[str, Any]:
+    async def call(
+        self, addr: str, msg: dict[str, Any], timeout: Timeout, *, expect_node: str = ""
+    ) -> dict[str, Any]:
         """One request (a message of :mod:`~pegaflow.storage_node.protocol`) to the node
         at ``addr`` within ``timeout``, connecting first if needed; its reply, or the
-        node's error raised as its type."""
+        node's error raised as its type (:class:`WrongPeer` when another node than
+        ``expect_node`` answers there)."""
         deadline = Deadline.of(timeout)
-        conn = await self._connection(addr, deadline)
+        conn = await self._connection(addr, deadline, expect_node)
         return await self._request(conn, msg, deadline)
 
     async def check(
@@ -496,14 +566,17 @@ class DataClient:
         ns: str,
         blocks: Sequence[tuple[bytes, int, int | None]],
         timeout: Timeout,
+        *,
+        expect_node: str = "",
     ) -> list[bool]:
         """Per ``(hash, shard, generation or None)``: whether the node at ``addr`` holds
         that block committed (with that generation).  Raises a typed error when the node
-        cannot answer (never guess: the index GC deletes what this says is gone)."""
+        cannot answer, :class:`WrongPeer` when another node than ``expect_node``
+        answers there (never guess: the index GC deletes what this says is gone)."""
         if not blocks:
             return []
         deadline = Deadline.of(timeout)
-        conn = await self._connection(addr, deadline)
+        conn = await self._connection(addr, deadline, expect_node)
         reply = await self._request(conn, proto.encode_check(ns, blocks), deadline)
         return proto.check_reply(reply, len(blocks), addr)
 
@@ -513,9 +586,12 @@ class DataClient:
 
     # ---- same-host shortcut (the caller maps the node's pool file itself) ----------
 
-    async def pool_file(self, addr: str, timeout: Timeout) -> PoolFile | None:
-        """The node's pool file, if it offers direct access to this client."""
-        return (await self._connection(addr, Deadline.of(timeout))).pool
+    async def pool_file(
+        self, addr: str, timeout: Timeout, *, expect_node: str = ""
+    ) -> PoolFile | None:
+        """The node's pool file, if it offers direct access to this client
+        (:class:`WrongPeer` when another node than ``expect_node`` answers at ``addr``)."""
+        return (await self._connection(addr, Deadline.of(timeout), expect_node)).pool
 
 
 def retrieve(fut: asyncio.Future[Any]) -> None:

@@ -13,6 +13,13 @@ host, another user, the socket went away) asks those ops over UCX instead, until
 UCX hello offers the socket again; a reservation made on one transport is committed or
 aborted on it (the node drops it with the transport's session otherwise).
 
+A session made for a node id checks, on every UCX request, that the node answering at
+the address is that node (the id its hello names): when another node answers there
+(two nodes publish one address), its ops raise :class:`~pegaflow.errors.WrongPeer`
+and its gets give misses, rather than reaching that other node (see
+:mod:`pegaflow.client.data`).  A session made with :meth:`NodeSession.at` without a
+node id takes whichever node answers.
+
 Requests and replies are built and read by the codecs of the node's protocol
 (:mod:`pegaflow.storage_node.protocol`): adding an op is its entry there, its handler in
 the node's service, and its method here.
@@ -47,7 +54,9 @@ class NodeSession:
     """One node's ops (see the module docstring).
 
     Args:
-        node_id: the node's id ('' when only its address is known).
+        node_id: the node's id ('' when only its address is known): every UCX request
+            checks that this node answers at the address (:class:`~pegaflow.errors.WrongPeer`
+            otherwise); '' takes whichever node answers.
         data: the client's UCX transport.
         address: the node's UCX address, looked up for each UCX request.
         token: the cluster token, for the control socket.
@@ -127,13 +136,15 @@ class NodeSession:
     # ---- transports ----------------------------------------------------------------
 
     async def _ucx(self, msg: dict[str, Any], deadline: Deadline) -> dict[str, Any]:
-        return await self._data.call(await self._address(deadline), msg, deadline)
+        addr = await self._address(deadline)
+        return await self._data.call(addr, msg, deadline, expect_node=self.node_id)
 
     async def _pool(self, deadline: Deadline) -> PoolFile | None:
         """The pool file given (until its socket fails), else the UCX hello's."""
         if self._given is not None:
             return self._given
-        return await self._data.pool_file(await self._address(deadline), deadline)
+        addr = await self._address(deadline)
+        return await self._data.pool_file(addr, deadline, expect_node=self.node_id)
 
     async def _control(self, deadline: Deadline) -> RpcClient | None:
         """The control socket, if this session can use one (opened on first use)."""
@@ -182,7 +193,8 @@ class NodeSession:
     ) -> list[bool]:
         """Fetch ``(hash, shard, buffer)`` blocks (see :meth:`DataClient.get`)."""
         deadline = self._deadline("get", timeout)
-        return await self._data.get(await self._address(deadline), ns, items, deadline, gens)
+        addr = await self._address(deadline)
+        return await self._data.get(addr, ns, items, deadline, gens, expect_node=self.node_id)
 
     @operation("transfer_timeout_s")
     async def put(
@@ -190,7 +202,8 @@ class NodeSession:
     ) -> PutOutcome:
         """Store ``(hash, shard, buffer)`` blocks (see :meth:`DataClient.put`)."""
         deadline = self._deadline("put", timeout)
-        return await self._data.put(await self._address(deadline), ns, items, deadline)
+        addr = await self._address(deadline)
+        return await self._data.put(addr, ns, items, deadline, expect_node=self.node_id)
 
     @operation("rpc_timeout_s")
     async def pin(

@@ -191,8 +191,8 @@ class IndexGC:
                 continue  # no live record: never served, its lease removes it
             try:
                 valid = await self._data_client().check(
-                    rec.ucx_address, ns, items, self.check_timeout_s
-                )
+                    rec.ucx_address, ns, items, self.check_timeout_s, expect_node=node
+                )  # another node answering there (WrongPeer) is not asked: skipped
             except PegaError as e:
                 self.errors += 1
                 log.info("index GC: node %s did not answer a check (%s); skipped", node, e)

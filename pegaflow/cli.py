@@ -12,12 +12,14 @@ engine-start warm-ups are not counted.
 A node's health is what its own HTTP ``/health`` answers (asked directly, at the
 address the node published): ``ok``, ``unhealthy`` (it answered 503), ``unreachable``
 (no answer: a firewall, or the node is going down; it is still in the index while its
-lease lives) or ``-`` (no HTTP endpoint published).  ``--no-health`` skips asking.
+lease lives), ``wrong-node:<id>`` (node ``<id>`` answers at the address this node
+published: two nodes publish one address, e.g. a loopback or wildcard ``--node-host``)
+or ``-`` (no HTTP endpoint published).  ``--no-health`` skips asking.
 Then every ``pegaflow-router`` that reports to this coordinator (``[router]
 report_interval_s``): its mode, and each replica with its health and in-flight load.
 ``--router URL`` asks one router directly instead (it need not report anywhere).
-Exit status: 0 when the coordinator answered and no node is ``unhealthy`` or
-``unreachable``, 1 when some node is, or a router shown has a replica out of rotation
+Exit status: 0 when the coordinator answered and every node is ``ok`` or ``-``, 1 when
+some node is not, or a router shown has a replica out of rotation
 (or, with ``--router``, cannot be reached), 2 when no coordinator answered or the command
 line or configuration is wrong (one line on stderr says why).
 
@@ -144,8 +146,15 @@ def render_status(st: dict[str, Any], health: dict[str, str] | None = None) -> s
         f"{st.get('blocks', 0)} blocks in the index, {st.get('namespaces', 0)} namespace(s)"
     )
     if health is not None and nodes:
-        bad = sorted(k for k, v in health.items() if v in ("unhealthy", "unreachable"))
+        bad = sorted(k for k, v in health.items() if not health_ok(v))
         lines.append("health: all nodes ok" if not bad else f"health: NOT ok: {', '.join(bad)}")
+        wrong = [(k, v.split(":", 1)[1]) for k, v in health.items() if v.startswith(WRONG_NODE)]
+        for k, other in sorted(wrong):
+            lines.append(
+                f"  node {k}: node {other} answers at the HTTP address it published: two "
+                "nodes publish one address (e.g. a loopback or wildcard --node-host); give "
+                "each node its host's address"
+            )
     rate = _hit_rate_line(st)
     if rate is not None:
         lines.append(rate)
@@ -177,10 +186,29 @@ def render_status(st: dict[str, Any], health: dict[str, str] | None = None) -> s
     return "\n".join(lines)
 
 
+WRONG_NODE = "wrong-node:"
+"""the health of a node whose published HTTP address another node answers at (the
+other's id follows)"""
+
+
+def health_ok(h: str) -> bool:
+    """Whether a node's health (of :func:`node_health`) counts as ok for the exit status
+    (``ok``, or ``-``: not asked)."""
+    return h in ("ok", "-")
+
+
+def answering_node(body: Any) -> str:
+    """The node id a ``/health`` body names ('' when none: an older node)."""
+    if isinstance(body, dict) and isinstance(body.get("node_id"), str):
+        return body["node_id"]
+    return ""
+
+
 async def node_health(
     nodes: list[dict[str, Any]], timeout: float = HEALTH_TIMEOUT_S
 ) -> dict[str, str]:
-    """Ask every node's ``/health`` (concurrently); ``{node_id: health}``."""
+    """Ask every node's ``/health`` (concurrently); ``{node_id: health}``.  A node whose
+    ``/health`` names another node id is ``wrong-node:<that id>`` whatever its status."""
     import aiohttp
 
     async def one(session: aiohttp.ClientSession, rec: dict[str, Any]) -> tuple[str, str]:
@@ -191,6 +219,12 @@ async def node_health(
         url = base + "/health"
         try:
             async with session.get(url) as r:
+                try:
+                    other = answering_node(await r.json(content_type=None))
+                except ValueError:
+                    other = ""
+                if other and other != nid:
+                    return nid, WRONG_NODE + other
                 return nid, "ok" if r.status == 200 else "unhealthy"
         except (TimeoutError, aiohttp.ClientError, OSError):
             return nid, "unreachable"
@@ -339,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
         print(render_status(st, health))
         for r in shown:
             print(render_router(r))
-    if health and any(v in ("unhealthy", "unreachable") for v in health.values()):
+    if health and not all(health_ok(v) for v in health.values()):
         sys.exit(1)
     if not all(router_healthy(r) for r in shown):
         sys.exit(1)

@@ -69,7 +69,10 @@ class HandshakeRefused(Unavailable):
 class WrongPeer(Unavailable):
     """The process answering at an address is not the one the caller meant (another
     node answers at the address a node published: an address that is not its own, such
-    as a loopback or wildcard ``[node] host`` in a cluster of several hosts)."""
+    as a loopback or wildcard ``[node] host`` in a cluster of several hosts).  The data
+    client raises it when the node id in a node's UCX hello is not the id of the node
+    record whose address it dialled (:mod:`pegaflow.client.data`): nothing is sent to
+    the node that answered."""
 
     code = "wrong_peer"
 

@@ -16,7 +16,10 @@ Where the numbers come from:
   that document: its own metrics registry);
 * transfer bytes, evictions, errors: each node's ``/metrics``, fetched by the
   coordinator from the ``http`` address the node published (a node whose HTTP endpoint
-  is this process, as in ``pegaflow-server``, is read from the local registry);
+  is this process, as in ``pegaflow-server``, is read from the local registry), with
+  its ``/health``, whose node id must be the node's: a node whose address another node
+  answers at (two nodes publish one address, e.g. a loopback or wildcard
+  ``--node-host``) shows as ``wrong node``, not ok, and none of its numbers are taken;
 * routers: the status document's ``routers``, what each ``pegaflow-router`` last
   reported to this coordinator (its replicas with their health and in-flight load).
 
@@ -116,6 +119,8 @@ class _NodeState:
     t: float = 0.0
     values: dict[str, float] = field(default_factory=dict)
     error: str = ""
+    wrong: bool = False
+    """another node answers at the node's published HTTP address"""
     get_bps: float | None = None
     put_bps: float | None = None
 
@@ -228,11 +233,11 @@ class Dashboard:
         get_rate = put_rate = 0.0
         have_rate = False
         seen = set()
-        for rec, (values, error) in zip(nodes, scraped, strict=True):
+        for rec, (values, error, wrong) in zip(nodes, scraped, strict=True):
             nid = str(rec.get("node_id"))
             seen.add(nid)
             prev = self._nodes.get(nid)
-            cur = _NodeState(t=now, values=values, error=error)
+            cur = _NodeState(t=now, values=values, error=error, wrong=wrong)
             if prev is not None and values and prev.values and now > prev.t:
                 dt = now - prev.t
                 cur.get_bps = _rate(prev.values, values, "get_bytes", dt)
@@ -283,26 +288,47 @@ class Dashboard:
 
     async def _scrape(
         self, rec: dict[str, Any], local: dict[str, float]
-    ) -> tuple[dict[str, float], str]:
+    ) -> tuple[dict[str, float], str, bool]:
+        """A node's metrics, why there are none, and whether another node answers at
+        its address."""
         url = node_http_url(rec)
         if url is None:
-            return {}, "no HTTP endpoint published"
+            return {}, "no HTTP endpoint published", False
         host_port = url.split("//", 1)[1]
         host, _, port = host_port.rpartition(":")
         if int(port) in self._local_ports and _is_local_host(host.strip("[]")) and local:
-            return local, ""
+            return local, "", False
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.scrape_timeout_s)
             )
-        try:
-            async with self._session.get(f"{url}/metrics") as r:
+        session = self._session
+        nid = str(rec.get("node_id"))
+
+        async def metrics() -> str:
+            async with session.get(f"{url}/metrics") as r:
                 if r.status != 200:
-                    return {}, f"/metrics answered {r.status}"
-                text = await r.text()
-            return parse_metrics_text(text, NODE_SAMPLES), ""
+                    raise ValueError(f"/metrics answered {r.status}")
+                return await r.text()
+
+        async def answering() -> str:
+            """The node id the endpoint's ``/health`` names ('' for none: an old node)."""
+            async with session.get(f"{url}/health") as r:
+                body = await r.json(content_type=None)
+            got = body.get("node_id") if isinstance(body, dict) else None
+            return got if isinstance(got, str) else ""
+
+        try:
+            text, other = await asyncio.gather(metrics(), answering())
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
-            return {}, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            return {}, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, False
+        if other and other != nid:
+            return {}, (
+                f"node {other} answers at {url}, the address node {nid} published: two "
+                "nodes publish one address (e.g. a loopback or wildcard --node-host); give "
+                "each node its host's address"
+            ), True  # fmt: skip
+        return parse_metrics_text(text, NODE_SAMPLES), "", False
 
     # -- the document -----------------------------------------------------------------
 
@@ -332,7 +358,7 @@ class Dashboard:
                     "used_bytes": used,
                     "blocks": blocks,
                     "entries": rec.get("entries", 0),
-                    "health": "ok" if v else ("unknown" if not ns.error else "unreachable"),
+                    "health": _health(v, ns),
                     "error": ns.error,
                     "get_bps": ns.get_bps,
                     "put_bps": ns.put_bps,
@@ -422,6 +448,16 @@ def _cluster_lookups(st: dict[str, Any]) -> dict[str, float]:
         for k in _CLUSTER_LOOKUPS
         if isinstance(v := src.get(k), int | float) and not isinstance(v, bool)
     }
+
+
+def _health(values: dict[str, float], ns: _NodeState) -> str:
+    """A node's health on the page: ``ok`` (its metrics came), ``wrong node`` (another
+    node answers at its address), ``unreachable`` or ``unknown`` (not asked yet)."""
+    if values:
+        return "ok"
+    if ns.wrong:
+        return "wrong node"
+    return "unreachable" if ns.error else "unknown"
 
 
 def _capacity(rec: dict[str, Any], values: dict[str, float]) -> float:
