@@ -5,6 +5,17 @@ concurrent calls matched by request id, each under a deadline, failing over betw
 service's addresses.  :class:`BlockingRpcClient` is for one calling thread with no loop:
 a blocking socket to one address, for a caller whose wait must not depend on another
 thread getting its turn at the GIL.
+
+How :class:`RpcClient` connects: a connection attempt outlives the call that started it
+(later calls wait on the same one), addresses are raced in a staggered way (the next
+address is tried alongside once the last one failed or stayed silent for
+:data:`CONNECT_STAGGER_S`, or a quarter of the caller's deadline if that is less; the
+first to answer the hello wins, the others are closed), each attempt bounded by the
+client's connect timeout, and an address that failed or was overtaken is tried last for
+:data:`BACKOFF_S`.  Why: a lookup has a deadline of tens of milliseconds, and an address
+whose packets are dropped (a dead host, a partition) never refuses a connection: trying
+the addresses one after another within each call's deadline, starting at the same dead
+one every time, lost every lookup of a fresh client whose first address was dead.
 """
 
 from __future__ import annotations
@@ -32,6 +43,14 @@ from pegaflow.rpc import DEFAULT_MAX_FRAME, UNIX_PREFIX, FrameBuffer, encode_fra
 from pegaflow.wire import PROTOCOL_VERSION, req_map
 
 log = logging.getLogger(__name__)
+
+CONNECT_STAGGER_S = 0.05
+"""How long a connection attempt runs alone before the next address is tried alongside
+it (a quarter of the deadline of the call that started it, if that is less)."""
+
+BACKOFF_S = 10.0
+"""How long an address whose connection attempt failed, timed out or was overtaken by
+another address's is tried after the others."""
 
 
 class _Expired(Exception):
@@ -186,13 +205,23 @@ class _ClientConnection(asyncio.Protocol):
         self._fail_all(err)
 
 
+def _discard(task: asyncio.Task[_ClientConnection]) -> None:
+    """Close what an abandoned connection attempt opened; retrieve its error."""
+    if task.cancelled():
+        return
+    if task.exception() is None:
+        task.result().drop(Unavailable("connection attempt abandoned"))
+
+
 class RpcClient:
     """A client of one logical service reachable at several addresses (failover).
 
-    Calls go to the current address; when it cannot be reached, the next one is tried
-    within the same deadline.  A call never hangs: it returns, or raises a typed
-    :class:`PegaError` (``Unavailable`` when no address answers, ``DeadlineExceeded``
-    when the deadline passes).
+    Calls go to the current connection; while there is none, one connection attempt runs
+    in the background, shared by the calls that wait for it and outliving them, racing
+    the addresses in a staggered way (see the module's docstring) and remembering those
+    that failed.  A call never hangs: it returns, or raises a typed :class:`PegaError`
+    (``Unavailable`` when no address answers, ``DeadlineExceeded`` when the deadline
+    passes; ``Unauthorized`` and ``ProtocolError`` from a hello at once).
     """
 
     def __init__(
@@ -214,7 +243,12 @@ class RpcClient:
         self._ids = itertools.count(1)
         self._current = 0
         self._conn: _ClientConnection | None = None
-        self._connecting: asyncio.Lock | None = None
+        self._connecting: asyncio.Task[_ClientConnection] | None = None
+        """the connection attempt under way (see :meth:`_race`), if any"""
+        self._attempts: set[asyncio.Task[_ClientConnection]] = set()
+        """the attempts of :meth:`_race` to open one address, until each is done"""
+        self._backoff: dict[str, float] = {}
+        """address -> loop time until which it is tried after the others"""
 
     @property
     def current_address(self) -> str:
@@ -222,11 +256,21 @@ class RpcClient:
         return self.addresses[self._current]
 
     async def close(self) -> None:
-        """Close the connection; pending calls fail with ``Unavailable``."""
+        """Close the connection and stop connecting; pending calls fail with
+        ``Unavailable``.  Returns once no connection attempt is left running."""
+        tasks = [t for t in (self._connecting, *self._attempts) if t is not None]
         self.close_now()
+        if tasks:
+            await asyncio.wait(tasks)
 
     def close_now(self) -> None:
-        """:meth:`close`, callable outside a coroutine (on the loop's thread)."""
+        """:meth:`close`, callable outside a coroutine (on the loop's thread): attempts
+        under way are cancelled (they end on the loop's next turns, closing anything they
+        opened)."""
+        race, self._connecting = self._connecting, None
+        for task in (race, *self._attempts):
+            if task is not None:
+                task.cancel()
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.drop(Unavailable("client closed"))
@@ -235,6 +279,18 @@ class RpcClient:
         """Make the next address current, unless a concurrent call already moved on."""
         if self.addresses[self._current] == addr:
             self._current = (self._current + 1) % len(self.addresses)
+
+    def _back_off(self, addr: str) -> None:
+        """Try ``addr`` after the others for :data:`BACKOFF_S`."""
+        self._backoff[addr] = asyncio.get_running_loop().time() + BACKOFF_S
+
+    def _order(self) -> list[int]:
+        """The addresses' indexes in the order to try them: from the current one round,
+        those backed off last."""
+        n = len(self.addresses)
+        now = asyncio.get_running_loop().time()
+        ring = [(self._current + i) % n for i in range(n)]
+        return sorted(ring, key=lambda i: self._backoff.get(self.addresses[i], 0.0) > now)
 
     def _lost(self, conn: _ClientConnection) -> None:
         if self._conn is conn:
@@ -263,34 +319,91 @@ class RpcClient:
         return conn
 
     async def _connection(self, deadline: Deadline) -> _ClientConnection:
+        """The connection, waiting (within the caller's own timeout) for the attempt
+        under way or starting one; the attempt goes on when the caller gives up."""
         if self._conn is not None:
             return self._conn
-        if self._connecting is None:
-            self._connecting = asyncio.Lock()
-        async with self._connecting:
-            if self._conn is not None:
-                return self._conn
-            errors: list[str] = []
-            for i in range(len(self.addresses)):
-                idx = (self._current + i) % len(self.addresses)
-                remaining = deadline.remaining()
-                if remaining <= 0:
-                    break
-                try:
-                    conn = await self._open(
-                        self.addresses[idx], min(remaining, self._connect_timeout)
-                    )
-                except (Unauthorized, ProtocolError):
-                    raise
-                except (OSError, TimeoutError, PegaError) as e:
-                    errors.append(f"{self.addresses[idx]}: {type(e).__name__} {e}")
-                    continue
-                self._current = idx
-                self._conn = conn
-                return conn
-            raise Unavailable(
-                "no service address reachable: " + "; ".join(errors or ["deadline passed"])
-            )
+        race = self._connecting
+        if race is None:
+            stagger = min(CONNECT_STAGGER_S, deadline.remaining() / 4)
+            race = self._connecting = asyncio.ensure_future(self._race(stagger))
+            race.add_done_callback(self._raced)
+        try:
+            return await asyncio.shield(race)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if race.cancelled() and (task is None or not task.cancelling()):
+                raise Unavailable("client closed") from None  # close(), not our caller
+            raise
+
+    def _raced(self, race: asyncio.Task[_ClientConnection]) -> None:
+        if self._connecting is race:
+            self._connecting = None
+        if not race.cancelled():
+            race.exception()  # retrieved: its callers may all have given up
+
+    def _attempt(self, idx: int) -> asyncio.Task[_ClientConnection]:
+        """Start opening address ``idx`` (bounded by the connect timeout)."""
+        task = asyncio.ensure_future(self._open(self.addresses[idx], self._connect_timeout))
+        self._attempts.add(task)
+        task.add_done_callback(self._attempts.discard)
+        return task
+
+    async def _race(self, stagger: float) -> _ClientConnection:
+        """Connect to the first address that answers the hello: one attempt at a time in
+        :meth:`_order`, the next one started when the last failed or ran ``stagger``
+        seconds; attempts still running when one wins are cancelled.  An address that
+        failed or was overtaken is backed off.  Raises ``Unavailable`` when every address
+        failed, ``Unauthorized`` or ``ProtocolError`` as soon as one answers so."""
+        order = self._order()
+        attempts: dict[asyncio.Task[_ClientConnection], int] = {}
+        errors: list[str] = []
+        started = 0
+        try:
+            while True:
+                if started < len(order):
+                    idx = order[started]
+                    started += 1
+                    attempts[self._attempt(idx)] = idx
+                if not attempts:
+                    raise Unavailable("no service address reachable: " + "; ".join(errors))
+                wait = stagger if started < len(order) else None
+                done, _ = await asyncio.wait(
+                    attempts, timeout=wait, return_when=asyncio.FIRST_COMPLETED
+                )
+                won: tuple[int, _ClientConnection] | None = None
+                for task in sorted(done, key=lambda t: order.index(attempts[t])):
+                    addr = self.addresses[attempts[task]]
+                    if task.cancelled():  # by close_now(), which cancels this race too
+                        attempts.pop(task)
+                        continue
+                    exc = task.exception()
+                    if isinstance(exc, Unauthorized | ProtocolError) and won is None:
+                        raise exc
+                    idx = attempts.pop(task)
+                    if exc is None:
+                        conn = task.result()
+                        if won is None and not conn.lost:
+                            won = (idx, conn)
+                        else:
+                            conn.drop(Unavailable(f"another address than {addr} answered"))
+                        continue
+                    if not isinstance(exc, OSError | TimeoutError | PegaError):
+                        raise exc
+                    errors.append(f"{addr}: {type(exc).__name__} {exc}")
+                    self._back_off(addr)
+                if won is not None:
+                    idx, conn = won
+                    for other in attempts.values():  # overtaken: slower than the winner
+                        self._back_off(self.addresses[other])
+                    self._backoff.pop(conn.address, None)
+                    self._current = idx
+                    self._conn = conn
+                    return conn
+        finally:
+            for task in attempts:  # the losers: cancelled, closed if they connected
+                task.cancel()
+                task.add_done_callback(_discard)
 
     async def call(
         self, op: str, args: dict[str, Any] | None = None, timeout: Timeout = None
@@ -323,12 +436,13 @@ class RpcClient:
             try:
                 return await fut
             except _Expired:
-                addr = self.current_address
+                addr = conn.address
                 if len(self.addresses) > 1 and conn.last_rx < sent_at and not conn.lost:
                     # not a byte back for a whole deadline: a hung server (a frozen
                     # process, a partition) keeps its connection open; later calls go on
                     # to the next address instead of waiting on it again
                     self._move_on_from(addr)
+                    self._back_off(addr)
                     log.warning(
                         "%s: no answer from %s within %.3f s; failing over to %s",
                         op, addr, remaining, self.current_address,
