@@ -31,6 +31,7 @@ from pegaflow.wire import LocatedBlocks, unpack_bits
 
 from .calls import default_timeout, operation
 from .data import DataClient, PoolFile, PutOutcome
+from .nodehealth import PROBE_TIMEOUT_S, RETRY_S, NodeHealth
 from .samehost import LocalNode, on_this_host, opens_as_node_file
 from .session import NodeSession
 
@@ -137,9 +138,14 @@ class PegaClient:
         self._sessions: dict[str, NodeSession] = {}
         self._nodes: dict[str, NodeRecord] = {}
         self._nodes_at = 0.0
+        self.health = NodeHealth()
+        """the nodes that failed this client's gets (:mod:`.nodehealth`)"""
+        self._watch: asyncio.Task[None] | None = None
 
     async def close(self) -> None:
         """Close the coordinator connection, every node session and node endpoint."""
+        if self._watch is not None:
+            self._watch.cancel()
         await self._rpc.close()
         for s in self._sessions.values():
             s.close()
@@ -216,6 +222,8 @@ class PegaClient:
     def learn_nodes(self, nodes: dict[str, NodeRecord]) -> None:
         """Keep node records a coordinator sent (on the client's loop)."""
         self._nodes.update(nodes)
+        for nid, rec in nodes.items():
+            self.health.moved(nid, rec.ucx_address)
 
     @property
     def coordinator_address(self) -> str:
@@ -286,6 +294,12 @@ class PegaClient:
                 if telemetry.tracing
                 else None
             )
+            if self.health.is_down(node_id):  # cut off or hung: a miss now, no wait
+                self.health.skip(len(idx))
+                return [False] * len(idx)
+            # a get into a buffer an earlier failed get may still write is refused before
+            # it is sent: it says nothing about the node
+            sent = all(self._data.settled(items[i][3]) for i in idx)
             with telemetry.span("pegaflow.client.get", attrs) as span:
                 got = await self.session(node_id).get(
                     ns,
@@ -294,6 +308,8 @@ class PegaClient:
                     None if generations is None else [generations[i] for i in idx],
                 )  # a failed get is misses; a node not a member raises
                 span.set_attribute("pegaflow.loaded", sum(got))
+            if sent:
+                self._note_get(node_id, got, deadline)
             return got
 
         return await _per_node(items, get)
@@ -474,3 +490,76 @@ class PegaClient:
     async def abort_local(self, node_id: str, seq: int, timeout: Timeout = None) -> None:
         """:meth:`NodeSession.abort_local` on ``node_id``."""
         await self.session(node_id).abort_local(seq, self._deadline("abort_local", timeout))
+
+    # ---- node health: no get waits on a node that failed (see .nodehealth) ----------
+
+    def _note_get(self, node_id: str, got: list[bool], deadline: Deadline) -> None:
+        """Learn from a get to ``node_id``: a node that sent a block, or answered with its
+        connection still up and the deadline not passed, is up; a get that got nothing
+        and lost its connection or ran out its deadline failed on the node (a timeout
+        closes the connection, a miss keeps it)."""
+        rec = self._nodes.get(node_id)
+        addr = rec.ucx_address if rec is not None else ""
+        connected = bool(addr) and self._data.connected(addr)
+        if any(got) or (connected and not deadline.expired):
+            self.health.answered(node_id)
+            return
+        why = "its get timed out" if deadline.expired else "its connection failed"
+        if self.health.failed(node_id, addr, why):
+            self._start_watch()
+
+    def _start_watch(self) -> None:
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.ensure_future(self._watch_down_nodes())
+
+    async def _watch_down_nodes(self) -> None:
+        """While some node is down: report it to the coordinators (rate-limited per node)
+        and try it again every :data:`~.nodehealth.RETRY_S` (a hello on a new
+        connection, at the address of its latest record); ends when none is down."""
+        refreshed = 0.0
+        while self.health.down():
+            if time.monotonic() - refreshed > 5 * RETRY_S:  # a node may have moved
+                refreshed = time.monotonic()
+                try:
+                    await self.nodes(timeout=PROBE_TIMEOUT_S)
+                except PegaError:
+                    pass
+            await asyncio.gather(
+                *(self._report_unreachable(nid) for nid in self.health.due_reports()),
+                *(self._probe(s.node_id) for s in self.health.suspects()),
+            )
+            await asyncio.sleep(RETRY_S)
+
+    async def _probe(self, node_id: str) -> None:
+        rec = self._nodes.get(node_id)
+        if rec is None:
+            return
+        try:
+            nid = await self._data.node_id(rec.ucx_address, Deadline.after(PROBE_TIMEOUT_S))
+        except PegaError as e:
+            log.debug("node %s still unreachable: %s", node_id, e)
+            return
+        if nid in ("", node_id):
+            self.health.answered(node_id)
+
+    async def _report_unreachable(self, node_id: str) -> None:
+        """Tell the coordinators that ``node_id`` fails this client (best effort)."""
+        try:
+            await self.report_unreachable(
+                node_id, timeout=min(PROBE_TIMEOUT_S, self.cfg.rpc_timeout_s)
+            )
+        except PegaError as e:
+            log.debug("report of unreachable node %s failed: %s", node_id, e)
+
+    @_op("rpc_timeout_s")
+    async def report_unreachable(self, node_id: str, timeout: Timeout = None) -> bool:
+        """Tell the coordinator that ``node_id`` fails this client's gets: it leaves the
+        node's blocks out of lookups for a while unless it reaches the node itself
+        (``report_unreachable``; see :mod:`pegaflow.coordinator.suspects`).  Whether the
+        coordinator now leaves the node out."""
+        res = await self._rpc.call(
+            "report_unreachable",
+            {"node": node_id},
+            timeout=self._deadline("report_unreachable", timeout),
+        )
+        return bool(res.get("suspected")) if isinstance(res, dict) else False

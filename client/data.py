@@ -241,6 +241,11 @@ class DataClient:
         is refused).  Safe to call from any thread."""
         return not self._unsettled.overlaps([_byte_view(buf)])
 
+    def connected(self, addr: str) -> bool:
+        """Whether a connection to the node at ``addr`` is open now (a failed transfer
+        or a timeout closes it; a miss keeps it)."""
+        return addr in self._conns
+
     @property
     def unsettled_bytes(self) -> int:
         """Bytes of caller buffers held because a failed get's receives are unfinished."""

@@ -23,6 +23,7 @@ from pegaflow.wire import LocatedBlocks
 
 from .api import LookupResult, PegaClient, lookup_args, lookup_result
 from .calls import OnLoop, offer
+from .nodehealth import NodeHealth
 from .session import NodeSession
 
 T = TypeVar("T")
@@ -137,6 +138,12 @@ class SyncPegaClient(OnLoop):
     def stale_misses(self) -> int:
         """See :attr:`PegaClient.stale_misses`."""
         return self._client.stale_misses
+
+    @property
+    def health(self) -> NodeHealth:
+        """See :attr:`PegaClient.health` (thread-safe: the connector's scheduler reads
+        which nodes are down from its own thread)."""
+        return self._client.health
 
     async def _shutdown(self) -> None:
         await self._client.close()

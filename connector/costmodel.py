@@ -331,6 +331,16 @@ class CostModel:
         _gain, k, sync, load, comp = best
         return Decision(k, sync, load, comp, "whole" if k == n else "part")
 
+    def load_budget_s(self, tokens: int, factor: float, floor: float, cap: float) -> float:
+        """How long a load of ``tokens`` may wait before they are computed instead:
+        ``factor`` times what computing them is expected to take (a step of that many
+        tokens), at least ``floor``, at most ``cap`` (``cap`` when ``factor`` is 0).
+        Before anything is measured the estimate is the prior's, which errs slow on a
+        CPU (a longer budget), and on a GPU ``floor`` decides."""
+        if factor <= 0:
+            return cap
+        return min(cap, max(floor, factor * self.compute.estimate(max(0, tokens))))
+
     def wants_probe(self, source: str) -> bool:
         """Whether to time ``source`` now: it was declined, nothing measured it for
         :data:`PROBE_INTERVAL_S` (:data:`LOCAL_PROBE_INTERVAL_S` for this host's pool in

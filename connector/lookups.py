@@ -19,6 +19,7 @@ from typing import Any
 
 from pegaflow import telemetry
 
+from . import sameprocess
 from .costmodel import LOCAL, CostModel, Decision, disk_source
 from .known import KnownBlocks
 from .locating import Locator
@@ -35,6 +36,9 @@ from .warmup import WarmUp
 logger = logging.getLogger("pegaflow.connector")
 
 _LOCAL_SOURCES = {LOCAL, disk_source(LOCAL)}
+
+REPORTED_DOWN_S = 2.0
+"""how long a node the workers reported down has its hits declined, unless reported again"""
 
 
 class Lookups:
@@ -82,6 +86,8 @@ class Lookups:
         )
         """pauses lookups while they fail"""
         self._pending_probes: list[LoadJob] = []
+        self._reported_down: dict[str, float] = {}
+        """nodes the workers reported down (:attr:`WorkerReport.down_nodes`), until when"""
 
     def take_probes(self) -> list[LoadJob]:
         """The probe loads planned since the last call (for this step's plan)."""
@@ -159,6 +165,7 @@ class Lookups:
                 lk.disk = [
                     d and local not in row for d, row in zip(lk.disk, lk.nodes, strict=False)
                 ]
+        self._skip_unreachable(client, lk)
         self.claim(st, asked, lk, whole)
         if located is not None:
             self.locator.keep_located(lk, located)
@@ -167,6 +174,42 @@ class Lookups:
             self.locator.pin(client, ns, asked[: lk.hits], lk.nodes)
         st.lookup = lk
         return lk
+
+    def note_down(self, nodes: Sequence[str]) -> None:
+        """The workers' clients know ``nodes`` to be down now: their hits are declined
+        for :data:`REPORTED_DOWN_S` (each step's report renews it while they are)."""
+        until = self._clock() + REPORTED_DOWN_S
+        for n in nodes:
+            self._reported_down[n] = until
+
+    def _skip_unreachable(self, client: Any, lk: Lookup) -> None:
+        """End the hit before its first block on a node that failed this engine's loads
+        and has not answered since (:mod:`pegaflow.client.nodehealth`: the worker's
+        client, when it shares this process, and this one's; the workers' reports
+        otherwise): its load would fail, so those blocks are computed at once (counted;
+        vLLM would otherwise look the request up again after each failed load, and claim
+        the same hit again while the coordinators still name the node)."""
+        if lk.hits <= 0:
+            return
+        down: set[str] = set()
+        if self._reported_down:
+            now = self._clock()
+            self._reported_down = {n: t for n, t in self._reported_down.items() if t > now}
+            down.update(self._reported_down)
+        worker = sameprocess.worker()
+        for c in (client, worker.client if worker is not None else None):
+            if c is not None:
+                down |= c.health.down()
+        if not down:
+            return
+        cut = next((i for i, row in enumerate(lk.nodes) if not down.isdisjoint(row)), lk.hits)
+        if cut >= lk.hits:
+            return
+        self.counters.add("unreachable_declined_blocks", lk.hits - cut)
+        lk.hits = cut
+        lk.nodes = lk.nodes[:cut]
+        lk.gens = lk.gens[:cut]
+        lk.disk = lk.disk[:cut]
 
     def sources(self, lk: Lookup) -> list[str]:
         """Per hit block, where it loads from: :data:`LOCAL` when every shard is on this

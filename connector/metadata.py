@@ -41,6 +41,10 @@ class LoadJob:
     disk: list[bool] = field(default_factory=list)
     """per block, whether the lookup saw it only on its node's disk tier (empty: all in
     memory); the worker files its load's measurement under the disk's estimate"""
+    budget_s: float = 0.0
+    """how long the load from other hosts may wait before its blocks are reported failed
+    and computed (:meth:`~.costmodel.CostModel.load_budget_s`: about what computing
+    them takes); 0: ``transfer_timeout_s``"""
     probe: bool = False
     """not a load: fetch the blocks into host memory only, to time their node (see
     :meth:`pegaflow.connector.costmodel.CostModel.wants_probe`); ``block_ids`` is empty"""
@@ -127,6 +131,10 @@ class WorkerReport:
     forward pass"""
     block_bytes: int = 0
     """bytes of one block of this worker's shard (0: not known yet)"""
+    down_nodes: list[str] = field(default_factory=list)
+    """nodes that failed this worker's loads and have not answered since
+    (:mod:`pegaflow.client.nodehealth`), in every report while they are: the scheduler
+    declines their hits meanwhile (with workers in processes of their own too)"""
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Union of two workers' reports (the earliest failure wins)."""
@@ -136,8 +144,9 @@ class WorkerReport:
             out.load_failed[rid] = min(idx, out.load_failed.get(rid, idx))
         out.samples = self.samples + other.samples
         out.block_bytes = max(self.block_bytes, other.block_bytes)
+        out.down_nodes = sorted(set(self.down_nodes) | set(other.down_nodes))
         return out
 
     def is_empty(self) -> bool:
         """Nothing to report."""
-        return not (self.save_failed or self.load_failed or self.samples)
+        return not (self.save_failed or self.load_failed or self.samples or self.down_nodes)

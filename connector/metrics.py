@@ -43,6 +43,10 @@ COUNTERS: dict[str, str] = {
     "cost_declined": "hits not claimed at all: computing them was expected to be faster",
     "cost_declined_blocks": "hit blocks not claimed (computed instead of loaded)",
     "probes": "background fetches that timed a declined node (no request waits on them)",
+    "unreachable_declined_blocks": (
+        "hit blocks not claimed because their node failed this engine's loads and has not "
+        "answered since (computed instead, no wait)"
+    ),
     "handoffs": "requests that came with a usable prefill/decode handoff (kv_consumer)",
     "handoff_short": "handoffs of which not every block was stored by the end of the wait",
     "handoff_rejected": "handoffs not usable (malformed, expired, another namespace or prompt)",
@@ -56,6 +60,10 @@ COUNTERS: dict[str, str] = {
     "layerwise_start_seconds": "CPU time spent queuing layer-wise loads before the forward pass",
     "layerwise_wait_seconds": "time the step waited after its forward pass for layer-wise loads",
     "load_failed_blocks": "blocks that could not be loaded (reported to vLLM, recomputed)",
+    "load_unreachable_blocks": (
+        "blocks of loads not asked for because their node failed and has not answered since "
+        "(failed at once, recomputed)"
+    ),
     "load_seconds": "wall time of load jobs, from start to last block",
     "save_blocks": "blocks stored by the cluster",
     "save_present_blocks": "blocks the node already had (skipped)",

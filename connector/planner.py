@@ -37,6 +37,8 @@ class Planner:
         counters: the counters to update.
         known: the known-blocks cache (saves skip known blocks).
         namespace: the cache namespace ('' while not known).
+        budget: how long a load of that many tokens may wait (``LoadJob.budget_s``;
+            None: no budget, ``transfer_timeout_s``).
     """
 
     def __init__(
@@ -46,12 +48,14 @@ class Planner:
         counters: Counters,
         known: KnownBlocks,
         namespace: Callable[[], str],
+        budget: Callable[[int], float] | None = None,
     ) -> None:
         self.settings = settings
         self.block_size = block_size
         self.counters = counters
         self.known = known
         self._namespace = namespace
+        self._budget = budget
         self.reqs: dict[str, ReqState] = {}
         """the tracked requests by id, from their first lookup until they finish"""
         self._pending_loads: list[LoadJob] = []
@@ -107,6 +111,8 @@ class Planner:
             pins=list(lk.pins) if lk is not None and located else [],
             located_at=lk.located_at if lk is not None else 0.0,
         )
+        if self._budget is not None and not job.sync:
+            job.budget_s = self._budget(num_external_tokens)
         if len(job.block_ids) != n_load or len(job.hashes) != n_load:
             job.nodes = [[] for _ in job.block_ids]
             job.hashes = (job.hashes + [b"\0"] * len(job.block_ids))[: len(job.block_ids)]

@@ -15,11 +15,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from pegaflow.storage_node.shm_file import human_bytes
 
-from pegaflow.deadline import HOP_MARGIN_S
+from pegaflow.deadline import HOP_MARGIN_S, Deadline
 
 from .blockio import KVBlockIO
 from .books import WorkerBooks
@@ -34,6 +35,11 @@ logger = logging.getLogger("pegaflow.connector")
 
 LOAD_DEPTH = 3
 """chunks of one load in flight at once"""
+FIRST_CONTACT_S = 1.0
+"""added to the budget of a load from a node this client has not heard from yet: it
+also connects (a UCX endpoint and the hello, a few round trips; the staging memory is
+ready from the start), so a node cut off before its first load costs a request about a
+second more than a recompute, not ``transfer_timeout_s``"""
 
 
 class RemoteMedium:
@@ -92,29 +98,41 @@ class RemoteMedium:
         client: Any,
         done_local: set[int],
     ) -> None:
-        """The UCX part of a load: chunks fetched into staging, copied into the cache."""
-        io, staging, timeout = self.io, self.load_staging, self.settings.transfer_timeout_s
-        # a get gives up by itself within its timeout; a wait that starts after its submit
-        # and lasts the hop margin longer only guards a wedged client loop
-        wait_s = timeout + HOP_MARGIN_S
+        """The UCX part of a load: chunks fetched into staging, copied into the cache,
+        all within the job's deadline (:meth:`deadline`); blocks of a node this client
+        knows to be down are not asked for (they fail at once, and are computed)."""
+        io, staging = self.io, self.load_staging
+        deadline = self.deadline(client, job, done_local)
+        health = client.health
+
+        def wait_s() -> float:
+            # a get gives up by itself by the deadline; a wait that lasts the hop margin
+            # longer only guards a wedged client loop
+            return deadline.remaining() + HOP_MARGIN_S
 
         def fetch(rows: range, buf: Buf, which: Sequence[int]) -> tuple[list[int], Any]:
             items: list[tuple[str, bytes, int, Any]] = []
             idx: list[int] = []
+            unreachable = 0
             for i in which:
                 nodes = job.nodes[i] if i < len(job.nodes) else []
                 node = nodes[self.shard] if self.shard < len(nodes) else ""
                 if not node or i in done_local:
                     continue
+                if health.is_down(node):
+                    unreachable += 1  # fails now, no wait: vLLM computes it
+                    continue
                 items.append((node, job.hashes[i], self.shard, buf[1][i - rows.start]))
                 idx.append(i)
-            if not items:
+            if unreachable:
+                self.books.counters.add("load_unreachable_blocks", unreachable)
+            if not items or deadline.expired:  # an expired get would only cut a connection
                 return idx, None
             gens = [gen_of(job, self.shard, i) for i in idx]
             fut = client.submit_get_blocks(
                 ns,
                 items,
-                timeout=timeout,
+                timeout=deadline,
                 generations=gens if any(g is not None for g in gens) else None,
             )
             return idx, fut
@@ -123,7 +141,7 @@ class RemoteMedium:
             got: list[bool] = [False] * len(idx)
             if fut is not None:
                 try:
-                    got = [bool(g) for g in fut.result(wait_s)]
+                    got = [bool(g) for g in fut.result(wait_s())]
                 except Exception as e:
                     logger.warning("PegaFlow: get of %d blocks failed: %s", len(idx), e)
             if len(got) != len(idx):
@@ -134,7 +152,9 @@ class RemoteMedium:
 
         def complete(rows: range, buf: Buf, idx: list[int], fut: Any) -> None:
             good, bad = outcome(idx, fut)
-            if bad and self.retry:
+            # once more only within the deadline, and into a buffer no failed get may
+            # still write (a get into it would be refused)
+            if bad and self.retry and not deadline.expired and client.settled(buf[1]):
                 idx2, fut2 = fetch(rows, buf, bad)
                 good2, _ = outcome(idx2, fut2)
                 good = sorted(good + good2)
@@ -151,7 +171,7 @@ class RemoteMedium:
         pending: deque[tuple[range, Buf, list[int], Any]] = deque()
         try:
             for rows in chunks(len(job.block_ids), staging.chunk_blocks):
-                buf = staging.acquire(wait=True, timeout=timeout)
+                buf = staging.acquire(wait=True, timeout=deadline.remaining())
                 if buf is None:
                     logger.warning("PegaFlow: no staging memory for a load; blocks fail")
                     break
@@ -173,10 +193,24 @@ class RemoteMedium:
             for _r, b, _i, f in pending:  # after an error: let in-flight gets land first
                 if f is not None:
                     try:
-                        f.result(wait_s)
+                        f.result(wait_s())
                     except Exception:
                         pass
                 staging.release(b, settled(b))
+
+    def deadline(self, client: Any, job: LoadJob, skip: AbstractSet[int] = frozenset()) -> Deadline:
+        """When ``job``'s load from other hosts gives up (its blocks are then computed):
+        after its budget (``LoadJob.budget_s``, about what computing them takes); a load
+        from a node that has not answered this client yet (its blocks but those in
+        ``skip``) also sets up its connection, and gets :data:`FIRST_CONTACT_S` more.
+        Never after ``transfer_timeout_s``, the whole deadline without a budget."""
+        limit = self.settings.transfer_timeout_s
+        if job.budget_s > 0:
+            n = len(job.block_ids)
+            nodes = {node_of(job, self.shard, i) for i in range(n) if i not in skip}
+            first = not all(client.health.has_answered(n) for n in nodes if n)
+            limit = min(limit, job.budget_s + (FIRST_CONTACT_S if first else 0.0))
+        return Deadline.after(limit)
 
     def _sample_remote(
         self, job: LoadJob, ok: list[bool], done_local: set[int], seconds: float

@@ -44,6 +44,7 @@ WORKER_COUNTERS = frozenset(
         "load_jobs", "load_blocks", "load_bytes", "load_seconds", "load_failed_blocks",
         "local_load_blocks", "layerwise_load_jobs", "save_blocks", "save_bytes",
         "save_present_blocks", "save_failed_blocks", "save_dropped_blocks", "probe_bytes",
+        "load_unreachable_blocks",
     }
 )  # fmt: skip
 """the worker-side counters the line reads from the workers' stats (the scheduler's
@@ -125,6 +126,9 @@ def format_line(
         parts.append(f"{load_failed} blocks failed to load ({earlier}{load_failure_fate})")
     if save_failed:
         parts.append(f"{save_failed} blocks failed to save")
+    unreachable = int(g("unreachable_declined_blocks", 0) + g("load_unreachable_blocks", 0))
+    if unreachable:
+        parts.append(f"loads skipped: node unreachable ({unreachable} blocks computed instead)")
     if g("lookup_skipped", 0):
         parts.append(f"{int(g('lookup_skipped', 0))} lookups skipped (cluster backing off)")
     return (title or f"PegaFlow cache (last {seconds:.0f} s)") + ": " + ", ".join(parts)

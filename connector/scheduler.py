@@ -107,7 +107,9 @@ class SchedulerSide:
         self.handoffs = HandoffWait(
             settings, block_size, counters, self.lookups, self.locator, self.finder
         )
-        self.planner = Planner(settings, block_size, counters, self.known, lambda: self.namespace)
+        self.planner = Planner(
+            settings, block_size, counters, self.known, lambda: self.namespace, self.load_budget_s
+        )
         self.lookup_breaker = self.lookups.breaker
         self.locate_breaker = self.locator.breaker
 
@@ -230,6 +232,14 @@ class SchedulerSide:
                 self.first_steps_min_tokens = 0  # the engine's kernels are past it
         return self.planner.build_plan(scheduler_output, self.lookups.take_probes())
 
+    def load_budget_s(self, tokens: int) -> float:
+        """How long an asynchronous load of ``tokens`` may wait before vLLM computes them
+        instead (``LoadJob.budget_s``): about what computing them takes."""
+        s = self.settings
+        return self.costs.load_budget_s(
+            tokens, s.load_budget_factor, s.load_budget_min_s, s.transfer_timeout_s
+        )
+
     def request_finished(self, request: Any) -> bool:
         """True when vLLM must keep the request's blocks until the worker copied them."""
         return self.planner.request_finished(request)
@@ -245,6 +255,8 @@ class SchedulerSide:
         """Feed the workers' measurements into the cost model."""
         if report.block_bytes:
             self.costs.set_block_bytes(report.block_bytes)
+        if report.down_nodes:
+            self.lookups.note_down(report.down_nodes)
         for source, size, seconds in report.samples:
             if source == "compute":
                 self.costs.observe_compute(size, seconds)

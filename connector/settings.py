@@ -197,6 +197,17 @@ class ConnectorSettings:
     )
     rpc_timeout_s: float = _f(5.0, "deadline of other control calls")
     transfer_timeout_s: float = _f(10.0, "deadline of one batched get or put")
+    load_budget_factor: float = _f(
+        1.0,
+        "a load from another host may wait this many times what computing its tokens is "
+        "expected to take (the cost model's estimate), then its blocks are computed: a "
+        "cut-off or hung node costs a request about one recompute, not transfer_timeout_s "
+        "(never more than transfer_timeout_s; the first load from a node, which also sets "
+        "up the connection, gets 1 s more); 0: transfer_timeout_s always",
+    )
+    load_budget_min_s: float = _f(
+        0.05, "least time a load from another host may wait (see load_budget_factor)"
+    )
     lookup_cache_s: float = _f(
         1.0, "a request asked again within this many seconds reuses its last lookup"
     )
@@ -398,6 +409,7 @@ class ConnectorSettings:
             if getattr(s, name) <= 0:
                 raise ValueError(f"PegaKVConnector {name} must be > 0")
         names = ("report_interval_s", "shutdown_wait_s", "handoff_wait_s", "handoff_ttl_s")
+        names += ("load_budget_factor", "load_budget_min_s")
         for name in (*names, "load_lookahead_layers"):
             if getattr(s, name) < 0:
                 raise ValueError(f"PegaKVConnector {name} must be >= 0")

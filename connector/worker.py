@@ -178,6 +178,12 @@ class WorkerSide:
             return self._client
 
     @property
+    def client(self) -> Any:
+        """The cluster client, once made (None before): the scheduler of this process
+        reads which nodes failed its loads from it (its ``health``)."""
+        return self._client
+
+    @property
     def local_node(self) -> str:
         """The node on this host ('' while none is known)."""
         return self.finder.node
@@ -358,7 +364,12 @@ class WorkerSide:
         return errs
 
     def take_report(self) -> WorkerReport | None:
-        """Outcomes the scheduler should learn from (None when there are none)."""
+        """Outcomes the scheduler should learn from (None when there are none), with
+        the nodes this worker's client knows to be down now."""
+        down = sorted(self._client.health.down()) if self._client is not None else []
+        if down:
+            with self._lock:
+                self.books.report.down_nodes = down
         return self.books.take_report()
 
     def has_pending_loads(self) -> bool:

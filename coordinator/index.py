@@ -112,6 +112,7 @@ class BlockIndex:
         self._packed: dict[str, bytes] = {}  # node id -> msgpack of id + wire record
         self._counts: dict[str, int] = {}  # node id -> shard entries it holds
         self._unknown: set[str] = set()  # node ids with entries but no record
+        self._suspect: frozenset[str] = frozenset()  # reported unreachable: left out
         self._rows: list[Row | None] = []  # row id -> row (None: free id)
         self._rids: dict[Row, int] = {}  # row -> row id
         self._refs: list[int] = []  # row id -> blocks using it
@@ -126,6 +127,16 @@ class BlockIndex:
         ``owner``), so a lookup sees every block committed before it"""
 
     # -- nodes ------------------------------------------------------------------------
+
+    def set_suspects(self, node_ids: frozenset[str]) -> None:
+        """Leave the blocks of ``node_ids`` out of lookups (as if not stored) until the
+        next call (:mod:`~pegaflow.coordinator.suspects`: nodes clients cannot reach)."""
+        self._suspect = frozenset(node_ids)
+
+    @property
+    def suspects(self) -> frozenset[str]:
+        """The nodes whose blocks lookups leave out now."""
+        return self._suspect
 
     def set_node(self, record: NodeRecord) -> None:
         """Add or refresh a node record."""
@@ -530,6 +541,8 @@ class BlockIndex:
             return None
         if self._unknown and any(n not in self._nodes for n in picked):
             return None
+        if self._suspect and not self._suspect.isdisjoint(picked):
+            return None
         return picked  # type: ignore[return-value]
 
     # -- whole index ------------------------------------------------------------------
@@ -578,5 +591,7 @@ class BlockIndex:
     def replace_with(self, other: BlockIndex) -> None:
         """Take over ``other``'s whole state (a resync swaps in a freshly built index
         without a moment of emptiness); ``other`` must not be used afterwards."""
+        suspect = self._suspect  # who cannot be reached is not the index's content
         self.__dict__.update(other.__dict__)
+        self._suspect = suspect
         other.__init__()  # type: ignore[misc]

@@ -11,6 +11,7 @@ collector at scrape time, so a lookup pays well under a microsecond for its metr
 ``pegaflow_coordinator_lookup_miss_blocks_total`` blocks asked for but not found
 ``pegaflow_coordinator_place_total``            placements, by ``result``
 ``pegaflow_coordinator_rpc_errors_total``       error replies, by ``op`` and ``code``
+``pegaflow_coordinator_unreachable_reports_total`` reports of unreachable nodes
 ``pegaflow_index_blocks`` / ``_entries`` / ``_nodes`` / ``_namespaces``  index size
 ``pegaflow_index_node_entries``                 shard entries per ``node``
 ``pegaflow_etcd_connected``                     1 while the mirror's watch is live
@@ -59,6 +60,8 @@ class CoordinatorMetrics:
         )
         self.place: dict[str, int] = {}
         self.errors: dict[tuple[str, str], int] = {}
+        self.unreachable_reports: dict[str, int] = {}
+        """``report_unreachable`` reports by result (see :mod:`.suspects`)"""
 
     def on_request(self, op: str, seconds: float, code: str | None) -> None:
         """RpcServer's per-request hook: counts error replies."""
@@ -107,6 +110,14 @@ class CoordinatorCollector(Collector):
         for (op, code), n in m.errors.items():
             errors.add_metric([op, code], n)
         yield errors
+        reports = CounterMetricFamily(
+            "pegaflow_coordinator_unreachable_reports",
+            "clients' reports that a node fails their gets",
+            labels=["result"],
+        )
+        for result, n in m.unreachable_reports.items():
+            reports.add_metric([result], n)
+        yield reports
 
         idx = self.index
         yield _gauge("pegaflow_index_blocks", "blocks in the index", idx.num_blocks)

@@ -26,6 +26,9 @@ etcd).  Ops (``args`` and results are msgpack maps; bytes stay bytes):
 ``nodes`` ``{}`` -> ``{nodes: [NodeRecord]}``
 ``router_report``: a ``pegaflow-router``'s periodic report (:mod:`.routers`); the
     status document's ``routers`` lists the routers whose report has not expired
+``report_unreachable`` ``{node}`` -> ``{suspected}``: a client cannot reach that node;
+    unless this coordinator can, lookups leave its blocks out for a while
+    (:mod:`.suspects`)
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from .index import BlockIndex
 from .metrics import CoordinatorCollector, CoordinatorMetrics
 from .mirror import EtcdMirror
 from .routers import RouterTable
+from .suspects import Suspects
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +154,10 @@ class Coordinator:
         self._row_cache: dict[tuple[str, ...], bytes] = {}
         self._ns_ok: set[str] = set()
         self.routers = RouterTable()
+        self.suspects = Suspects(
+            self.index, self.config.suspect_ttl_s, self.metrics.unreachable_reports
+        )
+        """nodes clients reported unreachable, left out of lookups for a while"""
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -167,6 +175,7 @@ class Coordinator:
             "status": self.op_status,
             "nodes": self.op_nodes,
             "router_report": self.routers.op_report,
+            "report_unreachable": self.suspects.op_report,
         }
 
     async def start(self, *, serve: bool = True) -> None:
@@ -241,6 +250,7 @@ class Coordinator:
 
     async def close(self) -> None:
         """Stop serving and mirroring; safe to call more than once."""
+        await self.suspects.close()
         if self._http is not None:
             await self._http.close()
             self._http = None

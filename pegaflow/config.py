@@ -178,6 +178,13 @@ class CoordinatorConfig:
     gc_entries_per_s: int = opt(
         100_000, "pace of a GC pass: entries checked per second at most (lookups come first)"
     )
+    suspect_ttl_s: float = opt(
+        5.0,
+        "a node a client reports unreachable (report_unreachable) and this coordinator "
+        "cannot reach either (its /health) is left out of lookups this long, renewed by "
+        "further reports, or until it answers the coordinator's check again (0: reports "
+        "are counted only)",
+    )
 
 
 @dataclass

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+from pegaflow.client.nodehealth import NodeHealth
 
 from pegaflow.deadline import Deadline
 from pegaflow.errors import DeadlineExceeded, Unavailable
@@ -103,6 +104,8 @@ class FakeCluster:
 
     def __init__(self, node: str = "n1") -> None:
         self.node = node
+        self.health = NodeHealth()
+        """as ``SyncPegaClient.health``: the nodes its gets found down"""
         self.blocks: dict[tuple[str, bytes, int], tuple[str, bytes]] = {}
         self.lookup_error: Exception | None = None
         self.dead_nodes: set[str] = set()
