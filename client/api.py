@@ -32,7 +32,7 @@ from pegaflow.wire import LocatedBlocks, unpack_bits
 from .calls import default_timeout, operation
 from .data import DataClient, PoolFile, PutOutcome
 from .nodehealth import PROBE_TIMEOUT_S, RETRY_S, NodeHealth
-from .samehost import LocalNode, on_this_host, opens_as_node_file
+from .samehost import LocalNode, may_be_here, opens_as_node_file
 from .session import NodeSession
 
 log = logging.getLogger(__name__)
@@ -383,14 +383,14 @@ class PegaClient:
     @_op("rpc_timeout_s")
     async def local_nodes(self, timeout: Timeout = None) -> list[LocalNode]:
         """The nodes on this host: among every node the coordinator knows, those whose
-        address may be this machine's (:func:`on_this_host`) and whose pool file, offered
-        in the data-plane handshake, this process can open as the same file
-        (:func:`~.samehost.open_pool_file`).  Largest pool first, then by id, so every process of
-        an engine picks the same one.  Nodes that do not answer within ``timeout``
-        (default ``rpc_timeout_s``, for the whole call) are left out, and so is a node
-        whose address another node answers at (two nodes publish one address: logged at
-        WARNING, see :class:`~pegaflow.errors.WrongPeer`).  Each one's session then knows
-        its control socket."""
+        published pool file opens here as that file (:func:`~.samehost.may_be_here`: no
+        other node is asked), and whose pool file offered in the data-plane handshake
+        does too (:func:`~.samehost.open_pool_file`).  Largest pool first, then by id,
+        so every process of an engine picks the same one.  Nodes that do not answer
+        within ``timeout`` (default ``rpc_timeout_s``, for the whole call) are left out,
+        and so is a node whose address another node answers at (two nodes publish one
+        address: logged at WARNING, see :class:`~pegaflow.errors.WrongPeer`).  Each
+        one's session then knows its control socket."""
         deadline = self._deadline("local_nodes", timeout)
         records = await self.nodes(timeout=deadline)
 
@@ -410,7 +410,7 @@ class PegaClient:
             self.session(rec.node_id).know(pool)
             return LocalNode(rec, pool)
 
-        candidates = [r for r in records.values() if on_this_host(r.host)]
+        candidates = [r for r in records.values() if may_be_here(r)]
         if not candidates:
             return []
         try:

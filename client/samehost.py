@@ -1,6 +1,14 @@
-"""Finding the storage nodes on this host: a node counts as one when its address may be
-this machine's and this process can open its pool file as the very file the node
-described (the same-host shortcut maps that file instead of moving bytes over UCX)."""
+"""Finding the storage nodes on this host: a node counts as one when this process can open
+its pool file as the very file the node described (the same-host shortcut maps that
+file instead of moving bytes over UCX).
+
+Which nodes to ask: a node publishes its pool file's path, device and inode in its
+record (:attr:`~pegaflow.keys.NodeRecord.pool_file`), so a client tries to open that
+path and asks only the nodes whose file it opened as that very file
+(:func:`may_be_here`): no connection to the other nodes of a large cluster, and no
+reliance on addresses, which a pod in its own network namespace does not share with
+its host although it maps the host's ``/dev/shm``.  A record without it (a node of an
+older version) falls back to the address check (:func:`on_this_host`)."""
 
 from __future__ import annotations
 
@@ -73,6 +81,19 @@ def on_this_host(host: str) -> bool:
             log.debug("cannot tell whether %s is an address of this host: %s", host, e)
         return False
     return True
+
+
+def may_be_here(rec: NodeRecord) -> bool:
+    """Whether node ``rec`` may be on this host (see the module docstring): its published
+    pool file opens here as that very file, or, for a record without one, its address
+    may be this machine's.  The pool file offered in the node's handshake decides."""
+    if len(rec.pool_file) == 3:
+        path, dev, ino = rec.pool_file
+        try:
+            return opens_as_node_file(PoolFile(str(path), int(dev), int(ino), 0))
+        except (TypeError, ValueError):
+            return False
+    return on_this_host(rec.host)
 
 
 def opens_as_node_file(info: PoolFile) -> bool:

@@ -17,7 +17,7 @@ A block of a namespace is a hit only when every shard asked for is present.
 from __future__ import annotations
 
 import secrets
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from pegaflow.errors import BadRequest
@@ -85,6 +85,11 @@ class NodeRecord:
     """bytes its disk tier holds"""
     disk_blocks: int = 0
     """blocks on its disk tier"""
+    pool_file: list[Any] = field(default_factory=list)
+    """``[path, device, inode]`` of its pool file, when it lets clients on its host map
+    it (``[node] local_access``); empty otherwise.  A client that can open that path as
+    that very file is on the node's host, whatever its address (a pod in its own
+    network namespace is): see :mod:`pegaflow.client.samehost`"""
 
     @property
     def ucx_address(self) -> str:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
 import uuid
@@ -179,7 +180,20 @@ class StorageNode:
             disk_capacity_bytes=disk.capacity_bytes if disk is not None else 0,
             disk_used_bytes=disk.used_bytes if disk is not None else 0,
             disk_blocks=disk.blocks if disk is not None else 0,
+            pool_file=self._pool_file_id(),
         )
+
+    def _pool_file_id(self) -> list[Any]:
+        """``[path, device, inode]`` of the pool file, published for same-host discovery
+        (empty without ``local_access`` or when the file cannot be read)."""
+        assert self.pool is not None
+        if not self.cfg.local_access:
+            return []
+        try:
+            st = os.stat(self.pool.path)
+        except OSError:
+            return []
+        return [str(self.pool.path), st.st_dev, st.st_ino]
 
     def _on_evict(self, e: Entry) -> None:
         if self.service is not None:
