@@ -28,14 +28,18 @@ class VllmEngine:
         env: dict[str, str] | None = None,
         name: str = "engine",
         start_timeout: float = 300.0,
+        prefix: list[str] | None = None,
     ) -> None:
+        """``prefix``: a command prefix the engine runs under (a host of
+        ``tests/netns_hosts.py``: its ``Host.prefix``)."""
         self.name = name
+        self.prefix = list(prefix or [])
         self.spec = {"model": TINY_MODEL, **spec}
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log: list[str] = []
         self._results: queue.Queue[str] = queue.Queue()
         self.popen = subprocess.Popen(
-            [sys.executable, str(HERE / "vllm_runner.py"), json.dumps(self.spec)],
+            [*self.prefix, sys.executable, str(HERE / "vllm_runner.py"), json.dumps(self.spec)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -90,6 +94,11 @@ class VllmEngine:
         """Greedy outputs and per-request cached-token counts of one batch."""
         return self.call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens})
 
+    def kv_digest(self, prompt: list[int]) -> list[str | None]:
+        """Per full block of ``prompt``, a digest of its KV bytes in the engine's cache
+        (None: not cached); the engine needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0``."""
+        return self.call({"op": "kv_digest", "prompt": prompt})["digests"]
+
     def ttft(self, prompts: list[list[int]]) -> dict[str, Any]:
         """Per-prompt time to first token, one prompt at a time."""
         return self.call({"op": "ttft", "prompts": prompts})
@@ -116,15 +125,18 @@ class VllmEngine:
 
     def kill(self) -> None:
         """SIGKILL the engine and every process it started (EngineCore, workers)."""
-        kill_group(self.popen)
+        # under a prefix, /dev/shm may be another mount's (a host's): its owner removes it
+        kill_group(self.popen, unlink_shm=not self.prefix)
 
 
-def kill_group(popen: subprocess.Popen[Any]) -> None:
+def kill_group(popen: subprocess.Popen[Any], unlink_shm: bool = True) -> None:
     """SIGKILL a process started in its own session and every process of its group, and
     remove the shared-memory segments they had mapped (vLLM's message queues are
     ``/dev/shm/psm_*``; a SIGKILL leaves them behind, a few hundred MiB each, and a
-    machine running many tests or benchmarks fills its ``/dev/shm``)."""
-    leftovers = _shm_segments(popen.pid)
+    machine running many tests or benchmarks fills its ``/dev/shm``).  ``unlink_shm``
+    false: leave them (the group ran in another mount namespace, whose ``/dev/shm`` is
+    not this process's: a host of ``tests/netns_hosts.py`` removes its own)."""
+    leftovers = _shm_segments(popen.pid) if unlink_shm else set()
     try:
         os.killpg(popen.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

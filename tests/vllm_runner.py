@@ -26,6 +26,12 @@ line:
 * ``{"op": "ttft", "prompts": [...]}`` -> ``{"ttft_ms": [...], "cached": [...]}``: one
   prompt at a time, ``max_tokens=1``, wall time of each;
 * ``{"op": "reset_prefix_cache"}`` -> ``{"ok": true}`` (vLLM's local cache only);
+* ``{"op": "kv_digest", "prompt": [ids...]}`` -> ``{"digests": [hex or null, ...]}``: per
+  full block of the prompt, the xxh3-64 of that block's KV bytes in every layer (in
+  layer order) as the engine's KV cache holds them now (vLLM's prefix cache keeps a
+  finished request's blocks), null for a block not in the prefix cache; a KV oracle
+  stronger than outputs.  Needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core
+  in this process) and one rank;
 * ``{"op": "start_profile"}``, ``{"op": "stop_profile"}`` -> ``{"ok": true}`` (with
   ``profile_dir``; the trace is written at the stop);
 * ``{"op": "quit"}``.
@@ -110,6 +116,47 @@ def _phases(output: Any, t0: float) -> list[float] | None:
     return [round((t - t0) * 1e3, 2) for t in ts]
 
 
+def _kv_digest(llm: Any, prompt: list[int]) -> dict[str, Any]:
+    import torch
+    import xxhash
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None or not hasattr(core, "scheduler"):
+        raise RuntimeError("kv_digest needs VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    if core.request_block_hasher is None:
+        raise RuntimeError("kv_digest needs vLLM's prefix caching")
+    req = Request(
+        "kv-digest", list(prompt), SamplingParams(max_tokens=1), None,
+        block_hasher=core.request_block_hasher,
+    )  # fmt: skip
+    pool = core.scheduler.kv_cache_manager.block_pool
+    num_blocks = pool.num_gpu_blocks
+    runner = core.model_executor.driver_worker.worker.model_runner
+    layers = [t for t in runner.kv_caches if isinstance(t, torch.Tensor)]
+    if not layers:
+        raise RuntimeError("no KV cache tensors in the model runner")
+    out: list[str | None] = []
+    for h in req.block_hashes:
+        blocks = pool.get_cached_block(h, [0])
+        if not blocks:
+            out.append(None)
+            continue
+        b = blocks[0].block_id
+        d = xxhash.xxh3_64()
+        for t in layers:
+            if t.shape[0] == num_blocks:
+                tile = t[b]
+            elif t.dim() > 1 and t.shape[1] == num_blocks:
+                tile = t[:, b]
+            else:
+                raise RuntimeError(f"no block dimension of {num_blocks} in {tuple(t.shape)}")
+            d.update(tile.contiguous().view(torch.uint8).numpy().tobytes())
+        out.append(d.hexdigest())
+    return {"digests": out, "layers": len(layers)}
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     llm = _engine(spec)
@@ -136,6 +183,8 @@ def main() -> None:
                 res = {"ttft_ms": ttft, "cached": cached}
             elif op == "reset_prefix_cache":
                 res = {"ok": bool(llm.reset_prefix_cache())}
+            elif op == "kv_digest":
+                res = _kv_digest(llm, cmd["prompt"])
             elif op == "start_profile":
                 llm.start_profile()
                 res = {"ok": True}
