@@ -552,6 +552,21 @@ class PegaClient:
             log.debug("report of unreachable node %s failed: %s", node_id, e)
 
     @_op("rpc_timeout_s")
+    async def namespace_peers(
+        self, ns: str, factors: dict[str, str], timeout: Timeout = None
+    ) -> list[dict[str, Any]]:
+        """The other namespaces of ``ns``'s model that hold blocks, each ``{ns, blocks,
+        factors}`` (``factors`` empty where no engine sent them), after sending this
+        engine's ``factors`` of ``ns`` (see :mod:`pegaflow.coordinator.namespaces`)."""
+        res = await self._rpc.call(
+            "namespace_peers",
+            {"ns": ns, "factors": factors},
+            timeout=self._deadline("namespace_peers", timeout),
+        )
+        peers = res.get("peers") if isinstance(res, dict) else None
+        return [p for p in peers or [] if isinstance(p, dict) and isinstance(p.get("ns"), str)]
+
+    @_op("rpc_timeout_s")
     async def report_unreachable(self, node_id: str, timeout: Timeout = None) -> bool:
         """Tell the coordinator that ``node_id`` fails this client's gets: it leaves the
         node's blocks out of lookups for a while unless it reaches the node itself

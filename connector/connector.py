@@ -21,6 +21,7 @@ Guarantees, whatever the cluster does:
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from . import sameprocess
@@ -55,6 +56,7 @@ from .namespace import (
     model_identity,
     shard_of,
 )
+from .nsdiag import factor_strings
 from .report import WORKER_COUNTERS, CacheReport, format_line
 from .scheduler import SchedulerSide
 from .settings import ConnectorSettings
@@ -125,6 +127,8 @@ class PegaKVConnector(KVConnectorBase_V1):
         if policy_set:
             self.policy = "recompute"  # read by vLLM's scheduler right after this
         self._scheduler: SchedulerSide | None = None
+        self._ns_factors: dict[str, str] = {}
+        """the namespace's factors, once computed (see :mod:`.nsdiag`)"""
         self._worker: Any = None
         self._report: CacheReport | None = None
         if is_worker:
@@ -151,6 +155,7 @@ class PegaKVConnector(KVConnectorBase_V1):
                 device=device_type(),
                 block_bytes=self.geometry.page_bytes * self.geometry.num_layers,
                 first_steps_min_tokens=first_steps_min_tokens(vllm_config, self.geometry),
+                factors=lambda: self._ns_factors,
             )
             self._scheduler.start_warm_up()
             if self.settings.report_interval_s > 0 and self.settings.mode != "off":
@@ -256,6 +261,7 @@ class PegaKVConnector(KVConnectorBase_V1):
             label=ident.name,
         )
         ns = make_namespace(f)
+        self._ns_factors = factor_strings(asdict(f))
         # one line with every factor: two engines that share nothing compare theirs
         logger.info(
             "PegaFlow namespace %s for model identity %s (from %s; set model_id to override), %s",

@@ -26,6 +26,7 @@ from .locating import Locator
 from .metadata import LoadJob
 from .metrics import Counters
 from .namespace import block_hashes_bytes
+from .nsdiag import NamespaceCheck
 from .policy import CircuitBreaker
 from .report import SameHostReport
 from .reqstate import Lookup, ReqState
@@ -55,6 +56,8 @@ class Lookups:
         known: the known-blocks cache (hits added, misses dropped).
         same_host: the report of lookups answered by the local node alone.
         clock: monotonic clock (tests inject one).
+        ns_check: asks, while nothing hits, whether the model is stored under another
+            namespace (None: never asks).
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class Lookups:
         known: KnownBlocks,
         same_host: SameHostReport,
         clock: Callable[[], float],
+        ns_check: NamespaceCheck | None = None,
     ) -> None:
         self.settings = settings
         self.world_size = world_size
@@ -78,6 +82,7 @@ class Lookups:
         self.warm_up = warm_up
         self.locator = locator
         self.costs = costs
+        self.ns_check = ns_check
         self.known = known
         self.same_host = same_host
         self._clock = clock
@@ -153,6 +158,8 @@ class Lookups:
             valid += 1
         hits = valid
         self._account(asked, hits, "lookups")
+        if self.ns_check is not None:
+            self.ns_check.after_lookup(client, ns, hits)
         lk = Lookup(self._clock(), start, len(hashes), hits, [list(b) for b in blocks[:hits]])
         if len(gens) >= hits and all(
             isinstance(g, list | tuple) and len(g) == self.world_size for g in gens[:hits]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .costmodel import CostModel
@@ -28,6 +28,7 @@ from .locating import Locator
 from .lookups import Lookups
 from .metadata import LoadJob, StepPlan, WorkerReport
 from .metrics import Counters
+from .nsdiag import NamespaceCheck
 from .planner import Planner
 from .report import SameHostReport
 from .schedclient import ClusterClient, LookupClient
@@ -60,6 +61,8 @@ class SchedulerSide:
         first_steps_min_tokens: until the engine has run a step computing this many
             tokens of a request, a hit leaves at least that many to compute (0: no
             bound; see :func:`~.compat.first_steps_min_tokens`).
+        factors: this engine's namespace factors (:func:`.nsdiag.factor_strings`), sent
+            when a lookup finds nothing to learn whether another namespace has the model.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class SchedulerSide:
         device: str = "cpu",
         block_bytes: int = 0,
         first_steps_min_tokens: int = 0,
+        factors: Callable[[], Mapping[str, str]] = dict,
     ) -> None:
         self.settings = settings
         self.first_steps_min_tokens = first_steps_min_tokens
@@ -103,6 +107,7 @@ class SchedulerSide:
         self.lookups = Lookups(
             settings, world_size, counters, self.cluster, self.warm, self.locator,
             self.costs, self.known, self.same_host, clock,
+            NamespaceCheck(factors, settings.rpc_timeout_s, clock),
         )  # fmt: skip
         self.handoffs = HandoffWait(
             settings, block_size, counters, self.lookups, self.locator, self.finder

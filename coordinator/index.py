@@ -584,6 +584,10 @@ class BlockIndex:
         """Namespaces with at least one block."""
         return list(self._ns)
 
+    def blocks_in(self, ns: str) -> int:
+        """Blocks (with any shard) of namespace ``ns``."""
+        return len(self._ns.get(ns, ()))
+
     def clear(self) -> None:
         """Drop everything (nodes included)."""
         self.__init__()  # type: ignore[misc]

@@ -29,6 +29,9 @@ etcd).  Ops (``args`` and results are msgpack maps; bytes stay bytes):
 ``report_unreachable`` ``{node}`` -> ``{suspected}``: a client cannot reach that node;
     unless this coordinator can, lookups leave its blocks out for a while
     (:mod:`.suspects`)
+``namespace_peers`` ``{ns, factors}`` -> ``{peers}``: the other namespaces of the same
+    model that hold blocks, with their factors, for a connector that finds nothing of
+    its own (:mod:`.namespaces`)
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from .gc import IndexGC
 from .index import BlockIndex
 from .metrics import CoordinatorCollector, CoordinatorMetrics
 from .mirror import EtcdMirror
+from .namespaces import NamespacePeers
 from .routers import RouterTable
 from .suspects import Suspects
 
@@ -158,6 +162,8 @@ class Coordinator:
             self.index, self.config.suspect_ttl_s, self.metrics.unreachable_reports
         )
         """nodes clients reported unreachable, left out of lookups for a while"""
+        self.namespace_peers = NamespacePeers(self.index)
+        """the factors of the namespaces connectors use, to tell one why it gets no hit"""
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -176,6 +182,7 @@ class Coordinator:
             "nodes": self.op_nodes,
             "router_report": self.routers.op_report,
             "report_unreachable": self.suspects.op_report,
+            "namespace_peers": self.namespace_peers.op_peers,
         }
 
     async def start(self, *, serve: bool = True) -> None:

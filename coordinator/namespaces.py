@@ -1,0 +1,78 @@
+"""Namespaces of one model that cannot share blocks: why an engine gets no hit.
+
+A namespace is ``<model label>.<digest of every factor>`` (:mod:`pegaflow.connector.
+namespace`): engines whose model, dtype, KV layout, block size, TP/PP or hash seed
+differ write disjoint namespaces, so one gets no hit on what the other stored.  That is
+right, but silent.  A connector whose lookups find nothing asks here
+(``namespace_peers``), sending its own factors: the coordinator keeps them (in memory,
+the most recent :data:`MAX_KEPT` namespaces) and answers with the other namespaces of
+the index under the same label that hold blocks, each with its factors when some engine
+has sent them to this coordinator, so the connector can log which factor differs.
+
+``namespace_peers`` ``{ns, factors: {name: value}}`` -> ``{peers: [{ns, blocks,
+factors}]}`` (at most :data:`MAX_PEERS`; ``factors`` empty when unknown here).  A
+tenant's connection may ask only of its own namespaces, and its peers share its
+``<tenant>@`` prefix.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from pegaflow.errors import BadRequest
+from pegaflow.wire import check_namespace, req_map
+
+from .index import BlockIndex
+
+MAX_KEPT = 4096
+"""namespaces whose factors are kept (least recently sent dropped first)"""
+MAX_PEERS = 8
+"""peers in one answer"""
+MAX_FACTORS = 64
+"""factors of one namespace"""
+MAX_VALUE = 512
+"""characters of one factor's value (longer ones are cut)"""
+
+
+def label_of(ns: str) -> str:
+    """The model label of a namespace: what precedes its digest."""
+    return ns.rsplit(".", 1)[0]
+
+
+class NamespacePeers:
+    """The ``namespace_peers`` op over ``index`` (see the module docstring)."""
+
+    def __init__(self, index: BlockIndex) -> None:
+        self.index = index
+        self._factors: OrderedDict[str, dict[str, str]] = OrderedDict()
+
+    def op_peers(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The ``namespace_peers`` op."""
+        ns = check_namespace(args.get("ns"))
+        self.remember(ns, args.get("factors"))
+        label = label_of(ns)
+        peers = []
+        for other in self.index.namespaces():
+            if other == ns or label_of(other) != label:
+                continue
+            blocks = self.index.blocks_in(other)
+            if blocks:
+                known = self._factors.get(other, {})
+                peers.append({"ns": other, "blocks": blocks, "factors": known})
+            if len(peers) >= MAX_PEERS:
+                break
+        return {"peers": peers}
+
+    def remember(self, ns: str, factors: Any) -> None:
+        """Keep ``factors`` (a map of short strings) as ``ns``'s."""
+        if factors is None:
+            return
+        factors = req_map(factors)
+        if len(factors) > MAX_FACTORS:
+            raise BadRequest(f"more than {MAX_FACTORS} namespace factors")
+        kept = {str(k)[:64]: str(v)[:MAX_VALUE] for k, v in factors.items()}
+        self._factors[ns] = kept
+        self._factors.move_to_end(ns)
+        while len(self._factors) > MAX_KEPT:
+            self._factors.popitem(last=False)
