@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pegaflow.devcluster import Proc
+from pegaflow.devcluster import Proc, start_server
 
 pytest_plugins = ["tests.etcd_fixture"]
 
@@ -18,3 +18,14 @@ def procs() -> Iterator[list[Proc]]:
     yield started
     for p in started:
         p.kill()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Proc]:
+    """A small ``pegaflow-server`` (32 MiB pool in 4 MiB slabs) for one test module;
+    ``server.ready['coordinator']`` is its address."""
+    p = start_server(extra=["--node-pool-bytes", "32MiB", "--node-slab-bytes", "4MiB"])
+    try:
+        yield p
+    finally:
+        p.terminate()

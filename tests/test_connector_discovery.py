@@ -13,7 +13,6 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -30,19 +29,10 @@ from pegaflow.connector.settings import ConnectorSettings
 from pegaflow.connector.worker import WorkerSide
 
 from pegaflow.config import ClientConfig
-from pegaflow.devcluster import Proc, start_coordinator, start_node, start_server
+from pegaflow.devcluster import Proc, start_coordinator, start_node
 
 NS = "test-discovery"
 NB = 8
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[Proc]:
-    p = start_server(extra=["--node-pool-bytes", "32MiB", "--node-slab-bytes", "4MiB"])
-    try:
-        yield p
-    finally:
-        p.terminate()
 
 
 def _client(coordinator: str) -> SyncPegaClient:

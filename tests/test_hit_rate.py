@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from pegaflow.connector.scheduler import SchedulerSide
 from pegaflow.connector.settings import ConnectorSettings
 
 from pegaflow.config import ClientConfig, EtcdConfig
-from pegaflow.devcluster import Proc, start_coordinator, start_node, start_server
+from pegaflow.devcluster import Proc, start_coordinator, start_node
 from pegaflow.errors import BadRequest
 from pegaflow.rpc_client import RpcClient
 from tests.connector_fakes import FakeRequest
@@ -34,15 +33,6 @@ from tests.connector_fakes import FakeRequest
 BLOCK = 16 << 10
 BS = 16
 BIN = Path(sys.executable).parent
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[Proc]:
-    p = start_server(extra=["--node-pool-bytes", "32MiB", "--node-slab-bytes", "4MiB"])
-    try:
-        yield p
-    finally:
-        p.terminate()
 
 
 def _client(server: Proc) -> SyncPegaClient:

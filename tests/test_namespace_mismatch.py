@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ from pegaflow.connector.scheduler import SchedulerSide
 from pegaflow.connector.settings import ConnectorSettings
 
 from pegaflow.config import ClientConfig
-from pegaflow.devcluster import Proc, start_server
+from pegaflow.devcluster import Proc
 from pegaflow.errors import BadRequest
 from tests.connector_fakes import FakeRequest
 
@@ -30,15 +29,6 @@ BS = 4
 STORED = "llama.00aa"
 ASKING = "llama.00bb"
 FACTORS = {"model": "config:abc", "dtype": "bfloat16", "block_size": "32", "tp_size": "1"}
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[Proc]:
-    p = start_server(extra=["--node-pool-bytes", "32MiB", "--node-slab-bytes", "4MiB"])
-    try:
-        yield p
-    finally:
-        p.terminate()
 
 
 def _client(coordinator: str) -> SyncPegaClient:
