@@ -34,6 +34,11 @@ every record left describes a whole payload (records go through the page cache, 
 outlives the process; after a power loss, records of recent writes may be lost, and
 one whose payload did not reach the disk fails its checksum at its first read).
 
+Faults show in the node's ``/health`` (200, ``disk_degraded`` and ``disk_reason``) and
+``pegaflow_node_disk_degraded``: :meth:`DiskTier.problem` reports the tier's directory
+gone, its file system full, and any error counted in the last
+``DEGRADED_AFTER_ERROR_S`` (60 s).
+
 Failures (a full disk, an I/O error, a file that vanished) never raise out of
 :meth:`spill` or the reads: they are misses or dropped spills, counted in ``errors``
 and logged (at most once every 10 s).  Opening raises what
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -69,6 +75,8 @@ from pegaflow.errors import BadRequest
 log = logging.getLogger(__name__)
 
 _LOG_EVERY_S = 10.0
+DEGRADED_AFTER_ERROR_S = 60.0
+"""a counted error keeps the tier degraded (in /health) this long"""
 
 
 @dataclass
@@ -96,6 +104,9 @@ class DiskTierStats:
     recovered: int
     recover_dropped: int
     direct_io: bool
+    degraded: int = 0
+    """1 while :meth:`DiskTier.problem` reports a fault"""
+    problem: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +164,8 @@ class DiskTier:
         self._on_spilled = on_spilled
         self._lock = threading.Lock()
         self._last_log = 0.0
+        self._last_error: tuple[float, str] | None = None
+        """when the last error was counted, and what it was"""
         self._files = DiskFiles(
             self.path,
             slot_count,
@@ -575,8 +588,24 @@ class DiskTier:
 
     # ---- helpers -------------------------------------------------------------------
 
+    def problem(self) -> str | None:
+        """Why the tier is degraded, else None: its directory is gone, its file system
+        is full, or an error was counted in the last ``DEGRADED_AFTER_ERROR_S``.  Cheap
+        (a ``statvfs``): the node's watchdog and ``/health`` ask it."""
+        try:
+            fs = os.statvfs(self.path)
+        except OSError as e:
+            return f"disk tier directory {self.path} is gone ({e.strerror}): spills and reads fail"
+        if fs.f_bavail == 0:
+            return f"the file system of disk tier {self.path} is full"
+        last = self._last_error
+        if last is not None and time.monotonic() - last[0] < DEGRADED_AFTER_ERROR_S:
+            return f"disk tier {self.path}: {last[1]} ({self.errors} errors so far)"
+        return None
+
     def _log_error(self, what: str) -> None:
         now = time.monotonic()
+        self._last_error = (now, what)
         if now - self._last_log >= _LOG_EVERY_S:
             self._last_log = now
             log.error(
@@ -588,6 +617,7 @@ class DiskTier:
 
     def stats(self) -> DiskTierStats:
         """A snapshot of the tier's counters."""
+        problem = self.problem()
         with self._lock:
             return DiskTierStats(
                 capacity_bytes=self.capacity,
@@ -609,6 +639,8 @@ class DiskTier:
                 recovered=self.recovered,
                 recover_dropped=self.recover_dropped,
                 direct_io=self.direct_io,
+                degraded=int(problem is not None),
+                problem=problem,
             )
 
     def close(self, timeout: float | None = 30.0) -> None:

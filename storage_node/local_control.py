@@ -110,6 +110,12 @@ class LocalControl:
                 self.path, e,
             )  # fmt: skip
             return False
+        except BaseException:
+            # cancelled (a SIGTERM/SIGINT while the node started: the first await after
+            # the pool's preparation is this one): the socket may be bound on the thread
+            # already; close() removes it
+            self._thread = thread
+            raise
         self._thread = thread
         log.info("same-host control socket at %s", self.path)
         return True

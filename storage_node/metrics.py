@@ -138,6 +138,7 @@ _DISK_GAUGES = (
     ("capacity_bytes", "Disk tier capacity", "capacity_bytes"),
     ("used_bytes", "Disk tier bytes in use", "used_bytes"),
     ("blocks", "Blocks on the disk tier", "blocks"),
+    ("degraded", "1 while the disk tier has a fault (see /health's disk_reason)", "degraded"),
 )
 _DISK_COUNTERS = (
     ("spills", "Blocks written to the disk tier", "spills"),

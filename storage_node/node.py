@@ -19,12 +19,15 @@ peers of other users, so such a node runs with ``UCX_TLS=^shm`` in its environme
 (docs/operations.md): same-host data goes through the pool file anyway.
 
 Health: the node is healthy while it can serve: pool mapped, UCX site listening,
-the pool file still at its path (every handshake and same-host client needs it: a file
-deleted under the node is reported, and logged once at ERROR), and its node id not
+the pool file still at its path and of its size (every handshake and same-host client
+needs it: a file deleted under the node is reported, and logged once at ERROR; a file
+truncated marks the pool failed, see :mod:`~pegaflow.storage_node.pool`), and its node id not
 refused by the cluster.  A degraded journal (see :mod:`~pegaflow.storage_node.journal`)
 keeps the node healthy, since it serves, but shows in ``/health``, ``/v1/status`` and
-the ``pegaflow_node_journal_*`` metrics.  A watchdog re-checks this every second and
-lets a degraded journal retry.
+the ``pegaflow_node_journal_*`` metrics; so does a degraded disk tier (its directory
+gone, its file system full, errors counted lately: ``disk_degraded`` and
+``disk_reason`` in ``/health``, ``pegaflow_node_disk_degraded``).  A watchdog
+re-checks this every second and lets a degraded journal retry.
 
 Disk tier (``[node] disk_path``, :mod:`~pegaflow.storage_node.disk_tier`): opened right
 after the pool and recovered from its records; the pool's generations start above the
@@ -294,7 +297,9 @@ class StorageNode:
                 self.sink.publish(e.key[0], e.key[1], e.key[2], loc)
                 self._dirty.set()
                 return True
-        if disk.spill(e.key, e.gen, self.pool.view(e) if self.pool else b"", e.xxh3):
+        if self.pool is None or self.pool.check_file() is not None:
+            return False  # its slot may be past the end of a truncated file
+        if disk.spill(e.key, e.gen, self.pool.view(e), e.xxh3):
             self._dirty.set()
             return True
         return False
@@ -485,6 +490,8 @@ class StorageNode:
         problem: str | None
         if self.pool is None or self.ucx is None:
             problem = "not serving (starting or stopped)"
+        elif (why := self.pool.check_file()) is not None:
+            problem = why
         elif (why := self.pool.file_problem()) is not None:
             problem = (
                 f"{why}: new connections cannot complete their handshake and same-host "
@@ -532,6 +539,11 @@ class StorageNode:
         journal = self._journal_status()
         if journal is not None:
             body["journal_degraded"] = journal["degraded"]
+        if self.disk is not None:  # the node serves from memory: degraded, not down
+            disk_problem = self.disk.problem()
+            body["disk_degraded"] = disk_problem is not None
+            if disk_problem is not None:
+                body["disk_reason"] = disk_problem
         return problem is None, body
 
     async def close(self, unlink: bool = True) -> None:

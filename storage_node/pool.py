@@ -21,6 +21,16 @@ pool file left by an earlier process is re-attached, keeping each journaled bloc
 if its bytes match its xxh3 (and its slot fits the slabs of the blocks kept before it).
 A journal that cannot be written (no space) is *degraded*: the pool keeps serving and
 committing, and :meth:`BlockPool.maintain_journal` rewrites it once there is room.
+
+A pool file truncated under the node (by anyone who may write ``/dev/shm``) would kill
+it with SIGBUS at its next touch of a slot past the new end.  :meth:`BlockPool.check_file`
+compares the file's size with the pool's (one ``fstat``) before every batch that
+touches slots (each find of blocks to serve, each reservation and commit, each spill to
+the disk tier) and from the node's watchdog every second: a short file marks the pool
+*failed* for good (the reason in :attr:`BlockPool.failed`): nothing is found (reads are
+misses), reserved, committed (published) or spilled any more, and the node's
+``/health`` answers 503 with the reason.  A truncation between the check and a transfer
+already under way can still hit that transfer.
 """
 
 from __future__ import annotations
@@ -51,13 +61,19 @@ from pegaflow.storage_node.shm_file import (
 )
 
 from pegaflow.checksum import checksum
-from pegaflow.errors import NoSpace, TooLarge
+from pegaflow.errors import NoSpace, TooLarge, Unavailable
 from pegaflow.keys import BlockLocation
 
 log = logging.getLogger(__name__)
 
 BlockKey = tuple[str, bytes, int]
 """(namespace, block hash, shard)"""
+
+
+def slot_bytes(size: int) -> int:
+    """The slot a block of ``size`` bytes takes (its stride): rounded up to
+    ``SLOT_ALIGN``.  Quotas charge this, not the size asked."""
+    return -(-size // SLOT_ALIGN) * SLOT_ALIGN
 
 
 @dataclass(slots=True, eq=False)
@@ -207,6 +223,8 @@ class BlockPool:
         self._last_stride = 0
         self.spilling = 0
         """blocks being written ahead (:meth:`take_for_spill`), dropped ones included"""
+        self.failed: str | None = None
+        """why the pool may no longer be touched (its file was truncated), else None"""
         self.recovered: list[Entry] = []
         #: This pool file's id, kept across re-attaches (in the journal's header).
         self.pool_id = uuid.uuid4().hex
@@ -268,15 +286,41 @@ class BlockPool:
 
     # ---- queries -------------------------------------------------------------------
 
+    def check_file(self) -> str | None:
+        """Why the pool's slots may not be touched (its file is shorter than the pool:
+        a read or write past its end would raise SIGBUS), else None; a short file marks
+        the pool failed for good (see the module docstring).  One ``fstat``."""
+        if self.failed is None and self.buf.size:
+            try:
+                size = os.fstat(self._fd).st_size
+            except OSError as e:
+                size, why = -1, f"cannot be checked ({e.strerror})"
+            else:
+                why = f"was truncated to {size} of {self.capacity} bytes"
+            if size < self.capacity:
+                self.failed = (
+                    f"pool file {self.path} {why}: its blocks are no longer served or "
+                    "stored; restart the node (the blocks in the pool are lost)"
+                )
+                log.error("%s", self.failed)
+        return self.failed
+
+    def _check_usable(self) -> None:
+        if self.check_file() is not None:
+            raise Unavailable(str(self.failed))
+
     @_locked
     def get(self, key: BlockKey) -> Entry | None:
-        """The committed entry of ``key``, or None."""
+        """The committed entry of ``key``, or None (None for every key once the pool
+        failed)."""
         e = self._blocks.get(key)
-        return e if e is not None and e.committed else None
+        return e if e is not None and e.committed and self.failed is None else None
 
     @_locked
     def get_many(self, ns: str, hashes: Sequence[bytes], shard: int) -> list[Entry | None]:
         """:meth:`get` of ``(ns, h, shard)`` for each hash."""
+        if self.failed is not None:
+            return [None] * len(hashes)
         blocks = self._blocks
         return [
             e if (e := blocks.get((ns, h, shard))) is not None and e.committed else None
@@ -348,9 +392,10 @@ class BlockPool:
         Raises TooLarge for a block bigger than a slab, NoSpace when nothing can be
         evicted to make room.
         """
+        self._check_usable()
         if key in self._blocks:
             return None
-        stride = -(-size // SLOT_ALIGN) * SLOT_ALIGN
+        stride = slot_bytes(size)
         if size <= 0 or stride > self.slab_bytes:
             raise TooLarge(f"block of {size} bytes does not fit a slab of {self.slab_bytes}")
         offset = self._alloc(stride)
@@ -368,7 +413,9 @@ class BlockPool:
         self, e: Entry, xxh3: int, digest: int | None = None, gen: int | None = None
     ) -> BlockLocation:
         """Make a reserved block visible and immutable; returns its location.  ``gen``:
-        the generation it keeps (a block promoted from the disk tier), else a new one."""
+        the generation it keeps (a block promoted from the disk tier), else a new one.
+        Raises Unavailable once the pool failed (nothing new is published)."""
+        self._check_usable()
         if gen is None:
             self._gen += 1
             gen = self._gen
@@ -479,6 +526,8 @@ class BlockPool:
         among the ``scan`` least recently used (of the size class reserved last, else of
         any), now *spilling*: out of the LRU, so neither evicted nor its slot reused
         until :meth:`end_spill`; None when there is none."""
+        if self.check_file() is not None:
+            return None
         last = self._classes.get(self._last_stride)
         for cls in (last, *self._classes.values()):
             if cls is None:

@@ -36,7 +36,7 @@ from pegaflow.storage_node.pool import Entry
 from pegaflow.storage_node.sessions import Inflow, Session
 
 from pegaflow.checksum import checksums
-from pegaflow.errors import BadRequest, PegaError, Unauthorized
+from pegaflow.errors import BadRequest, PegaError, Unauthorized, Unavailable
 from pegaflow.wire import check_namespace
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class _Reservation:
     inflow: Inflow | None
     """None: written through the pool file (no transport between writer and slot)"""
     nbytes: int = 0
-    """bytes charged to its owner's quotas"""
+    """bytes charged to its owner's quotas (its slots: :func:`.sessions.charge`)"""
     committing: bool = False
     """its commit was taken: the node carries it out, its owner's end does not drop it"""
 
@@ -133,7 +133,7 @@ class Puts:
                 if e is not None:
                     self.pool.abort(e)
             raise
-        nbytes = sum(e.size for e in entries if e is not None)
+        nbytes = sum(e.stride for e in entries if e is not None)  # = charge(size)
         quotas.reserved(s, nbytes)
         deadline = time.monotonic() + self.cfg.reserve_timeout_s
         self._reservations[seq] = _Reservation(ns, entries, s, deadline, inflow, nbytes)
@@ -204,6 +204,11 @@ class Puts:
                 raise
         if self._take_reservation(seq) is not res:  # aborted or committed meanwhile
             raise BadRequest(f"reservation {seq} was dropped while its payloads arrived")
+        if (failed_pool := self.pool.check_file()) is not None:  # hashing would SIGBUS
+            for e in res.entries:
+                if e is not None:
+                    self.pool.abort(e)
+            raise Unavailable(failed_pool)
         got_sums = await self._checksums([self.pool.view(e) for e in res.entries if e is not None])
         got_iter = iter(got_sums)
         local = res.inflow is None
@@ -263,23 +268,21 @@ class Puts:
         res = self._take_reservation(seq)
         if res is None:
             return
-        held = [e for e in res.entries if e is not None]
         inflow = res.inflow
         if inflow is not None and not inflow.done.done():
             inflow.cut()
-        if inflow is None or not inflow.landing():
-            for e in held:
+        landing = set() if inflow is None else set(inflow.landing())
+        for i, e in enumerate(res.entries):
+            if e is None:
+                continue
+            if i not in landing:
                 self.pool.abort(e)
-            return
-        # the writer's bytes may still land in these slots (giving the transport up does
-        # not stop them): the slots stay out of use until none can
-        for e in held:
+                continue
+            # the writer's bytes may still land in this slot (giving the transport up
+            # does not stop a receive its sender matched): out of use until none can
+            assert inflow is not None
             self.pool.quarantine(e)
-        inflow.when_landed(lambda: self._release_quarantined(held))
-
-    def _release_quarantined(self, entries: list[Entry]) -> None:
-        for e in entries:
-            self.pool.release_quarantined(e)
+            inflow.when_landed(i, lambda e=e: self.pool.release_quarantined(e))
 
     async def _sweep(self) -> None:
         while True:

@@ -173,7 +173,10 @@ class Reads:
     def find(self, ns: str, hashes: Sequence[bytes], shards: int | Sequence[int]) -> list[Any]:
         """The committed entry of each ``(ns, hash, shard)``, or None: the one place a
         block is found for serving (``get``, ``check``, ``pin``, ``locate``).
-        ``shards``: one shard for every hash, or one per hash."""
+        ``shards``: one shard for every hash, or one per hash.  Nothing is found once
+        the pool file was truncated (:meth:`~.pool.BlockPool.check_file`)."""
+        if self.pool.check_file() is not None:
+            return [None] * len(hashes)
         if isinstance(shards, int):
             return self.pool.get_many(ns, hashes, shards)
         get = self.pool.get

@@ -6,13 +6,18 @@ rules are those of :mod:`~pegaflow.storage_node.puts` and
 :mod:`~pegaflow.storage_node.reads`).  Bytes reserved (not yet committed or aborted) are
 bounded per session by ``[node] conn_quota_share`` of the pool and, over all of a
 tenant's sessions, by ``tenant_quota_share``; a tenant's read pins are bounded the same
-way by the bytes of the distinct blocks they hold.  A request past a bound gets
-``quota`` (:class:`~pegaflow.errors.QuotaExceeded`) and holds nothing.
+way by the bytes of the distinct blocks they hold.  A block is charged what it takes of
+the pool, its slot (its size rounded up to the slot alignment, :func:`charge`), not the
+bytes asked: 1-byte blocks take 4 KiB slots each.  A session that holds no reservation
+may always reserve one batch, whatever the connection bound (a put bigger than
+``conn_quota_share`` of a small pool is stored, evicting, as long as it fits the pool);
+the tenant bound has no such exception.  A request past a bound gets ``quota``
+(:class:`~pegaflow.errors.QuotaExceeded`) and holds nothing.
 
 A reservation whose payloads come over a transport carries that transport's
 :class:`Inflow` (from its session's :attr:`Session.receive`): the service waits on it
 before it verifies, and asks it, when the reservation is dropped early, to give the
-transport up and to say when no payload can land in the slots any more.
+transport up and to say, slot by slot, when no payload can land there any more.
 """
 
 from __future__ import annotations
@@ -23,11 +28,16 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pegaflow.storage_node.metrics import NodeMetrics
-from pegaflow.storage_node.pool import BlockPool, Entry
+from pegaflow.storage_node.pool import BlockPool, Entry, slot_bytes
 from pegaflow.storage_node.protocol import Key
 
 from pegaflow.config import NodeConfig
 from pegaflow.errors import QuotaExceeded
+
+
+def charge(size: int) -> int:
+    """What a block of ``size`` bytes is charged to quotas: the slot it takes."""
+    return slot_bytes(size)
 
 
 class Inflow(Protocol):
@@ -37,13 +47,14 @@ class Inflow(Protocol):
     """every payload landed (an exception: some never will)"""
 
     def cut(self) -> None:
-        """Give the transport up: the payloads will not be waited for."""
+        """Give the transport up: the payloads will not be waited for, and those it can
+        still stop (receives no sender matched yet) are stopped."""
 
-    def landing(self) -> bool:
-        """Whether a payload may still land in the slots."""
+    def landing(self) -> list[int]:
+        """The indices of the slots a payload may still land in."""
 
-    def when_landed(self, then: Callable[[], None]) -> None:
-        """Call ``then()`` once no payload can land in the slots any more."""
+    def when_landed(self, index: int, then: Callable[[], None]) -> None:
+        """Call ``then()`` once no payload can land in slot ``index`` any more."""
 
 
 Receive = Callable[[int, list[tuple[int, Any]]], Inflow]
@@ -55,9 +66,9 @@ class Usage:
     """What one session, or one tenant over all its sessions, holds on the node."""
 
     reserved: int = 0
-    """bytes of its reservations not yet committed or aborted"""
+    """bytes (slots, :func:`charge`) of its reservations not yet committed or aborted"""
     pinned: int = 0
-    """bytes of the distinct blocks its read pins hold (counted for tenants only)"""
+    """bytes (slots) of the distinct blocks its read pins hold (counted for tenants only)"""
     pins: dict[Entry, int] = field(default_factory=dict)
     """per pinned entry, how many of its pins hold it"""
 
@@ -139,11 +150,13 @@ class Quotas:
         """Refuse a reservation of ``parsed`` blocks that would take ``s`` past a quota
         (blocks stored already reserve nothing and are not counted)."""
         quotas = self.of(s)
-        upper = sum(size for _, size in parsed)
+        upper = sum(charge(size) for _, size in parsed)
         if all(use.reserved + upper <= bound for use, bound, _ in quotas):
             return
-        need = sum(size for key, size in parsed if not self._pool.contains(key))
+        need = sum(charge(size) for key, size in parsed if not self._pool.contains(key))
         for use, bound, scope in quotas:
+            if scope == "connection" and not use.reserved:
+                continue  # its first batch: bounded by the pool alone
             if use.reserved + need > bound:
                 self._refuse("reserved", scope, s, use.reserved, need)
 
@@ -158,7 +171,7 @@ class Quotas:
         quotas = self.of(s)
         distinct = set(entries)
         for use, bound, scope in quotas:
-            more = sum(e.size for e in distinct if e not in use.pins)
+            more = sum(e.stride for e in distinct if e not in use.pins)
             if use.pinned + more > bound:
                 self._refuse("pinned", scope, s, use.pinned, more)
         for use, _, _ in quotas:
@@ -166,7 +179,7 @@ class Quotas:
             for e in entries:
                 n = counts.get(e, 0)
                 if not n:
-                    use.pinned += e.size
+                    use.pinned += e.stride
                 counts[e] = n + 1
 
     def uncharge_pins(self, s: Session, entries: list[Entry]) -> None:
@@ -178,4 +191,4 @@ class Quotas:
                 if n:
                     counts[e] = n
                 else:
-                    use.pinned -= e.size
+                    use.pinned -= e.stride

@@ -73,22 +73,37 @@ class _Conn:
 @dataclass(eq=False)
 class _UcxInflow:
     """A reservation's payloads coming over one connection (an
-    :class:`~pegaflow.storage_node.sessions.Inflow`)."""
+    :class:`~pegaflow.storage_node.sessions.Inflow`): ``recvs`` by slot index, each
+    receive posted with tag ``(seq, index)``."""
 
     site: UcxSite
     conn: _Conn
-    recvs: list[Any]
+    seq: int
+    recvs: dict[int, Any]
     done: asyncio.Future[None]
+    drained: bool = False
 
     def cut(self) -> None:
+        """Close the connection and stop the receives no sender matched yet."""
         self.site._close_conn(self.conn)
+        if not self.drained:
+            self.drained = True
+            self.site._drain(self)
 
-    def landing(self) -> bool:
-        return any(not r.completed for r in self.recvs)
+    def landing(self) -> list[int]:
+        return [i for i, r in self.recvs.items() if not r.completed]
 
-    def when_landed(self, then: Callable[[], None]) -> None:
+    def when_landed(self, index: int, then: Callable[[], None]) -> None:
         assert self.site._worker is not None
-        self.site._worker.settle(self.recvs, then)
+        self.site._worker.settle([self.recvs[index]], then)
+
+
+def self_endpoint(w: UcxWorker) -> Any:
+    """An endpoint from ``w`` to itself (UCX's ``self`` transport, or loopback)."""
+    import ucxx._lib.libucxx as ucx_api  # configured by pegaflow.ucx, imported above
+
+    address = ucx_api.UCXAddress.create_from_buffer(w.address)
+    return ucx_api.UCXEndpoint.create_from_worker_address(w.worker, address, False)
 
 
 _SiteHandler = Callable[[dict[str, Any], _Conn], Any]
@@ -115,6 +130,8 @@ class UcxSite:
         self._worker: UcxWorker | None = None
         self._listener: asyncio.Server | None = None
         self._conns: set[_Conn] = set()
+        self._self_ep: Any = None
+        """an endpoint to our own worker, for :meth:`_drain`"""
         self._pins = service.pin_table()
         # connections that have not said hello yet (oldest first), with their timers
         self._unauthed: dict[_Conn, asyncio.TimerHandle] = {}
@@ -151,6 +168,8 @@ class UcxSite:
         for conn in list(self._conns):
             self._close_conn(conn)
         self.service.release_pins(self._pins)
+        if self._self_ep is not None:
+            close_endpoint(self._self_ep)
         if self._worker is not None:
             self._worker.close()
 
@@ -390,7 +409,35 @@ class UcxSite:
         into its slots."""
         w = self._worker
         assert w is not None
-        recvs = [w.tag_recv(conn.ep, view, make_tag(seq, i)) for i, view in slots]
+        recvs = {i: w.tag_recv(conn.ep, view, make_tag(seq, i)) for i, view in slots}
         w.kick()
-        done = asyncio.ensure_future(w.wait_all(recvs, self.cfg.reserve_timeout_s))
-        return _UcxInflow(self, conn, recvs, done)
+        done = asyncio.ensure_future(w.wait_all(list(recvs.values()), self.cfg.reserve_timeout_s))
+        return _UcxInflow(self, conn, seq, recvs, done)
+
+    def _drain(self, inflow: _UcxInflow) -> None:
+        """Stop the receives of a given-up reservation that no sender has matched yet.
+
+        Closing an endpoint leaves its tag receives posted on the worker (UCX matches
+        tags worker-wide), and the Python binding cannot cancel one: a writer that went
+        away before sending them would keep their slots quarantined until the node
+        restarts.  So the node sends each unfinished receive an empty message of its
+        own tag over an endpoint to its own worker: one no sender matched completes at
+        once, writing nothing; one a sender matched is not taken by it (that empty
+        message stays unexpected, a few bytes, its tag never posted again) and keeps
+        its slot quarantined until UCX reports the receive finished.
+        """
+        w = self._worker
+        if w is None:
+            return
+        open_ = [i for i, r in inflow.recvs.items() if not r.completed]
+        if not open_:
+            return
+        if self._self_ep is None:
+            try:
+                self._self_ep = self_endpoint(w)
+            except Exception:
+                log.warning("cannot open an endpoint to the node's own worker", exc_info=True)
+                return
+        for i in open_:
+            w.tag_send(self._self_ep, _EMPTY, make_tag(inflow.seq, i))
+        w.kick()
