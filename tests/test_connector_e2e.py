@@ -182,6 +182,10 @@ def engines() -> Iterator[dict[str, VllmEngine]]:
         e.stop()
 
 
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+"""the engine core in the runner's process, where ``kv_digest`` reads the KV cache"""
+
+
 def start(
     engines: dict[str, VllmEngine],
     name: str,
@@ -198,10 +202,12 @@ def test_restart_and_across_nodes(
 ) -> None:
     """Engine 1 (node n1) computes and saves; engine 2, a new process on node n2, hits."""
     s1 = str(workdir / "e1")
-    e1 = start(engines, "e1", {"connector": cluster.connector("n1", s1)})
+    e1 = start(engines, "e1", {"connector": cluster.connector("n1", s1)}, env=IN_PROCESS)
     r = e1.generate(A + A2, MAX_TOKENS)
     assert r["outputs"] == reference["A"] + reference["A2"]
     assert r["cached"][:3] == [0, 0, 0]
+    computed = [e1.kv_digest(p) for p in A]  # the KV of A's blocks as e1 computed it
+    assert all(d is not None for ds in computed for d in ds), computed
     want = 3 * 6 + 8 + 1 + 1  # A's blocks, the shared prefix once, A2's own full block each
     wait_stats(
         s1,
@@ -221,10 +227,14 @@ def test_restart_and_across_nodes(
         engines,
         "e2",
         {"connector": cluster.connector("n2", s2, cost_model=False), "failure_policy": None},
+        env=IN_PROCESS,
     )
     r = e2.generate(A, MAX_TOKENS)
     assert r["outputs"] == reference["A"]
     assert r["cached"] == [192, 192, 192]  # every full block came from the cluster
+    # the KV oracle: the tiny model's dummy weights give the reference tokens even from
+    # wrong (e.g. all-zero) KV, so the loaded bytes themselves must equal e1's
+    assert [e2.kv_digest(p) for p in A] == computed
     r = e2.generate(B, MAX_TOKENS)  # only the shared prefix is stored
     assert r["outputs"] == reference["B"]
     assert all(c >= 256 for c in r["cached"])
