@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +55,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ucx_perftest(size: int, tls: str, iters: int) -> float:
-    """GB/s of one ``ucx_perftest -t tag_bw`` run over loopback."""
+def ucx_perftest(
+    size: int,
+    tls: str,
+    iters: int,
+    *,
+    server_prefix: Sequence[str] = (),
+    client_prefix: Sequence[str] = (),
+    host: str = "127.0.0.1",
+) -> float:
+    """GB/s of one ``ucx_perftest -t tag_bw`` run over loopback, or from a server run
+    behind the command line ``server_prefix`` to a client behind ``client_prefix``
+    reaching it at ``host`` (two hosts of ``tests/netns_hosts.py``)."""
     exe = perftest_binary()
     # UCX's own defaults: importing ucxx in this process sets UCX_* variables
     # (e.g. UCX_MAX_RNDV_RAILS=1) that must not leak into the reference measurement
@@ -67,15 +78,19 @@ def ucx_perftest(size: int, tls: str, iters: int) -> float:
     }
     port = str(free_port())
     server = subprocess.Popen(
-        [str(exe), "-p", port], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [*server_prefix, str(exe), "-p", port],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         for _ in range(50):  # the server may take a moment to listen
             time.sleep(0.2)
             out = subprocess.run(
                 [
+                    *client_prefix,
                     str(exe),
-                    "127.0.0.1",
+                    host,
                     "-p",
                     port,
                     "-t",
