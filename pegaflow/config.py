@@ -387,6 +387,40 @@ class RouterConfig:
         2, "other replicas tried when one fails before any byte of its answer was sent"
     )
     max_body_bytes: int = opt(64 << 20, "largest request body accepted", size=True)
+    first_byte_timeout_s: float = opt(
+        120.0,
+        "longest wait for the first bytes of a streamed answer (a long prompt's prefill); "
+        "past it the request is retried on another replica",
+    )
+    eject_after: int = opt(
+        3,
+        "failed answers in a row (5xx, connection errors, broken or truncated streams) that "
+        "take a replica out of rotation for eject_s, whatever its /health says",
+    )
+    eject_s: float = opt(
+        10.0,
+        "time out of rotation after eject_after failed answers; then one trial request, "
+        "each failed trial doubling it (up to 32x)",
+    )
+    idle_timeout_s: float = opt(
+        30.0,
+        "a client connection without a request in progress for this long is closed (a "
+        "request's headers must be complete within it)",
+    )
+    body_timeout_s: float = opt(
+        60.0, "deadline of reading a request's body; past it the client gets a 408"
+    )
+    max_connections: int = opt(
+        0,
+        "client connections served at once; past it a new one gets a 503 and is closed "
+        "(0: half the file descriptor limit less 64, keeping one for each upstream request)",
+    )
+    max_body_inflight_bytes: int = opt(
+        256 << 20,
+        "request body bytes held at once (read, parsed, forwarded); a request past it waits "
+        "for room before its body is read",
+        size=True,
+    )
 
 
 @dataclass

@@ -2,11 +2,21 @@
 
 Pure logic (no I/O): the server (:mod:`pegaflow.router.server`) keeps each replica's
 health and in-flight count up to date and asks a :class:`Picker` where to send.
+
+A replica is in rotation while its ``/health`` answers 200 *and* its answers do not
+fail: a replica can answer its ``/health`` and still fail every request (a broken
+engine behind a live API server answering 500 at once), and least-loaded routing would
+send it the most (it has nothing in flight).  So ``eject_after`` failed answers in a row
+(5xx, connection errors, broken or truncated streams) take it out for ``eject_s``
+whatever its ``/health`` says (:meth:`Replica.note_failure`); then it gets one trial
+request at a time: a success puts it back, a failure takes it out again for twice as
+long (at most ``2**MAX_EJECT_DOUBLINGS`` times ``eject_s``).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +27,8 @@ from pegaflow.errors import BadRequest
 ROLES = ("both", "prefill", "decode")
 MODES = ("rr", "cache", "pd")
 REPLICA_SPEC = "URL[;role=both|prefill|decode][;node=NODE_ID][;host=HOST]"
+MAX_EJECT_DOUBLINGS = 5
+"""an ejection lasts at most ``eject_s * 2**MAX_EJECT_DOUBLINGS``"""
 
 
 @dataclass
@@ -34,19 +46,53 @@ class Replica:
     requests: int = 0
     failures: int = 0
     last_error: str = ""
+    failed_in_row: int = 0
+    """answers that failed since the last one that did not"""
+    ejected_until: float = 0.0
+    """monotonic time the current ejection ends (see the module docstring)"""
+    ejections: int = 0
+    """ejections in a row; 0: not ejected nor on trial"""
+
+    def available(self, now: float) -> bool:
+        """Whether a request may go here: healthy, not ejected, and (on trial after an
+        ejection) no other request in flight."""
+        if not self.healthy:
+            return False
+        return self.ejections == 0 or (now >= self.ejected_until and self.inflight == 0)
+
+    def note_success(self) -> bool:
+        """An answer that did not fail; ``True`` when it ends a trial (back in rotation)."""
+        self.failed_in_row = 0
+        back, self.ejections = self.ejections > 0, 0
+        return back
+
+    def note_failure(self, now: float, eject_after: int, eject_s: float) -> float:
+        """A failed answer; the seconds of the ejection it starts, 0 for none."""
+        self.failed_in_row += 1
+        if self.ejections == 0 and self.failed_in_row < max(1, eject_after):
+            return 0.0
+        if self.ejections and now < self.ejected_until:
+            return 0.0  # a request sent before the ejection: already out
+        seconds = eject_s * 2 ** min(self.ejections, MAX_EJECT_DOUBLINGS)
+        self.ejections += 1
+        self.ejected_until = now + seconds
+        return seconds
 
     def serves(self, role: str) -> bool:
         """Whether this replica takes requests of ``role`` (``both``: any)."""
         return role == "both" or self.role in (role, "both")
 
     def status(self) -> dict[str, object]:
-        """The replica as ``/v1/status`` shows it."""
+        """The replica as ``/v1/status`` shows it: ``healthy`` while in rotation (its
+        ``/health`` answers and it is not ejected), ``ejected_s`` left of an ejection."""
+        left = max(0.0, self.ejected_until - time.monotonic()) if self.ejections else 0.0
         return {
             "url": self.url,
             "role": self.role,
             "node": self.node,
             "host": self.host,
-            "healthy": self.healthy,
+            "healthy": self.healthy and left == 0.0,
+            "ejected_s": round(left, 1),
             "inflight": self.inflight,
             "requests": self.requests,
             "failures": self.failures,
@@ -116,8 +162,8 @@ class Picker:
 
     def candidates(self, role: str, exclude: Iterable[str] = ()) -> list[Replica]:
         """Healthy replicas serving ``role``, not among the URLs of ``exclude``."""
-        ex = set(exclude)
-        return [r for r in self.replicas if r.healthy and r.serves(role) and r.url not in ex]
+        ex, now = set(exclude), time.monotonic()
+        return [r for r in self.replicas if r.available(now) and r.serves(role) and r.url not in ex]
 
     def round_robin(self, role: str = "both", exclude: Iterable[str] = ()) -> Replica | None:
         """The next healthy replica in turn (``None``: none is healthy)."""
