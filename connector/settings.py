@@ -198,7 +198,7 @@ class ConnectorSettings:
     rpc_timeout_s: float = _f(5.0, "deadline of other control calls")
     transfer_timeout_s: float = _f(10.0, "deadline of one batched get or put")
     load_budget_factor: float = _f(
-        1.0,
+        0.8,
         "a load from another host may wait this many times what computing its tokens is "
         "expected to take (the cost model's estimate), then its blocks are computed: a "
         "cut-off or hung node costs a request about one recompute, not transfer_timeout_s "

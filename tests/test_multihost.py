@@ -372,7 +372,10 @@ WARM = {"h2": prompts(1, 100, seed=350), "h3": prompts(1, 100, seed=356)}  # fir
 X = prompts(2, 300, seed=351)  # computed on h3, loaded on h2
 C = prompts(3, 300, seed=352)  # cold on h2: TTFT without hits
 T = prompts(3, 300, seed=353)  # computed on h3, TTFT of hits on h2
-P = prompts(2, 300, seed=354)  # computed on h3, asked on h2 while h3 is cut off
+# long enough that computing them takes longer than the load budget's floor (50 ms) on
+# the tiny model, as a real model's prompts do: the 2x-of-cold target is about those
+P = prompts(2, 3600, seed=354)  # computed on h3, asked on h2 while h3 is cut off
+P_COLD = prompts(3, 3600, seed=358)  # cold on h2: TTFT of P's length without hits
 Q = prompts(30, 300, seed=355)  # computed on h3, asked on h2 after the link is back
 
 
@@ -389,6 +392,7 @@ class Engines:
         return {
             "block_size": BS,
             "kv_cache_bytes": 64 << 20,
+            "max_model_len": 4096,  # P's prompts
             "connector": {
                 "coordinators": ",".join(self.cluster.coordinators),
                 "stats_path": self.stats_path(name),
@@ -464,8 +468,9 @@ def saved_on_h3(engines: Engines, batch: list[list[int]], before: float) -> dict
     e3 = engines.running["h3"]
     r = e3.generate(batch, MAX_TOKENS)
     assert r["cached"] == [0] * len(batch), r
-    s = wait_saved(engines.stats_path("h3"), int(before) + FULL * len(batch), timeout=60)
-    assert s.get("save_blocks", 0) + s.get("save_present_blocks", 0) >= before + FULL * len(batch)
+    full = sum(len(p) // BS for p in batch)
+    s = wait_saved(engines.stats_path("h3"), int(before) + full, timeout=60)
+    assert s.get("save_blocks", 0) + s.get("save_present_blocks", 0) >= before + full
     return r
 
 
@@ -537,7 +542,9 @@ def test_partition_then_recovery(cluster: Cluster, engines: Engines) -> None:
     ref = saved_on_h3(engines, P, saved0)
     saved1 = stats(s3).get("save_blocks", 0) + stats(s3).get("save_present_blocks", 0)
     refq = saved_on_h3(engines, Q, saved1)
-    cold_ms = FIGURES.get("cold_ttft_ms")
+    # cold TTFT of P's length on h2 (prompts nobody stored): the 2x target's reference
+    cold_ms = sorted(e2.call({"op": "ttft", "prompts": P_COLD})["ttft_ms"])[1]
+    FIGURES["partition_cold_ttft_ms"] = cold_ms
 
     keys = ("lookup_hit_blocks", "load_blocks", "load_failed_blocks", "load_unreachable_blocks",
             "unreachable_declined_blocks", "cost_declined_blocks")  # fmt: skip
