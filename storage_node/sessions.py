@@ -9,9 +9,11 @@ tenant's sessions, by ``tenant_quota_share``; a tenant's read pins are bounded t
 way by the bytes of the distinct blocks they hold.  A block is charged what it takes of
 the pool, its slot (its size rounded up to the slot alignment, :func:`charge`), not the
 bytes asked: 1-byte blocks take 4 KiB slots each.  A session that holds no reservation
-may always reserve one batch, whatever the connection bound (a put bigger than
+may always reserve one block, whatever the connection bound (a block bigger than
 ``conn_quota_share`` of a small pool is stored, evicting, as long as it fits the pool);
-the tenant bound has no such exception.  A request past a bound gets ``quota``
+a batch of several stays within the bound, so that no connection's reservations,
+which may never be committed, can evict what the rest of the pool holds.  The tenant
+bound has no such exception.  A request past a bound gets ``quota``
 (:class:`~pegaflow.errors.QuotaExceeded`) and holds nothing.
 
 A reservation whose payloads come over a transport carries that transport's
@@ -155,8 +157,8 @@ class Quotas:
             return
         need = sum(charge(size) for key, size in parsed if not self._pool.contains(key))
         for use, bound, scope in quotas:
-            if scope == "connection" and not use.reserved:
-                continue  # its first batch: bounded by the pool alone
+            if scope == "connection" and not use.reserved and len(parsed) == 1:
+                continue  # one block, none held: bounded by the pool alone
             if use.reserved + need > bound:
                 self._refuse("reserved", scope, s, use.reserved, need)
 
