@@ -216,7 +216,8 @@ class RemoteMedium:
         self, job: LoadJob, ok: list[bool], done_local: set[int], seconds: float
     ) -> None:
         """One measurement per node of a load's UCX part (its time split by bytes).  A
-        node whose blocks all failed counts when it took long (a timeout is slow)."""
+        node whose blocks all failed counts when it took long, or ran out the job's
+        budget (a timeout is slow: slower than computing, which the budget is about)."""
         loaded: dict[str, int] = {}
         tried: dict[str, list[int]] = {}
         for i in range(len(job.block_ids)):
@@ -226,9 +227,10 @@ class RemoteMedium:
             tried.setdefault(node, []).append(i)
             loaded[node] = loaded.get(node, 0) + ok[i]
         total = sum(map(len, tried.values()))
+        slow = seconds >= 0.1 or 0 < job.budget_s <= seconds
         for node, idx in tried.items():
             n = len(idx)
-            blocks = loaded[node] or (n if seconds >= 0.1 else 0)
+            blocks = loaded[node] or (n if slow else 0)
             if blocks:
                 src = disk_source(node) if job.mostly_on_disk(idx) else node
                 self.books.sample(src, blocks * self.io.block_bytes, seconds * n / total)
