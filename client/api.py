@@ -169,6 +169,7 @@ class PegaClient:
             s = self._sessions[node_id] = NodeSession(
                 node_id, self._data, address,
                 token=self._token, local_control=self.cfg.local_control, cfg=self.cfg,
+                refresh=lambda deadline: self.nodes(timeout=deadline),
             )  # fmt: skip
         return s
 
@@ -466,11 +467,12 @@ class PegaClient:
         ns: str,
         node_id: str,
         blocks: Sequence[tuple[bytes, int, int]],
+        pool: tuple[int, int],
         timeout: Timeout = None,
     ) -> tuple[int, list[int | None]]:
         """:meth:`NodeSession.reserve_local` on ``node_id``."""
         deadline = self._deadline("reserve_local", timeout)
-        return await self.session(node_id).reserve_local(ns, blocks, deadline)
+        return await self.session(node_id).reserve_local(ns, blocks, pool, deadline)
 
     @_op("transfer_timeout_s")
     async def commit_local(

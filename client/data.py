@@ -88,6 +88,11 @@ class PoolFile:
     control: str | None = None
     """the node's same-host control socket (see :mod:`pegaflow.client.session`), if any"""
 
+    @property
+    def file_id(self) -> tuple[int, int]:
+        """(device, inode): which file this is (a same-host reservation names it)."""
+        return self.dev, self.ino
+
     @classmethod
     def from_wire(cls, d: Any) -> PoolFile | None:
         if not isinstance(d, dict):
@@ -245,6 +250,13 @@ class DataClient:
         """Whether a connection to the node at ``addr`` is open now (a failed transfer
         or a timeout closes it; a miss keeps it)."""
         return addr in self._conns
+
+    def reconnect(self, addr: str) -> None:
+        """Close the connection to ``addr``, if any: the next request opens another and
+        learns the node's handshake (its pool file) again."""
+        conn = self._conns.get(addr)
+        if conn is not None:
+            self._drop(conn, Unavailable(f"connection to {addr} closed to say hello again"))
 
     @property
     def unsettled_bytes(self) -> int:

@@ -28,6 +28,7 @@ the node's service, and its method here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -49,6 +50,9 @@ log = logging.getLogger(__name__)
 Address = Callable[[Deadline], Awaitable[str]]
 """The node's UCX address (from its record, which may change while the session lives)."""
 
+Refresh = Callable[[Deadline], Awaitable[object]]
+"""Learn the node's record anew (it was restarted, perhaps at another address)."""
+
 
 class NodeSession:
     """One node's ops (see the module docstring).
@@ -64,6 +68,7 @@ class NodeSession:
         pool: the node's pool file, when known already (its ``control`` is the socket).
         cfg: the client configuration the ops' default timeouts come from (None: every
             call passes its timeout).
+        refresh: learn the node's record anew (:meth:`forget_pool`).
     """
 
     def __init__(
@@ -76,8 +81,10 @@ class NodeSession:
         local_control: bool = True,
         pool: PoolFile | None = None,
         cfg: ClientConfig | None = None,
+        refresh: Refresh | None = None,
     ) -> None:
         self.node_id = node_id
+        self._refresh = refresh
         self._data = data
         self._address = address
         self._token = token
@@ -104,6 +111,20 @@ class NodeSession:
         """The node's pool file, learned elsewhere (its socket is tried next)."""
         if pool is not self._refused:
             self._given = pool
+
+    @operation("rpc_timeout_s")
+    async def forget_pool(self, timeout: Timeout = None) -> None:
+        """Forget what this session knows of the node's pool file (the node answered
+        :class:`~pegaflow.errors.PoolChanged`: it was restarted on a new file): the next
+        :meth:`pool_file` comes from a new UCX hello, at the address of the node's record
+        learned anew, and the control socket is opened again."""
+        self._given = self._refused = None
+        self.close()
+        deadline = self._deadline("forget_pool", timeout)
+        with contextlib.suppress(PegaError):
+            if self._refresh is not None:
+                await self._refresh(deadline)
+            self._data.reconnect(await self._address(deadline))
 
     @property
     def over_socket(self) -> bool:
@@ -284,13 +305,20 @@ class NodeSession:
 
     @operation("transfer_timeout_s")
     async def reserve_local(
-        self, ns: str, blocks: Sequence[tuple[bytes, int, int]], timeout: Timeout = None
+        self,
+        ns: str,
+        blocks: Sequence[tuple[bytes, int, int]],
+        pool: tuple[int, int],
+        timeout: Timeout = None,
     ) -> tuple[int, list[int | None]]:
         """Reserve slots for ``(hash, shard, size)`` blocks that the caller writes through
-        the pool file; returns (reservation, slot offset or None when already stored).
-        Finish with :meth:`commit_local` (or :meth:`abort_local`)."""
+        its mapping of the pool file ``pool`` (:attr:`PoolFile.file_id` of the file it
+        mapped); returns (reservation, slot offset or None when already stored).  Finish
+        with :meth:`commit_local` (or :meth:`abort_local`).  Raises
+        :class:`~pegaflow.errors.PoolChanged` when the node's pool is another file now:
+        map it again (:meth:`forget_pool`, :meth:`pool_file`)."""
         deadline = self._deadline("reserve_local", timeout)
-        msg = proto.encode_reserve_local(ns, blocks)
+        msg = proto.encode_reserve_local(ns, blocks, pool)
         reply = await self._same_host(msg, deadline)
         return proto.reserve_local_reply(msg, reply, len(blocks))
 

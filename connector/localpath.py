@@ -23,6 +23,13 @@ socket, whose path the search for the node on this host learned with its pool fi
 
 Anything that goes wrong makes the blocks misses (loads) or failures (saves), exactly
 like the UCX path: the caller falls back or recomputes.
+
+The node may be restarted on a new pool file at the same path (a cleaned ``/dev/shm``,
+a new emptyDir) while this process still maps the old one.  Every reservation names
+the file its writer maps, and the node refuses another (:class:`PoolChanged`); every
+``locate`` answer names the node's file, and a load from another file is refused here.
+Either way the mapping is retired (unmapped a minute later, when no copy can still use
+it) and the node's new file is mapped at the next request.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import concurrent.futures
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from pegaflow.checksum import checksum
+from pegaflow.errors import PoolChanged, Unavailable
 from pegaflow.wire import LocatedBlocks
 
 from .blockio import CopyIn, KVBlockIO, Transfer
@@ -45,6 +54,10 @@ from .hostpool import MappedPool
 from .policy import LOCATE_PIN_S, MAX_LOCATE
 
 logger = logging.getLogger("pegaflow.connector")
+
+RETIRED_UNMAP_S = 60.0
+"""how long a mapping of a pool file the node no longer uses stays mapped after it was
+retired: copies queued from it before then have long finished"""
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,7 @@ class LoadRequest:
 class _Picked:
     """A load located and picked, its copies not yet queued."""
 
+    pool: MappedPool
     pins: list[int]
     n: int
     idx: list[int]
@@ -100,6 +114,8 @@ class LocalPath:
         the tile kernel"""
         self._failed = False
         self._attach_lock = threading.Lock()
+        self._retired: list[tuple[float, MappedPool]] = []
+        """mappings of pool files the node replaced, with when they were retired"""
 
     def attach(self, client: Any) -> bool:
         """Map the node's pool if it offers it and this process can open it (once)."""
@@ -113,6 +129,7 @@ class LocalPath:
             return True
         if self._failed:
             return False
+        self._unmap_retired(time.monotonic() - RETIRED_UNMAP_S)
         try:
             info = client.node_session(self.node_id).pool_file(self.timeout)
             if info is None:
@@ -128,6 +145,42 @@ class LocalPath:
             return False
         logger.info("PegaFlow: same-host shortcut to node %s (%s)", self.node_id, info.path)
         return True
+
+    def _pool_changed(self, client: Any, pool: MappedPool, why: str) -> PoolChanged:
+        """The node's pool is another file than ``pool`` now: retire the mapping (the next
+        :meth:`attach` maps the node's file) and make the session learn it anew."""
+        with self._attach_lock:
+            if self.pool is pool:
+                self.pool = None
+                self._retired.append((time.monotonic(), pool))
+                logger.warning(
+                    "PegaFlow: node %s no longer uses the pool file this engine mapped (%s): "
+                    "it was restarted on a new file; mapping the new one",
+                    self.node_id, why,
+                )  # fmt: skip
+                try:
+                    client.node_session(self.node_id).forget_pool(self.timeout)
+                except Exception as e:
+                    logger.debug("PegaFlow: forgetting node %s's pool failed: %s", self.node_id, e)
+        return PoolChanged(why)
+
+    def _unmap_retired(self, before: float) -> None:
+        """Unmap the retired mappings retired before ``before`` (monotonic time)."""
+        keep = []
+        for at, pool in self._retired:
+            if at <= before:
+                pool.close()
+            else:
+                keep.append((at, pool))
+        self._retired = keep
+
+    def _mapped(self) -> MappedPool:
+        """The current mapping (:meth:`attach` made it; a pool change may have retired it
+        since)."""
+        pool = self.pool
+        if pool is None:
+            raise Unavailable("the node's pool file is being mapped again")
+        return pool
 
     # ---- loads ---------------------------------------------------------------------
 
@@ -156,12 +209,11 @@ class LocalPath:
         says which blocks are good.  Per load a :class:`PendingLoad`, or the error that
         stopped it before its copies (its blocks are then misses).  ``ahead``: layers
         queued ahead of the forward pass (0: all at once, :meth:`KVBlockIO.copy_in_many`)."""
-        pool = self.pool
-        assert pool is not None
+        pool = self._mapped()
         picked: list[_Picked | Exception] = []
         for ld in loads:
             try:
-                picked.append(self._pick(client, ns, ld))
+                picked.append(self._pick(client, ns, ld, pool))
             except Exception as e:
                 picked.append(e)
         ready = [p for p in picked if isinstance(p, _Picked)]
@@ -190,13 +242,17 @@ class LocalPath:
                 out.append(e)
         return out
 
-    def _pick(self, client: Any, ns: str, ld: LoadRequest) -> _Picked:
+    def _pick(self, client: Any, ns: str, ld: LoadRequest, pool: MappedPool) -> _Picked:
         """Locate (unless the scheduler did) and pick the blocks to copy: those whose
-        slot holds a block of the right size and generation."""
+        slot holds a block of the right size and generation, in the file ``pool`` maps."""
         pins, where = (
             ld.located if ld.located is not None else self._locate(client, ns, ld.hashes, ld.shard)
         )
         try:
+            if where.pool != pool.info.file_id:
+                raise self._pool_changed(
+                    client, pool, f"the node located blocks in pool file {where.pool}"
+                )
             ok = where.found & (where.column("size") == self.io.block_bytes)
             if ld.gens is not None:
                 known = np.array([g is not None for g in ld.gens], dtype=bool)
@@ -205,6 +261,7 @@ class LocalPath:
             sel = np.flatnonzero(ok)
             idx = sel.tolist()
             return _Picked(
+                pool=pool,
                 pins=pins,
                 n=len(ld.hashes),
                 idx=idx,
@@ -225,8 +282,7 @@ class LocalPath:
         if p.on_device:
             assert xfer.digests is not None
             return xfer.digests, p.where.column("digest")[p.sel]
-        pool = self.pool
-        assert pool is not None
+        pool = p.pool
         bb = self.io.block_bytes
         return [
             (want_sum, self._verify.submit(checksum, pool.view(off, bb)))
@@ -279,11 +335,15 @@ class LocalPath:
         the node holds the commit and stores the blocks whatever happens to this
         process (see :meth:`NodeSession.commit_local`): only then are the blocks saved for
         good.  It is not called when this raises."""
-        pool = self.pool
-        assert pool is not None
+        pool = self._mapped()
         bb = self.io.block_bytes
         node = client.node_session(self.node_id)
-        seq, offsets = node.reserve_local(ns, [(h, shard, bb) for h in hashes], self.timeout)
+        try:
+            seq, offsets = node.reserve_local(
+                ns, [(h, shard, bb) for h in hashes], pool.info.file_id, self.timeout
+            )
+        except PoolChanged as e:
+            raise self._pool_changed(client, pool, str(e)) from None
         idx = [i for i, o in enumerate(offsets) if o is not None]
         ids = [block_ids[i] for i in idx]
         try:
@@ -313,6 +373,7 @@ class LocalPath:
     def close(self) -> None:
         """Stop the checksum threads and unmap the pool."""
         self._verify.shutdown(wait=True)
+        self._unmap_retired(float("inf"))
         if self.pool is not None:
             self.pool.close()
             self.pool = None

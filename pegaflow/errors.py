@@ -77,6 +77,15 @@ class WrongPeer(Unavailable):
     code = "wrong_peer"
 
 
+class PoolChanged(PegaError):
+    """A same-host request named a pool file that is not the node's now: the node was
+    restarted on a new file at the same path (a cleaned ``/dev/shm``, a new emptyDir)
+    while the caller still maps the old one.  Nothing written through the old mapping is
+    taken; the caller maps the node's file again (:mod:`pegaflow.connector.localpath`)."""
+
+    code = "pool_changed"
+
+
 class NoSpace(PegaError):
     """The storage pool cannot hold the block even after eviction."""
 
@@ -118,6 +127,7 @@ ERRORS_BY_CODE: dict[str, type[PegaError]] = {
         Unauthorized,
         DeadlineExceeded,
         Unavailable,
+        PoolChanged,
         HandshakeRefused,
         WrongPeer,
         NoSpace,

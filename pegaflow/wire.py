@@ -189,15 +189,20 @@ class LocatedBlocks(Sequence["LocatedBlock | None"]):
     ``cols``, five little-endian uint64 per block (offset, size, generation, xxh3,
     digest as two's complement), so thousands of locations cost two buffers, not
     thousands of msgpack lists.  Indexing gives a :class:`LocatedBlock` or None.
+    ``pool``: the (device, inode) of the pool file the offsets are in, when the node
+    said (a reader checks that it maps that file).
     """
 
-    __slots__ = ("cols", "flags")
+    __slots__ = ("cols", "flags", "pool")
 
-    def __init__(self, flags: np.ndarray, cols: np.ndarray) -> None:
+    def __init__(
+        self, flags: np.ndarray, cols: np.ndarray, pool: tuple[int, int] | None = None
+    ) -> None:
         if flags.ndim != 1 or cols.shape != (len(flags), 5):
             raise BadRequest("malformed block locations")
         self.flags = flags
         self.cols = cols
+        self.pool = pool
 
     ROW = struct.Struct("<5Q")
     """one block of ``cols`` on the wire"""
@@ -275,7 +280,7 @@ class LocatedBlocks(Sequence["LocatedBlock | None"]):
     def __getitem__(self, i: slice) -> LocatedBlocks: ...
     def __getitem__(self, i: int | slice) -> LocatedBlock | LocatedBlocks | None:
         if isinstance(i, slice):
-            return LocatedBlocks(self.flags[i], self.cols[i])
+            return LocatedBlocks(self.flags[i], self.cols[i], self.pool)
         f = int(self.flags[i])
         if not f & _FOUND:
             return None
@@ -285,9 +290,13 @@ class LocatedBlocks(Sequence["LocatedBlock | None"]):
 
     @staticmethod
     def concat(parts: Sequence[LocatedBlocks]) -> LocatedBlocks:
-        """One table of several locates' answers, in order."""
+        """One table of several locates' answers, in order (of one pool file: parts
+        from different files have none, which no reader accepts)."""
         if not parts:
             return LocatedBlocks(np.zeros(0, np.uint8), np.zeros((0, 5), np.uint64))
+        pools = {p.pool for p in parts}
         return LocatedBlocks(
-            np.concatenate([p.flags for p in parts]), np.concatenate([p.cols for p in parts])
+            np.concatenate([p.flags for p in parts]),
+            np.concatenate([p.cols for p in parts]),
+            pools.pop() if len(pools) == 1 else None,
         )

@@ -143,10 +143,11 @@ def scheduler(coord: list[str], node: str, client: Any, block_size: int) -> Any:
 def reserve(client: Any, node: str, n: int, size: int, calls: int) -> list[float]:
     """ms of a same-host save's ``reserve`` of ``n`` new blocks (aborted, not timed)."""
     out = []
+    pool_id = client.local_pool(node).file_id
     for _ in range(calls):
         blocks = [(os.urandom(16), 0, size) for _ in range(n)]
         t0 = time.perf_counter()
-        seq, _ = client.reserve_local(NS, node, blocks, 30.0)
+        seq, _ = client.reserve_local(NS, node, blocks, pool_id, 30.0)
         out.append((time.perf_counter() - t0) * 1e3)
         client.abort_local(node, seq, 30.0)
     return out
@@ -156,10 +157,11 @@ def commits(client: Any, node: str, n: int, size: int, rounds: int) -> list[floa
     """ms of a same-host save's commit of ``n`` blocks of ``size`` bytes (the node hashes
     every slot, then publishes), new blocks each round."""
     out = []
+    pool_id = client.local_pool(node).file_id
     for r in range(rounds + 1):  # the first round warms up
         hashes = [f"save-{r}-{i}".encode().ljust(16, b".") for i in range(n)]
         blocks = [(h, 0, size) for h in hashes]
-        seq, offsets = client.reserve_local(NS, node, blocks, 30.0)
+        seq, offsets = client.reserve_local(NS, node, blocks, pool_id, 30.0)
         accepted = [o is not None for o in offsets]
         t0 = time.perf_counter()
         res = client.commit_local(node, seq, accepted, 30.0)

@@ -51,7 +51,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import time
 import uuid
@@ -190,13 +189,9 @@ class StorageNode:
         """``[path, device, inode]`` of the pool file, published for same-host discovery
         (empty without ``local_access`` or when the file cannot be read)."""
         assert self.pool is not None
-        if not self.cfg.local_access:
+        if not self.cfg.local_access or self.pool.file_problem() is not None:
             return []
-        try:
-            st = os.stat(self.pool.path)
-        except OSError:
-            return []
-        return [str(self.pool.path), st.st_dev, st.st_ino]
+        return [str(self.pool.path), *self.pool.file_id]
 
     def _on_evict(self, e: Entry) -> None:
         if self.service is not None:

@@ -216,6 +216,10 @@ class BlockPool:
             log.info("removed the pool file %s and its journal: starting empty", self.path)
         check_room(self.path, self.capacity, size_flag)
         self._fd, self.created, self._unnamed = open_locked(self.path)
+        st = os.fstat(self._fd)
+        self.file_id = (st.st_dev, st.st_ino)
+        """the (device, inode) of the file this pool maps: a same-host writer names the
+        file it maps in each reservation, and another file's writes are refused"""
         try:
             apply_access(self._fd, access_gid)
             self._map()
@@ -479,8 +483,7 @@ class BlockPool:
             st = os.stat(self.path)
         except OSError as e:
             return f"pool file {self.path} is gone ({e.strerror})"
-        mapped = os.fstat(self._fd)
-        if (st.st_dev, st.st_ino) != (mapped.st_dev, mapped.st_ino):
+        if (st.st_dev, st.st_ino) != self.file_id:
             return f"pool file {self.path} was replaced by another file"
         return None
 

@@ -22,9 +22,12 @@ tag ``(seq, index)``; its ``commit`` verifies each block's xxh3 against the writ
 only then commits and publishes it; a commit the node has taken (a well-formed one of a
 live reservation) is carried out whatever happens to the connection that sent it, and a
 ``taken`` right behind it says so within a round trip.  A local ``reserve`` (same host,
-written through the pool file) posts no receives and answers slot offsets; its commit's
+written through the pool file) names the file its writer maps (``pool``: device and
+inode; another file than the node's is refused, :class:`~pegaflow.errors.PoolChanged`),
+posts no receives and answers slot offsets; its commit's
 ``xxh3`` entries may be None (the node hashes the slot) and may carry ``digest``, the
-writer's signed 64-bit device digest per block, which ``locate`` returns.
+writer's signed 64-bit device digest per block, which ``locate`` returns, with the
+pool file's device and inode (a reader that maps another file reads nothing of it).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pegaflow.errors import BadRequest, ProtocolError, TooLarge, Unavailable
+from pegaflow.errors import BadRequest, PoolChanged, ProtocolError, TooLarge, Unavailable
 from pegaflow.wire import (
     GEN_MAX,
     MAX_HASH_BYTES,
@@ -330,19 +333,37 @@ def encode_reserve(ns: str, blocks: Sequence[tuple[bytes, int, int]]) -> dict[st
     return {"op": Op.RESERVE.value, "ns": ns, "blocks": [[h, s, z] for h, s, z in blocks]}
 
 
-def encode_reserve_local(ns: str, blocks: Sequence[tuple[bytes, int, int]]) -> dict[str, Any]:
-    """A same-host reservation: packed when the blocks share one shard and size (a
-    connector's save: hundreds of blocks), else listed."""
+def encode_reserve_local(
+    ns: str, blocks: Sequence[tuple[bytes, int, int]], pool: tuple[int, int]
+) -> dict[str, Any]:
+    """A same-host reservation of a writer that maps the pool file ``pool`` (its device
+    and inode): packed when the blocks share one shard and size (a connector's save:
+    hundreds of blocks), else listed."""
+    head = {"op": Op.RESERVE.value, "ns": ns, "local": True, "pool": list(pool)}
     packed = packed_hashes([h for h, _, _ in blocks]) if blocks else None
     if packed is not None and len({(s, z) for _, s, z in blocks}) == 1:
         _, shard, size = blocks[0]
-        return {"op": Op.RESERVE.value, "ns": ns, "local": True, "shard": shard,
-                "size": size, **packed}  # fmt: skip
-    return {"op": Op.RESERVE.value, "ns": ns, "local": True, "blocks": [list(b) for b in blocks]}
+        return {**head, "shard": shard, "size": size, **packed}
+    return {**head, "blocks": [list(b) for b in blocks]}
 
 
 def reserve_is_local(msg: dict[str, Any]) -> bool:
     return msg.get("local") is True
+
+
+def check_reserve_pool(msg: dict[str, Any], file_id: tuple[int, int], path: str) -> None:
+    """Refuse a same-host reservation whose writer maps another file than the node's
+    pool (``file_id``: its device and inode): its bytes would never reach the pool
+    (:class:`~pegaflow.errors.PoolChanged`)."""
+    pool = msg.get("pool")
+    if not (isinstance(pool, list) and len(pool) == 2 and all(type(x) is int for x in pool)):
+        raise BadRequest("a same-host reservation names the pool file it writes: pool [dev, ino]")
+    if tuple(pool) != file_id:
+        raise PoolChanged(
+            f"the writer maps pool file {pool[0]}:{pool[1]}, the node's is {path} "
+            f"({file_id[0]}:{file_id[1]}): the node was restarted on a new pool file; "
+            "map it again"
+        )
 
 
 def reserve_is_packed(msg: dict[str, Any]) -> bool:
@@ -481,9 +502,12 @@ def decode_locate(msg: dict[str, Any], max_batch: int) -> tuple[str, int, int, l
     return ns, ttl_ms, shard, decode_packed_hashes(msg, max_batch)
 
 
-def encode_locate_reply(pin: int, rows: Sequence[tuple[int, bytes] | None]) -> dict[str, Any]:
-    """``rows``: :meth:`~pegaflow.wire.LocatedBlocks.wire_row` per block, None: not found."""
-    return {"pin": pin, **LocatedBlocks.wire_rows(rows)}
+def encode_locate_reply(
+    pin: int, rows: Sequence[tuple[int, bytes] | None], pool: tuple[int, int]
+) -> dict[str, Any]:
+    """``rows``: :meth:`~pegaflow.wire.LocatedBlocks.wire_row` per block, None: not
+    found; ``pool``: the device and inode of the pool file the offsets are in."""
+    return {"pin": pin, "pool": list(pool), **LocatedBlocks.wire_rows(rows)}
 
 
 def locate_reply(reply: dict[str, Any], n: int) -> tuple[int, LocatedBlocks]:
@@ -491,6 +515,9 @@ def locate_reply(reply: dict[str, Any], n: int) -> tuple[int, LocatedBlocks]:
         where = LocatedBlocks.from_wire(reply, n)
     except BadRequest as e:
         raise Unavailable(f"malformed locate reply: {e}") from None
+    pool = reply.get("pool")
+    if isinstance(pool, list) and len(pool) == 2 and all(type(x) is int for x in pool):
+        where.pool = (pool[0], pool[1])
     return int(reply.get("pin", 0)), where
 
 

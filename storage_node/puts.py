@@ -113,6 +113,8 @@ class Puts:
             raise BadRequest("the control socket takes same-host (local) reservations only")
         if local and (not self.cfg.local_access or s.tenant is not None):
             raise Unauthorized("this connection may not write the pool file directly")
+        if local:
+            proto.check_reserve_pool(msg, self.pool.file_id, str(self.pool.path))
         parsed = proto.decode_reserve_blocks(ns, msg, self.cfg.max_batch)
         quotas = self._svc.quotas
         quotas.check_reserve(s, parsed)

@@ -255,7 +255,7 @@ class Reads:
             self._svc.loop.call_soon_threadsafe(hits.inc, n)  # the metrics are the data loop's
         memo = self._located
         rows = [None if e is None else (memo.get(e) or self._row(e)) for e in found]
-        return proto.encode_locate_reply(pin, rows)
+        return proto.encode_locate_reply(pin, rows, self.pool.file_id)
 
     def _row(self, e: Entry) -> tuple[int, bytes]:
         """A committed entry's ``locate`` row, computed once (it never changes)."""

@@ -343,11 +343,11 @@ class UcxSite:
         pool = self.service.pool
         reply: dict[str, Any] = {"node_id": pool.node_id, "version": proto.PROTOCOL_VERSION}
         if self.cfg.local_access and tenant is None:
-            st = os.stat(pool.path)
+            dev, ino = pool.file_id
             reply["pool"] = {
                 "path": str(pool.path),
-                "dev": st.st_dev,
-                "ino": st.st_ino,
+                "dev": dev,
+                "ino": ino,
                 "bytes": pool.capacity,
             }
             if self._control_path is not None:

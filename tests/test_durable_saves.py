@@ -63,10 +63,11 @@ def recv():
 send({"op": "hello", "version": PROTOCOL_VERSION, "token": spec["token"]})
 assert recv()["ok"]
 hashes = [bytes.fromhex(h) for h in spec["hashes"]]
-send({"id": 1, "op": "reserve", "args": {"ns": spec["ns"], "local": True,
-      "blocks": [[h, 0, spec["size"]] for h in hashes]}})
-res = recv()["result"]
 fd = os.open(spec["pool"], os.O_RDWR)
+st = os.fstat(fd)  # a local reservation names the file its writer maps
+send({"id": 1, "op": "reserve", "args": {"ns": spec["ns"], "local": True,
+      "pool": [st.st_dev, st.st_ino], "blocks": [[h, 0, spec["size"]] for h in hashes]}})
+res = recv()["result"]
 for i, off in enumerate(res["offsets"]):
     os.pwrite(fd, bytes([i + 1]) * spec["size"], off)
 print("WRITTEN", flush=True)
@@ -202,7 +203,9 @@ def test_taken_says_whether_the_node_holds_a_commit(server: Proc) -> None:
         try:
             h = b"\xd2" * 16
             res = await rpc.call(
-                "reserve", {"ns": NS, "local": True, "blocks": [[h, 0, BLOCK]]}, 5.0
+                "reserve",
+                {"ns": NS, "local": True, "pool": list(info.file_id), "blocks": [[h, 0, BLOCK]]},
+                5.0,
             )
             seq = res["seq"]
             fd = os.open(info.path, os.O_RDWR)

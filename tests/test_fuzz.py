@@ -1053,8 +1053,9 @@ def _value(rng: random.Random, depth: int = 0) -> Any:
     return {str(_value(rng, depth + 1))[:20]: _value(rng, depth + 1) for _ in range(3)}
 
 
-def _control_args(rng: random.Random, op: str) -> dict[str, Any]:
-    """Arguments that look like ``op``'s (``locate``, ``reserve`` ...) with edge values."""
+def _control_args(rng: random.Random, op: str, pool: list[int] | None = None) -> dict[str, Any]:
+    """Arguments that look like ``op``'s (``locate``, ``reserve`` ...) with edge values
+    (``pool``: the node's pool file, which a local reservation names)."""
     hl = rng.choice((32, 32, 1, 0, 33, 4096, -1, 2**63))
     count = rng.choice((0, 1, 4, 4097))
     fields: dict[str, Any] = {
@@ -1069,11 +1070,12 @@ def _control_args(rng: random.Random, op: str) -> dict[str, Any]:
         "size": rng.choice((1, 4096, 0, -1, 2**40, 2**63, 4 << 20)),
         "xxh3": [rng.choice(_INTS) for _ in range(rng.choice((0, 1, 4)))],
         "blocks": _value(rng),
+        "pool": rng.choice((pool, pool, pool, [0, 0], [1], None)),
     }
     keys = {
         "locate": ("ns", "ttl_ms", "shard", "hash_len", "hashes"),
         "unpin": ("pin",),
-        "reserve": ("ns", "local", "shard", "size", "hash_len", "hashes", "blocks"),
+        "reserve": ("ns", "local", "pool", "shard", "size", "hash_len", "hashes", "blocks"),
         "commit": ("seq", "xxh3"),
         "abort": ("seq",),
     }.get(op, tuple(fields))
@@ -1088,13 +1090,13 @@ def _control_args(rng: random.Random, op: str) -> dict[str, Any]:
 CONTROL_SOCKET_OPS = ["locate", "unpin", "reserve", "commit", "abort"]
 
 
-def control_request(rng: random.Random, rid: int) -> Any:
+def control_request(rng: random.Random, rid: int, pool: list[int] | None = None) -> Any:
     """A control-protocol request frame's message: mostly well-formed requests of the
     socket's ops with edge-value arguments, some with bad ids, deadlines or shapes."""
     if rng.random() < 0.05:
         return _value(rng)
     op = rng.choice([*CONTROL_SOCKET_OPS, *CONTROL_SOCKET_OPS, "hello", "get", "nope", ""])
-    msg: dict[str, Any] = {"id": rid, "op": op, "args": _control_args(rng, op)}
+    msg: dict[str, Any] = {"id": rid, "op": op, "args": _control_args(rng, op, pool)}
     if rng.random() < 0.2:
         msg["deadline_ms"] = rng.choice((1, 5000, 0, -1, 600_001, 2**63, "x", None))
     if rng.random() < 0.05:
@@ -1155,6 +1157,7 @@ def test_control_socket_survives_fuzzing(fuzz_node: NodeUnderFuzz) -> None:
     that send junk (answered or closed within the deadline); the node then still
     serves, and its stored blocks are intact."""
     path = fuzz_node.hello["pool"]["control"]
+    pool = [fuzz_node.hello["pool"]["dev"], fuzz_node.hello["pool"]["ino"]]
     rng = random.Random(31337 + FUZZ_SEED)
     hello = encode_frame({"op": "hello", "version": PROTOCOL_VERSION, "token": None})
     n_requests, n_junk = scaled(8_000), scaled(2_000)
@@ -1173,7 +1176,7 @@ def test_control_socket_survives_fuzzing(fuzz_node: NodeUnderFuzz) -> None:
         for start in range(0, n_requests, batch):
             frames = []
             for i in range(min(batch, n_requests - start)):
-                f = encode_frame(control_request(rng, start + i))
+                f = encode_frame(control_request(rng, start + i, pool))
                 (oversized if len(f) > CONTROL_MAX_FRAME else frames).append(f)
             async with asyncio.timeout(60):
                 replies = await _unix_exchange(path, hello + b"".join(frames), len(frames) + 1)

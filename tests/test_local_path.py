@@ -42,6 +42,13 @@ def _data_address(c: SyncPegaClient, node: str) -> str:
     return c._on_loop(lambda a: a._node(node, 5.0), 5.0).ucx_address
 
 
+def _pool_id(c: SyncPegaClient, node: str) -> tuple[int, int]:
+    """The (device, inode) of ``node``'s pool file, which a local reservation names."""
+    pool = c.local_pool(node)
+    assert pool is not None
+    return pool.file_id
+
+
 def _over_socket(c: SyncPegaClient, node: str) -> bool:
     """Whether ``c``'s session with ``node`` asks its same-host ops over the socket."""
     return c.node_session(node).over_socket
@@ -156,7 +163,7 @@ def test_tenants_get_no_pool_access(server: Proc) -> None:
     try:
         assert acme.local_pool(node) is None
         with pytest.raises(Unauthorized):
-            acme.reserve_local("acme@m", node, [(b"x" * 16, 0, 4096)])
+            acme.reserve_local("acme@m", node, [(b"x" * 16, 0, 4096)], (0, 0))
     finally:
         acme.close()
 
@@ -251,10 +258,12 @@ def test_packed_reservations_and_their_malformed_forms(server: Proc) -> None:
         addr = _data_address(c, node)
         fresh = [b"\xf1\xf2" * 8, b"\xf1\xf3" * 8]
         blocks = [(h, 0, 4096) for h in [*stored[:2], *fresh]]  # one shard, one size: packed
-        seq, offsets = c.reserve_local(NS, node, blocks, 5.0)
+        pool = _pool_id(c, node)
+        seq, offsets = c.reserve_local(NS, node, blocks, pool, 5.0)
         assert offsets[:2] == [None, None] and None not in offsets[2:]  # stored: no slot
         c.abort_local(node, seq)
-        base = {"op": "reserve", "ns": NS, "local": True, "shard": 0, "size": 4096}
+        base = {"op": "reserve", "ns": NS, "local": True, "shard": 0, "size": 4096,
+                "pool": list(pool)}  # fmt: skip
         bad = [
             {**base, "hash_len": 16, "hashes": b"x" * 17},  # not a multiple of hash_len
             {**base, "hash_len": 0, "hashes": b""},
@@ -273,7 +282,7 @@ def test_a_socket_reservation_is_committed_on_the_socket_only(server: Proc) -> N
     c = client_of(server)
     try:
         addr = _data_address(c, node)
-        seq, offsets = c.reserve_local(NS, node, [(b"\x31" * 16, 0, 4096)], 5.0)
+        seq, offsets = c.reserve_local(NS, node, [(b"\x31" * 16, 0, 4096)], _pool_id(c, node), 5.0)
         assert offsets[0] is not None
         commit = {"op": "commit", "seq": seq, "xxh3": [None]}
         with pytest.raises(BadRequest):  # over UCX: not that connection's reservation

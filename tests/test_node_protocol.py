@@ -8,7 +8,7 @@ from pegaflow.storage_node import journal
 from pegaflow.storage_node import protocol as proto
 from pegaflow.storage_node.protocol import OPS, Loop, Op, Site
 
-from pegaflow.errors import BadRequest, ProtocolError, TooLarge, Unavailable
+from pegaflow.errors import BadRequest, PoolChanged, ProtocolError, TooLarge, Unavailable
 from pegaflow.wire import GEN_MAX, INDEX_SHARDS, NO_SLOT, PROTOCOL_VERSION, SHARD_LIMIT
 
 
@@ -65,8 +65,13 @@ def test_hello_checks_the_version() -> None:
 @pytest.mark.parametrize("same", [True, False])
 def test_local_reserve_round_trip(same: bool) -> None:
     blocks = [(b"h1", 3, 64), (b"h2", 3, 64 if same else 128)]
-    msg = proto.encode_reserve_local("ns", blocks)
+    msg = proto.encode_reserve_local("ns", blocks, (1, 2))
     assert proto.reserve_is_packed(msg) is same and proto.reserve_is_local(msg)
+    proto.check_reserve_pool(msg, (1, 2), "/p")
+    with pytest.raises(PoolChanged):  # the writer maps another file than the node's
+        proto.check_reserve_pool(msg, (1, 3), "/p")
+    with pytest.raises(BadRequest):  # a local reservation names the file it writes
+        proto.check_reserve_pool({k: v for k, v in msg.items() if k != "pool"}, (1, 2), "/p")
     parsed = proto.decode_reserve_blocks("ns", msg, 16)
     assert parsed == [(("ns", h, s), z) for h, s, z in blocks]
     reply = proto.encode_reserve_reply(msg, 5, [0, None])
@@ -96,9 +101,11 @@ def test_locate_round_trip() -> None:
     assert proto.decode_locate(msg, 8) == ("ns", 1, 2, [b"aa", b"bb"])
     from pegaflow.wire import LocatedBlocks
 
-    reply = proto.encode_locate_reply(4, [LocatedBlocks.wire_row(0, 8, 1, 2, None), None])
+    rows = [LocatedBlocks.wire_row(0, 8, 1, 2, None), None]
+    reply = proto.encode_locate_reply(4, rows, (7, 9))
     pin, where = proto.locate_reply(reply, 2)
     assert pin == 4 and where[1] is None and where[0] is not None and where[0].size == 8
+    assert where.pool == (7, 9) and where[:1].pool == (7, 9)  # the file the offsets are in
     with pytest.raises(Unavailable):
         proto.locate_reply(reply, 3)
 

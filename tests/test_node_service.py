@@ -40,7 +40,7 @@ async def service(tmp_path: Path) -> AsyncIterator[NodeService]:
 
 def _reserve(svc: NodeService, s: Session, *hashes: bytes) -> tuple[int, list[int | None]]:
     blocks = [(h, 0, SIZE) for h in hashes]
-    msg = proto.encode_reserve_local(NS, blocks)
+    msg = proto.encode_reserve_local(NS, blocks, svc.pool.file_id)
     return proto.reserve_local_reply(msg, svc.call(Op.RESERVE, msg, s), len(blocks))
 
 

@@ -35,6 +35,13 @@ def _client(server: Proc) -> SyncPegaClient:
     return SyncPegaClient(ClientConfig(coordinators=[server.ready["coordinator"]]), token="admin")
 
 
+def _pool_id(session: object) -> tuple[int, int]:
+    """The (device, inode) of the session's node's pool file (a local reservation's)."""
+    pool = session.pool_file(5.0)  # type: ignore[attr-defined]
+    assert pool is not None
+    return pool.file_id
+
+
 async def _no_ucx(deadline: Deadline) -> str:
     raise AssertionError("the session asked for the node's UCX address")
 
@@ -51,7 +58,7 @@ async def test_a_session_given_the_pool_file_needs_no_ucx_hello(server: Proc) ->
     s = NodeSession(node, data, _no_ucx, token="admin", pool=pool)
     try:
         hashes = [os.urandom(16) for _ in range(3)]
-        seq, offsets = await s.reserve_local(NS, [(h, 0, 4096) for h in hashes], 5.0)
+        seq, offsets = await s.reserve_local(NS, [(h, 0, 4096) for h in hashes], pool.file_id, 5.0)
         assert None not in offsets
         taken: list[bool] = []
         out = await s.commit_local(seq, [True] * 3, 5.0, on_taken=lambda: taken.append(True))
@@ -75,7 +82,7 @@ def test_the_socket_outlives_the_ucx_connection(server: Proc) -> None:
         assert [n.record.node_id for n in c.local_nodes()] == [node]
         session = c.node_session(node)
         h = os.urandom(16)
-        seq, _ = session.reserve_local(NS, [(h, 0, 4096)], 5.0)
+        seq, _ = session.reserve_local(NS, [(h, 0, 4096)], _pool_id(session), 5.0)
         assert session.commit_local(seq, [True], 5.0).stored == 1
         assert session.over_socket  # the search told the session where the socket is
 
@@ -105,7 +112,7 @@ def test_locate_here_asks_from_the_calling_thread(server: Proc) -> None:
         c.local_nodes()  # the search for this host's node gives the session its socket
         session = c.node_session(node)
         h = os.urandom(16)
-        seq, _ = session.reserve_local(NS, [(h, 0, 4096)], 5.0)
+        seq, _ = session.reserve_local(NS, [(h, 0, 4096)], _pool_id(session), 5.0)
         assert session.commit_local(seq, [True], 5.0).stored == 1
         pin, where = c.locate_here(NS, node, [h, os.urandom(16)], 0, 5.0, 5.0)
         assert where.found.tolist() == [True, False]

@@ -249,7 +249,7 @@ async def test_a_control_socket_reservation_belongs_to_its_session(procs: list[P
         pool = await c.pool_file(5)
         assert pool is not None and pool.control
         h = os.urandom(16)
-        seq, offsets = await c.reserve_local("m", [(h, 0, 4096)], 5)
+        seq, offsets = await c.reserve_local("m", [(h, 0, 4096)], pool.file_id, 5)
         assert offsets[0] is not None
         other = RpcClient([UNIX_PREFIX + pool.control], token="admin")  # another session
         try:
