@@ -45,6 +45,19 @@ hits on its own saves with its cold outputs; a TP=N engine on prompts only the T
 engine saved must get none, then hits on set A with the cold run's outputs
 (``cross_tp_cached_tokens``, ``cross_tp_ok``).
 
+The KV oracle (issue 36: dummy weights give the reference tokens even from all-zero KV,
+so equal outputs cannot catch wrong KV), after every timed pass, unless ``--tp`` > 1 or
+``--skip-kv-oracle``: two more engines with the connector's three keys, each with its
+engine core in the script's engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, where
+``kv_digest`` of ``tests/vllm_runner.py`` reads the KV cache; the timed engines keep
+vLLM's default process layout) and vLLM's prefix cache on (it keeps a finished request's
+blocks).  ``kv_oracle_cold`` computes fresh prompts (:data:`ORACLE_PROMPTS` paced, as
+many in one batch, with ``--cuda-graphs`` as many one-token hits as set E) and saves them;
+``kv_oracle``, a new process, hits them the same way.  Per block, over every layer, the
+digest of the KV that the hit engine holds for each hit block must equal the one of the
+KV the cold engine computed (:func:`kv_oracle`): ``kv_oracle_blocks`` compared,
+``kv_oracle_mismatches``, ``kv_oracle_ok``; the script exits 1 when it is false.
+
     python3 scripts/bench_vllm_gpu.py [--prompts 6] [--batch 8] [--tokens 10000] [--tp 1]
 """
 
@@ -130,6 +143,12 @@ ROUND_WAIT_S = 120.0
 STATS_SETTLE_S = 0.5
 #: prompts of set A (and of the fresh set D) that the cross-TP pass sends
 CROSS_PROMPTS = 2
+#: prompts of each of the KV oracle's sets (paced, one batch, one-token batch)
+ORACLE_PROMPTS = 2
+#: the engine core in the engine's own process, where ``kv_digest`` reads the KV cache
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+#: vLLM's block size in every engine of the bench
+BLOCK_SIZE = 16
 
 
 def pinned_ranks(log: list[str]) -> set[str]:
@@ -398,6 +417,85 @@ def cross_tp_pass(
     print(f"cross-TP: {got}, outputs match: {match}", flush=True)
 
 
+Digests = list[str | None]
+
+
+def kv_oracle(reference: list[Digests], got: list[Digests], cached: list[int]) -> tuple[int, int]:
+    """The KV oracle's count over prompts: the blocks of each prompt that its hit
+    covered (the first ``cached // BLOCK_SIZE``) and, among them, those whose digest in
+    the hit engine (``got``) is not the one of the engine that computed them
+    (``reference``), or that either engine no longer holds (None).  The blocks after a
+    hit the hit engine computed itself, in kernels of other shapes whose bf16 sums may
+    differ in the last bit: not compared."""
+    blocks = mismatches = 0
+    for ref, mine, c in zip(reference, got, cached, strict=True):
+        n = c // BLOCK_SIZE
+        blocks += n
+        for i in range(n):
+            want = ref[i] if i < len(ref) else None
+            have = mine[i] if i < len(mine) else None
+            mismatches += want is None or want != have
+    return blocks, mismatches
+
+
+def oracle_sets(args: argparse.Namespace) -> list[list[list[int]]]:
+    """The KV oracle's requests, each one ``generate`` call: :data:`ORACLE_PROMPTS`
+    fresh prompts one at a time, as many in one batch, and with ``--cuda-graphs`` as
+    many of ``--tokens`` + 1 tokens in one batch (one token left to compute, as set E)."""
+    paced = prompts(ORACLE_PROMPTS, args.tokens, seed=60_000, vocab=128_000)
+    sets = [[p] for p in paced]
+    sets.append(prompts(ORACLE_PROMPTS, args.tokens, seed=61_000, vocab=128_000))
+    if args.cuda_graphs:
+        sets.append(prompts(ORACLE_PROMPTS, args.tokens + 1, seed=62_000, vocab=128_000))
+    return sets
+
+
+def kv_oracle_pass(
+    start: Any, args: argparse.Namespace, warm_up: list[list[int]], work: Path,
+    out: dict[str, Any],
+) -> None:  # fmt: skip
+    """The KV oracle, after the timed passes (module docstring): ``kv_oracle_cold``
+    computes :func:`oracle_sets` and saves them, ``kv_oracle`` (a new process, the
+    three keys as ``defaults``) hits them; the digests of the hit blocks must equal the
+    cold engine's.  Both engines read their KV once their requests are done."""
+    sets = oracle_sets(args)
+    every = [p for s in sets for p in s]
+
+    def run(name: str) -> tuple[list[int], list[list[int]], list[Digests]]:
+        stats_path = str(work / name)
+        e = start(name, env={**IN_PROCESS, "PEGAFLOW_CONNECTOR_STATS_PATH": stats_path},
+                  three_keys=True, prefix_caching=True)  # fmt: skip
+        try:
+            e.generate(warm_up, 1)
+            cached: list[int] = []
+            outputs: list[list[int]] = []
+            for s in sets:
+                time.sleep(args.pause)
+                r = e.generate(s, max_tokens=1)
+                cached += r["cached"]
+                outputs += r["outputs"]
+            digests = [e.kv_digest(p) for p in every]
+            if name == "kv_oracle_cold":  # its saves reach the node before it exits
+                n = sum(len(p) // BLOCK_SIZE for p in every)
+                print(f"{name} counters: {wait_saved(stats_path, n, timeout=300)}", flush=True)
+        finally:
+            e.stop()
+        return cached, outputs, digests
+
+    cold_cached, cold_out, reference = run("kv_oracle_cold")
+    cached, outputs, got = run("kv_oracle")
+    blocks, mismatches = kv_oracle(reference, got, cached)
+    out["kv_oracle_cached_tokens"] = cached
+    out["kv_oracle_cold_cached_tokens"] = cold_cached
+    out["kv_oracle_outputs_match"] = outputs == cold_out
+    out["kv_oracle_blocks"] = blocks
+    out["kv_oracle_mismatches"] = mismatches
+    # a cold hit would make the reference loaded KV, not computed; no block compared
+    # says nothing
+    out["kv_oracle_ok"] = blocks > 0 and mismatches == 0 and not any(cold_cached)
+    print(f"KV oracle: {blocks} hit blocks compared, {mismatches} differ", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=6, help="prompts in sets A and B")
@@ -449,6 +547,11 @@ def main() -> None:
     )
     ap.add_argument("--skip-tuned", action="store_true", help="leave out the tuned pass")
     ap.add_argument(
+        "--skip-kv-oracle",
+        action="store_true",
+        help="leave out the KV oracle (two more engines after the timed passes)",
+    )
+    ap.add_argument(
         "--tp",
         type=int,
         default=1,
@@ -474,7 +577,7 @@ def main() -> None:
     batch_tokens = args.batch * (args.tokens + 64)
     spec = {
         "model": str(model_dir),
-        "block_size": 16,
+        "block_size": BLOCK_SIZE,
         "max_model_len": args.tokens + 64,
         "max_num_batched_tokens": batch_tokens,
         "kv_cache_bytes": int(args.kv_cache_gb * 1e9),
@@ -683,6 +786,17 @@ def main() -> None:
                 e.stop()
         if args.diagnose:
             diagnose(start, batch, set_c, warm_up, args, out, Path(args.log_dir or work))
+        if args.skip_kv_oracle:
+            pass
+        elif args.tp > 1:  # kv_digest reads the KV of one rank's process
+            out["kv_oracle"] = "not run: --tp > 1"
+        else:
+            try:
+                kv_oracle_pass(start, args, warm_up, work, out)
+            except Exception as err:  # the timed figures are still worth printing
+                print(f"KV oracle: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+                out["kv_oracle_error"] = f"{type(err).__name__}: {err}"[:2000]
+                out["kv_oracle_ok"] = False
     finally:
         server.terminate()
         if args.log_dir:
@@ -745,6 +859,8 @@ def main() -> None:
             for k, (b, a, _w) in windows.items()
         }
     print(json.dumps(out), flush=True)
+    if out.get("kv_oracle_ok") is False:
+        sys.exit("KV oracle failed: the hit engine's KV is not the KV the cold engine computed")
 
 
 if __name__ == "__main__":

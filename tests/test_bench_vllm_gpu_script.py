@@ -1,11 +1,14 @@
 """Pure logic of ``scripts/bench_vllm_gpu.py``'s ``--tp N`` figures: the per-rank
 pinned-memcpy ceilings measured on every GPU at once (with a fake copy, no GPU), each
 rank's load rate from its own stats file against its own ceiling, the batch floor, the
-engines' NVLink-multicast switches and the cross-TP verdict.  No engine is started (the
-bench itself runs on the GPU machines, see docs/benchmarks.md "GPU (H200)")."""
+engines' NVLink-multicast switches and the cross-TP verdict; the KV oracle's count, its
+pass with fake engines and the per-block digests it reads (``tests/vllm_runner.py``'s,
+on CPU tensors).  No engine is started (the bench itself runs on the GPU machines, see
+docs/benchmarks.md "GPU (H200)")."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -35,6 +38,7 @@ def test_help_lists_tp() -> None:
     assert r.returncode == 0, r.stderr
     assert "--tp" in r.stdout
     assert "--pool-size" in r.stdout
+    assert "--skip-kv-oracle" in r.stdout
 
 
 def test_ceilings_are_measured_on_every_rank_at_once(bench: ModuleType) -> None:
@@ -138,8 +142,6 @@ class _FakeEngine:
 def test_cross_tp_pass_sends_each_engine_the_other_size_s_prompts(
     bench: ModuleType, tmp_path: Path
 ) -> None:
-    import argparse
-
     args = argparse.Namespace(tp=2, tokens=64, pause=0.0)
     set_a = [[1] * 64, [2] * 64, [3] * 64]
     saved: dict[tuple[int, ...], set[int]] = {}  # prompt -> TP sizes that saved it
@@ -202,3 +204,178 @@ def test_a_batch_splits_at_vllm_s_own_marks(bench: ModuleType) -> None:
         "steps_scheduled": 1,
     }
     assert bench.phases_of([[4.0, 30.0, 90.0], [5.0, 95.0, 180.0]], 200.0)["steps_scheduled"] == 2
+
+
+def test_kv_oracle_compares_the_hit_blocks_only(bench: ModuleType) -> None:
+    ref = [["a0", "a1", "a2"], ["b0", "b1", "b2"]]
+    # prompt a: 2 blocks hit (the third computed by the hit engine, in other kernels: its
+    # last bits may differ and are not compared); prompt b: no hit
+    assert bench.kv_oracle(ref, [["a0", "a1", "zz"], ["x", "y", "z"]], [32, 0]) == (2, 0)
+    assert bench.kv_oracle(ref, [["a0", "zz", "a2"], ref[1]], [47, 48]) == (5, 1)
+    # a hit block the hit engine no longer holds, or the cold one never did, differs
+    assert bench.kv_oracle(ref, [["a0", None, "a2"], ref[1]], [32, 0]) == (2, 1)
+    assert bench.kv_oracle([[None, "a1"]], [[None, "a1"]], [32]) == (2, 1)
+    assert bench.kv_oracle([["a0"]], [["a0"]], [32]) == (2, 1)  # past the digests
+    assert bench.kv_oracle(ref, ref, [0, 0]) == (0, 0)
+
+
+Node = dict[tuple[int, ...], str]
+
+
+class _OracleEngine:
+    """A vLLM engine in the KV oracle's pass: its own KV per block, computed (a value
+    of its own) or loaded from ``node`` (the saved blocks, by their tokens from the
+    prompt's start) through ``load``."""
+
+    def __init__(
+        self, name: str, stats_prefix: str, node: Node,
+        load: Callable[[str], str],
+    ) -> None:  # fmt: skip
+        self.name = name
+        self.node = node
+        self.load = load
+        self.kv: Node = {}
+        self.calls: list[str] = []
+        self.stopped = False
+        # the saves a real engine's worker reports in its stats file
+        Path(f"{stats_prefix}.worker0.json").write_text(json.dumps({"save_blocks": 1e9}))
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> dict[str, object]:
+        self.calls.append("generate")
+        cached = []
+        for p in prompts:
+            hit = 0
+            for end in range(16, len(p) + 1, 16):
+                key = tuple(p[:end])
+                if key in self.node and end < len(p) and hit == end - 16:  # vLLM computes
+                    self.kv[key] = self.load(self.node[key])  # one token at least
+                    hit = end
+                else:  # computed here: the same KV up to its last bits, not compared
+                    self.kv[key] = self.node[key] = f"{self.name}:{sum(key)}:{end}"
+            cached.append(hit)
+        return {"cached": cached, "outputs": [[len(p)] for p in prompts]}
+
+    def kv_digest(self, prompt: list[int]) -> list[str | None]:
+        self.calls.append("kv_digest")
+        return [self.kv.get(tuple(prompt[:end])) for end in range(16, len(prompt) + 1, 16)]
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def _oracle(
+    bench: ModuleType, tmp_path: Path, load: Callable[[str], str], cuda_graphs: bool = False,
+    on_start: Callable[[str, Node], None] = lambda name, node: None,
+) -> tuple[dict[str, object], list[tuple[str, dict[str, str], dict[str, object]]],
+           list[_OracleEngine]]:  # fmt: skip
+    """The KV oracle's pass with fake engines on a fake node; ``on_start(name, node)``
+    before each engine starts."""
+    args = argparse.Namespace(tokens=64, pause=0.0, cuda_graphs=cuda_graphs)
+    node: Node = {}
+    started: list[tuple[str, dict[str, str], dict[str, object]]] = []
+    engines: list[_OracleEngine] = []
+
+    def start(name: str, env: dict[str, str], **extra: object) -> _OracleEngine:
+        on_start(name, node)
+        started.append((name, env, extra))
+        engines.append(_OracleEngine(name, env["PEGAFLOW_CONNECTOR_STATS_PATH"], node, load))
+        return engines[-1]
+
+    out: dict[str, object] = {}
+    bench.kv_oracle_pass(start, args, [[5] * 16], tmp_path, out)
+    return out, started, engines
+
+
+def test_kv_oracle_pass_checks_a_new_engine_s_loaded_kv(bench: ModuleType, tmp_path: Path) -> None:
+    out, started, engines = _oracle(bench, tmp_path, load=lambda kv: kv)
+    assert [n for n, _, _ in started] == ["kv_oracle_cold", "kv_oracle"]
+    for _, env, extra in started:
+        # the engine core in the runner's process, vLLM's prefix cache on (kv_digest)
+        assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        assert extra == {"three_keys": True, "prefix_caching": True}
+    for e in engines:  # the KV read once every request is done
+        assert e.stopped
+        assert e.calls == ["generate"] * 4 + ["kv_digest"] * 4
+    assert out["kv_oracle_cold_cached_tokens"] == [0, 0, 0, 0]
+    assert out["kv_oracle_cached_tokens"] == [48, 48, 48, 48]  # 2 paced, a batch of 2
+    assert out["kv_oracle_blocks"] == 12
+    assert out["kv_oracle_mismatches"] == 0
+    assert out["kv_oracle_outputs_match"] is True
+    assert out["kv_oracle_ok"] is True
+
+
+def test_kv_oracle_pass_catches_wrong_kv(bench: ModuleType, tmp_path: Path) -> None:
+    """All-zero KV loaded: the outputs (of dummy weights) still match, the oracle not."""
+    out, _, _ = _oracle(bench, tmp_path, load=lambda kv: "zeros")
+    assert out["kv_oracle_outputs_match"] is True
+    assert out["kv_oracle_blocks"] == 12
+    assert out["kv_oracle_mismatches"] == 12
+    assert out["kv_oracle_ok"] is False
+
+
+def test_kv_oracle_pass_with_cuda_graphs_has_one_token_hits(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    out, _, engines = _oracle(bench, tmp_path, load=lambda kv: kv, cuda_graphs=True)
+    # the one-token batch: 65 tokens, its 4 full blocks hit, one token left to compute
+    assert out["kv_oracle_cached_tokens"] == [48, 48, 48, 48, 64, 64]
+    assert out["kv_oracle_blocks"] == 20  # 4 x 3 and 2 x 4
+    assert out["kv_oracle_ok"] is True
+    assert engines[1].calls == ["generate"] * 5 + ["kv_digest"] * 6
+
+
+def test_kv_oracle_fails_with_nothing_to_compare(bench: ModuleType, tmp_path: Path) -> None:
+    def lose_node(name: str, node: Node) -> None:
+        if name == "kv_oracle":  # the node lost every block: the hit engine hits nothing
+            node.clear()
+
+    out, _, _ = _oracle(bench, tmp_path, load=lambda kv: kv, on_start=lose_node)
+    assert out["kv_oracle_cached_tokens"] == [0, 0, 0, 0]
+    assert (out["kv_oracle_blocks"], out["kv_oracle_mismatches"]) == (0, 0)
+    assert out["kv_oracle_ok"] is False
+
+
+def test_kv_oracle_fails_when_its_cold_engine_hits(bench: ModuleType, tmp_path: Path) -> None:
+    """A cold engine that loaded the prompts' KV gives no reference computed from them."""
+
+    def saved_before(name: str, node: Node) -> None:
+        if name == "kv_oracle_cold":
+            p = bench.oracle_sets(argparse.Namespace(tokens=64, cuda_graphs=False))[0][0]
+            node[tuple(p[:16])] = "someone else's"
+
+    out, _, _ = _oracle(bench, tmp_path, load=lambda kv: kv, on_start=saved_before)
+    assert out["kv_oracle_cold_cached_tokens"] == [16, 0, 0, 0]
+    assert out["kv_oracle_mismatches"] == 0
+    assert out["kv_oracle_ok"] is False
+
+
+def test_block_digests_are_xxh3_of_each_block_over_the_layers() -> None:
+    """``kv_digest``'s digests (``tests/vllm_runner.py``), gathered per layer where the KV
+    lives: per block, the xxh3-64 of its bytes in every layer in layer order, for both
+    layouts (block dimension first, or after K and V)."""
+    torch = pytest.importorskip("torch")
+    xxhash = pytest.importorskip("xxhash")
+    from tests.vllm_runner import block_digests
+
+    num_blocks = 7
+    g = torch.Generator().manual_seed(0)
+    layers = [
+        torch.randn(2, num_blocks, 4, 2, 8, generator=g).to(torch.bfloat16),  # FlashAttention
+        torch.randn(num_blocks, 2, 4, 2, 8, generator=g).to(torch.bfloat16),
+        torch.randn(2, num_blocks, 4, 2, 8, generator=g).to(torch.bfloat16)[:, :, :, :, ::2],
+    ]  # the last one a strided view
+    ids = [5, 0, 3, 5]
+
+    def naive(b: int) -> str:
+        d = xxhash.xxh3_64()
+        for t in layers:
+            tile = t[b] if t.shape[0] == num_blocks else t[:, b]
+            d.update(tile.contiguous().view(torch.uint8).numpy().tobytes())
+        return d.hexdigest()
+
+    got = block_digests(layers, ids, num_blocks)
+    assert got == [naive(b) for b in ids]
+    assert got[0] == got[3] != got[1]
+    assert block_digests(layers, [], num_blocks) == []
+    with pytest.raises(RuntimeError, match="no block dimension"):
+        block_digests([torch.zeros(3, 3, 4)], [0], num_blocks)
