@@ -26,7 +26,7 @@ import pytest
 from pegaflow.client import SyncPegaClient
 
 from pegaflow.config import ClientConfig
-from pegaflow.devcluster import Proc, start_coordinator, start_node, start_server
+from pegaflow.devcluster import Proc, free_port, start_coordinator, start_node, start_server
 from tests.vllm_engine import VllmEngine, prompts
 from tests.vllm_engine import connector_stats as stats
 
@@ -47,7 +47,9 @@ S = prompts(10, 200, seed=8)  # loaded from a node made slow
 # computing them even when the tiny model runs alone on an idle CPU (0.3 ms for A's 192)
 L = prompts(3, 1600, seed=9)  # 50 full blocks each
 W = prompts(3, 1600, seed=10)  # saved by engine 3 on its own node, loaded back layer-wise
-ALL = {"A": A, "A2": A2, "B": B, "D": D, "F": F, "G": G, "H": H, "S": S, "L": L, "W": W}
+R1, R2, R3 = (prompts(2, 270, seed=s) for s in (11, 12, 13))  # around a pool replaced
+ALL = {"A": A, "A2": A2, "B": B, "D": D, "F": F, "G": G, "H": H, "S": S, "L": L, "W": W,
+       "R1": R1, "R2": R2, "R3": R3}  # fmt: skip
 
 
 class Cluster:
@@ -361,6 +363,63 @@ def test_three_keys_against_a_default_server_use_the_same_host_path(
         logged = sum(int(n) for n in re.findall(r"saved (\d+) blocks", log))
         assert logged >= st["save_blocks"], (logged, st, e5.tail())
     finally:
+        server.terminate()
+
+
+def test_a_node_restarted_on_a_new_pool_file_gets_the_engines_kv(
+    reference: Any, engines: Any, workdir: Path, shm: Path
+) -> None:
+    """Issue 36, defect 1: the server is stopped, its pool file removed (a cleaned
+    ``/dev/shm``) and started again at the same path and ports while an engine keeps
+    running.  Its first save after that is refused (it still maps the old file); then it
+    maps the new one, and an engine reading over UCX loads exactly the KV it computed.
+    Before, the engine wrote through the old mapping and the node published the zeros
+    of its new slots with valid checksums: the reader loaded them without an error."""
+    pool_dir = shm / "replaced"
+    pool_dir.mkdir()
+    ports = ["--coordinator-port", str(free_port()), "--node-ucx-port", str(free_port())]
+
+    def serve() -> Proc:
+        return start_server(
+            extra=["--pool-size", "256MiB", "--node-slab-bytes", "16MiB", *ports,
+                   "--node-shm-dir", str(pool_dir)],
+        )  # fmt: skip
+
+    server = serve()
+    coordinators, node = server.ready["coordinator"], server.ready["node"]
+
+    def connector(stats_path: str, **kw: Any) -> dict[str, Any]:
+        return {"coordinators": coordinators, "local_node": node, "stats_path": stats_path,
+                "transfer_timeout_s": 5.0, "cost_model": False, **kw}  # fmt: skip
+
+    s7, s8 = str(workdir / "e7"), str(workdir / "e8")
+    try:
+        e7 = start(engines, "e7", {"connector": connector(s7)}, env=IN_PROCESS)
+        assert e7.generate(R1, MAX_TOKENS)["outputs"] == reference["R1"]
+        wait_stats(s7, lambda s: s.get("save_blocks", 0) >= 2 * 8, engine=e7)
+        server.terminate()
+        for f in pool_dir.iterdir():
+            f.unlink()
+        server = serve()
+        assert e7.generate(R2, MAX_TOKENS)["outputs"] == reference["R2"]  # its save refused
+        wait_stats(s7, lambda s: s.get("save_failed_blocks", 0) > 0, engine=e7)
+        assert e7.generate(R3, MAX_TOKENS)["outputs"] == reference["R3"]
+        wait_stats(s7, lambda s: s.get("save_blocks", 0) >= 4 * 8, engine=e7)
+        computed = [e7.kv_digest(p) for p in R3]
+        assert "no longer uses the pool file this engine mapped" in "\n".join(e7.log)
+
+        e8 = start(
+            engines, "e8", {"connector": connector(s8, same_host_shortcut=False)}, env=IN_PROCESS
+        )
+        r = e8.generate(R3, MAX_TOKENS)
+        assert r["outputs"] == reference["R3"]
+        assert r["cached"] == [256, 256]  # every full block over UCX from the new pool
+        assert [e8.kv_digest(p) for p in R3] == computed  # the KV itself, not zeros
+        assert stats(s8).get("load_failed_blocks", 0) == 0
+    finally:
+        for name in ("e7", "e8"):
+            if name in engines:
+                engines.pop(name).stop()
         server.terminate()
 
 
