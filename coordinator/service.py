@@ -40,7 +40,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -77,6 +77,10 @@ log = logging.getLogger(__name__)
 
 #: Most hashes accepted in one lookup (a 1M-token prompt at block size 16).
 MAX_LOOKUP_HASHES = 65536
+#: Hashes looked up in one step of a longer lookup, which the server may interleave with
+#: other connections' turns (:class:`~pegaflow.rpc_server.RpcServer`): about a
+#: millisecond of index work.
+LOOKUP_STEP = 4096
 
 
 _HITS = pack("hits")  # after a map header of 3 to 5 entries
@@ -210,6 +214,7 @@ class Coordinator:
             auth=Authenticator(self.token, self._security.tenant_tokens if self._security else ()),
             max_frame=cfg.max_frame_bytes,
             on_request=self.metrics.on_request,
+            slice_s=cfg.fair_slice_ms / 1000,
         )
         self.port = await self._rpc.start(cfg.host, cfg.port)
         if not self.id:
@@ -296,8 +301,9 @@ class Coordinator:
             out["disk"] = pack_bits(disk, hits)
         return out
 
-    def op_lookup(self, args: dict[str, Any]) -> Packed:
-        """Longest stored prefix of ``hashes`` with every shard in ``shards``."""
+    def op_lookup(self, args: dict[str, Any]) -> Packed | Generator[None, None, Packed]:
+        """Longest stored prefix of ``hashes`` with every shard in ``shards``; one of
+        more than :data:`LOOKUP_STEP` hashes is looked up in steps (a generator)."""
         t0 = time.perf_counter()
         ns = args.get("ns")
         if type(ns) is not str or ns not in self._ns_ok:  # validated once per namespace
@@ -305,26 +311,84 @@ class Coordinator:
             if len(self._ns_ok) >= 4096:
                 self._ns_ok.clear()
             self._ns_ok.add(ns)
-        hashes = check_hashes(args, "hashes", MAX_LOOKUP_HASHES)
-        shards = check_shards(args)
-        want_gens = args.get("gens") is True
+        hashes = args.get("hashes")
+        if type(hashes) is list and len(hashes) > LOOKUP_STEP:
+            return self._lookup_in_steps(ns, args, t0)
+        hashes, shards, want_gens = self._lookup_args(args)
         index = self.index
         hits, blocks, node_ids, gens = index.lookup(ns, hashes, shards, want_gens)
         disk = index.on_disk(ns, hashes, shards, hits) if hits else []
+        nodes = list(map(index.node_entry_packed, node_ids))
+        return self._lookup_reply(
+            args, t0, len(hashes), hits, nodes, self._pack_rows(blocks), gens, disk
+        )
+
+    @staticmethod
+    def _lookup_args(args: dict[str, Any]) -> tuple[list[bytes], list[int], bool]:
+        return (
+            check_hashes(args, "hashes", MAX_LOOKUP_HASHES),
+            check_shards(args),
+            args.get("gens") is True,
+        )
+
+    def _lookup_in_steps(
+        self, ns: str, args: dict[str, Any], t0: float
+    ) -> Generator[None, None, Packed]:
+        """:meth:`op_lookup` of :data:`LOOKUP_STEP` hashes at a time, yielding between.
+        The index may change between two steps: each node's record is the one it had
+        when its first block was looked up."""
+        hashes, shards, want_gens = self._lookup_args(args)
+        index = self.index
+        hits = 0
+        nodes: dict[str, bytes] = {}
+        rows: list[bytes] = []
+        gens: list[int] | None = [] if want_gens else None
+        disk: list[int] = []
+        for start in range(0, len(hashes), LOOKUP_STEP):
+            yield
+            part = hashes[start : start + LOOKUP_STEP]
+            m = index.lookup(ns, part, shards, want_gens)
+            for n in m.nodes.difference(nodes):
+                nodes[n] = index.node_entry_packed(n)
+            rows.append(self._pack_rows(m.blocks))
+            if gens is not None:
+                gens += m.gens or ()
+            if m.hits:
+                disk += [start + i for i in index.on_disk(ns, part, shards, m.hits)]
+            hits += m.hits
+            if m.hits < len(part):
+                break
+        return self._lookup_reply(
+            args, t0, len(hashes), hits, list(nodes.values()), b"".join(rows), gens, disk
+        )
+
+    def _lookup_reply(
+        self,
+        args: dict[str, Any],
+        t0: float,
+        asked: int,
+        hits: int,
+        nodes: list[bytes],
+        rows: bytes,
+        gens: list[int] | None,
+        disk: list[int],
+    ) -> Packed:
+        """The ``lookup`` result, packed from its parts (``nodes``: map entries, ``rows``:
+        the items of ``blocks``), counted in the metrics unless it is a warm-up."""
         # {"hits": .., "nodes": {..}, "blocks": [..](, "gens": [..])(, "disk": b"..")}
-        # from packed pieces.
         result = Packed(
             b"".join(
                 (
-                    bytes((0x83 + want_gens + bool(disk),)),
+                    bytes((0x83 + (gens is not None) + bool(disk),)),
                     _HITS,
                     pack(hits),
                     _NODES_KEY,
-                    _map_header(len(node_ids)),
-                    *map(index.node_entry_packed, node_ids),
+                    _map_header(len(nodes)),
+                    *nodes,
                     _BLOCKS_KEY,
-                    self._pack_blocks(blocks),
-                    *((_GENS_KEY, pack(gens)) if want_gens else ()),
+                    _array_header(hits),
+                    rows,
+                    *((_GENS_KEY, pack(gens)) if gens is not None else ()),
                     *((_DISK_KEY, pack(pack_bits(disk, hits))) if disk else ()),
                 )
             )
@@ -333,20 +397,20 @@ class Coordinator:
             m = self.metrics
             m.lookups += 1
             m.hit_blocks += hits
-            m.miss_blocks += len(hashes) - hits
+            m.miss_blocks += asked - hits
             m.lookup_seconds.observe(time.perf_counter() - t0)
         return result
 
-    def _pack_blocks(self, blocks: list[tuple[str, ...]]) -> bytes:
-        """msgpack of ``blocks``: each distinct row is packed once (rows are shared)."""
+    def _pack_rows(self, blocks: list[tuple[str, ...]]) -> bytes:
+        """msgpack of each of ``blocks``, one after another: each distinct row is packed
+        once (rows are shared)."""
         n = len(blocks)
-        head = _array_header(n)
         if not n:
-            return head
+            return b""
         first = blocks[0]
         if blocks.count(first) == n:
-            return head + self._packed_row(first) * n
-        return head + b"".join(map(self._packed_row, blocks))
+            return self._packed_row(first) * n
+        return b"".join(map(self._packed_row, blocks))
 
     def _packed_row(self, row: tuple[str, ...]) -> bytes:
         cache = self._row_cache

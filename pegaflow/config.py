@@ -185,6 +185,13 @@ class CoordinatorConfig:
         "further reports, or until it answers the coordinator's check again (0: reports "
         "are counted only)",
     )
+    fair_slice_ms: float = opt(
+        2.0,
+        "a turn on the event loop: once a connection has more work than this, tenants take "
+        "turns of this long, round-robin, and each tenant's connections share its turns "
+        "(those with the cluster token count as one tenant); a small lookup waits about one "
+        "turn of each other tenant with work waiting, a 65,536-block lookup takes several",
+    )
 
 
 @dataclass
