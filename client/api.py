@@ -30,7 +30,7 @@ from pegaflow.rpc_client import RpcClient
 from pegaflow.wire import LocatedBlocks, unpack_bits
 
 from .calls import default_timeout, operation
-from .data import DataClient, PoolFile, PutOutcome
+from .data import DataClient, Fetched, PoolFile, PutOutcome
 from .nodehealth import PROBE_TIMEOUT_S, RETRY_S, NodeHealth
 from .samehost import LocalNode, may_be_here, opens_as_node_file
 from .session import NodeSession
@@ -180,9 +180,10 @@ class PegaClient:
         return self._data.stale_misses
 
     def settled(self, buf: Any) -> bool:
-        """Whether no receive of an earlier, failed get can still write into ``buf``:
-        reuse a get's buffer for anything else only then (UCX cannot cancel a receive
-        under way; see :mod:`pegaflow.client.data`).  Safe to call from any thread."""
+        """Whether no receive of a zero-copy get (under way, or failed and unfinished)
+        can write into ``buf``: a caller of ``get_blocks(..., zero_copy=True)`` reuses
+        or reads a buffer only then (UCX cannot cancel a receive under way; see
+        :mod:`pegaflow.client.data`).  Safe to call from any thread."""
         return self._data.settled(buf)
 
     # ---- control plane -------------------------------------------------------------
@@ -270,13 +271,15 @@ class PegaClient:
 
     # ---- data plane ----------------------------------------------------------------
 
-    @_op("transfer_timeout_s")
+    @_op("transfer_timeout_s", fetch="_fetch_blocks")
     async def get_blocks(
         self,
         ns: str,
         items: Sequence[GetItem],
         timeout: Timeout = None,
         generations: Sequence[int | None] | None = None,
+        *,
+        zero_copy: bool = False,
     ) -> list[bool]:
         """Fetch blocks into caller-owned buffers, batched per node, nodes in parallel.
 
@@ -284,10 +287,34 @@ class PegaClient:
         block had at lookup (:attr:`LookupResult.generations`); a node whose slot now
         holds another generation answers a miss.  Returns per item True when the block
         arrived (with that generation) and its checksum matched.
+
+        Only those blocks are written into the caller's buffers, as the call's last
+        step: once it returned (or was cancelled, or the blocking caller gave up on it),
+        nothing writes them, whatever became of the transfers.  ``zero_copy``: UCX
+        receives straight into the caller's buffers instead (no copy), and the receives
+        of a get that gave up may write them long after it returned: for a caller that
+        reuses or reads a buffer only once :meth:`settled` says so, as the connector
+        does (see :mod:`pegaflow.client.data`).
         """
+        deadline = self._deadline("get_blocks", timeout)
+        got = await self._fetch_blocks(ns, items, deadline, generations, zero_copy=zero_copy)
+        return got.deliver()
+
+    async def _fetch_blocks(
+        self,
+        ns: str,
+        items: Sequence[GetItem],
+        timeout: Timeout = None,
+        generations: Sequence[int | None] | None = None,
+        *,
+        zero_copy: bool = False,
+    ) -> Fetched:
+        """:meth:`get_blocks` but its last step: the caller's buffers are written only by
+        :meth:`Fetched.deliver` (:meth:`DataClient.fetch`)."""
         if generations is not None and len(generations) != len(items):
             raise ValueError("generations must have one entry per item")
         deadline = self._deadline("get_blocks", timeout)
+        parts: list[Fetched] = []
 
         async def get(node_id: str, idx: list[int]) -> list[bool]:
             attrs = (
@@ -298,22 +325,24 @@ class PegaClient:
             if self.health.is_down(node_id):  # cut off or hung: a miss now, no wait
                 self.health.skip(len(idx))
                 return [False] * len(idx)
-            # a get into a buffer an earlier failed get may still write is refused before
-            # it is sent: it says nothing about the node
+            # a get into a buffer a zero-copy get may still write is refused before it is
+            # sent: it says nothing about the node
             sent = all(self._data.settled(items[i][3]) for i in idx)
             with telemetry.span("pegaflow.client.get", attrs) as span:
-                got = await self.session(node_id).get(
+                got = await self.session(node_id).fetch(
                     ns,
                     [(items[i][1], items[i][2], items[i][3]) for i in idx],
                     deadline,
                     None if generations is None else [generations[i] for i in idx],
+                    zero_copy=zero_copy,
                 )  # a failed get is misses; a node not a member raises
-                span.set_attribute("pegaflow.loaded", sum(got))
+                parts.append(got)
+                span.set_attribute("pegaflow.loaded", sum(got.ok))
             if sent:
-                self._note_get(node_id, got, deadline)
-            return got
+                self._note_get(node_id, got.ok, deadline)
+            return got.ok
 
-        return await _per_node(items, get)
+        return Fetched.joined(await _per_node(items, get), parts)
 
     @_op("rpc_timeout_s")
     async def pin_blocks(

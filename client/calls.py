@@ -6,6 +6,12 @@ gives a synchronous facade (an :class:`OnLoop`) each operation of an async class
 with its signature: ``op(...)`` blocks for the answer, ``submit_op(...)`` returns a
 :class:`concurrent.futures.Future` of it.  The deadline of a call is made from its
 ``timeout`` on the caller's thread and carried to the loop (:mod:`pegaflow.deadline`).
+
+An operation that writes the caller's buffers (a get) names its *fetch* form, which
+answers a :class:`~.data.Fetched` instead: the facade runs that one on the loop and
+delivers its answer on the caller's side, so a caller that gave up on the call (a
+blocking call past its deadline, a cancelled future) never has its buffers written
+afterwards.
 """
 
 from __future__ import annotations
@@ -22,17 +28,25 @@ from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline
 from pegaflow.errors import Unavailable
 
+from .data import Fetched
+
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Coroutine[Any, Any, Any]])
 
 _DEFAULT = "__pegaflow_timeout__"
+_FETCH = "__pegaflow_fetch__"
 
 
-def operation(default: str) -> Callable[[F], F]:
-    """Declare an operation whose ``timeout`` defaults to ``ClientConfig.<default>``."""
+def operation(default: str, *, fetch: str | None = None) -> Callable[[F], F]:
+    """Declare an operation whose ``timeout`` defaults to ``ClientConfig.<default>``.
+
+    ``fetch``: the method (with the same arguments) that answers the
+    :class:`~.data.Fetched` this operation delivers (see the module docstring)."""
 
     def register(fn: F) -> F:
         setattr(fn, _DEFAULT, default)
+        if fetch is not None:
+            setattr(fn, _FETCH, fetch)
         return fn
 
     return register
@@ -99,15 +113,26 @@ def offer(facade: type[OnLoop], target: type, attr: str) -> None:
         setattr(facade, f"submit_{op}", _submitting(target, op, attr))
 
 
+def _loop_method(target: type, op: str) -> tuple[str, bool]:
+    """The method the facade runs on the loop for ``op``: ``op``, or its fetch form (then
+    True: its answer is to be delivered)."""
+    fetch = getattr(getattr(target, op), _FETCH, None)
+    return (op, False) if fetch is None else (fetch, True)
+
+
 def _blocking(target: type, op: str, attr: str) -> Callable[..., Any]:
-    """``<facade>.<op>``: the target's ``op`` on the loop, waited for."""
+    """``<facade>.<op>``: the target's ``op`` on the loop, waited for (a fetch form's
+    answer is delivered on the caller's thread)."""
     fn = getattr(target, op)
     pos = _timeout_index(fn)
+    run, fetches = _loop_method(target, op)
 
     @functools.wraps(fn)
     def call(self: OnLoop, *args: Any, **kwargs: Any) -> Any:
         deadline, args = self._carry(op, pos, args, kwargs)
-        return self._wait(self._submit(fn(getattr(self, attr), *args, **kwargs)), deadline)
+        coro = getattr(getattr(self, attr), run)(*args, **kwargs)
+        got = self._wait(self._submit(coro), deadline)
+        return got.deliver() if fetches else got
 
     call.__doc__ = f"Blocking :meth:`{target.__name__}.{op}` (see there)."
     return call
@@ -117,11 +142,13 @@ def _submitting(target: type, op: str, attr: str) -> Callable[..., concurrent.fu
     """``<facade>.submit_<op>``: the target's ``op`` on the loop, not waited for."""
     fn = getattr(target, op)
     pos = _timeout_index(fn)
+    run, fetches = _loop_method(target, op)
 
     @functools.wraps(fn)
     def submit(self: OnLoop, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
         _deadline, args = self._carry(op, pos, args, kwargs)
-        return self._submit(fn(getattr(self, attr), *args, **kwargs))
+        fut = self._submit(getattr(getattr(self, attr), run)(*args, **kwargs))
+        return _delivering(fut) if fetches else fut
 
     sig = inspect.signature(fn)
     submit.__name__ = submit.__qualname__ = f"submit_{op}"
@@ -134,6 +161,34 @@ def _submitting(target: type, op: str, attr: str) -> Callable[..., concurrent.fu
         "``fut.result(deadline.hop_wait())``)."
     )
     return submit
+
+
+def _delivering(fetch: concurrent.futures.Future[Fetched]) -> concurrent.futures.Future[Any]:
+    """A future of ``fetch``'s answer delivered (on the loop thread, as it comes), unless
+    this future was cancelled first: the answer is then discarded.  Once its delivery
+    began, ``cancel()`` says False (the caller waits for its answer)."""
+    out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def done(f: concurrent.futures.Future[Fetched]) -> None:
+        if f.cancelled():
+            out.cancel()
+            return
+        if not out.set_running_or_notify_cancel():  # the caller gave up first
+            if f.exception() is None:
+                f.result().discard()
+            return
+        try:
+            out.set_result(f.result().deliver())  # result() raises the fetch's error
+        except BaseException as e:
+            out.set_exception(e)
+
+    def given_up(o: concurrent.futures.Future[Any]) -> None:
+        if o.cancelled():
+            fetch.cancel()
+
+    fetch.add_done_callback(done)
+    out.add_done_callback(given_up)
+    return out
 
 
 def _timeout_index(fn: Callable[..., Any]) -> int:

@@ -43,7 +43,7 @@ from pegaflow.rpc_client import RpcClient
 from pegaflow.wire import LocatedBlocks
 
 from .calls import default_timeout, operation
-from .data import DataClient, PoolFile, PutOutcome, retrieve
+from .data import DataClient, Fetched, PoolFile, PutOutcome, retrieve
 
 log = logging.getLogger(__name__)
 
@@ -204,18 +204,35 @@ class NodeSession:
 
     # ---- over UCX ------------------------------------------------------------------
 
-    @operation("transfer_timeout_s")
+    @operation("transfer_timeout_s", fetch="fetch")
     async def get(
         self,
         ns: str,
         items: Sequence[tuple[bytes, int, Any]],
         timeout: Timeout = None,
         gens: Sequence[int | None] | None = None,
+        *,
+        zero_copy: bool = False,
     ) -> list[bool]:
-        """Fetch ``(hash, shard, buffer)`` blocks (see :meth:`DataClient.get`)."""
+        """Fetch ``(hash, shard, buffer)`` blocks; once it returned, nothing writes the
+        buffers, unless ``zero_copy`` (see :meth:`DataClient.get`)."""
+        return (await self.fetch(ns, items, timeout, gens, zero_copy=zero_copy)).deliver()
+
+    async def fetch(
+        self,
+        ns: str,
+        items: Sequence[tuple[bytes, int, Any]],
+        timeout: Timeout = None,
+        gens: Sequence[int | None] | None = None,
+        *,
+        zero_copy: bool = False,
+    ) -> Fetched:
+        """:meth:`get` but its last step (:meth:`DataClient.fetch`)."""
         deadline = self._deadline("get", timeout)
         addr = await self._address(deadline)
-        return await self._data.get(addr, ns, items, deadline, gens, expect_node=self.node_id)
+        return await self._data.fetch(
+            addr, ns, items, deadline, gens, expect_node=self.node_id, zero_copy=zero_copy
+        )
 
     @operation("transfer_timeout_s")
     async def put(

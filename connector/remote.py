@@ -134,6 +134,7 @@ class RemoteMedium:
                 items,
                 timeout=deadline,
                 generations=gens if any(g is not None for g in gens) else None,
+                zero_copy=True,  # a staging buffer goes back to the pool once settled
             )
             return idx, fut
 
@@ -254,12 +255,14 @@ class RemoteMedium:
                         nodes[node] = nodes.get(node, 0) + 1
                         items.append((node, job.hashes[i], self.shard, buf[1][j]))
                 if items:
-                    got = client.get_blocks(ns, items, timeout=self.settings.transfer_timeout_s)
+                    got = client.get_blocks(
+                        ns, items, timeout=self.settings.transfer_timeout_s, zero_copy=True
+                    )
                     loaded += sum(bool(g) for g in got)
         except Exception as e:
             logger.debug("PegaFlow: probe of %s failed: %s", job.req_id, e)
         finally:
-            staging.release(buf)
+            staging.release(buf, lambda: bool(client.settled(buf[1])))
         seconds = time.monotonic() - t0
         if len(nodes) == 1 and (loaded or seconds >= 0.1):
             node = next(iter(nodes))

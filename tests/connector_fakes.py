@@ -161,7 +161,13 @@ class FakeCluster:
 
     # data -----------------------------------------------------------------------------
     def get_blocks(
-        self, ns: str, items: Any, timeout: float | None = None, generations: Any = None
+        self,
+        ns: str,
+        items: Any,
+        timeout: float | None = None,
+        generations: Any = None,
+        *,
+        zero_copy: bool = False,
     ) -> list[bool]:
         self.gets += 1
         ok = []
@@ -210,7 +216,13 @@ class FakeCluster:
         return f
 
     def submit_get_blocks(
-        self, ns: str, items: Any, timeout: float | None = None, generations: Any = None
+        self,
+        ns: str,
+        items: Any,
+        timeout: float | None = None,
+        generations: Any = None,
+        *,
+        zero_copy: bool = False,
     ) -> concurrent.futures.Future[list[bool]]:
         f: concurrent.futures.Future[list[bool]] = concurrent.futures.Future()
         try:

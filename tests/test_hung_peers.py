@@ -5,7 +5,10 @@ other side, whose kernel keeps the TCP connection open) must never freeze the ot
 side's event loop, and the bytes of a get that gave up must never land in a buffer that
 its caller was given back.  ``kill -9`` hides both: the kernel closes the sockets.
 Each test runs over UCX's TCP transport and over its default same-host transports
-(shared memory, CMA), where the node writes straight into the reader's memory.
+(shared memory, CMA), where the node writes straight into the reader's memory.  The
+gets here are zero-copy (UCX receives into the test's buffers), the contract the
+connector keeps: reuse a buffer only once ``settled``; ``tests/test_late_bytes.py``
+covers the default gets of the public API, which never write a buffer once returned.
 """
 
 from __future__ import annotations
@@ -129,7 +132,7 @@ async def test_a_hung_node_neither_freezes_the_reader_nor_writes_a_returned_buff
         await _store(c, well, hashes, data)
         out = np.zeros_like(data)
         items = [(h, 0, out[i]) for i, h in enumerate(hashes)]
-        get = asyncio.ensure_future(c.get(hung.ready["ucx"], NS, items, 1.0))
+        get = asyncio.ensure_future(c.get(hung.ready["ucx"], NS, items, 1.0, zero_copy=True))
         await asyncio.sleep(0.02)
         os.kill(hung.pid, signal.SIGSTOP)
         ticker = _Ticker()
@@ -143,7 +146,8 @@ async def test_a_hung_node_neither_freezes_the_reader_nor_writes_a_returned_buff
         # while the hung node may still write them, a get into the same buffers is
         # refused, even from a healthy node (it used to verify 32 of 32 blocks, which the
         # hung node then overwrote once it resumed)
-        assert not any(await c.get(well.ready["ucx"], NS, items, 5.0))
+        assert not any(await c.get(well.ready["ucx"], NS, items, 5.0, zero_copy=True))
+        assert not any(await c.get(well.ready["ucx"], NS, items, 5.0))  # nor a copying get
 
         os.kill(hung.pid, signal.SIGCONT)
         await _settled_then_reusable(c, well, items, out, data)
@@ -162,7 +166,7 @@ async def test_a_get_past_its_deadline_leaves_no_late_bytes(nodes: list[Proc], t
         out = np.zeros_like(data)
         items = [(h, 0, out[i]) for i, h in enumerate(hashes)]
         await c.get(well.ready["ucx"], NS, items[:1], 5.0)  # connected: the next one streams
-        ok = await c.get(well.ready["ucx"], NS, items, 0.005)
+        ok = await c.get(well.ready["ucx"], NS, items, 0.005, zero_copy=True)
         if all(ok):
             pytest.skip("256 MiB arrived within 5 ms")
         await _settled_then_reusable(c, well, items, out, data)

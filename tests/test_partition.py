@@ -78,7 +78,13 @@ class _Hangs(FakeCluster):
         self.get_calls = 0
 
     def submit_get_blocks(
-        self, ns: str, items: Any, timeout: Any = None, generations: Any = None
+        self,
+        ns: str,
+        items: Any,
+        timeout: Any = None,
+        generations: Any = None,
+        *,
+        zero_copy: bool = False,
     ) -> concurrent.futures.Future[list[bool]]:
         self.get_calls += 1
         nodes = {it[0] for it in items}
