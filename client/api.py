@@ -37,6 +37,10 @@ from .session import NodeSession
 
 log = logging.getLogger(__name__)
 
+RECORDS_MAX_AGE_S = 1.0
+"""how old the node records may be when a node this client holds no connection to is
+dialled (:meth:`PegaClient._node`)"""
+
 PutResult = PutOutcome
 
 GetItem = tuple[str, bytes, int, Any]
@@ -261,10 +265,20 @@ class PegaClient:
         return dict(self._nodes)
 
     async def _node(self, node_id: str, deadline: Deadline) -> NodeRecord:
+        """``node_id``'s record, learned anew (if the records are older than
+        :data:`RECORDS_MAX_AGE_S`) when this client holds no connection to it: a node
+        restarted at another address (a new port, a pod's new IP) is dialled there, not
+        at the address it had.  A refresh that fails keeps the record known; it gets
+        half of what is left of ``deadline``."""
         rec = self._nodes.get(node_id)
-        if rec is None and time.monotonic() - self._nodes_at > 1.0:
-            await self.nodes(timeout=deadline)
-            rec = self._nodes.get(node_id)
+        stale = time.monotonic() - self._nodes_at > RECORDS_MAX_AGE_S
+        if stale and (rec is None or not self._data.connected(rec.ucx_address)):
+            try:
+                await self.nodes(timeout=deadline.sub(deadline.left() / 2))
+                rec = self._nodes.get(node_id)
+            except PegaError:
+                if rec is None:
+                    raise
         if rec is None:
             raise Unavailable(f"node {node_id!r} is not a member of the cluster")
         return rec

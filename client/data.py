@@ -490,9 +490,13 @@ class DataClient:
         w = self.worker
 
         def sent(err: BaseException | None) -> None:
-            # the reply implies the request left; only a failed send needs reporting
-            if err is not None and not fut.done():
-                fut.set_exception(err)
+            # the reply implies the request left; only a failed send needs reporting.  The
+            # endpoint is dead then (its peer died, or restarted on the same port): the
+            # next request must open another connection
+            if err is not None:
+                self._drop(conn, Unavailable(f"sending {msg['op']} to {conn.addr} failed: {err}"))
+                if not fut.done():
+                    fut.set_exception(err)
 
         w.on_done(w.am_send(conn.ep, pack(msg)), sent)
         try:
