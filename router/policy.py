@@ -10,7 +10,15 @@ send it the most (it has nothing in flight).  So ``eject_after`` failed answers 
 (5xx, connection errors, broken or truncated streams) take it out for ``eject_s``
 whatever its ``/health`` says (:meth:`Replica.note_failure`); then it gets one trial
 request at a time: a success puts it back, a failure takes it out again for twice as
-long (at most ``2**MAX_EJECT_DOUBLINGS`` times ``eject_s``).
+long (at most ``2**MAX_EJECT_DOUBLINGS`` times ``eject_s``).  The answer to a request
+sent before the ejection began, good or bad, is no trial: a long stream ending well
+used to put back a replica that failed everything sent since.
+
+Ejection never leaves a role without a replica: when every replica of a role whose
+``/health`` answers is ejected, requests go to those (as Envoy's panic routing does),
+since a replica that failed lately beats a sure 503, and its first good answer puts it
+back.  ``scripts/chaos_router.py`` saw a replica whose fault had ended kept out while
+the other of its role was ejected: 883 requests answered 503 in 2.3 s, both serving.
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ class Replica:
     last_error: str = ""
     failed_in_row: int = 0
     """answers that failed since the last one that did not"""
+    ejected_at: float = 0.0
+    """monotonic time the current ejection began"""
     ejected_until: float = 0.0
     """monotonic time the current ejection ends (see the module docstring)"""
     ejections: int = 0
@@ -60,21 +70,30 @@ class Replica:
             return False
         return self.ejections == 0 or (now >= self.ejected_until and self.inflight == 0)
 
-    def note_success(self) -> bool:
-        """An answer that did not fail; ``True`` when it ends a trial (back in rotation)."""
+    def note_success(self, sent: float | None = None) -> bool:
+        """An answer that did not fail, to a request sent at ``sent`` (monotonic; None:
+        now); ``True`` when it ends an ejection (back in rotation).  A request sent
+        before the ejection began is no trial: its answer changes nothing."""
+        if self.ejections and sent is not None and sent < self.ejected_at:
+            return False
         self.failed_in_row = 0
         back, self.ejections = self.ejections > 0, 0
         return back
 
-    def note_failure(self, now: float, eject_after: int, eject_s: float) -> float:
-        """A failed answer; the seconds of the ejection it starts, 0 for none."""
+    def note_failure(
+        self, now: float, eject_after: int, eject_s: float, sent: float | None = None
+    ) -> float:
+        """A failed answer to a request sent at ``sent`` (None: now); the seconds of the
+        ejection it starts, 0 for none."""
         self.failed_in_row += 1
         if self.ejections == 0 and self.failed_in_row < max(1, eject_after):
             return 0.0
-        if self.ejections and now < self.ejected_until:
-            return 0.0  # a request sent before the ejection: already out
+        sent = now if sent is None else sent
+        if self.ejections and (now < self.ejected_until or sent < self.ejected_at):
+            return 0.0  # out already, or a request sent before the ejection: no trial
         seconds = eject_s * 2 ** min(self.ejections, MAX_EJECT_DOUBLINGS)
         self.ejections += 1
+        self.ejected_at = now
         self.ejected_until = now + seconds
         return seconds
 
@@ -161,9 +180,12 @@ class Picker:
     _rr: itertools.count[int] = field(default_factory=itertools.count)
 
     def candidates(self, role: str, exclude: Iterable[str] = ()) -> list[Replica]:
-        """Healthy replicas serving ``role``, not among the URLs of ``exclude``."""
+        """Replicas serving ``role`` in rotation, not among the URLs of ``exclude``; when
+        none is, those whose ``/health`` answers all the same (ejected or on trial: see
+        the module docstring)."""
         ex, now = set(exclude), time.monotonic()
-        return [r for r in self.replicas if r.available(now) and r.serves(role) and r.url not in ex]
+        up = [r for r in self.replicas if r.healthy and r.serves(role) and r.url not in ex]
+        return [r for r in up if r.available(now)] or up
 
     def round_robin(self, role: str = "both", exclude: Iterable[str] = ()) -> Replica | None:
         """The next healthy replica in turn (``None``: none is healthy)."""

@@ -499,16 +499,22 @@ class Router:
                 log.exception("health check round failed")
 
     def _failed(
-        self, rep: Replica, e: BaseException | str, outcome: str, down: bool = True
+        self,
+        rep: Replica,
+        e: BaseException | str,
+        outcome: str,
+        down: bool = True,
+        sent: float | None = None,
     ) -> None:
-        """A failed answer: counted against the replica (``eject_after`` in a row eject
-        it); ``down`` (it could not be reached, or timed out): out of rotation at once,
-        until its ``/health`` answers."""
+        """A failed answer to a request sent at ``sent`` (monotonic; None: now): counted
+        against the replica (``eject_after`` in a row eject it); ``down`` (it could not
+        be reached, or timed out): out of rotation at once, until its ``/health``
+        answers."""
         why = e if isinstance(e, str) else _describe(e)
         rep.failures += 1
         rep.last_error = why
         self.metrics.upstream.labels(rep.url, outcome).inc()
-        seconds = rep.note_failure(time.monotonic(), self.cfg.eject_after, self.cfg.eject_s)
+        seconds = rep.note_failure(time.monotonic(), self.cfg.eject_after, self.cfg.eject_s, sent)
         if seconds:
             log.warning(
                 "replica %s (%s) out of rotation for %.0f s: %d failed answers in a row "
@@ -519,10 +525,11 @@ class Router:
         if down:
             self._set_health(rep, False, why)
 
-    def _answered(self, rep: Replica, status: int) -> None:
-        """An answer that did not fail (a 4xx is the request's fault, not the replica's)."""
+    def _answered(self, rep: Replica, status: int, sent: float) -> None:
+        """An answer that did not fail (a 4xx is the request's fault, not the replica's)
+        to a request sent at ``sent``."""
         self.metrics.upstream.labels(rep.url, str(status)).inc()
-        if rep.note_success():
+        if rep.note_success(sent):
             log.info("replica %s (%s) answered its trial request: in rotation", rep.url, rep.role)
             self.metrics.healthy.labels(rep.url, rep.role).set(1 if rep.healthy else 0)
 
@@ -838,9 +845,10 @@ class Router:
         rep.requests += 1
         self.metrics.inflight.labels(rep.url).inc()
         up: aiohttp.ClientResponse | None = None
+        sent = time.monotonic()
         try:
-            up, chunk = await self._open(rep, endpoint, payload, self._headers(req), stream)
-            return await self._relay(req, rep, up, chunk, stream, endpoint, t0)
+            up, chunk = await self._open(rep, endpoint, payload, self._headers(req), stream, sent)
+            return await self._relay(req, rep, up, chunk, stream, endpoint, t0, sent)
         except asyncio.CancelledError:  # the client went away: closing ``up`` aborts it
             self.metrics.upstream.labels(rep.url, "client_left").inc()
             raise
@@ -857,12 +865,15 @@ class Router:
         payload: bytes | bytearray,
         headers: dict[str, str],
         stream: bool,
+        sent: float,
     ) -> tuple[aiohttp.ClientResponse, bytes]:
         """Send the request and wait for the answer's first bytes, in a task that a
         failed ``/health`` of the replica cancels (:meth:`_probe`).  ``UpstreamFailed``
         when the replica cannot be reached, times out, fails its ``/health`` meanwhile
         or answers a 5xx."""
-        task = asyncio.ensure_future(self._first_bytes(rep, endpoint, payload, headers, stream))
+        task = asyncio.ensure_future(
+            self._first_bytes(rep, endpoint, payload, headers, stream, sent)
+        )
         waiting = self._opening.setdefault(rep.url, set())
         waiting.add(task)
         try:
@@ -872,7 +883,7 @@ class Router:
             if this is not None and this.cancelling():
                 raise  # the client went away (``task`` is cancelled with us)
             why = f"failed its /health while the request waited ({rep.last_error})"
-            self._failed(rep, why, "health_failed", down=False)
+            self._failed(rep, why, "health_failed", down=False, sent=sent)
             raise UpstreamFailed(why) from None
         finally:
             waiting.discard(task)
@@ -884,6 +895,7 @@ class Router:
         payload: bytes | bytearray,
         headers: dict[str, str],
         stream: bool,
+        sent: float,
     ) -> tuple[aiohttp.ClientResponse, bytes]:
         assert self._session is not None
         deadline = self.cfg.first_byte_timeout_s if stream else None
@@ -904,10 +916,10 @@ class Router:
             why = "timed out" if deadline is None else (
                 f"no first byte within {deadline} s (--router-first-byte-timeout-s)"
             )  # fmt: skip
-            self._failed(rep, why, "first_byte_timeout")
+            self._failed(rep, why, "first_byte_timeout", sent=sent)
             raise UpstreamFailed(why) from None
         except _NET_ERRORS as e:
-            self._failed(rep, e, "connect_error")
+            self._failed(rep, e, "connect_error", sent=sent)
             raise UpstreamFailed(_describe(e)) from None
         if up.status >= 500:
             try:
@@ -921,7 +933,7 @@ class Router:
                 pass
             up.close()
             why = f"answered {up.status}"
-            self._failed(rep, why, str(up.status), down=False)
+            self._failed(rep, why, str(up.status), down=False, sent=sent)
             ctype = up.headers.get("Content-Type", "application/json")
             answer = web.Response(
                 body=chunk[:ERROR_BODY_BYTES],
@@ -931,7 +943,8 @@ class Router:
             raise UpstreamFailed(why, answer)
         if stream and up.status == 200 and not chunk:
             up.close()
-            self._failed(rep, "closed the stream before its first event", "read_error")
+            why = "closed the stream before its first event"
+            self._failed(rep, why, "read_error", sent=sent)
             raise UpstreamFailed("empty stream")
         return up, chunk
 
@@ -944,6 +957,7 @@ class Router:
         stream: bool,
         endpoint: str,
         t0: float,
+        sent: float,
     ) -> web.StreamResponse:
         """Relay the answer chunk by chunk (never read whole).  A failure once bytes
         went out is made visible: a stream ends with an error event, as does one that
@@ -976,12 +990,12 @@ class Router:
             if failure is None and sse and not tail.rstrip().endswith(_DONE):
                 failure, outcome = "ended the stream without data: [DONE]", "truncated"
             if failure is None:
-                self._answered(rep, up.status)
+                self._answered(rep, up.status, sent)
                 await out.write_eof()
                 return out
             why = failure if isinstance(failure, str) else _describe(failure)
             log.warning("replica %s broke a stream mid-way: %s", rep.url, why)
-            self._failed(rep, failure, outcome, down=not isinstance(failure, str))
+            self._failed(rep, failure, outcome, down=not isinstance(failure, str), sent=sent)
             if sse:
                 await out.write(_sse_error(f"replica {rep.url} failed mid-stream: {why}"))
                 await out.write_eof()
@@ -1019,6 +1033,7 @@ class Router:
             rep.inflight += 1
             rep.requests += 1
             self.metrics.inflight.labels(rep.url).inc()
+            sent = time.monotonic()
             try:
                 async with self._session.post(
                     rep.url + endpoint,
@@ -1028,9 +1043,10 @@ class Router:
                 ) as r:
                     data = await r.read()
                     if r.status >= 500:
-                        self._failed(rep, f"prefill answered {r.status}", str(r.status), False)
+                        why = f"prefill answered {r.status}"
+                        self._failed(rep, why, str(r.status), down=False, sent=sent)
                     else:
-                        self._answered(rep, r.status)
+                        self._answered(rep, r.status, sent)
                     if 400 <= r.status < 500:
                         ctype = r.headers.get("Content-Type", "application/json")
                         return None, web.Response(
@@ -1047,7 +1063,7 @@ class Router:
                         params = None
                     return (params if isinstance(params, dict) and params else None), None
             except _NET_ERRORS as e:
-                self._failed(rep, e, "prefill_error")
+                self._failed(rep, e, "prefill_error", sent=sent)
                 log.warning("prefill on %s failed: %s", rep.url, _describe(e))
             finally:
                 rep.inflight -= 1

@@ -560,3 +560,108 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_sent(
         assert a.requests == 0 and proc.alive()
     finally:
         proc.terminate()
+
+
+# ---- 36, found by scripts/chaos_router.py: every replica of a role ejected -------------
+
+
+@pytest.mark.parametrize("mode", ["cache", "pd"])
+def test_ejection_never_leaves_a_role_without_a_replica_whose_health_answers(
+    replicas: list[Replica], mode: str
+) -> None:
+    """Both replicas of a role failed their answers and were ejected (``eject_s`` 60),
+    then recovered; their ``/health`` answers 200 all along.  Requests go to them (the
+    least loaded ejected one) rather than a 503 "no healthy replica" for the whole
+    ejection, which is what the chaos run saw: a replica whose fault had ended still
+    ejected while the other one was, 883 requests answered 503 in 2.3 s.  The first
+    answer puts its replica back in rotation; a replica failing its ``/health`` is still
+    never used."""
+    a, b = _replica(replicas, "a", "fail500"), _replica(replicas, "b", "fail500")
+    if mode == "pd":
+        p = _replica(replicas, "p")
+        spec = f"{p.url};role=prefill,{a.url};role=decode,{b.url};role=decode"
+    else:
+        spec = f"{a.url},{b.url}"
+    env = {"eject_after": "1", "eject_s": "60"}
+    proc, url = _router(spec, "--router-mode", mode, "--router-health-interval-s", "0.2", env=env)
+    try:
+        status, _, _ = asyncio.run(_request(url, {"prompt": "x"}))
+        assert status == 500 and a.requests == b.requests == 1  # tried on both, both out
+        st = {r["url"]: r for r in _status(url)["replicas"]}
+        assert st[a.url]["ejected_s"] > 50 and st[b.url]["ejected_s"] > 50, st
+        a.behaviour = b.behaviour = "ok"
+        time.sleep(0.5)  # health rounds: both answer 200, both still ejected
+        status, replica, answer = asyncio.run(_request(url, {"prompt": "y", "stream": True}))
+        assert status == 200 and replica in (a.url, b.url), answer
+        assert isinstance(answer, list) and answer[-1] == "[DONE]", answer
+        assert _healthy(url)[replica] is True  # its answer ended its ejection
+        got = [asyncio.run(_request(url, {"prompt": f"z{i}"}))[:2] for i in range(4)]
+        assert all(s == 200 for s, _ in got), got
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            assert r.status == 200
+        a.behaviour = b.behaviour = "hang"  # /health hangs too: out, never used
+        time.sleep(3.0)  # a health round times out (2 s)
+        assert asyncio.run(_request(url, {"prompt": "w"}))[0] == 503
+    finally:
+        a.behaviour = b.behaviour = "ok"
+        proc.terminate()
+
+
+class _Dripping(Replica):
+    """A :class:`Replica` whose streams, while its ``behaviour`` is ``ok`` as they
+    start, send 5 events ``drip_s`` apart (a long answer under way) whatever the
+    behaviour becomes meanwhile."""
+
+    drip_s = 0.3
+
+    async def _completion(self, req: web.Request) -> web.StreamResponse:
+        body = await req.json()
+        if self.behaviour != "ok" or not body.get("stream"):
+            return await super()._completion(req)  # the body is cached: read again
+        self.requests += 1
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(req)
+        for i in range(5):
+            await out.write(_event(i))
+            await asyncio.sleep(self.drip_s)
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+
+def test_an_answer_sent_before_an_ejection_does_not_end_it(replicas: list[Replica]) -> None:
+    """Replica ``a`` is streaming a long answer when it starts answering 500 at once
+    (its ``/health`` 200): its next request fails and ejects it (``eject_after`` 1,
+    ``eject_s`` 60).  The long answer then ends well; it was sent before the ejection,
+    so it is no trial and ``a`` stays out.  It used to put ``a`` back at once (the
+    chaos run's ``fail_fast`` replicas drew a new round of failures each time a stream
+    they had started before failing ended)."""
+    a = _Dripping("a").start()
+    replicas.append(a)
+    b = _replica(replicas, "b")
+    proc, url = _router(f"{a.url},{b.url}", env={"eject_after": "1", "eject_s": "60"})
+
+    async def scenario() -> tuple[int, str, Any]:
+        long = asyncio.create_task(_request(url, {"prompt": "long", "stream": True}))
+        deadline = time.monotonic() + CLIENT_TIMEOUT_S
+        while a.requests < 1:  # round robin: ``a`` first
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        a.behaviour = "fail500"
+        while a.requests < 2:  # round robin: every other request tries ``a`` first
+            assert (await _request(url, {"prompt": "x"}))[:2] == (200, b.url)
+        (ra,) = [r for r in _status(url)["replicas"] if r["url"] == a.url]
+        assert ra["ejected_s"] > 50, ra
+        return await long
+
+    try:
+        status, replica, events = asyncio.run(scenario())
+        assert (status, replica) == (200, a.url) and events[-1] == "[DONE]", events
+        assert len(events) == 6, events  # 5 events, [DONE]: the long answer ended well
+        (ra,) = [r for r in _status(url)["replicas"] if r["url"] == a.url]
+        assert ra["healthy"] is False and ra["ejected_s"] > 50, ra
+        for i in range(4):
+            assert asyncio.run(_request(url, {"prompt": f"y{i}"}))[:2] == (200, b.url)
+        assert a.requests == 2
+    finally:
+        proc.terminate()
