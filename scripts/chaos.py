@@ -3,8 +3,9 @@
 
 On this machine only (loopback): a real etcd, ``--coordinators`` coordinators and
 ``--nodes`` storage nodes (small pools, constant eviction), all real processes, and
-``--workers`` client processes with ``--tasks`` concurrent tasks each, doing puts,
-lookups and gets through :class:`pegaflow.client.PegaClient`.  Every block's bytes are
+``--workers`` client processes (``scripts/chaos_worker.py``) with ``--tasks``
+concurrent tasks each, doing puts, lookups and gets through
+:class:`pegaflow.client.PegaClient`.  Every block's bytes are
 derived from its hash, so every byte a get reports as fetched is checked.
 
 Meanwhile, every 1-4 s, one process is faulted at random:
@@ -14,9 +15,18 @@ Meanwhile, every 1-4 s, one process is faulted at random:
   (a hung reader, for the node side);
 * ``kill``: SIGKILL, then a restart after 0-1.5 s on the same ports (a node on the same
   node id and pool directory: it re-attaches its pool), on any of them (a client
-  killed mid-transfer is what a crashed vLLM engine does to the nodes).
+  killed mid-transfer is what a crashed vLLM engine does to the nodes);
+* ``replace`` (nodes): SIGKILL, the node's pool directory emptied (pool file, journal,
+  control socket), then a restart on the same node id, path and ports with a fresh
+  empty pool: a cleaned /dev/shm, a new emptyDir.  Its old blocks must be misses;
+* ``move`` (nodes): SIGKILL, then a restart on the same node id and pool but new UCX
+  and HTTP ports (a pod rescheduled with a new address): clients must find it at its
+  new address through the coordinators' records.
 
-The last ``--cooldown`` seconds have no faults: what fails then is still broken.
+``--first-faults replace,move`` makes those the first faults of the run (the smoke test
+reaches every kind that way); the others are drawn with the odds of
+:data:`FAULT_KINDS`.  The last ``--cooldown`` seconds have no faults: what fails then
+is still broken.
 
 Checks:
 
@@ -24,6 +34,10 @@ Checks:
   hash's, checked when the get returns; **late writes**: a buffer that changed after
   its get returned (checked again before the buffer is reused, as vLLM's connector
   reuses its staging buffers: a block verified then overwritten counts as wrong bytes);
+* **served after replace**: a block a get started after a ``replace`` reported fetched
+  from the replaced node although its put returned before the pool was emptied;
+* **nodes lost by clients**: a client that never again stored on or fetched from a node
+  after a fault on it, though the load went on for :data:`REACH_S` or more;
 * **stall**: how far past its deadline each client call returned (measured by the
   caller, and from outside for calls that have not returned yet);
 * **loop freeze**: the lateness of a 20 ms ticker on each client's event loop, and the
@@ -31,17 +45,20 @@ Checks:
 * **recovery**, per fault: the time from the fault's end (SIGCONT sent, or the
   restarted process ready) to the first successful op against that target (a put or
   get on that node, a lookup answered by that coordinator, a lookup hitting a block
-  stored after etcd came back, any op of that client), to its ``/health`` answering
-  and (coordinators) to a lookup sent to it alone hitting a recently stored block.
+  stored after etcd came back, any op of that client), (nodes) to a successful op on
+  it by every client, to its ``/health`` answering and (coordinators) to a lookup sent
+  to it alone hitting a recently stored block; summed up per kind of fault and process
+  in ``recovery_by_kind``.
 
 Also reported: errors by kind and typed code (and those of the quiet end, by target),
 processes that died on their own (restarted; a SIGKILL from outside, such as the OOM
 killer of a shared machine, is listed apart) and failure lines in every process's log.
 
 A line per fault goes to stderr as it happens; the last line of stdout is one JSON
-object (``wrong_bytes`` must be 0, ``max_stall_ms`` under 1000).  Exit status: 0 when
-both hold and nothing wrote into a returned buffer, 1 otherwise, 2 when the cluster
-could not start, 130 on Ctrl-C (every process and temporary directory is cleaned up).
+object (``wrong_bytes`` and ``served_after_replace`` must be 0, ``nodes_lost_by_clients``
+empty, ``max_stall_ms`` under 1000).  Exit status: 0 when these hold and nothing wrote
+into a returned buffer, 1 otherwise, 2 when the cluster could not start, 130 on Ctrl-C
+(every process and temporary directory is cleaned up).
 
     .venv/bin/python scripts/chaos.py --minutes 2 --seed 1 [--tls tcp]
 """
@@ -54,6 +71,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -63,14 +81,14 @@ import threading
 import time
 import urllib.request
 from collections import Counter, defaultdict
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+WORKER = REPO / "scripts" / "chaos_worker.py"
 sys.path.insert(0, str(REPO))
 
 from pegaflow.devcluster import (  # noqa: E402
@@ -80,267 +98,42 @@ from pegaflow.devcluster import (  # noqa: E402
     start_coordinator,
     start_node,
 )
+from scripts.chaos_worker import (  # noqa: E402
+    DEADLINES_S,
+    KIND_CODES,
+    NS,
+    TICK_S,
+    TRANSFER_DEADLINE_S,
+)
 
-NS = "chaos"
 PREFIX = "/pegaflow/chaos"
 BLOCK_KIB = 128
 BATCH = 8
-HASH_LEN = 32
-LOOKUP_DEADLINE_S = 1.0
-TRANSFER_DEADLINE_S = 2.0
 STALL_LIMIT_S = 1.0
-TICK_S = 0.02
-FREEZE_LOG_S = 0.2
-RING = 4
-"""staging buffers per client task, reused in turn"""
-KIND_CODES = {"put": 1.0, "lookup": 2.0, "get": 3.0}
 KIND_NAMES = {v: k for k, v in KIND_CODES.items()}
-DEADLINES_S = {"put": TRANSFER_DEADLINE_S, "lookup": LOOKUP_DEADLINE_S, "get": TRANSFER_DEADLINE_S}
-TARGETS = ("nodes", "coordinators", "etcd", "clients")
+TARGETS = {"nodes": "node", "coordinators": "coordinator", "etcd": "etcd", "clients": "client"}
+"""what ``--targets`` names, and the kind of process each is"""
+FAULT_KINDS: dict[str, dict[str, float]] = {
+    "node": {"stop": 0.4, "kill": 0.2, "replace": 0.2, "move": 0.2},
+    "coordinator": {"stop": 0.6, "kill": 0.4},
+    "etcd": {"stop": 0.6, "kill": 0.4},
+    "client": {"stop": 0.6, "kill": 0.4},
+}
+"""the faults each kind of process gets, and their odds (``replace``, ``move``: nodes)"""
 LOG_PATTERNS = ("Traceback", "ERROR", "CRITICAL", "never retrieved", "was never awaited")
 """log lines worth a look (counted per process; a restarted process's log starts anew)"""
 RESTART_FOR_S = 30.0
 """how long a restart is retried (a restarted node may be refused while its old lease lives)"""
-
-
-def block_bytes(h: bytes, size: int) -> np.ndarray:
-    """The content every block with hash ``h`` (and ``size`` bytes) must have."""
-    return np.frombuffer(h * (size // len(h)), dtype=np.uint8)
+REACH_S = 8.0
+"""a client that never had a successful op on a node again after a fault on it, though
+the load went on this long after the fault ended, has lost the node (a failure)"""
+REATTACHED = re.compile(r"re-attached (\d+) verified blocks")
+"""the line of a node's log that counts the blocks it found in its pool file at start"""
 
 
 def log(msg: str) -> None:
     """A human-readable progress line on stderr."""
     print(msg, file=sys.stderr, flush=True)
-
-
-# ---- client worker (a separate process: its own event loop, its own UCX worker) -------
-
-
-@dataclass
-class _Staging:
-    """A staging buffer and what each row must hold now (a hash's bytes, or zeros)."""
-
-    buf: np.ndarray
-    rows: list[bytes | None]
-
-
-class Worker:
-    """One client process: ``tasks`` op loops and a ticker on one event loop, sharing one
-    :class:`PegaClient`.  Events go to a JSON-lines file; the ticker's heartbeat and
-    each task's in-flight deadline go to a shared array the orchestrator watches."""
-
-    def __init__(self, cfg: dict[str, Any]) -> None:
-        self.cfg = cfg
-        self.index = int(cfg["index"])
-        self.tasks = int(cfg["tasks"])
-        self.nodes: list[str] = list(cfg["nodes"])
-        self.think_s = float(cfg["think_s"])
-        self.block = int(cfg["block_kib"]) << 10
-        self.batch = int(cfg["batch"])
-        self.out: IO[str] = open(cfg["events"], "a", buffering=1)
-        beats = np.memmap(cfg["beats"], dtype=np.float64, mode="r+")
-        self.beats = beats.reshape(int(cfg["workers"]), -1)[self.index]
-        self.stop = asyncio.Event()
-        self.known: list[tuple[list[bytes], float]] = []
-        """(hashes, when their put returned), latest last"""
-        self.max_freeze_s = 0.0
-
-    def emit(self, **event: Any) -> None:
-        """One event line."""
-        self.out.write(json.dumps(event, separators=(",", ":")) + "\n")
-
-    async def run(self) -> None:
-        from pegaflow.client import PegaClient  # UCX starts here, after UCX_TLS was set
-
-        from pegaflow.config import ClientConfig
-
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self.stop.set)
-        loop.add_signal_handler(signal.SIGINT, self.stop.set)
-        self.client = PegaClient(
-            ClientConfig(
-                coordinators=list(self.cfg["coordinators"]),
-                lookup_timeout_s=LOOKUP_DEADLINE_S,
-                rpc_timeout_s=TRANSFER_DEADLINE_S,
-                transfer_timeout_s=TRANSFER_DEADLINE_S,
-            )
-        )
-        rings = [
-            [
-                _Staging(np.zeros((self.batch, self.block), np.uint8), [None] * self.batch)
-                for _ in range(RING)
-            ]
-            for _ in range(self.tasks)
-        ]
-        ticker = asyncio.create_task(self._ticker())
-        self.emit(e="ready", t=time.monotonic())
-        try:
-            await asyncio.gather(*(self._ops(k, rings[k]) for k in range(self.tasks)))
-            # late writes may still land: wait, then check every buffer one last time
-            await asyncio.sleep(1.0)
-            for ring in rings:
-                for st in ring:
-                    self._check_staging(st)
-        finally:
-            ticker.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(self.client.close(), 5.0)
-            self.emit(e="end", t=time.monotonic(), max_freeze_ms=round(self.max_freeze_s * 1e3))
-            self.out.close()
-
-    async def _ticker(self) -> None:
-        parent = os.getppid()
-        prev = time.monotonic()
-        while True:
-            self.beats[0] = prev
-            await asyncio.sleep(TICK_S)
-            now = time.monotonic()
-            late = now - prev - TICK_S
-            prev = now
-            if late > self.max_freeze_s:
-                self.max_freeze_s = late
-            if late >= FREEZE_LOG_S:
-                self.emit(e="freeze", t=now, ms=round(late * 1e3, 1))
-            if os.getppid() != parent:  # the orchestrator is gone
-                self.stop.set()
-
-    async def _timed(
-        self, task: int, kind: str, deadline_s: float, coro: Coroutine[Any, Any, Any]
-    ) -> tuple[Any, str | None, float, float]:
-        """Run one client call; returns (result, error code or None, start, end)."""
-        from pegaflow.errors import PegaError
-
-        slot = 1 + 2 * task
-        t0 = time.monotonic()
-        self.beats[slot + 1] = KIND_CODES[kind]
-        self.beats[slot] = t0 + deadline_s
-        res: Any = None
-        err: str | None = None
-        try:
-            res = await coro
-        except PegaError as e:
-            err = e.code
-        except Exception as e:  # an untyped error escaping the client is a defect
-            err = f"untyped:{type(e).__name__}:{str(e)[:120]}"
-        finally:
-            self.beats[slot] = 0.0
-        return res, err, t0, time.monotonic()
-
-    async def _ops(self, task: int, ring: list[_Staging]) -> None:
-        rng = random.Random(f"{self.cfg['seed']}/{self.index}/{task}")
-        turn = 0
-        while not self.stop.is_set():
-            r = rng.random()
-            if r < 0.35 or not self.known:
-                await self._put(task, rng)
-            else:
-                st = ring[turn % RING]
-                turn += 1
-                await self._lookup_get(task, rng, st, fetch=r >= 0.5)
-            await asyncio.sleep(rng.uniform(0.5, 1.5) * self.think_s)
-
-    async def _put(self, task: int, rng: random.Random) -> None:
-        node = rng.choice(self.nodes)
-        hashes = [rng.randbytes(HASH_LEN) for _ in range(self.batch)]
-        items = [(h, 0, block_bytes(h, self.block)) for h in hashes]
-        res, err, t0, t1 = await self._timed(
-            task,
-            "put",
-            TRANSFER_DEADLINE_S,
-            self.client.put_blocks(NS, items, node_id=node, timeout=TRANSFER_DEADLINE_S),
-        )
-        stored = 0 if res is None else res.stored + res.skipped
-        self.emit(
-            e="op",
-            k="put",
-            tg=node,
-            t0=t0,
-            t1=t1,
-            dl=TRANSFER_DEADLINE_S,
-            err=err,
-            n=stored,
-            h=hashes[0].hex(),
-        )
-        if err is None and stored:
-            self.known.append((hashes, t1))
-            del self.known[: max(0, len(self.known) - 2000)]
-
-    async def _lookup_get(self, task: int, rng: random.Random, st: _Staging, fetch: bool) -> None:
-        if rng.random() < 0.5:
-            hashes, put_t = self.known[-1]
-        else:
-            hashes, put_t = self.known[
-                rng.randrange(max(0, len(self.known) - 500), len(self.known))
-            ]
-        found, err, t0, t1 = await self._timed(
-            task,
-            "lookup",
-            LOOKUP_DEADLINE_S,
-            self.client.lookup(NS, hashes, timeout=LOOKUP_DEADLINE_S, generations=True),
-        )
-        hits = 0 if found is None else found.hits
-        self.emit(
-            e="op",
-            k="lookup",
-            tg=self.client._rpc.current_address,  # the coordinator that answered (or failed)
-            t0=t0,
-            t1=t1,
-            dl=LOOKUP_DEADLINE_S,
-            err=err,
-            hits=hits,
-            pt=put_t,
-        )
-        if not fetch or not hits:
-            return
-        self._check_staging(st)
-        st.buf[:] = 0
-        st.rows = [None] * self.batch
-        items = [(found.blocks[j][0], hashes[j], 0, st.buf[j]) for j in range(hits)]
-        gens = [g[0] for g in found.generations]
-        ok, err, t0, t1 = await self._timed(
-            task,
-            "get",
-            TRANSFER_DEADLINE_S,
-            self.client.get_blocks(NS, items, timeout=TRANSFER_DEADLINE_S, generations=gens),
-        )
-        per_node: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        wrong: dict[str, int] = Counter()
-        for j in range(hits):
-            node = items[j][0]
-            per_node[node][0] += 1
-            if ok is not None and ok[j]:
-                per_node[node][1] += 1
-                if not np.array_equal(st.buf[j], block_bytes(hashes[j], self.block)):
-                    wrong[node] += 1
-                st.rows[j] = hashes[j]
-            else:
-                st.buf[j] = 0  # what the caller does with a miss's buffer; must stay zero
-        self.emit(
-            e="op", k="get", tg="", t0=t0, t1=t1, dl=TRANSFER_DEADLINE_S, err=err, nodes=per_node
-        )
-        for node, n in wrong.items():
-            self.emit(e="bad", where="return", t=t1, node=node, n=n)
-
-    def _check_staging(self, st: _Staging) -> None:
-        """Before reuse: every row still holds what the caller was given back."""
-        late = verified = 0
-        for j, h in enumerate(st.rows):
-            if h is None:
-                if st.buf[j].any():
-                    late += 1
-            elif not np.array_equal(st.buf[j], block_bytes(h, self.block)):
-                late += 1
-                verified += 1
-        if late:
-            self.emit(e="bad", where="late", t=time.monotonic(), n=late, verified=verified)
-
-
-def worker_main(cfg_path: str) -> None:
-    """Entry point of a client worker process."""
-    cfg = json.loads(Path(cfg_path).read_text())
-    import uvloop
-
-    uvloop.run(Worker(cfg).run())
 
 
 # ---- orchestrator ----------------------------------------------------------------
@@ -373,7 +166,8 @@ class Service:
 
 @dataclass
 class Fault:
-    """One fault: ``stop`` (SIGSTOP for ``hold_s``) or ``kill`` (SIGKILL and restart)."""
+    """One fault: ``stop`` (SIGSTOP for ``hold_s``), or ``kill``, ``replace`` or ``move``
+    (SIGKILL and restart; see the module docstring)."""
 
     kind: str
     target: str
@@ -386,6 +180,12 @@ class Fault:
     probe_s: float | None = None
     index_s: float | None = None
     """(coordinators) until a lookup sent to it hit a block stored recently"""
+    every_client_s: float | None = None
+    """(nodes) until every client had a good op on it"""
+    moved_to: str = ""
+    """(move) the node's new UCX address"""
+    reattached: int | None = None
+    """(nodes restarted) blocks the new process re-attached from the pool file"""
 
 
 @dataclass
@@ -409,6 +209,8 @@ class Tally:
     max_freeze_ms: float = 0.0
     max_beat_gap_ms: float = 0.0
     ok_times: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    """when successful ops returned, by target (a node, a coordinator's address), by
+    client (``w0``) and by node and client (``n1@w0``)"""
     fresh_hits: list[tuple[float, float]] = field(default_factory=list)
     """(put returned, lookup returned) of lookups that hit a block"""
     excluded_calls: int = 0
@@ -419,6 +221,8 @@ class Tally:
     """the monitor thread's own worst lateness: the machine's contention, not a defect"""
     recent_puts: list[bytes] = field(default_factory=list)
     """first hash of the latest stored batches (for the coordinators' index probe)"""
+    served_after_replace: int = 0
+    """blocks fetched from a replaced node that were stored there before its pool went"""
 
 
 class Chaos:
@@ -455,6 +259,8 @@ class Chaos:
         self.error = ""
         self._offsets: dict[int, int] = {}
         self._pending: list[Fault] = []
+        self._first: list[str] = [k for k in args.first_faults.split(",") if k]
+        """the kinds of ``--first-faults`` not applied yet"""
         self._beats: np.ndarray | None = None
         self._monitor: threading.Thread | None = None
 
@@ -615,8 +421,7 @@ class Chaos:
         self._beats[svc.index, :] = 0.0
         with open(self.tmp / f"{svc.name}.log", "ab") as logf:
             svc.popen = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--worker",
-                 str(self.tmp / f"{svc.name}.json")],
+                [sys.executable, str(WORKER), str(self.tmp / f"{svc.name}.json")],
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -670,69 +475,94 @@ class Chaos:
             time.sleep(min(0.5, max(0.0, self.load_end - time.monotonic())))
 
     def _choose(self) -> tuple[str, Service]:
-        pools: list[tuple[float, list[Service]]] = []
+        """The next fault and its target: the next of ``--first-faults`` (on a process
+        that takes it), else drawn with the odds of each kind of process."""
         enabled = set(self.args.targets.split(","))
-        if "nodes" in enabled:
-            pools.append((0.45, self._nodes()))
-        if "coordinators" in enabled:
-            pools.append((0.25, self._coordinators()))
-        if "etcd" in enabled:
-            pools.append((0.15, [self.services["etcd"]]))
-        if "clients" in enabled:
-            pools.append((0.15, self.workers))
-        pools = [(w, p) for w, p in pools if p]
-        weights = [w for w, _ in pools]
-        group = self.rng.choices([p for _, p in pools], weights)[0]
+        pools = [
+            (weight, group)
+            for target, weight, group in (
+                ("nodes", 0.45, self._nodes()),
+                ("coordinators", 0.25, self._coordinators()),
+                ("etcd", 0.15, [self.services["etcd"]]),
+                ("clients", 0.15, self.workers),
+            )
+            if target in enabled and group
+        ]
+        first = self._first[0] if self._first else ""
+        if first:
+            pools = [(w, g) for w, g in pools if first in FAULT_KINDS[g[0].kind]]
+        group = self.rng.choices([g for _, g in pools], [w for w, _ in pools])[0]
         svc = self.rng.choice(group)
-        kind = "stop" if self.rng.random() < 0.6 else "kill"
-        return kind, svc
+        if first:
+            return first, svc
+        odds = FAULT_KINDS[svc.kind]
+        return self.rng.choices(list(odds), list(odds.values()))[0], svc
 
     def _fault(self) -> None:
         kind, svc = self._choose()
         pid = self.pid(svc)
         if pid is None:
             return
+        if self._first and kind == self._first[0]:
+            self._first.pop(0)
         f = Fault(kind, svc.name, time.monotonic())
         with self.lock:
             self.faults.append(f)
+        span = [f.start, float("inf")]
+        if svc.kind == "client":  # its own calls and ticks are not what we measure
+            with self.lock:
+                self.pauses[svc.index].append(span)
         if kind == "stop":
-            f.hold_s = self.rng.uniform(0.5, 5.0)
-            log(
-                f"[{self.rel(f.start):7.1f} s] fault #{len(self.faults)}: SIGSTOP "
-                f"{svc.name} for {f.hold_s:.1f} s"
-            )
-            span = [f.start, float("inf")]
-            if svc.kind == "client":  # its own calls and ticks are not what we measure
-                with self.lock:
-                    self.pauses[svc.index].append(span)
-            svc.stopped = True
-            os.kill(pid, signal.SIGSTOP)
-            try:
-                time.sleep(f.hold_s)
-            finally:
-                os.kill(pid, signal.SIGCONT)
-                svc.stopped = False
-            f.end = span[1] = time.monotonic()
+            self._stop(svc, pid, f)
         else:
-            down = self.rng.uniform(0.0, 1.5)
-            log(
-                f"[{self.rel(f.start):7.1f} s] fault #{len(self.faults)}: kill -9 "
-                f"{svc.name}, restart after {down:.1f} s"
-            )
-            span = [f.start, float("inf")]
-            if svc.kind == "client":
-                with self.lock:
-                    self.pauses[svc.index].append(span)
-            svc.expected_down = True
-            self._kill(svc)
-            time.sleep(down)
-            self._restart(svc, f)
-            svc.expected_down = False
-            f.end = span[1] = time.monotonic()
+            self._crash(svc, f)
+        f.end = span[1] = time.monotonic()
+        if kind != "stop":
             f.hold_s = round(f.end - f.start, 3)
         with self.lock:
             self._pending.append(f)
         threading.Thread(target=self._probe, args=(svc, f), daemon=True).start()
+
+    def _stop(self, svc: Service, pid: int, f: Fault) -> None:
+        """SIGSTOP, SIGCONT after 0.5-5 s."""
+        f.hold_s = self.rng.uniform(0.5, 5.0)
+        log(
+            f"[{self.rel(f.start):7.1f} s] fault #{len(self.faults)}: SIGSTOP "
+            f"{svc.name} for {f.hold_s:.1f} s"
+        )
+        svc.stopped = True
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(f.hold_s)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            svc.stopped = False
+
+    def _crash(self, svc: Service, f: Fault) -> None:
+        """SIGKILL, then a restart after 0-1.5 s: ``kill`` on the same ports (and pool),
+        ``replace`` on an emptied pool directory, ``move`` on new ports (nodes)."""
+        down = self.rng.uniform(0.0, 1.5)
+        then = f"restart after {down:.1f} s"
+        if f.kind == "replace":
+            then += " on an empty pool"
+        elif f.kind == "move":
+            old = svc.port
+            # picked while the old ports are still bound: neither comes back
+            svc.port, svc.http_port = free_port(), free_port()
+            f.moved_to = svc.address
+            then += f" on {svc.address} (was port {old})"
+        log(f"[{self.rel(f.start):7.1f} s] fault #{len(self.faults)}: kill -9 {svc.name}, {then}")
+        svc.expected_down = True
+        self._kill(svc)
+        if f.kind == "replace":  # what a cleaned /dev/shm or a new emptyDir leaves
+            shutil.rmtree(svc.shm_dir)
+            os.makedirs(svc.shm_dir)
+        time.sleep(down)
+        self._restart(svc, f)
+        svc.expected_down = False
+        if svc.kind == "node" and svc.proc is not None and svc.proc.alive():
+            found = (REATTACHED.search(line) for line in svc.proc.log)
+            f.reattached = next((int(m[1]) for m in found if m), 0)
 
     def _restart(self, svc: Service, f: Fault | None) -> None:
         deadline = time.monotonic() + RESTART_FOR_S
@@ -1006,6 +836,7 @@ class Chaos:
             t.blocks["put_stored"] += ev.get("n", 0)
             if err is None:
                 t.ok_times[ev["tg"]].append(t1)
+                t.ok_times[f"{ev['tg']}@w{w}"].append(t1)
                 if ev.get("n") and ev.get("h"):
                     t.recent_puts.append(bytes.fromhex(ev["h"]))
                     del t.recent_puts[:-16]
@@ -1021,6 +852,25 @@ class Chaos:
                 t.blocks["get_miss"] += asked - good
                 if good:
                     t.ok_times[node].append(t1)
+                    t.ok_times[f"{node}@w{w}"].append(t1)
+                if good and self._replaced(node, ev["pt"], t0):
+                    t.served_after_replace += good
+                    t.bad_events.append(
+                        {"where": "after_replace", "node": node, "n": good, "worker": f"w{w}",
+                         "t0": t0, "t1": t1}
+                    )  # fmt: skip
+                    log(
+                        f"[{self.rel(t1):7.1f} s] !! {good} block(s) stored on {node} before "
+                        f"its pool was replaced were served, to w{w}"
+                    )
+
+    def _replaced(self, node: str, stored: float, t0: float) -> bool:
+        """Whether ``node``'s pool was replaced after ``stored`` and before ``t0``."""
+        with self.lock:
+            return any(
+                f.kind == "replace" and f.target == node and stored < f.start and 0 < f.end <= t0
+                for f in self.faults
+            )
 
     def _recovery(self, f: Fault, tail: int | None = None) -> float | None:
         """First successful op against the fault's target after the fault ended (only
@@ -1029,36 +879,68 @@ class Chaos:
         if f.target == "etcd":
             pairs = t.fresh_hits if tail is None else t.fresh_hits[-tail:]
             after = [t1 for pt, t1 in pairs if pt >= f.end]
-        else:
-            svc = self.services[f.target]
-            times = t.ok_times.get(svc.address if svc.kind == "coordinator" else f.target, [])
-            after = [x for x in (times if tail is None else times[-tail:]) if x >= f.end]
+            return round(min(after) - f.end, 3) if after else None
+        svc = self.services[f.target]
+        return self._first_ok(svc.address if svc.kind == "coordinator" else f.target, f, tail)
+
+    def _every_client(self, f: Fault, tail: int | None = None) -> float | None:
+        """(nodes) Until every client had a successful op on the node after the fault
+        ended: a client still using the node's old record (``move``) shows here."""
+        firsts = [self._first_ok(f"{f.target}@{w.name}", f, tail) for w in self.workers]
+        return None if None in firsts else max(x for x in firsts if x is not None)
+
+    def _lost_nodes(self) -> list[dict[str, Any]]:
+        """The node faults after which some client never had a successful op on the
+        node again, though the load went on :data:`REACH_S` or more."""
+        out = []
+        for i, f in enumerate(self.faults):
+            if self.services[f.target].kind != "node" or f.every_client_s is not None:
+                continue
+            if not f.end or f.end + REACH_S > self.load_end:
+                continue
+            keys = {w.name: f"{f.target}@{w.name}" for w in self.workers}
+            clients = [w for w, key in keys.items() if self._first_ok(key, f, None) is None]
+            out.append({"fault": f"#{i + 1} {f.kind} {f.target}", "clients": clients})
+        return out
+
+    def _first_ok(self, key: str, f: Fault, tail: int | None) -> float | None:
+        times = self.tally.ok_times.get(key, [])
+        after = [x for x in (times if tail is None else times[-tail:]) if x >= f.end]
         return round(min(after) - f.end, 3) if after else None
 
-    def _check_recoveries(self) -> None:
+    def _check_recoveries(self, final: bool = False) -> None:
+        """Settle and log the recovery of each ended fault once it is known (or 60 s
+        passed; ``final``: now, from every op of the run)."""
         with self.lock:
             pending = list(self._pending)
         now = time.monotonic()
+        tail = None if final else 5000
         for f in pending:
-            r = self._recovery(f, tail=5000)
-            late = now - f.end
-            coordinator = self.services[f.target].kind == "coordinator"
-            if late < 60 and (
-                f.probe_s is None or (r is None and not (coordinator and f.index_s is not None))
-            ):
+            r = self._recovery(f, tail)
+            kind = self.services[f.target].kind
+            every = self._every_client(f, tail) if kind == "node" else None
+            unknown = (
+                f.probe_s is None
+                or (r is None and not (kind == "coordinator" and f.index_s is not None))
+                or (kind == "node" and every is None)
+            )
+            if unknown and not final and now - f.end < 60:
                 continue
-            f.recover_s = r
+            f.recover_s, f.every_client_s = r, every
             with self.lock:
                 self._pending.remove(f)
             i = self.faults.index(f) + 1
             probe = "-" if f.probe_s is None else f"{f.probe_s:.2f} s"
             what = "none" if r is None else f"{r:.2f} s"
-            if coordinator and r is None:
+            if kind == "coordinator" and r is None:
                 what += " (its clients failed over elsewhere)"
+            if kind == "node":
+                what += f" (every client {'none' if every is None else f'{every:.2f} s'})"
             index = f", its lookups hit again {f.index_s:.2f} s" if f.index_s is not None else ""
+            pool = f", {f.reattached} blocks re-attached" if f.reattached is not None else ""
             log(
                 f"[{self.rel(now):7.1f} s]   fault #{i} ({f.kind} {f.target}): first good op "
-                f"{what} after it ended, /health {probe}{index}"
+                f"{what} after it ended, /health {probe}{index}{pool}"
             )
 
     # -- the end ----------------------------------------------------------------------
@@ -1105,10 +987,7 @@ class Chaos:
         if self._monitor is not None:
             self._monitor.join(5)
         self._drain()
-        with self.lock:
-            pending = list(self._pending)
-        for f in pending:
-            f.recover_s = self._recovery(f)
+        self._check_recoveries(final=True)
 
     def cleanup(self) -> None:
         """Every process killed (stopped ones too), every temporary directory removed."""
@@ -1147,6 +1026,11 @@ class Chaos:
             failed.append(f"wrong_bytes {t.wrong_bytes}")
         if t.late_writes:
             failed.append(f"late_writes {t.late_writes}")
+        if t.served_after_replace:
+            failed.append(f"served_after_replace {t.served_after_replace}")
+        lost = self._lost_nodes()
+        if lost:
+            failed.append(f"nodes_lost_by_clients {len(lost)}")
         if stall_s >= STALL_LIMIT_S:
             failed.append(f"max_stall_ms {stall_s * 1e3:.0f} >= {STALL_LIMIT_S * 1e3:.0f}")
         if self.error:
@@ -1175,6 +1059,7 @@ class Chaos:
             "errors_after_faults": dict(quiet),
             "wrong_bytes": t.wrong_bytes,
             "late_writes": t.late_writes,
+            "served_after_replace": t.served_after_replace,
             "bad_events": [self._annotate(e) for e in t.bad_events[:20]],
             "max_stall_ms": round(stall_s * 1e3),
             "stall_by_kind_ms": {k: round(v * 1e3) for k, v in t.stall_by_kind.items()},
@@ -1202,6 +1087,11 @@ class Chaos:
                     "recover_s": f.recover_s,
                     "health_s": f.probe_s,
                     **(
+                        {"every_client_s": f.every_client_s}
+                        if self.services[f.target].kind == "node"
+                        else {}
+                    ),
+                    **(
                         {"index_s": f.index_s}
                         if self.services[f.target].kind == "coordinator"
                         else {}
@@ -1209,19 +1099,49 @@ class Chaos:
                     "errors": dict(
                         Counter(k for when, k, _ in t.error_times if f.start <= when <= f.end + 3)
                     ),
+                    **({"moved_to": f.moved_to} if f.moved_to else {}),
+                    **({"reattached": f.reattached} if f.reattached is not None else {}),
                     **({"restarts": f.restart_attempts} if f.restart_attempts > 1 else {}),
                     **({"restart_error": f.restart_error} if f.restart_error else {}),
                 }
                 for f in self.faults
             ],
+            "recovery_by_kind": self.recovery_by_kind(),
             "crashes": self.crashes,
             # SIGKILL from outside: the OOM killer of a shared machine, say (figures suspect)
             "killed_from_outside": [c["target"] for c in self.crashes if c["rc"] == -9],
             "hung_clients": self.hung_workers,
+            "nodes_lost_by_clients": lost,
             "log_findings": self.log_findings,
             "pids": self.pids,
             "dirs": [str(self.tmp), str(self.shm)],
         }
+
+    def recovery_by_kind(self) -> dict[str, dict[str, Any]]:
+        """Per kind of fault and of process (``"move node"``): how many faults, how many
+        were followed by a good op, and the range ``[min, max]`` (s) of each recovery
+        time measured: first good op, (nodes) a good op of every client, ``/health``,
+        (coordinators) its own lookups."""
+        groups: dict[str, list[Fault]] = defaultdict(list)
+        for f in self.faults:
+            groups[f"{f.kind} {self.services[f.target].kind}"].append(f)
+        out: dict[str, dict[str, Any]] = {}
+        for key, faults in sorted(groups.items()):
+            row: dict[str, Any] = {
+                "faults": len(faults),
+                "recovered": sum(f.recover_s is not None for f in faults),
+            }
+            for name, attr in (
+                ("recover_s", "recover_s"),
+                ("every_client_s", "every_client_s"),
+                ("health_s", "probe_s"),
+                ("index_s", "index_s"),
+            ):
+                times = [x for f in faults if (x := getattr(f, attr)) is not None]
+                if times:
+                    row[name] = [min(times), max(times)]
+            out[key] = row
+        return out
 
 
 def main() -> int:
@@ -1258,15 +1178,22 @@ def main() -> int:
         help=f"comma-separated processes to fault, of {','.join(TARGETS)}",
     )
     ap.add_argument(
+        "--first-faults",
+        default="",
+        metavar="KINDS",
+        help="comma-separated kinds of fault applied first, in this order, each to a process "
+        "that takes it (e.g. replace,move: on nodes); then they are drawn at random",
+    )
+    ap.add_argument(
         "--keep", action="store_true", help="keep the events and logs (temporary directory)"
     )
-    ap.add_argument("--worker", metavar="CONFIG", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:
-        worker_main(args.worker)
-        return 0
-    if not set(args.targets.split(",")) <= set(TARGETS):
+    targets = args.targets.split(",")
+    if not set(targets) <= set(TARGETS):
         ap.error(f"--targets: choose among {','.join(TARGETS)}")
+    kinds = {k for t in targets for k in FAULT_KINDS[TARGETS[t]]}
+    if not {k for k in args.first_faults.split(",") if k} <= kinds:
+        ap.error(f"--first-faults: the targets take {','.join(sorted(kinds))}")
 
     def interrupt(_sig: int, _frame: object) -> None:
         raise KeyboardInterrupt
@@ -1296,6 +1223,8 @@ def main() -> int:
         chaos.scan_logs()
         chaos.cleanup()
     report = chaos.report()
+    for key, row in report["recovery_by_kind"].items():
+        log(f"recovery, {key}: {row}")
     print(json.dumps(report), flush=True)
     if chaos.interrupted:
         return 130
