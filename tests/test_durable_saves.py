@@ -150,7 +150,7 @@ def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
 
 
 def _reserved(c: SyncPegaClient, node: str) -> int:
-    addr = c._on_loop(lambda a: a._node(node, 5.0), 5.0).ucx_address
+    addr = c.nodes()[node].ucx_address
     return int(c._on_loop(lambda a: a._data.call(addr, {"op": "stats"}, 5.0), 5.0)["reserved"])
 
 

@@ -39,7 +39,7 @@ def server() -> Iterator[Proc]:
 
 def _data_address(c: SyncPegaClient, node: str) -> str:
     """The UCX address of ``node``."""
-    return c._on_loop(lambda a: a._node(node, 5.0), 5.0).ucx_address
+    return c.nodes()[node].ucx_address
 
 
 def _pool_id(c: SyncPegaClient, node: str) -> tuple[int, int]:
