@@ -302,16 +302,23 @@ def test_a_slow_node_is_declined_and_outputs_stay_correct(
     cluster: Cluster, reference: Any, engines: Any, workdir: Path
 ) -> None:
     """Engine 3 (node n1) loads S, stored on n2, one request at a time while n2 is made
-    slow: the cost model measures the loads and, once they are slower than computing
-    the prompts, declines n2's hits (vLLM computes them); every output stays correct.
-    (Engine 2 keeps its measurements of n1, which the node-loss test below needs.)"""
+    slow: n2's hits are declined (vLLM computes them) and every output stays correct.
+    Either the cost model declines them, once its measured loads are slower than
+    computing the prompts, or a load ran past its budget (about what computing would
+    take) and n2 counts as unreachable until it answers a hello: which one comes first
+    hangs on how slow the throttled node is on a busy machine.  (Engine 2 keeps its
+    measurements of n1, which the node-loss test below needs.)"""
     e2, e3 = engines["e2"], engines["e3"]
     s2, s3 = str(workdir / "e2"), str(workdir / "e3")
     saved = stats(s2).get("save_blocks", 0)
     r = e2.generate(S, MAX_TOKENS)  # e2 (node n2) computes and saves S on n2
     assert r["outputs"] == reference["S"]
     wait_stats(s2, lambda s: s.get("save_blocks", 0) >= saved + 10 * 6, engine=e2)
-    before = stats(s3).get("cost_declined", 0)
+
+    def declined(s: dict[str, float]) -> float:
+        return s.get("cost_declined", 0) + s.get("unreachable_declined_blocks", 0)
+
+    before = declined(stats(s3))
     slow = _Throttle(cluster.nodes["n2"].pid)
     try:
         for i, p in enumerate(S):
@@ -319,8 +326,7 @@ def test_a_slow_node_is_declined_and_outputs_stay_correct(
             assert r["outputs"] == [reference["S"][i]]
     finally:
         slow.end()
-    st = wait_stats(s3, lambda s: s.get("cost_declined", 0) > before, engine=e3)
-    assert st.get("cost_declined", 0) > before
+    wait_stats(s3, lambda s: declined(s) > before, engine=e3)
 
 
 def test_three_keys_against_a_default_server_use_the_same_host_path(
