@@ -18,16 +18,15 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pegaflow.storage_node.protocol import Dropped
-
-from pegaflow import telemetry
 from pegaflow.addresses import AUTO, client_host
 from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import BadRequest, PegaError, Unavailable, WrongPeer
 from pegaflow.keys import NodeRecord
-from pegaflow.rpc_client import RpcClient
-from pegaflow.wire import LocatedBlocks, unpack_bits
+from pegaflow.observability import telemetry
+from pegaflow.protocol.codec import LocatedBlocks, unpack_bits
+from pegaflow.protocol.node import Dropped
+from pegaflow.transport.rpc_client import RpcClient
 
 from .calls import default_timeout, operation
 from .data import DataClient, Fetched, PoolFile, PutOutcome

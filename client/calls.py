@@ -23,10 +23,10 @@ import inspect
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from pegaflow import telemetry
 from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline
 from pegaflow.errors import Unavailable
+from pegaflow.observability import telemetry
 
 from .data import Fetched
 

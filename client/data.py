@@ -1,4 +1,4 @@
-"""The client side of the node data plane (its protocol: :mod:`pegaflow.storage_node.protocol`).
+"""The client side of the node data plane (its protocol: :mod:`pegaflow.protocol.node`).
 
 One :class:`DataClient` per event loop holds a UCX worker and one endpoint per node,
 reused across calls.  Every block is checked against the node's xxh3 before it counts as
@@ -52,15 +52,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from pegaflow.storage_node import protocol as proto
 
-from pegaflow import telemetry
 from pegaflow.checksum import checksum
 from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import BadRequest, PegaError, Unavailable, WrongPeer, error_from_wire
-from pegaflow.rpc import parse_address
-from pegaflow.ucx import UcxWorker, as_array, close_endpoint, make_tag
-from pegaflow.wire import pack, unpack
+from pegaflow.observability import telemetry
+from pegaflow.protocol import node as proto
+from pegaflow.protocol.codec import pack, unpack
+from pegaflow.protocol.framing import parse_address
+from pegaflow.transport.ucx import UcxWorker, as_array, close_endpoint, make_tag
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +336,7 @@ class DataClient:
     """Batched get/put against storage nodes over UCX, and every other request a node
     serves over UCX (:meth:`call`); a :class:`~pegaflow.client.session.NodeSession`
     speaks to one node through it.  ``ucx_config``: UCX options for this client's worker
-    only (see :class:`~pegaflow.ucx.UcxWorker`).
+    only (see :class:`~pegaflow.transport.ucx.UcxWorker`).
     """
 
     def __init__(
@@ -778,7 +778,7 @@ class DataClient:
     async def call(
         self, addr: str, msg: dict[str, Any], timeout: Timeout, *, expect_node: str = ""
     ) -> dict[str, Any]:
-        """One request (a message of :mod:`~pegaflow.storage_node.protocol`) to the node
+        """One request (a message of :mod:`~pegaflow.protocol.node`) to the node
         at ``addr`` within ``timeout``, connecting first if needed; its reply, or the
         node's error raised as its type (:class:`WrongPeer` when another node than
         ``expect_node`` answers there)."""

@@ -21,7 +21,7 @@ and its gets give misses, rather than reaching that other node (see
 node id takes whichever node answers.
 
 Requests and replies are built and read by the codecs of the node's protocol
-(:mod:`pegaflow.storage_node.protocol`): adding an op is its entry there, its handler in
+(:mod:`pegaflow.protocol.node`): adding an op is its entry there, its handler in
 the node's service, and its method here.
 """
 
@@ -33,14 +33,13 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from pegaflow.storage_node import protocol as proto
-
 from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import PegaError, Unavailable
-from pegaflow.rpc import UNIX_PREFIX
-from pegaflow.rpc_client import RpcClient
-from pegaflow.wire import LocatedBlocks
+from pegaflow.protocol import node as proto
+from pegaflow.protocol.codec import LocatedBlocks
+from pegaflow.protocol.framing import UNIX_PREFIX
+from pegaflow.transport.rpc_client import RpcClient
 
 from .calls import default_timeout, operation
 from .data import DataClient, Fetched, PoolFile, PutOutcome, retrieve

@@ -13,13 +13,13 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import uvloop
-from pegaflow.storage_node import protocol as proto
 
 from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import DeadlineExceeded, Unavailable
-from pegaflow.rpc_client import BlockingRpcClient
-from pegaflow.wire import LocatedBlocks
+from pegaflow.protocol import node as proto
+from pegaflow.protocol.codec import LocatedBlocks
+from pegaflow.transport.rpc_client import BlockingRpcClient
 
 from .api import LookupResult, PegaClient, lookup_args, lookup_result
 from .calls import OnLoop, offer
@@ -189,7 +189,7 @@ class SyncNodeSession(OnLoop):
         timeout: Timeout = None,
     ) -> tuple[int, LocatedBlocks]:  # fmt: skip
         """:meth:`NodeSession.locate` asked from the calling thread: over a blocking
-        socket of its own (:class:`~pegaflow.rpc_client.BlockingRpcClient`) to the node's
+        socket of its own (:class:`~pegaflow.transport.rpc_client.BlockingRpcClient`) to the node's
         control socket when the session has one, so the caller waits for the GIL once
         rather than at each hop to and from the loop thread (vLLM's scheduler, on the
         path of a request's first token, while other threads of its process are busy);
@@ -213,7 +213,7 @@ _LOOP = object()
 
 class _Here:
     """The blocking connection behind a facade's ``*_here`` calls
-    (:class:`~pegaflow.rpc_client.BlockingRpcClient`), to the address the facade's
+    (:class:`~pegaflow.transport.rpc_client.BlockingRpcClient`), to the address the facade's
     loop-side client uses now (a new connection when that changes).  One thread at a
     time: a call made while another thread asks, to no address, or whose connection
     fails is answered :data:`_LOOP` (ask through the loop instead)."""

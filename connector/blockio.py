@@ -27,7 +27,7 @@ Two families of copies:
   device.
 
 Every CUDA call releases the GIL; the copies are queued inside
-:func:`~pegaflow.gil_io.quick_handback`, so that each call gets it back at once from the
+:func:`~pegaflow.transport.gil_io.quick_handback`, so that each call gets it back at once from the
 engine's other busy threads.
 """
 
@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pegaflow.gil_io import quick_handback
+from pegaflow.transport.gil_io import quick_handback
 
 from . import tilecopy
 

@@ -196,8 +196,8 @@ class PegaKVConnector(KVConnectorBase_V1):
     def _make_client(self) -> Any:
         from pegaflow.client import SyncPegaClient
 
-        from pegaflow import telemetry
         from pegaflow.config import ClientConfig
+        from pegaflow.observability import telemetry
 
         telemetry.setup(service="pegaflow-connector")  # exports only if configured
         s = self.settings

@@ -28,7 +28,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pegaflow.errors import BadRequest
-from pegaflow.wire import MAX_HASH_BYTES, MAX_LIST, check_hash, check_namespace, req_int, req_str
+from pegaflow.protocol.codec import (
+    MAX_HASH_BYTES,
+    MAX_LIST,
+    check_hash,
+    check_namespace,
+    req_int,
+    req_str,
+)
 
 KEY = "pegaflow"
 """the key of :data:`kv_transfer_params` that holds PegaFlow's handoff"""

@@ -47,7 +47,7 @@ import numpy as np
 
 from pegaflow.checksum import checksum
 from pegaflow.errors import PoolChanged, Unavailable
-from pegaflow.wire import LocatedBlocks
+from pegaflow.protocol.codec import LocatedBlocks
 
 from .blockio import CopyIn, KVBlockIO, Transfer
 from .hostpool import MappedPool

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from pegaflow import telemetry
+from pegaflow.observability import telemetry
 
 from . import sameprocess
 from .costmodel import LOCAL, CostModel, Decision, disk_source

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from pegaflow.wire import LocatedBlocks
+from pegaflow.protocol.codec import LocatedBlocks
 
 
 @dataclass

@@ -15,8 +15,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from pegaflow import telemetry
-from pegaflow.wire import LocatedBlocks
+from pegaflow.observability import telemetry
+from pegaflow.protocol.codec import LocatedBlocks
 
 from .known import KnownBlocks
 from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pegaflow.wire import LocatedBlocks
+from pegaflow.protocol.codec import LocatedBlocks
 
 from .blockio import KVBlockIO
 from .books import WorkerBooks

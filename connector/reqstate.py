@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pegaflow.wire import LocatedBlocks
+from pegaflow.protocol.codec import LocatedBlocks
 
 from .handoff import Handoff
 

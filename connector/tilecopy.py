@@ -167,7 +167,7 @@ def _find_memcpy_2d() -> Any:
     """``(cudaMemcpy2DAsync, cudaGetLastError)`` of the process's own libcudart, called
     without releasing the GIL: a layer-wise load makes about a hundred such calls, and
     each release costs the engine's thread up to a switch interval beside a busy thread
-    (:mod:`pegaflow.gil_io`); the call itself only queues the copy.  False where no
+    (:mod:`pegaflow.transport.gil_io`); the call itself only queues the copy.  False where no
     libcudart is mapped (Linux's ``/proc/self/maps``) or it lacks the symbol:
     cuda-python's binding is used then."""
     major = (torch.version.cuda or "").split(".")[0]

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from pegaflow import telemetry
 from pegaflow.deadline import Deadline
+from pegaflow.observability import telemetry
 
 from . import sameprocess
 from .blockio import KVBlockIO

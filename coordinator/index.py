@@ -34,9 +34,9 @@ from typing import Any, NamedTuple
 
 from pegaflow.errors import BadRequest
 from pegaflow.keys import NodeRecord
-from pegaflow.wire import GEN_MAX as MAX_GEN
-from pegaflow.wire import INDEX_SHARDS as MAX_SHARDS
-from pegaflow.wire import pack
+from pegaflow.protocol.codec import GEN_MAX as MAX_GEN
+from pegaflow.protocol.codec import INDEX_SHARDS as MAX_SHARDS
+from pegaflow.protocol.codec import pack
 
 # MAX_SHARDS: highest shard number + 1 the index stores (a block's row is a tuple this
 # long at most); MAX_GEN: the largest generation

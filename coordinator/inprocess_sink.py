@@ -11,7 +11,7 @@ from typing import Any
 from pegaflow.coordinator.index import BlockIndex
 
 from pegaflow.keys import DISK_SLOT, BlockLocation, NodeRecord
-from pegaflow.loopthread import LoopThread
+from pegaflow.transport.loopthread import LoopThread
 
 
 class InProcessSink:

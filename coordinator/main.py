@@ -12,8 +12,8 @@ import gc
 import logging
 import signal
 
-from pegaflow import telemetry
 from pegaflow.config import ClusterConfig
+from pegaflow.observability import telemetry
 from pegaflow.service import run_service, taken_ports
 
 from .service import Coordinator

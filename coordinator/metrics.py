@@ -1,7 +1,7 @@
 """Prometheus metrics of the coordinator (names are stable; all start ``pegaflow_``).
 
 Hot-path figures (lookups, their latency and hit/miss blocks) are plain integers and a
-:class:`~pegaflow.fastmetrics.FastHistogram`, updated without locks and read by a
+:class:`~pegaflow.observability.fastmetrics.FastHistogram`, updated without locks and read by a
 collector at scrape time, so a lookup pays well under a microsecond for its metrics.
 
 =============================================== ==================================
@@ -37,7 +37,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pegaflow.fastmetrics import FastHistogram
+from pegaflow.observability.fastmetrics import FastHistogram
 
 from .index import BlockIndex
 

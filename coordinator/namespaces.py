@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import Any
 
 from pegaflow.errors import BadRequest
-from pegaflow.wire import check_namespace, req_map
+from pegaflow.protocol.codec import check_namespace, req_map
 
 from .index import BlockIndex
 

@@ -26,8 +26,8 @@ import time
 from typing import Any
 
 from pegaflow.errors import BadRequest, TooLarge, Unauthorized
-from pegaflow.rpc_server import current_tenant
-from pegaflow.wire import req_int, req_list, req_str
+from pegaflow.protocol.codec import req_int, req_list, req_str
+from pegaflow.transport.rpc_server import current_tenant
 
 #: Most routers one coordinator lists; a report from one more is refused.
 MAX_ROUTERS = 256

@@ -15,7 +15,7 @@ etcd).  Ops (``args`` and results are msgpack maps; bytes stay bytes):
     ``gens: true`` also ``gens: [int]``, the generation each of those shards had when it
     was published, flat and block-major (``gens[i * len(shards) + j]``); with
     ``warm_up: true`` (a connector connecting at engine start) it is not counted in the
-    lookup metrics; ``disk: bytes`` (:func:`~pegaflow.wire.pack_bits`, a bit per hit
+    lookup metrics; ``disk: bytes`` (:func:`~pegaflow.protocol.codec.pack_bits`, a bit per hit
     block) is there when some hit block has an asked shard only on its node's disk
     tier: bit ``i`` set for those (absent: every hit block is in memory)
 ``place`` ``{ns, count, block_bytes, client_host}`` -> ``{node: NodeRecord}``
@@ -51,10 +51,9 @@ from pegaflow.auth import Authenticator
 from pegaflow.config import CoordinatorConfig, EtcdConfig, SecurityConfig
 from pegaflow.errors import NoSpace, Unavailable
 from pegaflow.etcd import EtcdClient
-from pegaflow.http import HttpHandle, new_registry, start_http
 from pegaflow.keys import Keyspace, NodeRecord
-from pegaflow.rpc_server import Handler, Packed, RpcServer, SyncHandler
-from pegaflow.wire import (
+from pegaflow.observability.http import HttpHandle, new_registry, start_http
+from pegaflow.protocol.codec import (
     check_hashes,
     check_namespace,
     check_shards,
@@ -63,6 +62,7 @@ from pegaflow.wire import (
     req_int,
     req_str,
 )
+from pegaflow.transport.rpc_server import Handler, Packed, RpcServer, SyncHandler
 
 from .election import Election
 from .gc import IndexGC
@@ -78,7 +78,7 @@ log = logging.getLogger(__name__)
 #: Most hashes accepted in one lookup (a 1M-token prompt at block size 16).
 MAX_LOOKUP_HASHES = 65536
 #: Hashes looked up in one step of a longer lookup, which the server may interleave with
-#: other connections' turns (:class:`~pegaflow.rpc_server.RpcServer`): about a
+#: other connections' turns (:class:`~pegaflow.transport.rpc_server.RpcServer`): about a
 #: millisecond of index work.
 LOOKUP_STEP = 4096
 
@@ -110,7 +110,7 @@ class Coordinator:
     * ``index`` given (or no etcd endpoints): the index is fed in-process, e.g. by a
       :class:`~pegaflow.coordinator.inprocess_sink.InProcessSink`; no etcd is used.
 
-    The HTTP endpoint also serves the live dashboard (:mod:`pegaflow.dashboard`) unless
+    The HTTP endpoint also serves the live dashboard (:mod:`pegaflow.tools.dashboard`) unless
     ``dashboard=False``; ``http_app_hook`` replaces it with routes of your own.
     """
 
@@ -178,7 +178,8 @@ class Coordinator:
 
     @property
     def handlers(self) -> dict[str, Handler | SyncHandler]:
-        """The ops, for embedding them in another :class:`~pegaflow.rpc_server.RpcServer`."""
+        """The ops, for embedding them in another
+        :class:`~pegaflow.transport.rpc_server.RpcServer`."""
         return {
             "lookup": self.op_lookup,
             "place": self.op_place,
@@ -223,7 +224,7 @@ class Coordinator:
         if cfg.http_port >= 0:
             hook = self._app_hook
             if hook is None and self._dashboard:
-                from pegaflow import dashboard
+                from pegaflow.tools import dashboard
 
                 hook = dashboard.app_hook(status=self.op_status_async, registry=self.registry)
             self._http = await start_http(

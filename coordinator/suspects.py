@@ -31,8 +31,8 @@ import aiohttp
 
 from pegaflow.errors import Unauthorized
 from pegaflow.keys import NodeRecord
-from pegaflow.rpc_server import current_tenant
-from pegaflow.wire import req_str
+from pegaflow.protocol.codec import req_str
+from pegaflow.transport.rpc_server import current_tenant
 
 from .index import BlockIndex
 

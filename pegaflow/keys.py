@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from pegaflow.errors import BadRequest
-from pegaflow.wire import pack, unpack
+from pegaflow.protocol.codec import pack, unpack
 
 _MAX_RECORD = 64 << 10
 

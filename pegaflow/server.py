@@ -37,14 +37,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from pegaflow import telemetry
 from pegaflow.config import ClusterConfig
 from pegaflow.coordinator.index import BlockIndex
 from pegaflow.coordinator.inprocess_sink import InProcessSink
 from pegaflow.coordinator.service import Coordinator
-from pegaflow.http import new_registry
 from pegaflow.inventory import InventorySink
-from pegaflow.loopthread import LoopThread
+from pegaflow.observability import telemetry
+from pegaflow.observability.http import new_registry
 from pegaflow.service import run_service, taken_ports
 from pegaflow.storage_node.node import StorageNode
 from pegaflow.storage_node.shm_file import (
@@ -53,6 +52,7 @@ from pegaflow.storage_node.shm_file import (
     human_bytes,
     memory_available,
 )
+from pegaflow.transport.loopthread import LoopThread
 
 log = logging.getLogger("pegaflow.server")
 

@@ -12,9 +12,9 @@ import asyncio
 import logging
 import signal
 
-from pegaflow import telemetry
 from pegaflow.config import ClusterConfig
 from pegaflow.errors import BadRequest
+from pegaflow.observability import telemetry
 from pegaflow.service import run_service, taken_ports
 
 from .server import Router

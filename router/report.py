@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pegaflow.errors import PegaError, Unauthorized
-from pegaflow.rpc_client import RpcClient
+from pegaflow.transport.rpc_client import RpcClient
 
 log = logging.getLogger("pegaflow.router")
 

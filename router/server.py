@@ -50,7 +50,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, ge
 
 from pegaflow.config import ClientConfig, RouterConfig, SecurityConfig
 from pegaflow.errors import Unauthorized
-from pegaflow.http import new_registry
+from pegaflow.observability.http import new_registry
 
 from .hashing import BlockHasher, hashable
 from .policy import Choice, Picker, RecentRoutes, Replica, node_scores, parse_replicas

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pegaflow.client import PegaClient
 
 from pegaflow.config import ClientConfig
-from pegaflow.devcluster import start_server
+from pegaflow.tools.devcluster import start_server
 
 NS = "bench-control-load"
 

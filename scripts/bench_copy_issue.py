@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 from pegaflow.connector import tilecopy  # noqa: E402
 from pegaflow.connector.blockio import CopyIn, KVBlockIO  # noqa: E402
 
-from pegaflow import gil_io  # noqa: E402
+from pegaflow.transport import gil_io  # noqa: E402
 from scripts.bench_gpu_path import kv_caches, memcpy_ceiling  # noqa: E402
 from scripts.busy_thread import BusyThread  # noqa: E402
 

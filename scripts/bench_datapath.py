@@ -127,7 +127,7 @@ def _stream_end(role: str, size: int, span: int, total: int, port: int) -> None:
 
     import numpy as np
 
-    from pegaflow import ucx  # our UCX settings, set before ucxx loads
+    from pegaflow.transport import ucx  # our UCX settings, set before ucxx loads
 
     api = ucx.ucx_api
     ctx = api.UCXContext(feature_flags=(api.Feature.TAG, api.Feature.WAKEUP))
@@ -174,7 +174,7 @@ def _stream_end(role: str, size: int, span: int, total: int, port: int) -> None:
 
 def ucx_stream(size: int, tls: str, span: int, total: int = 1 << 30) -> float:
     """GB/s of a raw UCX tag stream between two fresh processes with our UCX settings
-    (``pegaflow.ucx``: put_zcopy rendezvous, no peer error handling), both ends
+    (``pegaflow.transport.ucx``: put_zcopy rendezvous, no peer error handling), both ends
     busy-polling, :data:`STREAM_WINDOW` messages in flight, cycling through ``span``
     bytes per side (``span == size``: one cache-hot buffer, like ``ucx_perftest``)."""
     env = {**os.environ, "UCX_TLS": tls, "PYTHONUNBUFFERED": "1"}
@@ -324,7 +324,7 @@ def main() -> None:
     sizes = [parse_size(x) for x in args.sizes.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
 
-    from pegaflow.devcluster import start_node
+    from pegaflow.tools.devcluster import start_node
 
     points = []
     for size in sizes:

@@ -101,12 +101,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pegaflow.storage_node import protocol as proto  # noqa: E402
 from pegaflow.storage_node.disk_tier import DiskTier  # noqa: E402
 from pegaflow.storage_node.spill_ahead import reserve_bytes  # noqa: E402
 
 from pegaflow.config import NodeConfig  # noqa: E402
 from pegaflow.deadline import Deadline  # noqa: E402
+from pegaflow.protocol import node as proto  # noqa: E402
 
 GB = 1e9
 NS = "bench-disk"
@@ -405,7 +405,7 @@ class NodeBench:
     (``promote``, then ``spills_effect``) that share the node."""
 
     def __init__(self, args: argparse.Namespace, root: Path) -> None:
-        from pegaflow.devcluster import start_node
+        from pegaflow.tools.devcluster import start_node
 
         self.block = block = int(args.block_mib * (1 << 20))
         self.n = n = blocks_for(args.node_prefix_gb, block)

@@ -49,7 +49,7 @@ from pegaflow.connector.blockio import KVBlockIO  # noqa: E402
 from pegaflow.connector.localpath import LocalPath  # noqa: E402
 
 from pegaflow.config import ClientConfig  # noqa: E402
-from pegaflow.devcluster import start_server  # noqa: E402
+from pegaflow.tools.devcluster import start_server  # noqa: E402
 
 LAYERS, HEADS, HEAD = 32, 8, 128
 DTYPE = torch.bfloat16

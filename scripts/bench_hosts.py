@@ -226,7 +226,7 @@ def datapath(args: argparse.Namespace, h1: Any, h2: Any, addr: str) -> dict[str,
 
 def start_h1_server(h1: Any, pool: str) -> Any:
     """A ``pegaflow-server`` on h1, bound to h1's address, pool in h1's ``/dev/shm``."""
-    from pegaflow.devcluster import start_server
+    from pegaflow.tools.devcluster import start_server
 
     return start_server(
         prefix=h1.prefix,

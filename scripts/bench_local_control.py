@@ -220,7 +220,7 @@ def main() -> None:
     from pegaflow.client import SyncPegaClient
 
     from pegaflow.config import ClientConfig
-    from pegaflow.devcluster import start_server
+    from pegaflow.tools.devcluster import start_server
 
     n = args.blocks
     pool = 2 * args.save_blocks * args.save_bytes + (256 << 20)

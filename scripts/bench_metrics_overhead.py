@@ -153,7 +153,7 @@ def main() -> None:
     tls = bd.TRANSPORTS[args.transport]
     os.environ["UCX_TLS"] = tls
 
-    from pegaflow.devcluster import start, start_node
+    from pegaflow.tools.devcluster import start, start_node
 
     shm_dir = tempfile.mkdtemp(prefix="pegaflow-bench-", dir="/dev/shm")
     atexit.register(shutil.rmtree, shm_dir, True)

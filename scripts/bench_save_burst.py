@@ -40,7 +40,7 @@ from pegaflow.connector.settings import ConnectorSettings
 from pegaflow.connector.worker import WorkerSide
 
 from pegaflow.config import ClientConfig
-from pegaflow.devcluster import start_server
+from pegaflow.tools.devcluster import start_server
 
 NS = "bench-save-burst"
 LAYERS, HEADS, HEAD_DIM, BLOCK_TOKENS = 32, 8, 128, 16

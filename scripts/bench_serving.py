@@ -100,7 +100,7 @@ if str(REPO) not in sys.path:
 from pegaflow.connector.metrics import HISTOGRAMS  # noqa: E402
 from pegaflow.router.server import REPLICA_HEADER  # noqa: E402
 
-from pegaflow.devcluster import (  # noqa: E402
+from pegaflow.tools.devcluster import (  # noqa: E402
     EtcdServer,
     Proc,
     start,

@@ -80,7 +80,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pegaflow.devcluster import start_server  # noqa: E402
+from pegaflow.tools.devcluster import start_server  # noqa: E402
 from tests.vllm_engine import VllmEngine, prompts, wait_saved  # noqa: E402
 from tests.vllm_engine import connector_stats as stats  # noqa: E402
 

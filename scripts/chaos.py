@@ -91,7 +91,7 @@ REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "scripts" / "chaos_worker.py"
 sys.path.insert(0, str(REPO))
 
-from pegaflow.devcluster import (  # noqa: E402
+from pegaflow.tools.devcluster import (  # noqa: E402
     EtcdServer,
     Proc,
     free_port,
@@ -297,7 +297,7 @@ class Chaos:
         return [s for s in self.services.values() if s.kind == "node"]
 
     async def _wait_nodes_indexed(self, timeout: float) -> None:
-        from pegaflow.rpc_client import RpcClient
+        from pegaflow.transport.rpc_client import RpcClient
 
         want = {s.name for s in self._nodes()}
         for c in self._coordinators():
@@ -636,7 +636,7 @@ class Chaos:
     async def _probe_index(self, svc: Service, f: Fault, deadline: float) -> None:
         """Lookups sent to this coordinator alone until one hits a block stored lately
         (its index is back): clients that failed over elsewhere never tell."""
-        from pegaflow.rpc_client import RpcClient
+        from pegaflow.transport.rpc_client import RpcClient
 
         rpc = RpcClient([svc.address], timeout=1.0)
         try:

@@ -88,7 +88,7 @@ sys.path.insert(0, str(REPO))
 
 from pegaflow.router.server import REPLICA_HEADER  # noqa: E402
 
-from pegaflow.devcluster import Proc, free_port, start  # noqa: E402
+from pegaflow.tools.devcluster import Proc, free_port, start  # noqa: E402
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

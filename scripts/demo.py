@@ -30,7 +30,7 @@ import numpy as np
 from pegaflow.client import PegaClient
 
 from pegaflow.config import ClientConfig
-from pegaflow.devcluster import EtcdServer, start_coordinator, start_node
+from pegaflow.tools.devcluster import EtcdServer, start_coordinator, start_node
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -162,7 +162,7 @@ def main() -> None:
                 [
                     sys.executable,
                     "-m",
-                    "pegaflow.cli",
+                    "pegaflow.tools.cli",
                     "status",
                     "--coordinators",
                     coord.ready["address"],

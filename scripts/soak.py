@@ -36,9 +36,9 @@ sys.path.insert(0, str(REPO))
 from pegaflow.client import PegaClient  # noqa: E402
 
 from pegaflow.config import ClientConfig  # noqa: E402
-from pegaflow.devcluster import EtcdServer, start_coordinator, start_node  # noqa: E402
 from pegaflow.errors import PegaError  # noqa: E402
-from pegaflow.rpc_client import RpcClient  # noqa: E402
+from pegaflow.tools.devcluster import EtcdServer, start_coordinator, start_node  # noqa: E402
+from pegaflow.transport.rpc_client import RpcClient  # noqa: E402
 
 NS = "soak"
 BLOCK = 64 << 10

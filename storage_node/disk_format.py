@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from pegaflow.checksum import checksum
 from pegaflow.errors import BadRequest, IncompatibleFormat
-from pegaflow.wire import MAX_HASH_BYTES, SHARD_LIMIT, check_namespace
+from pegaflow.protocol.codec import MAX_HASH_BYTES, SHARD_LIMIT, check_namespace
 
 BlockKey = tuple[str, bytes, int]
 """(namespace, block hash, shard): the pool's block key"""

@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from pegaflow.storage_node import protocol as proto
 from pegaflow.storage_node.pool import Entry
 
 from pegaflow.keys import BlockLocation
+from pegaflow.protocol import node as proto
 
 if TYPE_CHECKING:
     from pegaflow.storage_node.node_service import NodeService

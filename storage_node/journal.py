@@ -64,7 +64,7 @@ from typing import Any
 import msgpack
 
 from pegaflow.errors import BadRequest, PegaError
-from pegaflow.wire import SHARD_LIMIT, check_hash, check_namespace, unpack
+from pegaflow.protocol.codec import SHARD_LIMIT, check_hash, check_namespace, unpack
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +314,7 @@ def _validate(
 ) -> SlotRecord | tuple[int, int]:
     """A commit record, or a drop's ``(offset, gen)``; PegaError when ``r`` is neither.
     ``namespaces``: those found valid so far (a pool holds few; checked once each).
-    (Written out rather than with :func:`~pegaflow.wire.req_int` per field: a restart
+    (Written out rather than with :func:`~pegaflow.protocol.codec.req_int` per field: a restart
     replays every record of a large pool, and this is most of that time.)"""
     if type(r) is not list or not r:
         raise BadRequest("not a record")

@@ -3,7 +3,7 @@
 A same-host reader (a GPU connector beside its node) asks the node where a prefix's
 blocks lie in the pool file before every load, on the critical path of a request's
 first token.  Over UCX on loopback that question costs a round trip of UCX active
-messages; the control protocol (:mod:`pegaflow.rpc`) on a Unix socket answers it faster
+messages; the control protocol (:mod:`pegaflow.protocol.framing`) on a Unix socket answers it faster
 (a 625-block locate in 0.79-0.83 ms instead of 0.95-1.19 ms on the CPU machine;
 docs/benchmarks.md, "Same-host control").  The socket lies beside
 the pool file, only the node's user may open it (as with the pool file itself), and it
@@ -17,12 +17,12 @@ service, an owner of its own for the node's quotas and read pins.
 
 The node advertises the socket in its UCX ``hello`` reply (``pool.control``), next to
 the pool file; the ops and their answers are those of the node's protocol
-(:mod:`pegaflow.storage_node.protocol`, whose table says which ops the socket serves),
+(:mod:`pegaflow.protocol.node`, whose table says which ops the socket serves),
 as the ``args`` and ``result`` of control requests.  Clients that cannot open the
 socket keep asking over UCX.
 
 This site serves the socket on a thread and event loop of its own
-(:class:`~pegaflow.loopthread.LoopThread`): the ops the protocol table marks
+(:class:`~pegaflow.transport.loopthread.LoopThread`): the ops the protocol table marks
 :attr:`~.protocol.Loop.CONTROL` (``locate``, ``unpin``) are answered there, however busy
 the data loop is with bulk transfers; the others (the ops on reservations and
 ``report``) go on to the data loop in arrival order, with the end of their session
@@ -40,12 +40,12 @@ from typing import Any
 
 from pegaflow.storage_node.metrics import NodeMetrics
 from pegaflow.storage_node.node_service import NodeService
-from pegaflow.storage_node.protocol import OPS, Loop, Op, Site
 from pegaflow.storage_node.sessions import Session
 
 from pegaflow.auth import Authenticator
-from pegaflow.loopthread import LoopThread
-from pegaflow.rpc_server import RpcServer, current_session
+from pegaflow.protocol.node import OPS, Loop, Op, Site
+from pegaflow.transport.loopthread import LoopThread
+from pegaflow.transport.rpc_server import RpcServer, current_session
 
 log = logging.getLogger(__name__)
 

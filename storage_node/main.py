@@ -16,9 +16,9 @@ import signal
 
 from pegaflow.storage_node.node import NullSink, StorageNode
 
-from pegaflow import telemetry
 from pegaflow.config import ClusterConfig
 from pegaflow.inventory import InventorySink, NodeIdInUse
+from pegaflow.observability import telemetry
 from pegaflow.service import run_service, taken_ports
 
 log = logging.getLogger("pegaflow.node")
@@ -62,7 +62,7 @@ async def run(cfg: ClusterConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     http = None
     if cfg.node.http_port >= 0:
-        from pegaflow.http import start_http
+        from pegaflow.observability.http import start_http
 
         try:
             http = await start_http(

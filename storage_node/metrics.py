@@ -3,7 +3,8 @@ docs/metrics.md).
 
 The per-request and per-block metrics (gets, puts, bytes, latency, errors) sit on the
 data path, which runs on the node's event-loop thread, so they are the lock-free
-:class:`~pegaflow.fastmetrics.FastCounter` / :class:`~pegaflow.fastmetrics.FastHistogram`
+:class:`~pegaflow.observability.fastmetrics.FastCounter` /
+:class:`~pegaflow.observability.fastmetrics.FastHistogram`
 (same names, types, labels and API as prometheus_client's).  Pool gauges and the
 connection count are ordinary prometheus_client gauges.  The disk tier's figures are
 read from its counters at scrape time (:class:`DiskCollector`).
@@ -15,12 +16,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pegaflow.storage_node.disk_tier import DiskTierStats
-from pegaflow.storage_node.protocol import op_label
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pegaflow.fastmetrics import FastCounter, FastHistogram
+from pegaflow.observability.fastmetrics import FastCounter, FastHistogram
+from pegaflow.protocol.node import op_label
 
 _LATENCY_BUCKETS = (
     0.0001,

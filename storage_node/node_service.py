@@ -27,13 +27,11 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pegaflow.storage_node import protocol as proto
 from pegaflow.storage_node.disk_tier import DiskTier
 from pegaflow.storage_node.drop import drop_op
 from pegaflow.storage_node.metrics import NodeMetrics
 from pegaflow.storage_node.pool import BlockPool, Entry
 from pegaflow.storage_node.promotion import Promotion
-from pegaflow.storage_node.protocol import OPS, Key, Op
 from pegaflow.storage_node.puts import Puts
 from pegaflow.storage_node.reads import OpenGet, Reads
 from pegaflow.storage_node.sessions import Handler, PinTable, Quotas, Session
@@ -41,6 +39,8 @@ from pegaflow.storage_node.sessions import Handler, PinTable, Quotas, Session
 from pegaflow.config import NodeConfig
 from pegaflow.errors import Unauthorized
 from pegaflow.inventory import InventorySink
+from pegaflow.protocol import node as proto
+from pegaflow.protocol.node import OPS, Key, Op
 
 
 class NodeService:

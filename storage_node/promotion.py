@@ -28,9 +28,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pegaflow.storage_node.pool import BlockPool, Entry
-from pegaflow.storage_node.protocol import Key
 
 from pegaflow.errors import NoSpace, PegaError
+from pegaflow.protocol.node import Key
 
 if TYPE_CHECKING:
     from pegaflow.storage_node.node_service import NodeService

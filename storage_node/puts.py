@@ -31,13 +31,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pegaflow.storage_node import protocol as proto
 from pegaflow.storage_node.pool import Entry
 from pegaflow.storage_node.sessions import Inflow, Session
 
 from pegaflow.checksum import checksums
 from pegaflow.errors import BadRequest, PegaError, Unauthorized, Unavailable
-from pegaflow.wire import check_namespace
+from pegaflow.protocol import node as proto
+from pegaflow.protocol.codec import check_namespace
 
 if TYPE_CHECKING:
     from pegaflow.storage_node.node_service import NodeService

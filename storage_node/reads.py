@@ -9,7 +9,7 @@ against its quotas.
 
 Same-host reads (a client on the node's host that maps the pool file): ``locate`` pins
 the present blocks for ``ttl_ms`` (no eviction while the reader copies them out of the
-file) and says where they lie, packed (:class:`~pegaflow.wire.LocatedBlocks`): a
+file) and says where they lie, packed (:class:`~pegaflow.protocol.codec.LocatedBlocks`): a
 10k-token prefix is hundreds of blocks.
 
 Blocks held only on the disk tier are promoted before a ``pin`` or ``locate`` serves
@@ -26,12 +26,12 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pegaflow.storage_node import protocol as proto
 from pegaflow.storage_node.pool import Entry
-from pegaflow.storage_node.protocol import Key
 from pegaflow.storage_node.sessions import Pin, PinTable, Session
 
-from pegaflow.wire import LocatedBlocks
+from pegaflow.protocol import node as proto
+from pegaflow.protocol.codec import LocatedBlocks
+from pegaflow.protocol.node import Key
 
 if TYPE_CHECKING:
     from pegaflow.storage_node.node_service import NodeService

@@ -31,10 +31,10 @@ from typing import Any, Protocol
 
 from pegaflow.storage_node.metrics import NodeMetrics
 from pegaflow.storage_node.pool import BlockPool, Entry, slot_bytes
-from pegaflow.storage_node.protocol import Key
 
 from pegaflow.config import NodeConfig
 from pegaflow.errors import QuotaExceeded
+from pegaflow.protocol.node import Key
 
 
 def charge(size: int) -> int:

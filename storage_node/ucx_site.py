@@ -31,20 +31,20 @@ from functools import partial
 from typing import Any
 
 import numpy as np
-from pegaflow.storage_node import protocol as proto
 from pegaflow.storage_node.metrics import NodeMetrics
 from pegaflow.storage_node.netdev import ucx_net_devices
 from pegaflow.storage_node.node_service import NodeService
-from pegaflow.storage_node.protocol import MAX_HELLO_BYTES, OPS, UNKNOWN_OP, Op, Site, op_label
 from pegaflow.storage_node.sessions import Session
 
-from pegaflow import telemetry
 from pegaflow.auth import Authenticator, check_access
 from pegaflow.config import NodeConfig
 from pegaflow.deadline import Deadline
 from pegaflow.errors import BadRequest, DeadlineExceeded, PegaError, ProtocolError, Unauthorized
-from pegaflow.ucx import DEFAULT_TLS, SHARED_TLS, UcxWorker, close_endpoint, make_tag
-from pegaflow.wire import pack, req_map, req_str, unpack
+from pegaflow.observability import telemetry
+from pegaflow.protocol import node as proto
+from pegaflow.protocol.codec import pack, req_map, req_str, unpack
+from pegaflow.protocol.node import MAX_HELLO_BYTES, OPS, UNKNOWN_OP, Op, Site, op_label
+from pegaflow.transport.ucx import DEFAULT_TLS, SHARED_TLS, UcxWorker, close_endpoint, make_tag
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class _UcxInflow:
 
 def self_endpoint(w: UcxWorker) -> Any:
     """An endpoint from ``w`` to itself (UCX's ``self`` transport, or loopback)."""
-    import ucxx._lib.libucxx as ucx_api  # configured by pegaflow.ucx, imported above
+    import ucxx._lib.libucxx as ucx_api  # configured by pegaflow.transport.ucx, imported above
 
     address = ucx_api.UCXAddress.create_from_buffer(w.address)
     return ucx_api.UCXEndpoint.create_from_worker_address(w.worker, address, False)

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pegaflow.devcluster import Proc, start_server
+from pegaflow.tools.devcluster import Proc, start_server
 
 pytest_plugins = ["tests.etcd_fixture"]
 

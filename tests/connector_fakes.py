@@ -14,7 +14,7 @@ from pegaflow.client.nodehealth import NodeHealth
 
 from pegaflow.deadline import Deadline
 from pegaflow.errors import DeadlineExceeded, Unavailable
-from pegaflow.wire import LocatedBlocks
+from pegaflow.protocol.codec import LocatedBlocks
 
 
 def chain_hashes(tokens: list[int], block_size: int, seed: bytes = b"root") -> list[bytes]:

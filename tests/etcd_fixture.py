@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from pegaflow.config import EtcdConfig
-from pegaflow.devcluster import ETCD_BINARY, EtcdServer
+from pegaflow.tools.devcluster import ETCD_BINARY, EtcdServer
 
 REPO = Path(__file__).resolve().parent.parent
 

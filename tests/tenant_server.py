@@ -5,7 +5,7 @@ from __future__ import annotations
 from pegaflow.client import SyncPegaClient
 
 from pegaflow.config import ClientConfig
-from pegaflow.devcluster import Proc, start_server
+from pegaflow.tools.devcluster import Proc, start_server
 
 ADMIN = "admin"
 """the cluster token"""

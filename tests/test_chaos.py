@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from pegaflow.devcluster import ETCD_BINARY
+from pegaflow.tools.devcluster import ETCD_BINARY
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "chaos.py"

@@ -13,10 +13,10 @@ import pytest
 from pegaflow.client import PegaClient
 
 from pegaflow.config import ClientConfig, EtcdConfig
-from pegaflow.devcluster import Proc, start_node
 from pegaflow.errors import BadRequest, PegaError, TooLarge, Unauthorized
-from pegaflow.ucx import UcxWorker, close_endpoint
-from pegaflow.wire import PROTOCOL_VERSION, pack, unpack
+from pegaflow.protocol.codec import PROTOCOL_VERSION, pack, unpack
+from pegaflow.tools.devcluster import Proc, start_node
+from pegaflow.transport.ucx import UcxWorker, close_endpoint
 from tests.etcd_fixture import CoordinatorFactory, CoordinatorProcess
 
 BLOCK = 256 << 10
@@ -355,7 +355,7 @@ async def test_read_pins_keep_looked_up_blocks_through_eviction(cluster: Cluster
 
 
 async def test_tenants_cannot_touch_each_others_blocks(node_factory: list[Proc]) -> None:
-    from pegaflow.devcluster import start_server
+    from pegaflow.tools.devcluster import start_server
 
     server = start_server(
         token="admin",

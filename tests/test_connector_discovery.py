@@ -29,7 +29,7 @@ from pegaflow.connector.settings import ConnectorSettings
 from pegaflow.connector.worker import WorkerSide
 
 from pegaflow.config import ClientConfig
-from pegaflow.devcluster import Proc, start_coordinator, start_node
+from pegaflow.tools.devcluster import Proc, start_coordinator, start_node
 
 NS = "test-discovery"
 NB = 8

@@ -26,7 +26,7 @@ import pytest
 from pegaflow.client import SyncPegaClient
 
 from pegaflow.config import ClientConfig
-from pegaflow.devcluster import Proc, free_port, start_coordinator, start_node, start_server
+from pegaflow.tools.devcluster import Proc, free_port, start_coordinator, start_node, start_server
 from tests.vllm_engine import VllmEngine, prompts
 from tests.vllm_engine import connector_stats as stats
 

@@ -16,7 +16,7 @@ from pegaflow.connector.namespace import (
 )
 from pegaflow.connector.settings import ConnectorSettings
 
-from pegaflow.wire import check_namespace
+from pegaflow.protocol.codec import check_namespace
 
 
 def test_defaults_and_precedence() -> None:

@@ -19,8 +19,8 @@ import pytest
 from pegaflow.client import PegaClient
 
 from pegaflow.config import ClientConfig, EtcdConfig
-from pegaflow.devcluster import start_node, start_server
 from pegaflow.errors import PegaError
+from pegaflow.tools.devcluster import start_node, start_server
 from tests.etcd_fixture import CoordinatorFactory
 from tests.test_cluster import NS
 

@@ -27,9 +27,9 @@ from pegaflow.config import CoordinatorConfig, EtcdConfig, SecurityConfig
 from pegaflow.errors import BadRequest, NoSpace, TooLarge, Unauthorized, Unavailable
 from pegaflow.etcd import EtcdClient
 from pegaflow.keys import BlockLocation, Keyspace, NodeRecord
-from pegaflow.rpc import encode_frame, parse_address, read_frame
-from pegaflow.rpc_client import RpcClient
-from pegaflow.wire import PROTOCOL_VERSION
+from pegaflow.protocol.codec import PROTOCOL_VERSION
+from pegaflow.protocol.framing import encode_frame, parse_address, read_frame
+from pegaflow.transport.rpc_client import RpcClient
 from tests.etcd_fixture import EtcdServer, make_test_certs
 
 NS = "llama-tiny:bf16:bs16"
@@ -548,7 +548,7 @@ async def test_one_elected_coordinator_runs_the_index_gc_and_a_survivor_takes_ov
     from pegaflow.client import PegaClient
 
     from pegaflow.config import ClientConfig
-    from pegaflow.devcluster import start_node
+    from pegaflow.tools.devcluster import start_node
 
     ttl = 2
     duty_args = ["--coordinator-election-ttl-s", str(ttl), "--coordinator-gc-interval-s", "0.2"]

@@ -29,8 +29,8 @@ import pytest
 from pegaflow.client import PegaClient
 
 from pegaflow.config import ClientConfig
-from pegaflow.dashboard import Dashboard, parse_metrics_text
-from pegaflow.devcluster import Proc, free_port, start_server
+from pegaflow.tools.dashboard import Dashboard, parse_metrics_text
+from pegaflow.tools.devcluster import Proc, free_port, start_server
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -299,7 +299,7 @@ def test_screenshot(traffic: dict[str, Any]) -> None:
 def test_cli_status(traffic: dict[str, Any], server: Proc) -> None:
     """``pegaflow status``: the node with its health and usage, and the hit rate."""
     out = subprocess.run(
-        [sys.executable, "-m", "pegaflow.cli", "status", "--coordinators",
+        [sys.executable, "-m", "pegaflow.tools.cli", "status", "--coordinators",
          server.ready["coordinator"]],
         capture_output=True, text=True, timeout=60, cwd=REPO,
     )  # fmt: skip

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from pegaflow.storage_node.disk_format import HEADER_BYTES
 
-from pegaflow.devcluster import Proc
+from pegaflow.tools.devcluster import Proc
 from tests.test_disk_tier_node import (
     BATCH,
     POOL_BLOCKS,

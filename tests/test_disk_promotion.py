@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from pegaflow.checksum import checksum
 from pegaflow.config import NodeConfig
-from pegaflow.devcluster import _temp_shm_dir
+from pegaflow.tools.devcluster import _temp_shm_dir
 from tests.test_cluster import wait_for
 from tests.test_disk_spill_ahead import HeldIO
 

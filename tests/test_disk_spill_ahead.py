@@ -26,7 +26,7 @@ from pegaflow.storage_node.pool import BlockPool, Entry
 from pegaflow.storage_node.spill_ahead import SpillAhead, reserve_bytes
 
 from pegaflow.checksum import checksum
-from pegaflow.devcluster import Proc, _temp_shm_dir
+from pegaflow.tools.devcluster import Proc, _temp_shm_dir
 from tests.test_disk_tier_node import (
     BATCH,
     POOL_BLOCKS,

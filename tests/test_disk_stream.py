@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pegaflow.devcluster import Proc
+from pegaflow.tools.devcluster import Proc
 from tests.test_disk_tier_node import (
     BLOCK,
     NODE,

@@ -20,10 +20,10 @@ from pegaflow.coordinator.mirror import EtcdMirror
 from pegaflow.coordinator.service import Coordinator
 
 from pegaflow.config import CoordinatorConfig
-from pegaflow.devcluster import Proc
 from pegaflow.errors import BadRequest
 from pegaflow.keys import DISK_SLOT, BlockLocation, Keyspace, NodeRecord
-from pegaflow.wire import pack_bits, unpack, unpack_bits
+from pegaflow.protocol.codec import pack_bits, unpack, unpack_bits
+from pegaflow.tools.devcluster import Proc
 from tests.connector_fakes import FakeCluster, FakeLookup, FakeRequest
 from tests.test_connector_scheduler import BS, NS, costed, toks
 from tests.test_disk_tier_node import (

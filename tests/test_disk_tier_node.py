@@ -18,7 +18,7 @@ from pegaflow.storage_node.disk_format import HEADER_BYTES
 from prometheus_client.parser import text_string_to_metric_families
 
 from pegaflow.config import ClientConfig
-from pegaflow.devcluster import Proc, _temp_shm_dir, start_server
+from pegaflow.tools.devcluster import Proc, _temp_shm_dir, start_server
 
 NS = "disk-tier"
 BLOCK = 64 << 10
@@ -333,7 +333,7 @@ def test_vllm_prompts_larger_than_the_pool_are_served_from_disk_after_an_engine_
 
 
 def test_pegaflow_status_shows_the_disk_tier_of_the_nodes_that_have_one() -> None:
-    from pegaflow.cli import render_status
+    from pegaflow.tools.cli import render_status
 
     nodes = [
         {"node_id": "a", "host": "h", "ucx_port": 1, "capacity_bytes": 1 << 30,

@@ -99,7 +99,7 @@ def test_the_wheel_built_from_the_copied_context_alone_installs_and_runs(
     sh(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
        "-w", dist, ctx, cwd=tmp_path)  # fmt: skip
     (wheel,) = dist.glob("pegaflow_cluster-*.whl")  # the name the install step globs
-    assert "pegaflow/dashboard/index.html" in zipfile.ZipFile(wheel).namelist()
+    assert "pegaflow/tools/dashboard/index.html" in zipfile.ZipFile(wheel).namelist()
     bindir = fresh_venv(tmp_path / "venv")
     pip(bindir, "install", "--no-deps", wheel, cwd=tmp_path)
     check_installed(bindir, tmp_path)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from pegaflow.client import SyncPegaClient
 
-from pegaflow.devcluster import REPO, Proc
 from pegaflow.errors import BadRequest, Unauthorized
+from pegaflow.tools.devcluster import REPO, Proc
 from tests.tenant_server import client_of, tenant_server
 
 SIZE = 4096
@@ -47,7 +47,7 @@ def _until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
 def _drop_cli(
     server: Proc, node: str, ns: str, token: str = "admin"
 ) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "pegaflow.cli", "drop", "--node", node, "--namespace", ns,
+    argv = [sys.executable, "-m", "pegaflow.tools.cli", "drop", "--node", node, "--namespace", ns,
             "--coordinators", server.ready["coordinator"], "--token", token]  # fmt: skip
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)
 

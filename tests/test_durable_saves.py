@@ -24,9 +24,9 @@ import pytest
 from pegaflow.client import SyncPegaClient
 
 from pegaflow.config import ClientConfig
-from pegaflow.devcluster import Proc, start_server
-from pegaflow.rpc import UNIX_PREFIX
-from pegaflow.rpc_client import RpcClient
+from pegaflow.protocol.framing import UNIX_PREFIX
+from pegaflow.tools.devcluster import Proc, start_server
+from pegaflow.transport.rpc_client import RpcClient
 from tests.vllm_engine import VllmEngine, prompts
 
 NS = "test-durable"
@@ -38,7 +38,7 @@ BLOCK = 4096
 # With ``commit`` false it dies after its copies, before any commit.
 _WRITER = r"""
 import json, os, signal, socket, struct, sys
-from pegaflow.wire import PROTOCOL_VERSION, pack, unpack
+from pegaflow.protocol.codec import PROTOCOL_VERSION, pack, unpack
 
 spec = json.loads(sys.argv[1])
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -27,7 +27,7 @@ from pegaflow.config import EtcdConfig
 from pegaflow.errors import PegaError
 from pegaflow.etcd import EtcdClient, delete_op, prefix_range_end
 from pegaflow.keys import BlockLocation, Keyspace, NodeRecord
-from pegaflow.rpc_client import RpcClient
+from pegaflow.transport.rpc_client import RpcClient
 from tests.etcd_fixture import EtcdServer
 from tests.test_coordinator import NS, FakeNode, eventually, h
 

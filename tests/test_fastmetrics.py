@@ -1,4 +1,4 @@
-"""Unit tests of pegaflow.fastmetrics (pure logic): the lock-free metrics expose what
+"""Unit tests of pegaflow.observability.fastmetrics (pure logic): the lock-free metrics expose what
 prometheus_client's own Counter and Histogram expose for the same updates."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from pegaflow.fastmetrics import FastCounter, FastHistogram
+from pegaflow.observability.fastmetrics import FastCounter, FastHistogram
 
 BUCKETS = (0.001, 0.01, 0.1, 1.0)
 

@@ -17,8 +17,8 @@ import pytest
 from pegaflow.client import PegaClient
 
 from pegaflow.config import ClientConfig, EtcdConfig
-from pegaflow.devcluster import Proc, start_coordinator, start_node
 from pegaflow.errors import PegaError
+from pegaflow.tools.devcluster import Proc, start_coordinator, start_node
 from tests.etcd_fixture import CoordinatorFactory
 from tests.test_cluster import NS, blocks, wait_for
 

@@ -36,15 +36,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pegaflow.client.data import DataClient
 
-from pegaflow import rpc_server
-from pegaflow import ucx as pucx
 from pegaflow.checksum import checksum
-from pegaflow.devcluster import Proc, start_node, start_server
 from pegaflow.errors import ERRORS_BY_CODE
-from pegaflow.rpc import encode_frame
-from pegaflow.rpc_client import RpcClient
-from pegaflow.ucx import UcxWorker, close_endpoint
-from pegaflow.ucx_address import (
+from pegaflow.protocol.codec import PROTOCOL_VERSION, pack, unpack
+from pegaflow.protocol.framing import encode_frame
+from pegaflow.tools.devcluster import Proc, start_node, start_server
+from pegaflow.transport import rpc_server
+from pegaflow.transport import ucx as pucx
+from pegaflow.transport.rpc_client import RpcClient
+from pegaflow.transport.ucx import UcxWorker, close_endpoint
+from pegaflow.transport.ucx_address import (
     SELF,
     SHARED_MEMORY,
     TCP,
@@ -57,7 +58,6 @@ from pegaflow.ucx_address import (
     peer_on_this_host,
     tl_name_csum,
 )
-from pegaflow.wire import PROTOCOL_VERSION, pack, unpack
 
 T = TypeVar("T")
 NS = "fuzz"
@@ -324,8 +324,8 @@ def _still_serving(server: Proc) -> None:
 # ---- UCX worker addresses from the network -----------------------------------------------
 #
 # A peer's worker address goes to UCX's unpacker, which trusts every byte; the node must
-# refuse what UCX cannot take (pegaflow.ucx_address) and keep serving.  PEGAFLOW_FUZZ_SCALE
-# multiplies the number of inputs below (e.g. 20 for a longer local run).
+# refuse what UCX cannot take (pegaflow.transport.ucx_address) and keep serving.
+# PEGAFLOW_FUZZ_SCALE multiplies the number of inputs below (e.g. 20 for a longer local run).
 
 FUZZ_SCALE = float(os.environ.get("PEGAFLOW_FUZZ_SCALE", "1"))
 FUZZ_SEED = int(os.environ.get("PEGAFLOW_FUZZ_SEED", "0"))
@@ -575,7 +575,7 @@ def test_accepted_mutants_are_taken_by_ucx(tmp_path: Path) -> None:
     kills the process it happens in): none may kill it.  Half as if from another host
     (relocated addresses), half from this one (then only with this-host entries of the
     subprocess's live workers: a same-host peer may name its own segments, see
-    pegaflow.ucx_address).  Inside fresh user, network, IPC and PID namespaces (a veth
+    pegaflow.transport.ucx_address).  Inside fresh user, network, IPC and PID namespaces (a veth
     pair in 198.18.0.0/24, a private /dev/shm) where the system allows them, so that the
     taker dials real TCP devices and nothing outside; else with a loopback-only taker."""
     n = scaled(2000)
@@ -871,7 +871,7 @@ def test_handshake_refuses_a_5_byte_packet(handshake_node: Proc) -> None:
 _REFUSED_CLIENT = """
 import asyncio, sys
 from pegaflow.errors import HandshakeRefused
-from pegaflow.ucx import UcxWorker
+from pegaflow.transport.ucx import UcxWorker
 
 async def main(host: str, port: int) -> None:
     w = UcxWorker({"ADDRESS_VERSION": "v2"})  # the node packs v1 (UCX's default)
@@ -936,7 +936,7 @@ def test_server_with_a_token_survives_the_5_byte_packet() -> None:
 _BAD_ANSWER = """
 import asyncio, sys
 from pegaflow.errors import Unavailable
-from pegaflow.ucx import UcxWorker
+from pegaflow.transport.ucx import UcxWorker
 
 async def main(answer: bytes) -> None:
     async def peer(reader, writer):  # a node that answers the handshake with junk

@@ -18,7 +18,7 @@ from pegaflow.connector.blockio import KVBlockIO
 from pegaflow.connector.localpath import LoadRequest, LocalPath, PendingLoad
 
 from pegaflow.config import ClientConfig
-from pegaflow.devcluster import Proc, start_server
+from pegaflow.tools.devcluster import Proc, start_server
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

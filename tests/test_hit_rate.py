@@ -25,9 +25,9 @@ from pegaflow.connector.scheduler import SchedulerSide
 from pegaflow.connector.settings import ConnectorSettings
 
 from pegaflow.config import ClientConfig, EtcdConfig
-from pegaflow.devcluster import Proc, start_coordinator, start_node
 from pegaflow.errors import BadRequest
-from pegaflow.rpc_client import RpcClient
+from pegaflow.tools.devcluster import Proc, start_coordinator, start_node
+from pegaflow.transport.rpc_client import RpcClient
 from tests.connector_fakes import FakeRequest
 
 BLOCK = 16 << 10

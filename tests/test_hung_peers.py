@@ -30,8 +30,8 @@ from pegaflow.client import PegaClient
 from pegaflow.client.data import DataClient
 
 from pegaflow.config import ClientConfig, EtcdConfig
-from pegaflow.devcluster import REPO, Proc, start_node
 from pegaflow.errors import PegaError
+from pegaflow.tools.devcluster import REPO, Proc, start_node
 from tests.etcd_fixture import CoordinatorFactory
 from tests.test_cluster import NS, wait_for
 

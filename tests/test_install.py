@@ -85,7 +85,7 @@ def check_installed(bindir: Path, outside: Path) -> None:
     p = sh(
         bindir / "python",
         "-c",
-        "import importlib.resources as r; print(r.files('pegaflow.dashboard')"
+        "import importlib.resources as r; print(r.files('pegaflow.tools.dashboard')"
         ".joinpath('index.html').is_file())",
         cwd=outside,
     )
@@ -102,7 +102,7 @@ def test_wheel_installs_into_a_fresh_venv(source: Path, tmp_path: Path) -> None:
        "-w", dist, source, cwd=tmp_path)  # fmt: skip
     (wheel,) = dist.glob("pegaflow_cluster-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for module in ("pegaflow/cli.py", "pegaflow/connector/connector.py",
+    for module in ("pegaflow/tools/cli.py", "pegaflow/connector/connector.py",
                    "pegaflow/coordinator/main.py", "pegaflow/storage_node/main.py"):  # fmt: skip
         assert module in names, module
     assert not [n for n in names if n.startswith(("tests/", "scripts/"))]

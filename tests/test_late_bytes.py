@@ -29,8 +29,8 @@ from pegaflow.client import PegaClient, SyncPegaClient
 from pegaflow.client.data import Fetched
 
 from pegaflow.config import ClientConfig
-from pegaflow.devcluster import Proc, start_coordinator, start_node
 from pegaflow.errors import Unavailable
+from pegaflow.tools.devcluster import Proc, start_coordinator, start_node
 from tests.test_cluster import wait_for
 
 NS = "late-bytes"

@@ -23,7 +23,7 @@ from pegaflow.connector.settings import ConnectorSettings
 from pegaflow.connector.worker import WorkerSide
 
 from pegaflow.config import ClientConfig
-from pegaflow.devcluster import Proc, start_server
+from pegaflow.tools.devcluster import Proc, start_server
 from tests.connector_fakes import FakeRequest, new_req, sched_output
 
 NS = "test-layerwise"

@@ -18,11 +18,11 @@ from pegaflow.connector.hostpool import MappedPool
 from pegaflow.connector.localpath import LocalPath
 
 from pegaflow.deadline import Deadline
-from pegaflow.devcluster import Proc
 from pegaflow.errors import BadRequest, TooLarge, Unauthorized
-from pegaflow.rpc import UNIX_PREFIX
-from pegaflow.rpc_client import RpcClient
-from pegaflow.wire import LocatedBlock, LocatedBlocks
+from pegaflow.protocol.codec import LocatedBlock, LocatedBlocks
+from pegaflow.protocol.framing import UNIX_PREFIX
+from pegaflow.tools.devcluster import Proc
+from pegaflow.transport.rpc_client import RpcClient
 from tests.tenant_server import client_of, tenant_server
 
 NS = "test-local"

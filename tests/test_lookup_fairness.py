@@ -6,7 +6,7 @@ A hog process keeps four 65,536-block lookups in flight on each of its connectio
 every one a hit (so each costs the index its whole work); meanwhile another client
 makes 40 small lookups, each with the connector's 50 ms deadline: of another tenant, or
 with the same cluster token as the hog.  Before the coordinator shared its event loop
-(:mod:`pegaflow.rpc_server`), 33 to 36 of the 40 failed with one hog connection, 35 to 39
+(:mod:`pegaflow.transport.rpc_server`), 33 to 36 of the 40 failed with one hog connection, 35 to 39
 with 16, and 38 with 16 of the same token.
 """
 
@@ -28,10 +28,10 @@ from pegaflow.coordinator.service import LOOKUP_STEP, Coordinator
 from pegaflow.config import CoordinatorConfig, EtcdConfig
 from pegaflow.errors import BadRequest, DeadlineExceeded
 from pegaflow.keys import NodeRecord
-from pegaflow.rpc import encode_frame, parse_address
-from pegaflow.rpc_client import RpcClient
-from pegaflow.rpc_server import RpcServer
-from pegaflow.wire import PROTOCOL_VERSION, unpack
+from pegaflow.protocol.codec import PROTOCOL_VERSION, unpack
+from pegaflow.protocol.framing import encode_frame, parse_address
+from pegaflow.transport.rpc_client import RpcClient
+from pegaflow.transport.rpc_server import RpcServer
 from tests.etcd_fixture import CoordinatorFactory
 from tests.test_coordinator import FakeNode, eventually, h
 

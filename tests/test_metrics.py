@@ -1,6 +1,6 @@
 """Every documented metric (docs/metrics.md) is served, and real traffic moves the
 counters by exactly what it did: real etcd, a real coordinator, two real storage nodes
-(``pegaflow.devcluster``), real UCX transfers through ``pegaflow.client``."""
+(``pegaflow.tools.devcluster``), real UCX transfers through ``pegaflow.client``."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from pegaflow.client import data as client_data
 from prometheus_client.parser import text_string_to_metric_families
 
 from pegaflow.config import ClientConfig, EtcdConfig
-from pegaflow.devcluster import Proc, start_coordinator, start_node
 from pegaflow.errors import BadRequest
-from pegaflow.rpc_client import RpcClient
+from pegaflow.tools.devcluster import Proc, start_coordinator, start_node
+from pegaflow.transport.rpc_client import RpcClient
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK = 64 << 10

@@ -21,8 +21,8 @@ from pegaflow.connector.scheduler import SchedulerSide
 from pegaflow.connector.settings import ConnectorSettings
 
 from pegaflow.config import ClientConfig
-from pegaflow.devcluster import Proc
 from pegaflow.errors import BadRequest
+from pegaflow.tools.devcluster import Proc
 from tests.connector_fakes import FakeRequest
 
 BS = 4

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 from pegaflow.client.data import DataClient
 
-from pegaflow.devcluster import Proc, start_node
 from pegaflow.errors import PegaError, QuotaExceeded
-from pegaflow.wire import pack
+from pegaflow.protocol.codec import pack
+from pegaflow.tools.devcluster import Proc, start_node
 from tests.test_cluster import wait_for
 from tests.test_tenants import error_code, raw_conn, sample, scrape, tenant_node
 
@@ -66,8 +66,8 @@ async def node_stats(addr: str) -> dict[str, Any]:
 _WRITER = """
 import asyncio, os, sys
 import numpy as np
-from pegaflow.ucx import UcxWorker, make_tag
-from pegaflow.wire import PROTOCOL_VERSION, pack, unpack
+from pegaflow.transport.ucx import UcxWorker, make_tag
+from pegaflow.protocol.codec import PROTOCOL_VERSION, pack, unpack
 
 async def main(addr, blocks, sent, size, stall):
     w = UcxWorker()

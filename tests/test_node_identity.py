@@ -29,12 +29,12 @@ from pegaflow.client import PegaClient
 from pegaflow.client.data import DataClient
 from pegaflow.client.session import NodeSession
 
-from pegaflow.cli import WRONG_NODE, node_health, render_status
 from pegaflow.config import ClientConfig
-from pegaflow.dashboard import Dashboard
-from pegaflow.devcluster import Proc, start_node
 from pegaflow.errors import Unavailable, WrongPeer
 from pegaflow.keys import NodeRecord
+from pegaflow.tools.cli import WRONG_NODE, node_health, render_status
+from pegaflow.tools.dashboard import Dashboard
+from pegaflow.tools.devcluster import Proc, start_node
 
 NS = "test-node-identity"
 SIZE = 4096

@@ -30,9 +30,9 @@ from pegaflow.storage_node.pool import BlockPool
 
 from pegaflow.checksum import checksum
 from pegaflow.config import EtcdConfig
-from pegaflow.devcluster import REPO, Proc, start_node
 from pegaflow.etcd import EtcdClient
 from pegaflow.keys import Keyspace, NodeRecord
+from pegaflow.tools.devcluster import REPO, Proc, start_node
 from tests.test_cluster import wait_for
 from tests.test_journal import fill, frame, pack_v1, tmpfs, unframe, unpack_v1, v1_journal
 

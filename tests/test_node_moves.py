@@ -17,8 +17,8 @@ import pytest
 from pegaflow.client import SyncPegaClient
 
 from pegaflow.config import ClientConfig, EtcdConfig
-from pegaflow.devcluster import Proc, free_port, start_coordinator, start_node
 from pegaflow.errors import PegaError
+from pegaflow.tools.devcluster import Proc, free_port, start_coordinator, start_node
 
 NS = "moves"
 BLOCK = 64 << 10

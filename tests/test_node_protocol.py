@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from pegaflow.coordinator import index
 from pegaflow.storage_node import journal
-from pegaflow.storage_node import protocol as proto
-from pegaflow.storage_node.protocol import OPS, Loop, Op, Site
 
 from pegaflow.errors import BadRequest, PoolChanged, ProtocolError, TooLarge, Unavailable
-from pegaflow.wire import GEN_MAX, INDEX_SHARDS, NO_SLOT, PROTOCOL_VERSION, SHARD_LIMIT
+from pegaflow.protocol import node as proto
+from pegaflow.protocol.codec import GEN_MAX, INDEX_SHARDS, NO_SLOT, PROTOCOL_VERSION, SHARD_LIMIT
+from pegaflow.protocol.node import OPS, Loop, Op, Site
 
 
 def test_the_table_names_every_op_once_with_its_transports() -> None:
@@ -99,7 +99,7 @@ def test_locate_round_trip() -> None:
         proto.encode_locate("ns", [b"a", b"bb"], 0, 1.0)
     msg = proto.encode_locate("ns", [b"aa", b"bb"], 2, 0.0001)
     assert proto.decode_locate(msg, 8) == ("ns", 1, 2, [b"aa", b"bb"])
-    from pegaflow.wire import LocatedBlocks
+    from pegaflow.protocol.codec import LocatedBlocks
 
     rows = [LocatedBlocks.wire_row(0, 8, 1, 2, None), None]
     reply = proto.encode_locate_reply(4, rows, (7, 9))

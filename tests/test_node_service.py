@@ -10,17 +10,17 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from pegaflow.storage_node import protocol as proto
 from pegaflow.storage_node.metrics import NodeMetrics
 from pegaflow.storage_node.node import NullSink
 from pegaflow.storage_node.node_service import NodeService
 from pegaflow.storage_node.pool import BlockPool
-from pegaflow.storage_node.protocol import Op
 from pegaflow.storage_node.sessions import Session
 from prometheus_client import CollectorRegistry
 
 from pegaflow.config import NodeConfig
 from pegaflow.errors import BadRequest, QuotaExceeded, Unauthorized
+from pegaflow.protocol import node as proto
+from pegaflow.protocol.node import Op
 
 NS = "svc"
 SIZE = 4096

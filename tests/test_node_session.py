@@ -14,8 +14,8 @@ from pegaflow.client.session import NodeSession
 
 from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline
-from pegaflow.devcluster import Proc, start_server
 from pegaflow.errors import Unavailable
+from pegaflow.tools.devcluster import Proc, start_server
 
 NS = "test-session"
 

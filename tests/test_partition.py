@@ -47,8 +47,8 @@ from pegaflow.coordinator.suspects import Suspects
 
 from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline
-from pegaflow.devcluster import Proc, start_coordinator, start_node
 from pegaflow.keys import NodeRecord
+from pegaflow.tools.devcluster import Proc, start_coordinator, start_node
 from tests.connector_fakes import FakeCluster, FakeRequest
 from tests.test_connector_worker import NB, NS, finish_loads, h, kv, save, worker
 

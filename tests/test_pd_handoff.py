@@ -389,7 +389,7 @@ def pd_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     a ``kv_producer`` and a ``kv_consumer``."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM not installed")
-    from pegaflow.devcluster import start_server
+    from pegaflow.tools.devcluster import start_server
     from tests.vllm_engine import VllmServe, tiny_model_with_tokenizer
 
     work: Path = tmp_path_factory.mktemp("pd")

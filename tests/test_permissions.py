@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from pegaflow.client.data import DataClient
 
-from pegaflow.devcluster import REPO, Proc, start_node
+from pegaflow.tools.devcluster import REPO, Proc, start_node
 
 USER, GROUP = "pegaflow-test-peer", "pegaflow-test-access"
 NS = "perm"
@@ -42,8 +42,8 @@ from pegaflow.client.samehost import open_pool_file
 from pegaflow.client.data import DataClient
 from pegaflow.client.session import NodeSession
 from pegaflow.errors import Unavailable
-from pegaflow.rpc import UNIX_PREFIX
-from pegaflow.rpc_client import RpcClient
+from pegaflow.protocol.framing import UNIX_PREFIX
+from pegaflow.transport.rpc_client import RpcClient
 
 async def main(addr, hashes, want):
     out = {"uid": os.getuid(), "groups": os.getgroups()}

@@ -25,8 +25,8 @@ from pegaflow.connector.blockio import KVBlockIO
 from pegaflow.connector.localpath import LocalPath
 
 from pegaflow.config import ClientConfig, EtcdConfig
-from pegaflow.devcluster import Proc, start_coordinator, start_node
 from pegaflow.errors import PoolChanged
+from pegaflow.tools.devcluster import Proc, start_coordinator, start_node
 
 NS = "replaced"
 BLOCKS = 8

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pegaflow.devcluster import EtcdServer, Proc, free_port, start_server
+from pegaflow.tools.devcluster import EtcdServer, Proc, free_port, start_server
 
 yaml = pytest.importorskip("yaml")
 

@@ -44,8 +44,8 @@ from pegaflow.router.server import REPLICA_HEADER, Router
 from pegaflow.router.status import render_router, router_healthy
 
 from pegaflow.config import RouterConfig, load_config
-from pegaflow.devcluster import Proc, start, start_coordinator, start_node
 from pegaflow.errors import BadRequest
+from pegaflow.tools.devcluster import Proc, start, start_coordinator, start_node
 from tests.vllm_engine import TINY_MODEL, VllmServe, connector_stats, text_prompt, wait_saved
 
 HERE = Path(__file__).resolve().parent
@@ -315,7 +315,7 @@ def test_router_without_replicas_answers_clearly() -> None:
     """Replicas that are not there: the router starts, ``/health`` says 503, a request
     gets a 503 naming the problem at once, a malformed body a 400; the router keeps
     serving.  A bad configuration is one line and exit status 2."""
-    from pegaflow.devcluster import free_port
+    from pegaflow.tools.devcluster import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
     proc, url = start_router("--router-replicas", f"{dead};node=n1")
@@ -592,7 +592,7 @@ def test_killed_replica_leaves_rotation(cluster: Cluster) -> None:
     a = next(r for r in st["replicas"] if r["url"] == c.a.url)
     assert a["healthy"] is False and a["failures"] >= 1, st
     cli = subprocess.run(
-        [sys.executable, "-m", "pegaflow.cli", "status", "--coordinators", c.coordinator,
+        [sys.executable, "-m", "pegaflow.tools.cli", "status", "--coordinators", c.coordinator,
          "--no-health", "--router", url],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -28,7 +28,7 @@ import pytest
 from aiohttp import web
 from pegaflow.router.server import REPLICA_HEADER
 
-from pegaflow.devcluster import Proc, free_port, start
+from pegaflow.tools.devcluster import Proc, free_port, start
 
 CLIENT_TIMEOUT_S = 60.0
 """the test client's own bound: far over every router deadline a test sets, so a test

@@ -23,9 +23,9 @@ import pytest
 from aiohttp import web
 from pegaflow.coordinator.routers import RouterTable, parse_report
 
-from pegaflow.devcluster import Proc, free_port, start, start_coordinator
 from pegaflow.errors import BadRequest, TooLarge, Unauthorized
-from pegaflow.rpc_client import RpcClient
+from pegaflow.tools.devcluster import Proc, free_port, start, start_coordinator
+from pegaflow.transport.rpc_client import RpcClient
 from tests.test_dashboard import CHROMIUM, chromium
 
 REPO = Path(__file__).resolve().parent.parent
@@ -198,7 +198,7 @@ def _router_rows(dom: str) -> dict[str, dict[str, str]]:
 
 def _pegaflow_status(coord: Proc, token: str = "") -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pegaflow.cli", "status", "--no-health",
+        [sys.executable, "-m", "pegaflow.tools.cli", "status", "--no-health",
          "--coordinators", coord.ready["address"], *(["--token", token] if token else [])],
         capture_output=True, text=True, timeout=60, cwd=REPO,
     )  # fmt: skip

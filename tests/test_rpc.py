@@ -1,4 +1,4 @@
-"""The control protocol (pegaflow.rpc) in one process: handlers, deadlines, limits,
+"""The control protocol (pegaflow.protocol.framing) in one process: handlers, deadlines, limits,
 failover, pipelining."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from pegaflow import gil_io, rpc, rpc_server
 from pegaflow.errors import (
     BadRequest,
     DeadlineExceeded,
@@ -18,10 +17,12 @@ from pegaflow.errors import (
     Unauthorized,
     Unavailable,
 )
-from pegaflow.rpc import encode_frame, read_frame
-from pegaflow.rpc_client import BlockingRpcClient, RpcClient
-from pegaflow.rpc_server import Packed, RpcServer
-from pegaflow.wire import PROTOCOL_VERSION, pack
+from pegaflow.protocol import framing as rpc
+from pegaflow.protocol.codec import PROTOCOL_VERSION, pack
+from pegaflow.protocol.framing import encode_frame, read_frame
+from pegaflow.transport import gil_io, rpc_server
+from pegaflow.transport.rpc_client import BlockingRpcClient, RpcClient
+from pegaflow.transport.rpc_server import Packed, RpcServer
 
 
 async def _slow(args: dict[str, Any]) -> Any:

@@ -22,7 +22,7 @@ from pegaflow.coordinator.service import Coordinator
 
 from pegaflow.config import CoordinatorConfig
 from pegaflow.errors import DeadlineExceeded, PegaError, Unavailable
-from pegaflow.rpc_client import RpcClient
+from pegaflow.transport.rpc_client import RpcClient
 
 NS = "failover:bf16:bs16"
 LOOKUP = {"ns": NS, "hashes": [bytes(32)], "shards": [0]}

@@ -16,8 +16,8 @@ import pytest
 from pegaflow.client.api import PegaClient
 
 from pegaflow.config import ClientConfig
-from pegaflow.devcluster import REPO, Proc, start_server
 from pegaflow.server import AUTO_POOL_CAP, HostMemory, _aliases, auto_pool_bytes
+from pegaflow.tools.devcluster import REPO, Proc, start_server
 from tests.test_cluster import wait_for
 from tests.test_journal import tmpfs
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from pegaflow.devcluster import Proc, start_server
+from pegaflow.tools.devcluster import Proc, start_server
 from tests.vllm_engine import VllmServe, text_prompt, tiny_model_with_tokenizer, wait_saved
 
 pytestmark = pytest.mark.skipif(

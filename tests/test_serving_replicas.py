@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from pegaflow.devcluster import start_server
+from pegaflow.tools.devcluster import start_server
 from tests.script_module import load_script
 
 pytestmark = pytest.mark.skipif(

@@ -18,7 +18,7 @@ from pegaflow.client.data import DataClient
 from pegaflow.storage_node.pool import BlockKey, BlockPool, Entry
 
 from pegaflow.checksum import checksum
-from pegaflow.devcluster import Proc, start_node
+from pegaflow.tools.devcluster import Proc, start_node
 
 MiB = 1 << 20
 KiB = 1 << 10

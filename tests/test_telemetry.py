@@ -1,7 +1,7 @@
-"""Optional OpenTelemetry export (pegaflow.telemetry): off by default and free when off;
-when on, one vLLM request's spans from several processes form one trace, the Prometheus
-registry is exported under the same names, and both really reach an OTLP/HTTP receiver
-(a loopback stand-in for a collector)."""
+"""Optional OpenTelemetry export (pegaflow.observability.telemetry): off by default and
+free when off; when on, one vLLM request's spans from several processes form one trace,
+the Prometheus registry is exported under the same names, and both really reach an
+OTLP/HTTP receiver (a loopback stand-in for a collector)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pegaflow import telemetry
 from pegaflow.config import TelemetryConfig, load_config
+from pegaflow.observability import telemetry
 
 otel = pytest.importorskip("opentelemetry.sdk", reason="the otlp extra is not installed")
 
@@ -246,7 +246,7 @@ async def test_a_transfer_is_traced_from_client_to_node() -> None:
     from pegaflow.client import PegaClient
 
     from pegaflow.config import ClientConfig
-    from pegaflow.devcluster import start_server
+    from pegaflow.tools.devcluster import start_server
 
     _Receiver.got = []
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)

@@ -17,12 +17,12 @@ from pegaflow.client.session import NodeSession
 from prometheus_client.parser import text_string_to_metric_families
 
 from pegaflow.checksum import checksum
-from pegaflow.devcluster import Proc, start_node, start_server
 from pegaflow.errors import BadRequest, QuotaExceeded, TooLarge, Unauthorized
-from pegaflow.rpc import UNIX_PREFIX
-from pegaflow.rpc_client import RpcClient
-from pegaflow.ucx import UcxWorker, close_endpoint, make_tag
-from pegaflow.wire import PROTOCOL_VERSION, pack, unpack
+from pegaflow.protocol.codec import PROTOCOL_VERSION, pack, unpack
+from pegaflow.protocol.framing import UNIX_PREFIX
+from pegaflow.tools.devcluster import Proc, start_node, start_server
+from pegaflow.transport.rpc_client import RpcClient
+from pegaflow.transport.ucx import UcxWorker, close_endpoint, make_tag
 from tests.test_cluster import BLOCK, RawConn, blocks, wait_for
 
 TENANTS = "acme=a-secret,globex=g-secret"

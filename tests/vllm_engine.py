@@ -259,7 +259,7 @@ class ServeProcess:
         env: dict[str, str] | None = None,
         name: str = "vllm-serve",
     ) -> None:
-        from pegaflow.devcluster import free_port
+        from pegaflow.tools.devcluster import free_port
 
         self.name = name
         self.model = model

@@ -1,4 +1,4 @@
-"""The control protocol's server (:mod:`pegaflow.rpc` has the wire format): named
+"""The control protocol's server (:mod:`pegaflow.protocol.framing` has the wire format): named
 handlers, run inline or as tasks under each request's deadline, several at once per
 connection, with the handshake, tenant checks and back-pressure.
 
@@ -32,14 +32,14 @@ from pegaflow.errors import (
     PegaError,
     ProtocolError,
 )
-from pegaflow.rpc import (
+from pegaflow.protocol.codec import PROTOCOL_VERSION, pack, req_int, req_map, req_str
+from pegaflow.protocol.framing import (
     DEFAULT_MAX_FRAME,
     FRAME_HEADER,
     MAX_DEADLINE_MS,
     FrameBuffer,
     encode_frame,
 )
-from pegaflow.wire import PROTOCOL_VERSION, pack, req_int, req_map, req_str
 
 log = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 
 Control messages are msgpack maps (``{op, id, ...}`` requests, ``{id, ok, ...}``
 replies, one reply per request, matched by ``id``); over UCX they travel in active
-messages and payloads in tagged messages (see :mod:`pegaflow.ucx`), on the same-host
+messages and payloads in tagged messages (see :mod:`pegaflow.transport.ucx`), on the same-host
 control socket (:mod:`~pegaflow.storage_node.local_control`) as the ``args`` and
-``result`` of :mod:`pegaflow.rpc` requests.  :data:`OPS` says, per op, what a request
+``result`` of :mod:`pegaflow.protocol.framing` requests.  :data:`OPS` says, per op, what a request
 carries (with its bounds), what the reply is, which transports serve it and whether
 it needs the cluster token.  The client (:mod:`pegaflow.client.data`) builds requests
 and reads replies with the ``encode_*``/``*_reply`` functions here, the node (its
@@ -40,7 +40,7 @@ from typing import Any, Literal
 import numpy as np
 
 from pegaflow.errors import BadRequest, PoolChanged, ProtocolError, TooLarge, Unavailable
-from pegaflow.wire import (
+from pegaflow.protocol.codec import (
     GEN_MAX,
     MAX_HASH_BYTES,
     NO_SLOT,
@@ -505,7 +505,7 @@ def decode_locate(msg: dict[str, Any], max_batch: int) -> tuple[str, int, int, l
 def encode_locate_reply(
     pin: int, rows: Sequence[tuple[int, bytes] | None], pool: tuple[int, int]
 ) -> dict[str, Any]:
-    """``rows``: :meth:`~pegaflow.wire.LocatedBlocks.wire_row` per block, None: not
+    """``rows``: :meth:`~pegaflow.protocol.codec.LocatedBlocks.wire_row` per block, None: not
     found; ``pool``: the device and inode of the pool file the offsets are in."""
     return {"pin": pin, "pool": list(pool), **LocatedBlocks.wire_rows(rows)}
 

@@ -1,4 +1,4 @@
-"""The control protocol's clients (:mod:`pegaflow.rpc` has the wire format).
+"""The control protocol's clients (:mod:`pegaflow.protocol.framing` has the wire format).
 
 :class:`RpcClient` runs on an event loop: one connection per service, shared by
 concurrent calls matched by request id, each under a deadline, failing over between the
@@ -29,7 +29,6 @@ import threading
 from collections.abc import Sequence
 from typing import Any, cast
 
-from pegaflow import gil_io
 from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import (
     DeadlineExceeded,
@@ -39,8 +38,15 @@ from pegaflow.errors import (
     Unavailable,
     error_from_wire,
 )
-from pegaflow.rpc import DEFAULT_MAX_FRAME, UNIX_PREFIX, FrameBuffer, encode_frame, parse_address
-from pegaflow.wire import PROTOCOL_VERSION, req_map
+from pegaflow.protocol.codec import PROTOCOL_VERSION, req_map
+from pegaflow.protocol.framing import (
+    DEFAULT_MAX_FRAME,
+    UNIX_PREFIX,
+    FrameBuffer,
+    encode_frame,
+    parse_address,
+)
+from pegaflow.transport import gil_io
 
 log = logging.getLogger(__name__)
 
@@ -474,7 +480,7 @@ class BlockingRpcClient:
     interval (5 ms): vLLM's scheduler asking while its input thread hashed new requests
     waited 3-20 ms for a 1 ms locate on the H200 (docs/benchmarks.md, "Same-host
     control").  Here the call keeps the GIL through its send and, for up to one switch
-    interval, its wait for the reply (:mod:`pegaflow.gil_io`), as any thread running
+    interval, its wait for the reply (:mod:`pegaflow.transport.gil_io`), as any thread running
     Python may; a slower reply is waited for the ordinary way.
 
     One call at a time (a lock).  A connection that breaks or misses a deadline is

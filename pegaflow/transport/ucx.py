@@ -88,13 +88,13 @@ from ucxx._lib.arr import Array  # noqa: E402
 
 from pegaflow.deadline import Deadline  # noqa: E402
 from pegaflow.errors import DeadlineExceeded, HandshakeRefused, Unavailable  # noqa: E402
-from pegaflow.ucx_address import (  # noqa: E402
+from pegaflow.protocol.codec import pack, unpack  # noqa: E402
+from pegaflow.transport.ucx_address import (  # noqa: E402
     MAX_ADDRESS_BYTES,
     InvalidWorkerAddress,
     check_peer_address,
     peer_on_this_host,
 )
-from pegaflow.wire import pack, unpack  # noqa: E402
 
 _Done = Callable[[BaseException | None], None]
 """A completion callback: ``None`` on success, the (typed) error otherwise."""
@@ -436,7 +436,7 @@ async def _read_address(
     *,
     answer: bool = False,
 ) -> bytes:
-    """The peer's worker address, once :mod:`pegaflow.ucx_address` found it one that
+    """The peer's worker address, once :mod:`pegaflow.transport.ucx_address` found it one that
     our worker (address ``own``) may take; ValueError otherwise.  ``answer``: this is
     the node's answer to our handshake, which may be a refusal instead
     (:class:`~pegaflow.errors.HandshakeRefused` with its reason)."""

@@ -1,6 +1,7 @@
 """Validation of the UCX worker addresses that peers send us over the network.
 
-Why: :meth:`pegaflow.ucx.UcxWorker.serve` and :meth:`~pegaflow.ucx.UcxWorker.connect`
+Why: :meth:`pegaflow.transport.ucx.UcxWorker.serve` and
+:meth:`~pegaflow.transport.ucx.UcxWorker.connect`
 exchange UCX worker addresses over TCP and hand the peer's to
 ``ucp_ep_create``.  UCX (``ucp_address_unpack`` in ``src/ucp/wireup/address.c``) takes
 no length: it walks the buffer as its own packer wrote it, trusting every length,

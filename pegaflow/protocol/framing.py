@@ -1,6 +1,6 @@
 """The control protocol's wire format: msgpack frames with request ids, deadlines and
-typed errors, over TCP or a Unix socket (:mod:`~pegaflow.rpc_server` serves it,
-:mod:`~pegaflow.rpc_client` calls it).
+typed errors, over TCP or a Unix socket (:mod:`~pegaflow.transport.rpc_server` serves it,
+:mod:`~pegaflow.transport.rpc_client` calls it).
 
 Framing: every frame is a 4-byte big-endian length followed by one msgpack map.
 
@@ -31,13 +31,13 @@ from collections.abc import Callable
 from typing import Any
 
 from pegaflow.errors import TooLarge
-from pegaflow.wire import pack, unpack
+from pegaflow.protocol.codec import pack, unpack
 
 FRAME_HEADER = struct.Struct("!I")
 """a frame's length prefix"""
 UNIX_PREFIX = "unix:"
 """an address ``unix:<path>`` names a Unix socket (see
-:meth:`~pegaflow.rpc_server.RpcServer.start_unix`)"""
+:meth:`~pegaflow.transport.rpc_server.RpcServer.start_unix`)"""
 DEFAULT_MAX_FRAME = 16 << 20
 MAX_DEADLINE_MS = 600_000
 

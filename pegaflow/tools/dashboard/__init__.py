@@ -480,7 +480,7 @@ def page_html() -> str:
 def app_hook(
     status: StatusFn, registry: CollectorRegistry | None, **kw: Any
 ) -> Callable[[web.Application], None]:
-    """An ``app_hook`` for :func:`pegaflow.http.start_http` that installs a
+    """An ``app_hook`` for :func:`pegaflow.observability.http.start_http` that installs a
     :class:`Dashboard` (keyword arguments go to it)."""
     dash = Dashboard(status, registry, **kw)
     return dash.install

@@ -42,7 +42,7 @@ from typing import Any
 from pegaflow.config import ArgParser, load_config, parse_addresses
 from pegaflow.errors import PegaError
 from pegaflow.keys import node_http_url
-from pegaflow.rpc_client import RpcClient
+from pegaflow.transport.rpc_client import RpcClient
 
 HEALTH_TIMEOUT_S = 2.0
 

@@ -1,0 +1,1 @@
+"""What operators see: the HTTP endpoint, hot-path metrics, OpenTelemetry export."""

@@ -1,0 +1,1 @@
+"""The wire protocols of both planes: framing, codec, the node ops, the coordinator ops."""

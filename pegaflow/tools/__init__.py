@@ -1,0 +1,1 @@
+"""Operator and developer tools: the ``pegaflow`` CLI, the local dev cluster, the dashboard."""
