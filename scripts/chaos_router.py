@@ -89,6 +89,8 @@ sys.path.insert(0, str(REPO))
 from pegaflow.router.server import REPLICA_HEADER  # noqa: E402
 
 from pegaflow.tools.devcluster import Proc, free_port, start  # noqa: E402
+from scripts import _common  # noqa: E402
+from scripts._common import log  # noqa: E402
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -120,12 +122,6 @@ SETTLE_S = float(ROUTER["health-interval-s"]) + float(ROUTER["health-timeout-s"]
 DOWNING = ("kill", "hang", "truncate")
 """faults that take a replica's /health down, or the router's view of it (a connection
 cut or a deadline marks it down until its next /health)"""
-LOG_PATTERNS = ("Traceback", "ERROR", "CRITICAL", "never retrieved", "was never awaited")
-
-
-def log(msg: str) -> None:
-    """A progress line on stderr."""
-    print(msg, file=sys.stderr, flush=True)
 
 
 # ---- answers: what every replica gives for a request ---------------------------------
@@ -449,7 +445,7 @@ class Run:
 
     async def run(self) -> None:
         total = self.args.minutes * 60
-        cooldown = self.args.cooldown if self.args.cooldown is not None else min(15, total / 4)
+        cooldown = _common.cooldown_s(self.args, total, most_s=15)
         async with aiohttp.ClientSession() as control:
             await self._wait_in_rotation(control, 30)
             self.t0 = time.monotonic()
@@ -922,7 +918,6 @@ class Run:
             }
 
         router_log = self.router.log if self.router is not None else []
-        findings = {p: sum(p in line for line in router_log) for p in LOG_PATTERNS}
         duration = (self.load_end - self.t0) if self.t0 else 0.0
         out: dict[str, Any] = {
             "mode": self.mode,
@@ -972,7 +967,7 @@ class Run:
                     {k: r.get(k) for k in ("url", "role", "requests", "failures", "healthy")}
                     for r in self.final_status.get("replicas", [])
                 ],
-                "log_findings": {k: v for k, v in findings.items() if v},
+                "log_findings": _common.log_findings(router_log),
             },
         }
         if self.mode == "pd":
@@ -993,12 +988,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None, help="fault and load schedule (random)")
     ap.add_argument("--replicas", type=int, default=4, help="replicas (pd: at least 4)")
     ap.add_argument("--clients", type=int, default=8, help="closed-loop client tasks")
-    ap.add_argument(
-        "--cooldown",
-        type=float,
-        default=None,
-        help="seconds without faults at the end (default: a quarter of the run, at most 15)",
-    )
+    _common.add_cooldown(ap, most_s=15)
     ap.add_argument(
         "--faults", default=",".join(FAULTS), help=f"comma-separated, of {','.join(FAULTS)}"
     )
@@ -1010,12 +1000,7 @@ def main() -> int:
         return 0
     if not set(args.faults.split(",")) <= set(FAULTS):
         ap.error(f"--faults: choose among {','.join(FAULTS)}")
-
-    def interrupt(_sig: int, _frame: object) -> None:
-        raise KeyboardInterrupt
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, interrupt)
+    _common.trap_signals()
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     modes = MODES if args.mode == "both" else (args.mode,)
     reports: list[dict[str, Any]] = []
@@ -1025,11 +1010,8 @@ def main() -> int:
     for i, mode in enumerate(modes):
         run = Run(args, mode, seed + i)
         try:
-            try:
-                run.start()
-            except RuntimeError as e:
-                run.error = f"{mode}: did not start: {str(e)[:2000]}"
-                log(run.error)
+            run.error = _common.start_error(f"{mode}:", run.start)
+            if run.error:
                 rc = 2
             else:
                 log(
@@ -1047,11 +1029,9 @@ def main() -> int:
             run.error = "interrupted"
             log("interrupted: cleaning up")
         finally:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            _common.mute_signals()
             run.cleanup()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, interrupt)
+            _common.trap_signals()
         reports.append(run.report())
         pids += run.pids
         if rc or interrupted:
