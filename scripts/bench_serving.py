@@ -1087,7 +1087,7 @@ def preset_model(name: str, directory: Path) -> str:
     if name == "tiny":
         return tiny_model_with_tokenizer(directory)
     if name == "llama-8b":
-        from scripts.bench_vllm_gpu import LLAMA_31_8B
+        from scripts._models import LLAMA_31_8B
 
         return tiny_model_with_tokenizer(directory, LLAMA_31_8B)
     return name

@@ -220,6 +220,16 @@ class Tally:
     """blocks fetched from a replaced node that were stored there before its pool went"""
 
 
+def _server_flags(svc: Service, port_flag: str) -> list[str]:
+    """A coordinator's or node's command-line flags: its ports (``port_flag``, and its
+    HTTP port) and a short etcd deadline."""
+    return [
+        port_flag, str(svc.port),
+        f"--{svc.kind}-http-port", str(svc.http_port),
+        "--etcd-timeout-s", "2",
+    ]  # fmt: skip
+
+
 class Chaos:
     """Starts the cluster and the workers, applies faults, gathers the report."""
 
@@ -330,12 +340,8 @@ class Chaos:
                 etcd=self.etcd.endpoint,
                 prefix=PREFIX,
                 env=self.env,
-                extra=[
-                    "--coordinator-port", str(svc.port),
-                    "--coordinator-http-port", str(svc.http_port),
-                    "--etcd-timeout-s", "2",
-                ],
-            )  # fmt: skip
+                extra=_server_flags(svc, "--coordinator-port"),
+            )
         elif svc.kind == "node":
             svc.proc = start_node(
                 svc.name,
@@ -345,12 +351,8 @@ class Chaos:
                 slab=self.args.slab,
                 env=self.env,
                 shm_dir=svc.shm_dir,
-                extra=[
-                    "--node-ucx-port", str(svc.port),
-                    "--node-http-port", str(svc.http_port),
-                    "--etcd-timeout-s", "2",
-                ],
-            )  # fmt: skip
+                extra=_server_flags(svc, "--node-ucx-port"),
+            )
 
     def pid(self, svc: Service) -> int | None:
         if svc.kind == "etcd":
