@@ -915,6 +915,10 @@ class Replica(ServeProcess):
             model, ["--enable-prompt-tokens-details", *args], kv_transfer_config, env, name
         )
 
+    def again(self) -> Replica:
+        """This replica started anew, on another free port."""
+        return Replica(self.model, self.args, self.kv_transfer_config, self.env, name=self.name)
+
 
 _MEMORY_RACES = (
     "larger than the available KV cache memory",
@@ -972,9 +976,7 @@ def start_replicas(
                 "replicas sharing a GPU start together)",
                 file=sys.stderr,
             )
-            out[i] = _ready(
-                Replica(r.model, r.args, r.kv_transfer_config, r.env, name=r.name), timeout
-            )
+            out[i] = _ready(r.again(), timeout)
     except BaseException:
         for r in out:
             r.kill()
@@ -993,7 +995,7 @@ def _ready(r: Replica, timeout: float, attempts: int = 3) -> Replica:
             if attempt + 1 == attempts or "Address already in use" not in r.tail(200):
                 raise
             print(f"{r.name}: port {r.port} was taken, starting it again", file=sys.stderr)
-            r = Replica(r.model, r.args, r.kv_transfer_config, r.env, name=r.name)
+            r = r.again()
     return r
 
 
