@@ -1,5 +1,5 @@
-"""What several scripts of ``scripts/`` share: progress lines, log findings, start
-errors, Ctrl-C handling and the fault suites' ``--cooldown``.
+"""What several scripts of ``scripts/`` share: a process's CPU time and memory, progress
+lines, log findings, start errors, Ctrl-C handling and the fault suites' ``--cooldown``.
 
 Imported as ``scripts._common`` (the scripts put the repository root on ``sys.path``;
 ``scripts/`` is not a package).
@@ -8,12 +8,36 @@ Imported as ``scripts._common`` (the scripts put the repository root on ``sys.pa
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 LOG_PATTERNS = ("Traceback", "ERROR", "CRITICAL", "never retrieved", "was never awaited")
 """log lines worth a look"""
+
+
+def proc_cpu_seconds(pid: int, unreadable: float = math.nan) -> float:
+    """User + system CPU seconds of ``pid`` so far (from /proc), ``unreadable`` if
+    unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return unreadable
+
+
+def proc_rss_bytes(pid: int, unreadable: float = math.nan) -> float:
+    """VmRSS of ``pid`` in bytes (from /proc/<pid>/status), ``unreadable`` if unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return unreadable
 
 
 def log(msg: str) -> None:

@@ -108,6 +108,7 @@ from pegaflow.tools.devcluster import (  # noqa: E402
     start_node,
     start_server,
 )
+from scripts._common import proc_cpu_seconds, proc_rss_bytes  # noqa: E402
 from tests.vllm_engine import ServeProcess  # noqa: E402
 
 #: The README's ``--kv-transfer-config``.
@@ -514,26 +515,6 @@ def summed(counters: Sequence[dict[str, float]]) -> dict[str, float]:
         for k, v in c.items():
             out[k] = out.get(k, 0.0) + v
     return out
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` (from /proc), NaN if unreadable."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return math.nan
-
-
-def proc_rss_bytes(pid: int) -> float:
-    """VmRSS of ``pid`` in bytes (from /proc/<pid>/status), NaN if unreadable."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return math.nan
 
 
 @dataclass
