@@ -59,6 +59,7 @@ from pegaflow.keys import BlockLocation, NodeRecord  # noqa: E402
 from pegaflow.protocol.codec import PROTOCOL_VERSION, unpack  # noqa: E402
 from pegaflow.protocol.framing import encode_frame, parse_address  # noqa: E402
 from pegaflow.transport.rpc_client import RpcClient  # noqa: E402
+from scripts._common import proc_cpu_seconds, proc_rss_bytes  # noqa: E402
 from tests.etcd_fixture import EtcdServer, start_coordinator_async  # noqa: E402
 
 NS = "bench:llama-8b:bf16:bs16:tp1"
@@ -68,26 +69,6 @@ PREFIX = 128
 def block_hash(i: int) -> bytes:
     """Block ``i``'s 32-byte hash: uniform like vLLM's sha256 block hashes."""
     return hashlib.sha256(i.to_bytes(8, "big")).digest()
-
-
-def rss_mb(pid: int) -> float:
-    """Resident memory of a process, MiB (0 where /proc is missing)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (0 where /proc is missing)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 def say(msg: str) -> None:
@@ -443,7 +424,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             f"({stats['batches']} txns of <= {args.batch}, {args.concurrency} in flight)"
         )
         lag, st = await wait_indexed(coord.address, args.blocks, timeout=600)
-        rss = rss_mb(coord.pid)
+        rss = proc_rss_bytes(coord.pid, unreadable=0.0) / 2**20
         say(
             f"mirror: holds {st['blocks']} blocks {lag:.2f} s after the ingest finished; "
             f"coordinator RSS {rss:.0f} MiB"
@@ -461,7 +442,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         lean = args.client == "lean"
         runs = []
         for _ in range(args.runs):
-            cpu0 = cpu_seconds(coord.pid)
+            cpu0 = proc_cpu_seconds(coord.pid, unreadable=0.0)
             rate, client_cpu, _ = await asyncio.to_thread(
                 throughput,
                 coord.address,
@@ -471,7 +452,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 args.seconds,
                 lean=lean,
             )
-            server_cpu = cpu_seconds(coord.pid) - cpu0
+            server_cpu = proc_cpu_seconds(coord.pid, unreadable=0.0) - cpu0
             per_cpu = rate * args.seconds / server_cpu if server_cpu else 0.0
             runs.append((rate, server_cpu, client_cpu, per_cpu))
             say(
@@ -500,11 +481,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 )
             )
             await asyncio.sleep(5.5)  # the generator spawns, connects and starts
-            cpu0 = cpu_seconds(coord.pid)
+            cpu0 = proc_cpu_seconds(coord.pid, unreadable=0.0)
             t0 = time.perf_counter()
             lat_l = await latency(coord.address, args.blocks, args.lookups)
             dt = time.perf_counter() - t0
-            share = (cpu_seconds(coord.pid) - cpu0) / dt
+            share = (proc_cpu_seconds(coord.pid, unreadable=0.0) - cpu0) / dt
             bg_rate, _, bg_lat = await bg
             lat_l.sort()
             bg_lat.sort()

@@ -108,6 +108,7 @@ from pegaflow.tools.devcluster import (  # noqa: E402
     start_node,
     start_server,
 )
+from scripts._common import proc_cpu_seconds, proc_rss_bytes  # noqa: E402
 from tests.vllm_engine import ServeProcess  # noqa: E402
 
 #: The README's ``--kv-transfer-config``.
@@ -516,26 +517,6 @@ def summed(counters: Sequence[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def proc_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` (from /proc), NaN if unreadable."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return math.nan
-
-
-def proc_rss_bytes(pid: int) -> float:
-    """VmRSS of ``pid`` in bytes (from /proc/<pid>/status), NaN if unreadable."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return math.nan
-
-
 @dataclass
 class Node:
     """Where to read the PegaFlow node's figures: its ``/metrics`` and/or its pid."""
@@ -915,6 +896,10 @@ class Replica(ServeProcess):
             model, ["--enable-prompt-tokens-details", *args], kv_transfer_config, env, name
         )
 
+    def again(self) -> Replica:
+        """This replica started anew, on another free port."""
+        return Replica(self.model, self.args, self.kv_transfer_config, self.env, name=self.name)
+
 
 _MEMORY_RACES = (
     "larger than the available KV cache memory",
@@ -972,9 +957,7 @@ def start_replicas(
                 "replicas sharing a GPU start together)",
                 file=sys.stderr,
             )
-            out[i] = _ready(
-                Replica(r.model, r.args, r.kv_transfer_config, r.env, name=r.name), timeout
-            )
+            out[i] = _ready(r.again(), timeout)
     except BaseException:
         for r in out:
             r.kill()
@@ -993,7 +976,7 @@ def _ready(r: Replica, timeout: float, attempts: int = 3) -> Replica:
             if attempt + 1 == attempts or "Address already in use" not in r.tail(200):
                 raise
             print(f"{r.name}: port {r.port} was taken, starting it again", file=sys.stderr)
-            r = Replica(r.model, r.args, r.kv_transfer_config, r.env, name=r.name)
+            r = r.again()
     return r
 
 
@@ -1087,7 +1070,7 @@ def preset_model(name: str, directory: Path) -> str:
     if name == "tiny":
         return tiny_model_with_tokenizer(directory)
     if name == "llama-8b":
-        from scripts.bench_vllm_gpu import LLAMA_31_8B
+        from scripts._models import LLAMA_31_8B
 
         return tiny_model_with_tokenizer(directory, LLAMA_31_8B)
     return name

@@ -41,28 +41,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pegaflow.tools.devcluster import start_server  # noqa: E402
+from scripts._models import BENCH_MODEL  # noqa: E402
 from tests.vllm_engine import VllmEngine, prompts, wait_saved  # noqa: E402
 from tests.vllm_engine import connector_stats as stats  # noqa: E402
-
-BENCH_MODEL: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 1024,
-    "intermediate_size": 4096,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 1,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "max_position_embeddings": 16384,
-    "rms_norm_eps": 1e-05,
-    "rope_theta": 500000.0,
-    "vocab_size": 32000,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
 
 
 def notes(engine: VllmEngine) -> None:
@@ -136,12 +117,17 @@ def main() -> None:
         r = engine.ttft([prompt])
         return r["ttft_ms"][0], r["cached"][0]
 
-    try:
-        s1 = str(work / "engine1")
-        conn1 = {"coordinators": coordinator, "local_node": local_node, "stats_path": s1}
+    def start_engine(k: int) -> tuple[VllmEngine, str]:
+        """Engine ``k`` (a process of its own) and the path of its connector counters."""
+        stats_path = str(work / f"engine{k}")
+        conn = {"coordinators": coordinator, "local_node": local_node, "stats_path": stats_path}
         t0 = time.monotonic()
-        e1 = VllmEngine({**spec, "connector": conn1}, name="engine1")
-        print(f"engine 1 up in {time.monotonic() - t0:.1f} s", flush=True)
+        engine = VllmEngine({**spec, "connector": conn}, name=f"engine{k}")
+        print(f"engine {k} up in {time.monotonic() - t0:.1f} s", flush=True)
+        return engine, stats_path
+
+    try:
+        e1, s1 = start_engine(1)
         try:
             e1.ttft(warm_up)  # first-request costs, and a block set for engine 2's warm-up
             for n, ps in sets.items():
@@ -159,11 +145,7 @@ def main() -> None:
         # engine 2: a new process (a restarted engine) with an empty local cache; per
         # prompt, first the warm load from the cluster, then vLLM's own local hit on the
         # very same prompt: same engine, same conditions, interleaved
-        s2 = str(work / "engine2")
-        conn2 = {"coordinators": coordinator, "local_node": local_node, "stats_path": s2}
-        t0 = time.monotonic()
-        e2 = VllmEngine({**spec, "connector": conn2}, name="engine2")
-        print(f"engine 2 up in {time.monotonic() - t0:.1f} s", flush=True)
+        e2, s2 = start_engine(2)
         try:
             e2.ttft(warm_up)  # a warm hit: connections to the node are set up here
             e2.ttft(warm_up)

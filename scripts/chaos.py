@@ -98,6 +98,8 @@ from pegaflow.tools.devcluster import (  # noqa: E402
     start_coordinator,
     start_node,
 )
+from scripts import _common  # noqa: E402
+from scripts._common import log  # noqa: E402
 from scripts.chaos_worker import (  # noqa: E402
     DEADLINES_S,
     KIND_CODES,
@@ -120,8 +122,6 @@ FAULT_KINDS: dict[str, dict[str, float]] = {
     "client": {"stop": 0.6, "kill": 0.4},
 }
 """the faults each kind of process gets, and their odds (``replace``, ``move``: nodes)"""
-LOG_PATTERNS = ("Traceback", "ERROR", "CRITICAL", "never retrieved", "was never awaited")
-"""log lines worth a look (counted per process; a restarted process's log starts anew)"""
 RESTART_FOR_S = 30.0
 """how long a restart is retried (a restarted node may be refused while its old lease lives)"""
 REACH_S = 8.0
@@ -129,11 +129,6 @@ REACH_S = 8.0
 the load went on this long after the fault ended, has lost the node (a failure)"""
 REATTACHED = re.compile(r"re-attached (\d+) verified blocks")
 """the line of a node's log that counts the blocks it found in its pool file at start"""
-
-
-def log(msg: str) -> None:
-    """A human-readable progress line on stderr."""
-    print(msg, file=sys.stderr, flush=True)
 
 
 # ---- orchestrator ----------------------------------------------------------------
@@ -223,6 +218,16 @@ class Tally:
     """first hash of the latest stored batches (for the coordinators' index probe)"""
     served_after_replace: int = 0
     """blocks fetched from a replaced node that were stored there before its pool went"""
+
+
+def _server_flags(svc: Service, port_flag: str) -> list[str]:
+    """A coordinator's or node's command-line flags: its ports (``port_flag``, and its
+    HTTP port) and a short etcd deadline."""
+    return [
+        port_flag, str(svc.port),
+        f"--{svc.kind}-http-port", str(svc.http_port),
+        "--etcd-timeout-s", "2",
+    ]  # fmt: skip
 
 
 class Chaos:
@@ -335,12 +340,8 @@ class Chaos:
                 etcd=self.etcd.endpoint,
                 prefix=PREFIX,
                 env=self.env,
-                extra=[
-                    "--coordinator-port", str(svc.port),
-                    "--coordinator-http-port", str(svc.http_port),
-                    "--etcd-timeout-s", "2",
-                ],
-            )  # fmt: skip
+                extra=_server_flags(svc, "--coordinator-port"),
+            )
         elif svc.kind == "node":
             svc.proc = start_node(
                 svc.name,
@@ -350,12 +351,8 @@ class Chaos:
                 slab=self.args.slab,
                 env=self.env,
                 shm_dir=svc.shm_dir,
-                extra=[
-                    "--node-ucx-port", str(svc.port),
-                    "--node-http-port", str(svc.http_port),
-                    "--etcd-timeout-s", "2",
-                ],
-            )  # fmt: skip
+                extra=_server_flags(svc, "--node-ucx-port"),
+            )
 
     def pid(self, svc: Service) -> int | None:
         if svc.kind == "etcd":
@@ -447,9 +444,7 @@ class Chaos:
 
     def run(self) -> None:
         seconds = self.args.minutes * 60
-        cooldown = (
-            self.args.cooldown if self.args.cooldown is not None else min(10.0, 0.25 * seconds)
-        )
+        cooldown = _common.cooldown_s(self.args, seconds, most_s=10.0)
         self.load_start = time.monotonic()
         self.load_end = self.load_start + seconds
         self.quiet_from = self.load_end - cooldown / 2
@@ -966,20 +961,17 @@ class Chaos:
                 )
 
     def scan_logs(self) -> None:
-        """Count the lines of each process's log that speak of a failure."""
+        """Count the lines of each process's log that speak of a failure (a restarted
+        process's log starts anew)."""
         for svc in self.services.values():
             if svc.kind == "etcd":
                 continue
             lines = (
                 self._log_tail(svc, 10**6) if svc.kind == "client" else self._log_tail(svc, 5000)
             )
-            hits: Counter[str] = Counter()
-            for line in lines:
-                for pattern in LOG_PATTERNS:
-                    if pattern in line:
-                        hits[pattern] += 1
+            hits = _common.log_findings(lines)
             if hits:
-                self.log_findings[svc.name] = dict(hits)
+                self.log_findings[svc.name] = hits
 
     def finish(self) -> None:
         """Stop monitoring (after a last read of the events)."""
@@ -1166,12 +1158,7 @@ def main() -> int:
     ap.add_argument("--block-kib", type=int, default=BLOCK_KIB, help="block size (KiB)")
     ap.add_argument("--batch", type=int, default=BATCH, help="blocks per put or get")
     ap.add_argument("--think-ms", type=float, default=20.0, help="pause between two ops")
-    ap.add_argument(
-        "--cooldown",
-        type=float,
-        default=None,
-        help="seconds without faults at the end (default: a quarter of the run, at most 10)",
-    )
+    _common.add_cooldown(ap, most_s=10)
     ap.add_argument(
         "--targets",
         default=",".join(TARGETS),
@@ -1194,21 +1181,12 @@ def main() -> int:
     kinds = {k for t in targets for k in FAULT_KINDS[TARGETS[t]]}
     if not {k for k in args.first_faults.split(",") if k} <= kinds:
         ap.error(f"--first-faults: the targets take {','.join(sorted(kinds))}")
-
-    def interrupt(_sig: int, _frame: object) -> None:
-        raise KeyboardInterrupt
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, interrupt)
+    _common.trap_signals()
     chaos = Chaos(args)
     rc = 0
     try:
-        try:
-            chaos.start_cluster()
-            chaos.start_workers()
-        except RuntimeError as e:
-            chaos.error = f"cluster did not start: {str(e)[:2000]}"
-            log(chaos.error)
+        chaos.error = _common.start_error("cluster", chaos.start_cluster, chaos.start_workers)
+        if chaos.error:
             rc = 2
         else:
             chaos.run()
@@ -1217,8 +1195,7 @@ def main() -> int:
         chaos.interrupted = True
         log("interrupted: cleaning up")
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _common.mute_signals()
         chaos.finish()
         chaos.scan_logs()
         chaos.cleanup()

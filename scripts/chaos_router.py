@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Router chaos: a real ``pegaflow-router`` under load while its replicas fail at random.
 
-On this machine only (127.0.0.1): ``--replicas`` stand-in OpenAI servers, each a real
-HTTP server in its own process (``/health``, ``/v1/models``, ``/v1/completions`` and
-``/v1/chat/completions``, streamed or not; every answer derived from its request, so
-every answer is checked), a real ``pegaflow-router`` in front of them (``--mode
+On this machine only (127.0.0.1): ``--replicas`` stand-in OpenAI servers
+(``scripts/chaos_replica.py``), each a real HTTP server in its own process
+(``/health``, ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``,
+streamed or not; every answer derived from its request, so every answer is checked),
+a real ``pegaflow-router`` in front of them (``--mode
 cache``: routed by load and recent prompts, token-id prompts hashed; ``pd``: half of
 the replicas prefill, half decode, the handoff's ``kv_transfer_params`` checked by the
 decode replica; ``both``: one run of each), and ``--clients`` closed-loop client tasks
@@ -67,11 +68,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import math
 import random
-import signal
 import statistics
 import sys
 import time
@@ -81,7 +80,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -89,13 +87,12 @@ sys.path.insert(0, str(REPO))
 from pegaflow.router.server import REPLICA_HEADER  # noqa: E402
 
 from pegaflow.tools.devcluster import Proc, free_port, start  # noqa: E402
+from scripts import _common  # noqa: E402
+from scripts._common import log  # noqa: E402
+from scripts.chaos_replica import CHAT, COMPLETIONS, answer_pieces, piece_of  # noqa: E402
 
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
 FAULTS = ("fail_fast", "hang", "kill", "slow", "truncate")
 MODES = ("cache", "pd")
-TOKEN_S = 0.01
-"""a healthy replica's pace: one token every 10 ms"""
 ROUTER = {
     "health-interval-s": 0.5,
     "health-timeout-s": 1.0,
@@ -120,214 +117,6 @@ SETTLE_S = float(ROUTER["health-interval-s"]) + float(ROUTER["health-timeout-s"]
 DOWNING = ("kill", "hang", "truncate")
 """faults that take a replica's /health down, or the router's view of it (a connection
 cut or a deadline marks it down until its next /health)"""
-LOG_PATTERNS = ("Traceback", "ERROR", "CRITICAL", "never retrieved", "was never awaited")
-
-
-def log(msg: str) -> None:
-    """A progress line on stderr."""
-    print(msg, file=sys.stderr, flush=True)
-
-
-# ---- answers: what every replica gives for a request ---------------------------------
-
-
-def prompt_digest(endpoint: str, body: dict[str, Any]) -> str:
-    """The request's prompt (or messages), hashed: what a prefill hands to a decode."""
-    what = body.get("messages") if endpoint == CHAT else body.get("prompt")
-    raw = json.dumps([endpoint, what], sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(raw).hexdigest()
-
-
-def answer_pieces(endpoint: str, body: dict[str, Any]) -> list[str]:
-    """The tokens of the answer to ``body``: its prompt's digest spelt out, as many as
-    it asks (``max_tokens``)."""
-    n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
-    seed = bytes.fromhex(prompt_digest(endpoint, body)) + n.to_bytes(4, "big")
-    stream = b"".join(
-        hashlib.sha256(seed + i.to_bytes(4, "big")).digest() for i in range((n + 31) // 32)
-    )
-    return [f" t{b:02x}" for b in stream[:n]]
-
-
-def answer_json(endpoint: str, text: str, extra: dict[str, Any]) -> dict[str, Any]:
-    """A whole answer in the OpenAI format."""
-    if endpoint == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-        obj = "chat.completion"
-    else:
-        choice, obj = {"index": 0, "text": text}, "text_completion"
-    return {
-        "object": obj,
-        "model": "chaos",
-        "choices": [{**choice, "finish_reason": "length"}],
-        **extra,
-    }
-
-
-def event(endpoint: str, piece: str, extra: dict[str, Any]) -> bytes:
-    """One server-sent event of a streamed answer."""
-    if endpoint == CHAT:
-        chunk = {
-            "object": "chat.completion.chunk",
-            "choices": [{"index": 0, "delta": {"content": piece}}],
-        }
-    else:
-        chunk = {"object": "text_completion", "choices": [{"index": 0, "text": piece}]}
-    return f"data: {json.dumps({**chunk, 'model': 'chaos', **extra})}\n\n".encode()
-
-
-def piece_of(ev: dict[str, Any]) -> str:
-    """The text an event (or a whole answer) carries."""
-    choice = (ev.get("choices") or [{}])[0]
-    if "text" in choice:
-        return str(choice["text"])
-    part = choice.get("delta") or choice.get("message") or {}
-    return str(part.get("content") or "")
-
-
-# ---- the stand-in replica (its own process) ------------------------------------------
-
-
-class FakeReplica:
-    """An OpenAI-style server whose failures the orchestrator sets (``POST /chaos``)."""
-
-    def __init__(self, name: str, port: int) -> None:
-        self.name = name
-        self.port = port
-        self.mode = "ok"
-        self.params: dict[str, Any] = {}
-        self.drew = 0
-        """requests that arrived in the current mode"""
-        self.served = 0
-        self.running = asyncio.Event()
-        self.running.set()
-        self.rng = random.Random()
-
-    async def serve(self) -> web.AppRunner:
-        app = web.Application()
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_post(COMPLETIONS, self.completion)
-        app.router.add_post(CHAT, self.completion)
-        app.router.add_post("/chaos", self.control)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", self.port, reuse_address=True).start()
-        return runner
-
-    async def control(self, req: web.Request) -> web.Response:
-        """Set the mode (``ok`` or a fault and its parameters); answers the requests
-        that arrived in the mode it ends."""
-        cmd = await req.json()
-        drew, self.drew = self.drew, 0
-        self.mode, self.params = cmd.get("mode", "ok"), cmd
-        if self.mode == "hang":
-            self.running.clear()
-        else:
-            self.running.set()
-        return web.json_response({"drew": drew, "served": self.served})
-
-    async def health(self, _req: web.Request) -> web.Response:
-        if self.mode == "hang" and self.params.get("health") == "hung":
-            await self.running.wait()
-        return web.json_response({"ok": True})
-
-    async def models(self, _req: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "chaos"}]})
-
-    async def completion(self, req: web.Request) -> web.StreamResponse:
-        body = await req.json()
-        self.drew += 1
-        self.served += 1
-        mode, params = self.mode, self.params
-        if mode == "fail_fast":
-            err = {"error": {"message": "engine dead", "type": "InternalServerError"}}
-            return web.json_response(err, status=500)
-        endpoint = req.path
-        extra: dict[str, Any] = {"chaos": {"replica": self.name}}
-        kv = body.get("kv_transfer_params")
-        if isinstance(kv, dict):
-            extra["chaos"]["kv_from"] = kv.get("from", "")
-        if kv is not None and (
-            not isinstance(kv, dict) or kv.get("digest") != prompt_digest(endpoint, body)
-        ):
-            pieces = [" MISMATCHED_KV"]  # another prompt's handoff: a wrong answer
-        else:
-            pieces = answer_pieces(endpoint, body)
-        pace = TOKEN_S
-        if mode == "slow":
-            pace = float(params["pace_s"])
-            await asyncio.sleep(float(params["first_s"]))
-        cut = self.rng.randrange(len(pieces)) if mode == "truncate" else -1
-        cleanly = self.rng.random() < 0.5
-        await self.running.wait()  # hang: before the first byte
-        try:
-            if not body.get("stream"):
-                return await self._plain(req, endpoint, body, pieces, pace, cut >= 0, extra)
-            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await out.prepare(req)
-            for i, piece in enumerate(pieces):
-                if i == cut:
-                    if cleanly:
-                        await out.write_eof()  # the end, without [DONE]
-                    elif req.transport is not None:
-                        req.transport.abort()
-                    return out
-                await out.write(event(endpoint, piece, extra))
-                await asyncio.sleep(pace)
-                await self.running.wait()  # hang: mid-stream
-            await out.write(b"data: [DONE]\n\n")
-            await out.write_eof()
-            return out
-        except (ConnectionError, RuntimeError):  # the router closed the request
-            return web.Response(status=499)
-
-    async def _plain(
-        self,
-        req: web.Request,
-        endpoint: str,
-        body: dict[str, Any],
-        pieces: list[str],
-        pace: float,
-        cut: bool,
-        extra: dict[str, Any],
-    ) -> web.StreamResponse:
-        """A whole answer, in two writes (a hang or a cut falls between them)."""
-        await asyncio.sleep(pace * len(pieces))
-        await self.running.wait()
-        answer = answer_json(endpoint, "".join(pieces), extra)
-        if body.get("max_tokens") == 1 and "kv_transfer_params" not in body:  # a prefill
-            answer["kv_transfer_params"] = {
-                "digest": prompt_digest(endpoint, body),
-                "from": self.name,
-            }
-        data = json.dumps(answer).encode()
-        out = web.StreamResponse(headers={"Content-Type": "application/json"})
-        out.content_length = len(data)
-        await out.prepare(req)
-        await out.write(data[: len(data) // 2])
-        if cut:
-            if req.transport is not None:
-                req.transport.abort()
-            return out
-        await self.running.wait()
-        await out.write(data[len(data) // 2 :])
-        await out.write_eof()
-        return out
-
-
-async def replica_main(name: str, port: int) -> None:
-    """Entry point of a replica process: serve until SIGTERM."""
-    rep = FakeReplica(name, port)
-    runner = await rep.serve()
-    print(f"READY 127.0.0.1:{port} name={name}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    rep.running.set()
-    await runner.cleanup()
 
 
 # ---- orchestrator -----------------------------------------------------------------
@@ -417,7 +206,7 @@ class Run:
     def _start_replica(self, t: Target) -> None:
         t.proc = start(
             f"replica-{t.name}",
-            ["scripts.chaos_router", "--replica", t.name, "--port", str(t.port)],
+            ["scripts.chaos_replica", "--name", t.name, "--port", str(t.port)],
             timeout=30,
         )
         self.pids.append(t.proc.pid)
@@ -449,7 +238,7 @@ class Run:
 
     async def run(self) -> None:
         total = self.args.minutes * 60
-        cooldown = self.args.cooldown if self.args.cooldown is not None else min(15, total / 4)
+        cooldown = _common.cooldown_s(self.args, total, most_s=15)
         async with aiohttp.ClientSession() as control:
             await self._wait_in_rotation(control, 30)
             self.t0 = time.monotonic()
@@ -922,7 +711,6 @@ class Run:
             }
 
         router_log = self.router.log if self.router is not None else []
-        findings = {p: sum(p in line for line in router_log) for p in LOG_PATTERNS}
         duration = (self.load_end - self.t0) if self.t0 else 0.0
         out: dict[str, Any] = {
             "mode": self.mode,
@@ -972,7 +760,7 @@ class Run:
                     {k: r.get(k) for k in ("url", "role", "requests", "failures", "healthy")}
                     for r in self.final_status.get("replicas", [])
                 ],
-                "log_findings": {k: v for k, v in findings.items() if v},
+                "log_findings": _common.log_findings(router_log),
             },
         }
         if self.mode == "pd":
@@ -993,29 +781,14 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None, help="fault and load schedule (random)")
     ap.add_argument("--replicas", type=int, default=4, help="replicas (pd: at least 4)")
     ap.add_argument("--clients", type=int, default=8, help="closed-loop client tasks")
-    ap.add_argument(
-        "--cooldown",
-        type=float,
-        default=None,
-        help="seconds without faults at the end (default: a quarter of the run, at most 15)",
-    )
+    _common.add_cooldown(ap, most_s=15)
     ap.add_argument(
         "--faults", default=",".join(FAULTS), help=f"comma-separated, of {','.join(FAULTS)}"
     )
-    ap.add_argument("--replica", metavar="NAME", help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.replica:
-        asyncio.run(replica_main(args.replica, args.port))
-        return 0
     if not set(args.faults.split(",")) <= set(FAULTS):
         ap.error(f"--faults: choose among {','.join(FAULTS)}")
-
-    def interrupt(_sig: int, _frame: object) -> None:
-        raise KeyboardInterrupt
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, interrupt)
+    _common.trap_signals()
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     modes = MODES if args.mode == "both" else (args.mode,)
     reports: list[dict[str, Any]] = []
@@ -1025,11 +798,8 @@ def main() -> int:
     for i, mode in enumerate(modes):
         run = Run(args, mode, seed + i)
         try:
-            try:
-                run.start()
-            except RuntimeError as e:
-                run.error = f"{mode}: did not start: {str(e)[:2000]}"
-                log(run.error)
+            run.error = _common.start_error(f"{mode}:", run.start)
+            if run.error:
                 rc = 2
             else:
                 log(
@@ -1047,11 +817,9 @@ def main() -> int:
             run.error = "interrupted"
             log("interrupted: cleaning up")
         finally:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            _common.mute_signals()
             run.cleanup()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, interrupt)
+            _common.trap_signals()
         reports.append(run.report())
         pids += run.pids
         if rc or interrupted:

@@ -84,6 +84,12 @@ class Worker:
         """One event line."""
         self.out.write(json.dumps(event, separators=(",", ":")) + "\n")
 
+    def emit_op(
+        self, kind: str, target: str, t0: float, t1: float, err: str | None, **more: Any
+    ) -> None:
+        """The event of one client call of ``kind`` against ``target``."""
+        self.emit(e="op", k=kind, tg=target, t0=t0, t1=t1, dl=DEADLINES_S[kind], err=err, **more)
+
     async def run(self) -> None:
         from pegaflow.client import PegaClient  # UCX starts here, after UCX_TLS was set
 
@@ -140,15 +146,16 @@ class Worker:
                 self.stop.set()
 
     async def _timed(
-        self, task: int, kind: str, deadline_s: float, coro: Coroutine[Any, Any, Any]
+        self, task: int, kind: str, coro: Coroutine[Any, Any, Any]
     ) -> tuple[Any, str | None, float, float]:
-        """Run one client call; returns (result, error code or None, start, end)."""
+        """Run one client call of ``kind`` (its deadline: :data:`DEADLINES_S`); returns
+        (result, error code or None, start, end)."""
         from pegaflow.errors import PegaError
 
         slot = 1 + 2 * task
         t0 = time.monotonic()
         self.beats[slot + 1] = KIND_CODES[kind]
-        self.beats[slot] = t0 + deadline_s
+        self.beats[slot] = t0 + DEADLINES_S[kind]
         res: Any = None
         err: str | None = None
         try:
@@ -181,21 +188,10 @@ class Worker:
         res, err, t0, t1 = await self._timed(
             task,
             "put",
-            TRANSFER_DEADLINE_S,
             self.client.put_blocks(NS, items, node_id=node, timeout=TRANSFER_DEADLINE_S),
         )
         stored = 0 if res is None else res.stored + res.skipped
-        self.emit(
-            e="op",
-            k="put",
-            tg=node,
-            t0=t0,
-            t1=t1,
-            dl=TRANSFER_DEADLINE_S,
-            err=err,
-            n=stored,
-            h=hashes[0].hex(),
-        )
+        self.emit_op("put", node, t0, t1, err, n=stored, h=hashes[0].hex())
         if err is None and stored:
             self.known.append((hashes, t1))
             del self.known[: max(0, len(self.known) - 2000)]
@@ -210,21 +206,11 @@ class Worker:
         found, err, t0, t1 = await self._timed(
             task,
             "lookup",
-            LOOKUP_DEADLINE_S,
             self.client.lookup(NS, hashes, timeout=LOOKUP_DEADLINE_S, generations=True),
         )
         hits = 0 if found is None else found.hits
-        self.emit(
-            e="op",
-            k="lookup",
-            tg=self.client._rpc.current_address,  # the coordinator that answered (or failed)
-            t0=t0,
-            t1=t1,
-            dl=LOOKUP_DEADLINE_S,
-            err=err,
-            hits=hits,
-            pt=put_t,
-        )
+        # the target: the coordinator that answered (or failed)
+        self.emit_op("lookup", self.client._rpc.current_address, t0, t1, err, hits=hits, pt=put_t)
         if not fetch or not hits:
             return
         self._check_staging(st)
@@ -235,7 +221,6 @@ class Worker:
         ok, err, t0, t1 = await self._timed(
             task,
             "get",
-            TRANSFER_DEADLINE_S,
             self.client.get_blocks(NS, items, timeout=TRANSFER_DEADLINE_S, generations=gens),
         )
         per_node: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -250,17 +235,7 @@ class Worker:
                 st.rows[j] = hashes[j]
             else:
                 st.buf[j] = 0  # what the caller does with a miss's buffer; must stay zero
-        self.emit(
-            e="op",
-            k="get",
-            tg="",
-            t0=t0,
-            t1=t1,
-            dl=TRANSFER_DEADLINE_S,
-            err=err,
-            nodes=per_node,
-            pt=put_t,
-        )
+        self.emit_op("get", "", t0, t1, err, nodes=per_node, pt=put_t)
         for node, n in wrong.items():
             self.emit(e="bad", where="return", t=t1, node=node, n=n)
 

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
+"""the repository root (the processes started here run in it: ``python -m scripts.…``)"""
 
 ETCD_BINARY = os.environ.get("PEGAFLOW_TEST_ETCD", "etcd")
 
