@@ -59,12 +59,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pegaflow.storage_node.blocks import BlockKey, align_up
 from pegaflow.storage_node.disk_files import DEFAULT_FILE_BYTES, DiskFiles, DiskIO
 from pegaflow.storage_node.disk_format import (
     EMPTY_RECORD,
-    BlockKey,
     SlotRecord,
-    align_up,
     check_key,
     encode_record,
 )
