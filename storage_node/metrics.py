@@ -7,7 +7,8 @@ data path, which runs on the node's event-loop thread, so they are the lock-free
 :class:`~pegaflow.observability.fastmetrics.FastHistogram`
 (same names, types, labels and API as prometheus_client's).  Pool gauges and the
 connection count are ordinary prometheus_client gauges.  The disk tier's figures are
-read from its counters at scrape time (:class:`DiskCollector`).
+read from its counters at scrape time (:class:`DiskCollector`), and so are the etcd
+publisher's (:class:`PublisherCollector`).
 """
 
 from __future__ import annotations
@@ -157,6 +158,13 @@ _DISK_COUNTERS = (
 )
 
 
+def _family(kind: type[Any], name: str, doc: str, value: float) -> Any:
+    """One unlabelled metric family of ``kind`` holding ``value``."""
+    family = kind(name, doc)
+    family.add_metric([], value)
+    return family
+
+
 class DiskCollector(Collector):
     """The node's ``pegaflow_node_disk_*`` figures from its tier's counters (read at
     scrape time; zeros while ``stats()`` gives None: no disk tier)."""
@@ -167,11 +175,39 @@ class DiskCollector(Collector):
     def collect(self) -> Iterator[Any]:
         st = self.stats()
         for name, doc, field in _DISK_GAUGES:
-            g = GaugeMetricFamily(f"pegaflow_node_disk_{name}", doc)
             value = int(st is not None) if field is None else getattr(st, field, 0)
-            g.add_metric([], value)
-            yield g
+            yield _family(GaugeMetricFamily, f"pegaflow_node_disk_{name}", doc, value)
         for name, doc, field in _DISK_COUNTERS:
-            c = CounterMetricFamily(f"pegaflow_node_disk_{name}", doc)
-            c.add_metric([], getattr(st, field, 0) if st is not None else 0)
-            yield c
+            value = getattr(st, field, 0) if st is not None else 0
+            yield _family(CounterMetricFamily, f"pegaflow_node_disk_{name}", doc, value)
+
+
+_ETCD_COUNTERS = (
+    ("write_batches", "etcd transactions written", "batches"),
+    ("write_keys", "keys written to etcd", "keys_written"),
+    ("write_errors", "failed etcd transactions", "write_errors"),
+    ("dropped_writes", "writes dropped: queue full", "dropped"),
+    ("keepalive_errors", "failed lease keepalives", "keepalive_errors"),
+    ("lease_losses", "leases found expired", "lease_losses"),
+    ("registrations", "lease grants + republishes", "rotations"),
+)
+_ETCD_GAUGES = (
+    ("pending_writes", "writes queued for etcd", "pending"),
+    ("registered", "1 while registered under a live lease", "registered"),
+)
+
+
+class PublisherCollector(Collector):
+    """The node's ``pegaflow_node_etcd_*`` figures from its
+    :class:`~pegaflow.storage_node.publisher.EtcdPublisher`'s ``stats()`` (read at
+    scrape time)."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        st = self.stats()
+        for name, doc, key in _ETCD_COUNTERS:
+            yield _family(CounterMetricFamily, f"pegaflow_node_etcd_{name}", doc, st[key])
+        for name, doc, key in _ETCD_GAUGES:
+            yield _family(GaugeMetricFamily, f"pegaflow_node_etcd_{name}", doc, int(st[key]))
