@@ -182,19 +182,18 @@ class DiskCollector(Collector):
             yield _family(CounterMetricFamily, f"pegaflow_node_disk_{name}", doc, value)
 
 
-_ETCD_COUNTERS = (
-    ("write_batches", "etcd transactions written", "batches"),
-    ("write_keys", "keys written to etcd", "keys_written"),
-    ("write_errors", "failed etcd transactions", "write_errors"),
-    ("dropped_writes", "writes dropped: queue full", "dropped"),
-    ("keepalive_errors", "failed lease keepalives", "keepalive_errors"),
-    ("lease_losses", "leases found expired", "lease_losses"),
-    ("registrations", "lease grants + republishes", "rotations"),
-)
-_ETCD_GAUGES = (
-    ("pending_writes", "writes queued for etcd", "pending"),
-    ("registered", "1 while registered under a live lease", "registered"),
-)
+_ETCD_FIGURES: dict[str, tuple[type[Any], str, str]] = {
+    # the publisher's stats() key: (family, metric name suffix, help)
+    "batches": (CounterMetricFamily, "write_batches", "etcd transactions written"),
+    "keys_written": (CounterMetricFamily, "write_keys", "keys written to etcd"),
+    "write_errors": (CounterMetricFamily, "write_errors", "failed etcd transactions"),
+    "dropped": (CounterMetricFamily, "dropped_writes", "writes dropped: queue full"),
+    "keepalive_errors": (CounterMetricFamily, "keepalive_errors", "failed lease keepalives"),
+    "lease_losses": (CounterMetricFamily, "lease_losses", "leases found expired"),
+    "rotations": (CounterMetricFamily, "registrations", "lease grants + republishes"),
+    "pending": (GaugeMetricFamily, "pending_writes", "writes queued for etcd"),
+    "registered": (GaugeMetricFamily, "registered", "1 while registered under a live lease"),
+}
 
 
 class PublisherCollector(Collector):
@@ -207,7 +206,5 @@ class PublisherCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         st = self.stats()
-        for name, doc, key in _ETCD_COUNTERS:
-            yield _family(CounterMetricFamily, f"pegaflow_node_etcd_{name}", doc, st[key])
-        for name, doc, key in _ETCD_GAUGES:
-            yield _family(GaugeMetricFamily, f"pegaflow_node_etcd_{name}", doc, int(st[key]))
+        for key, (kind, name, doc) in _ETCD_FIGURES.items():
+            yield _family(kind, f"pegaflow_node_etcd_{name}", doc, int(st[key]))

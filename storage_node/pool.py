@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import mmap
 import os
 import threading
 import time
@@ -52,12 +51,9 @@ import numpy as np
 from pegaflow.storage_node.blocks import ALIGN, BlockKey, Entry, align_up
 from pegaflow.storage_node.journal import Journal, SlotRecord
 from pegaflow.storage_node.shm_file import (
-    apply_access,
-    check_room,
-    link_prepared,
-    open_locked,
-    prepare,
+    open_pool,
     remove_unused,
+    replaced,
 )
 from pegaflow.storage_node.slabs import SizeClass, SlabAllocator
 
@@ -147,30 +143,19 @@ class BlockPool(SlabAllocator):
         self._on_evict = on_evict
         self._on_spill = on_spill
         self._lock = threading.RLock()
-        self._size_flag = size_flag
         self.journal: Journal | None = None
         journal_path = self.path.with_suffix(".journal")
         if fresh and remove_unused(self.path):
             for old in (journal_path, journal_path.with_suffix(".journal.tmp")):
                 old.unlink(missing_ok=True)
             log.info("removed the pool file %s and its journal: starting empty", self.path)
-        check_room(self.path, self.capacity, size_flag)
-        self._fd, self.created, self._unnamed = open_locked(self.path)
+        self._fd, self._mmap, self.created = open_pool(
+            self.path, self.capacity, access_gid, size_flag
+        )
         st = os.fstat(self._fd)
         self.file_id = (st.st_dev, st.st_ino)
         """the (device, inode) of the file this pool maps: a same-host writer names the
         file it maps in each reservation, and another file's writes are refused"""
-        try:
-            apply_access(self._fd, access_gid)
-            self._map()
-            if self._unnamed:
-                link_prepared(self._fd, self.path)
-                self._unnamed = False
-        except BaseException:
-            with contextlib.suppress(AttributeError, BufferError):
-                self._mmap.close()  # an unnamed file's memory goes with its last mapping
-            self._close_files(unlink=self.created and not self._unnamed)
-            raise
         if persist:
             self.journal = Journal(journal_path, self.capacity, slab_bytes)
         self.buf = np.frombuffer(self._mmap, dtype=np.uint8)
@@ -197,15 +182,6 @@ class BlockPool(SlabAllocator):
             self.recovered = self._recover(self.journal.replay())
             self.pool_id = self.journal.pool_id
             self.journal.rewrite(self._record(e) for e in self.recovered)
-
-    def _map(self) -> None:
-        """Size the file, map it, and allocate and touch all of it (:func:`prepare`)."""
-        os.ftruncate(self._fd, self.capacity)
-        self._mmap = mmap.mmap(self._fd, self.capacity, mmap.MAP_SHARED)
-        prepare(
-            self._fd, self._mmap, self.path, self.capacity,
-            created=self.created, size_flag=self._size_flag,
-        )  # fmt: skip
 
     def _recover(self, records: list[SlotRecord]) -> list[Entry]:
         """Adopt the journaled blocks whose bytes still match their checksum (the
@@ -419,13 +395,7 @@ class BlockPool(SlabAllocator):
     def file_problem(self) -> str | None:
         """Why the pool file can no longer be shared (its path was deleted or now names
         another file: same-host clients and handshakes need it), else None."""
-        try:
-            st = os.stat(self.path)
-        except OSError as e:
-            return f"pool file {self.path} is gone ({e.strerror})"
-        if (st.st_dev, st.st_ino) != self.file_id:
-            return f"pool file {self.path} was replaced by another file"
-        return None
+        return replaced(self.path, self.file_id)
 
     @_locked
     def abort(self, e: Entry) -> None:
