@@ -206,16 +206,7 @@ class BlockPool(SlabAllocator):
             self._gen = max(self._gen, e.gen)
             kept.append(e)
         for slab, stride in slab_stride.items():
-            cls = self._classes.setdefault(stride, SizeClass(stride))
-            base = slab * self.slab_bytes
-            n = self.slab_bytes // stride
-            cls.free.extend(
-                base + i * stride
-                for i in range(n - 1, -1, -1)
-                if base + i * stride not in self._by_offset
-            )
-            cls.slabs.append(slab)
-            self._slab_class[slab] = stride
+            self._carve(self._classes.setdefault(stride, SizeClass(stride)), slab, held=True)
         for e in kept:
             self._classes[e.stride].lru[e.key] = e
         self._free_slabs = [s for s in self._free_slabs if s not in slab_stride]

@@ -67,12 +67,18 @@ class SlabAllocator:
     def _evict(self, e: Entry) -> None:
         raise NotImplementedError
 
-    def _carve(self, cls: SizeClass, slab: int) -> None:
+    def _carve(self, cls: SizeClass, slab: int, held: bool = False) -> None:
+        """Give ``slab`` to ``cls``, all its slots free (``held``: but those holding a
+        block already, in a slab adopted at recovery)."""
         base = slab * self.slab_bytes
-        n = self.slab_bytes // cls.stride
-        cls.free.extend(base + i * cls.stride for i in range(n - 1, -1, -1))
+        stride = cls.stride
+        slots = range(base + (self.slab_bytes // stride - 1) * stride, base - 1, -stride)
+        if held:
+            cls.free.extend(o for o in slots if o not in self._by_offset)
+        else:
+            cls.free.extend(slots)
         cls.slabs.append(slab)
-        self._slab_class[slab] = cls.stride
+        self._slab_class[slab] = stride
 
     def _alloc(self, stride: int) -> int:
         cls = self._classes.get(stride)
