@@ -13,6 +13,7 @@ publisher's (:class:`PublisherCollector`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -47,6 +48,7 @@ class NodeMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         r = registry
+        counter = functools.partial(FastCounter, registry=r)
         self.capacity_bytes = Gauge("pegaflow_node_capacity_bytes", "Pool capacity", registry=r)
         self.used_bytes = Gauge("pegaflow_node_used_bytes", "Pool bytes in use", registry=r)
         self.blocks = Gauge("pegaflow_node_blocks", "Committed blocks in the pool", registry=r)
@@ -54,16 +56,10 @@ class NodeMetrics:
             "pegaflow_node_evictions", "Blocks evicted since start (monotonic)", registry=r
         )
         self.connections = Gauge("pegaflow_node_connections", "Open data connections", registry=r)
-        self.get_blocks = FastCounter(
-            "pegaflow_node_get_blocks", "Blocks asked for by get", ["result"], registry=r
-        )
-        self.get_bytes = FastCounter("pegaflow_node_get_bytes", "Bytes sent by get", registry=r)
-        self.put_blocks = FastCounter(
-            "pegaflow_node_put_blocks", "Blocks committed by put", registry=r
-        )
-        self.put_bytes = FastCounter(
-            "pegaflow_node_put_bytes", "Bytes committed by put", registry=r
-        )
+        self.get_blocks = counter("pegaflow_node_get_blocks", "Blocks asked for by get", ["result"])
+        self.get_bytes = counter("pegaflow_node_get_bytes", "Bytes sent by get")
+        self.put_blocks = counter("pegaflow_node_put_blocks", "Blocks committed by put")
+        self.put_bytes = counter("pegaflow_node_put_bytes", "Bytes committed by put")
         self.request_seconds = FastHistogram(
             "pegaflow_node_request_seconds",
             "Data-plane request latency (get includes the transfer)",
@@ -71,58 +67,44 @@ class NodeMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.request_errors = FastCounter(
-            "pegaflow_node_request_errors",
-            "Data-plane requests that failed",
-            ["op", "code"],
-            registry=r,
+        self.request_errors = counter(
+            "pegaflow_node_request_errors", "Data-plane requests that failed", ["op", "code"]
         )
-        self.transfer_errors = FastCounter(
-            "pegaflow_node_transfer_errors", "UCX transfers that failed", ["kind"], registry=r
+        self.transfer_errors = counter(
+            "pegaflow_node_transfer_errors", "UCX transfers that failed", ["kind"]
         )
-        self.unauthenticated_closed = FastCounter(
+        self.unauthenticated_closed = counter(
             "pegaflow_node_unauthenticated_closed",
             "Data connections closed before their hello",
             ["reason"],
-            registry=r,
         )
-        self.quota_refusals = FastCounter(
+        self.quota_refusals = counter(
             "pegaflow_node_quota_refusals",
             "Requests refused because they would exceed a quota",
             ["kind", "scope"],
-            registry=r,
         )
-        self.checksum_failures = FastCounter(
-            "pegaflow_node_checksum_failures",
-            "Blocks refused because their checksum mismatched",
-            registry=r,
+        self.checksum_failures = counter(
+            "pegaflow_node_checksum_failures", "Blocks refused because their checksum mismatched"
         )
-        self.same_host_lookups = FastCounter(
+        self.same_host_lookups = counter(
             "pegaflow_node_same_host_lookups",
             "Lookups answered by this node alone, as its host's connectors reported them",
-            registry=r,
         )
-        self.same_host_hit_blocks = FastCounter(
-            "pegaflow_node_same_host_hit_blocks",
-            "Blocks found by the same-host lookups",
-            registry=r,
+        self.same_host_hit_blocks = counter(
+            "pegaflow_node_same_host_hit_blocks", "Blocks found by the same-host lookups"
         )
-        self.same_host_miss_blocks = FastCounter(
+        self.same_host_miss_blocks = counter(
             "pegaflow_node_same_host_miss_blocks",
             "Blocks asked for by the same-host lookups and not found",
-            registry=r,
         )
 
-        self.disk_promotions = FastCounter(
-            "pegaflow_node_disk_promotions",
-            "Blocks read back from the disk tier into the pool",
-            registry=r,
+        self.disk_promotions = counter(
+            "pegaflow_node_disk_promotions", "Blocks read back from the disk tier into the pool"
         )
-        self.disk_streamed = FastCounter(
+        self.disk_streamed = counter(
             "pegaflow_node_disk_streamed_blocks",
             "Blocks of a get read from the disk tier and sent while its later ones were "
             "still being read",
-            registry=r,
         )
 
     def request_done(self, op: str, seconds: float) -> None:
