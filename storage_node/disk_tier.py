@@ -10,11 +10,8 @@ holds, their LRU order, the reads and the counters; the spills are
 I/O.  Spills run on ``write_threads`` threads, reads on ``read_threads`` others
 (``os.pwritev``/``os.preadv`` release the GIL, so several I/Os are in flight and a
 spill never delays a read behind it in a queue), whole 4 KiB-multiple writes and reads
-from page-aligned buffers.  :meth:`DiskTier.spill` never waits for I/O: it copies the
-block into one of ``queue_depth`` staging buffers and returns; with none free the spill
-is dropped and counted.  :meth:`DiskTier.spill_in_place` writes a block straight from
-memory its caller keeps unchanged until told the write ended (a pool slot, written
-ahead of its eviction: :mod:`~pegaflow.storage_node.spill_ahead`).  Reads return
+from page-aligned buffers.  A spill never waits for I/O (``queue_depth`` staging
+buffers; :mod:`~pegaflow.storage_node.disk_spills`).  Reads return
 ``concurrent.futures.Future`` objects (``await asyncio.wrap_future(f)`` in a loop).
 
 Eviction.  When every slot is used, a spill takes the least recently used block's slot
