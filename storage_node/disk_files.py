@@ -31,18 +31,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pegaflow.storage_node.blocks import ALIGN, BlockKey, align_up
 from pegaflow.storage_node.disk_format import (
-    ALIGN,
     EMPTY_RECORD,
     HEADER_BYTES,
     INDEX_MAGIC,
     RECORD_BYTES,
     SLAB_MAGIC,
-    BlockKey,
     CorruptRecord,
     Header,
     SlotRecord,
-    align_up,
     decode_record,
 )
 

@@ -32,18 +32,15 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from pegaflow.storage_node.blocks import BlockKey
+
 from pegaflow.checksum import checksum
 from pegaflow.errors import BadRequest, IncompatibleFormat
 from pegaflow.protocol.codec import MAX_HASH_BYTES, SHARD_LIMIT, check_namespace
 
-BlockKey = tuple[str, bytes, int]
-"""(namespace, block hash, shard): the pool's block key"""
-
 FORMAT_VERSION = 1
 INDEX_MAGIC = b"PEGAFLOW-DISKIDX"
 SLAB_MAGIC = b"PEGAFLOW-DISKSLB"
-ALIGN = 4096
-"""O_DIRECT alignment of buffers, lengths and offsets; slots are multiples of it"""
 HEADER_BYTES = 4096
 RECORD_BYTES = 512
 EMPTY_RECORD = bytes(RECORD_BYTES)
@@ -59,11 +56,6 @@ _RECORD_SUM_AT = RECORD_BYTES - 8
 
 class CorruptRecord(ValueError):
     """A slot record that does not verify (torn, flipped bits, out of range)."""
-
-
-def align_up(n: int) -> int:
-    """``n`` rounded up to a multiple of :data:`ALIGN`."""
-    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,16 +4,14 @@ A :class:`DiskTier` is the slot table over one directory's files
 (:mod:`~pegaflow.storage_node.disk_files`: the slab files, the index, ``O_DIRECT`` and
 the typed errors of opening them; format: :mod:`~pegaflow.storage_node.disk_format`):
 fixed-size slots (the block size given at open, rounded up to 4 KiB), which block each
-holds, their LRU order, the spills and reads, and the counters.
+holds, their LRU order, the reads and the counters; the spills are
+:mod:`~pegaflow.storage_node.disk_spills`.
 
 I/O.  Spills run on ``write_threads`` threads, reads on ``read_threads`` others
 (``os.pwritev``/``os.preadv`` release the GIL, so several I/Os are in flight and a
 spill never delays a read behind it in a queue), whole 4 KiB-multiple writes and reads
-from page-aligned buffers.  :meth:`DiskTier.spill` never waits for I/O: it copies the
-block into one of ``queue_depth`` staging buffers and returns; with none free the spill
-is dropped and counted.  :meth:`DiskTier.spill_in_place` writes a block straight from
-memory its caller keeps unchanged until told the write ended (a pool slot, written
-ahead of its eviction: :mod:`~pegaflow.storage_node.spill_ahead`).  Reads return
+from page-aligned buffers.  A spill never waits for I/O (``queue_depth`` staging
+buffers; :mod:`~pegaflow.storage_node.disk_spills`).  Reads return
 ``concurrent.futures.Future`` objects (``await asyncio.wrap_future(f)`` in a loop).
 
 Eviction.  When every slot is used, a spill takes the least recently used block's slot
@@ -54,20 +52,14 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pegaflow.storage_node.blocks import BlockKey, align_up
 from pegaflow.storage_node.disk_files import DEFAULT_FILE_BYTES, DiskFiles, DiskIO
-from pegaflow.storage_node.disk_format import (
-    EMPTY_RECORD,
-    BlockKey,
-    SlotRecord,
-    align_up,
-    check_key,
-    encode_record,
-)
+from pegaflow.storage_node.disk_spills import DiskSlot, DiskSpills
 
 from pegaflow.checksum import checksum
 from pegaflow.errors import BadRequest
@@ -118,21 +110,7 @@ class DiskBlock:
     xxh3: int
 
 
-@dataclass(slots=True, eq=False)
-class _Slot:
-    idx: int
-    key: BlockKey
-    gen: int
-    length: int
-    xxh3: int
-    seq: int
-    verified: bool = False
-    pins: int = 0
-    dead: bool = False
-    """dropped while a read held it: freed at the last unpin"""
-
-
-class DiskTier:
+class DiskTier(DiskSpills):
     """A directory of slab files holding blocks of at most ``block_size`` bytes, within
     ``capacity_bytes``.  Open, then call :meth:`recover` once before any other call."""
 
@@ -180,8 +158,8 @@ class DiskTier:
         self.direct_io = self._files.direct_io
         self.slot_count = self.header.slot_count
         self.capacity = self.slot_count * self.stride
-        self._index: dict[BlockKey, _Slot] = {}
-        self._lru: OrderedDict[BlockKey, _Slot] = OrderedDict()
+        self._index: dict[BlockKey, DiskSlot] = {}
+        self._lru: OrderedDict[BlockKey, DiskSlot] = OrderedDict()
         self._free: list[int] = []
         self._pending: set[BlockKey] = set()
         self._seq = 0
@@ -223,7 +201,7 @@ class DiskTier:
             for slot in bad:
                 self._clear_record(slot)
             for r in sorted(found.values(), key=lambda r: r.seq):
-                s = _Slot(r.slot, r.key, r.gen, r.length, r.xxh3, r.seq)
+                s = DiskSlot(r.slot, r.key, r.gen, r.length, r.xxh3, r.seq)
                 self._index[r.key] = self._lru[r.key] = s
                 self._seq = max(self._seq, r.seq)
             self._free = sorted(empty + bad, reverse=True)
@@ -277,186 +255,6 @@ class DiskTier:
             return True  # gone meanwhile: nothing to drop
         return self._read_slot(s, None, count=False) is not None
 
-    # ---- spills --------------------------------------------------------------------
-
-    def spill_queue_full(self) -> bool:
-        """Whether a :meth:`spill` now would be dropped for want of room in the queue."""
-        with self._lock:
-            return not self._staging
-
-    def spill(self, key: BlockKey, gen: int, data: Any, xxh3: int | None = None) -> bool:
-        """Write a copy of ``data`` (a block of at most ``block_size`` bytes) in the
-        background; returns at once, False when it was dropped (no staging buffer free:
-        the write queue is full; too large; tier closed).  ``xxh3``: the block's
-        checksum when the caller has it (else computed on the write thread).  A key
-        already on disk or queued is not written again.  Once the write is done (or
-        failed) ``on_spilled(key, ok)`` is called on the write thread.  Raises
-        BadRequest for a key the wire would refuse."""
-        check_key(key)
-        mv = memoryview(data).cast("B")
-        n = mv.nbytes
-        with self._lock:
-            if not self._recovered or self._closed:
-                self.spill_drops += 1
-                return False
-            if key in self._index or key in self._pending:
-                return True
-            if not 0 < n <= self.block_size or not self._staging:
-                self.spill_drops += 1
-                return False
-            buf = self._staging.pop()
-            self._pending.add(key)
-            self.spill_copies += 1
-        buf[:n] = mv
-        return self._submit(key, gen, buf, n, xxh3, None)
-
-    def spill_in_place(
-        self,
-        key: BlockKey,
-        gen: int,
-        slot: Any,
-        length: int,
-        xxh3: int,
-        done: Callable[[bool], None],
-    ) -> bool:
-        """Write the first ``length`` bytes of ``slot`` in the background, straight from
-        that memory (no staging copy): the caller keeps the first ``align_up(length)``
-        bytes of ``slot`` (page-aligned, for ``O_DIRECT``) unchanged until ``done(ok)``
-        is called on the write thread (in place of ``on_spilled``).  Returns False, and
-        ``done`` is not called, when it was not taken: the key is on disk or queued
-        already, the block is too large, the tier is closed.  Raises BadRequest for a
-        key the wire would refuse."""
-        check_key(key)
-        mv = memoryview(slot).cast("B")
-        with self._lock:
-            if not self._recovered or self._closed:
-                return False
-            if key in self._index or key in self._pending:
-                return False
-            if not 0 < length <= self.block_size or mv.nbytes < align_up(length):
-                return False
-            self._pending.add(key)
-        return self._submit(key, gen, mv, length, xxh3, done)
-
-    def _submit(
-        self,
-        key: BlockKey,
-        gen: int,
-        buf: memoryview,
-        n: int,
-        xxh3: int | None,
-        done: Callable[[bool], None] | None,
-    ) -> bool:
-        try:
-            fut = self._writers.submit(self._write, key, gen, buf, n, xxh3, done)
-        except RuntimeError:  # closed meanwhile
-            with self._lock:
-                self._pending.discard(key)
-                if done is None:
-                    self._staging.append(buf)
-                    self.spill_drops += 1
-            return False
-        with self._lock:
-            self._inflight.add(fut)
-        fut.add_done_callback(self._done)
-        return True
-
-    def _done(self, fut: Future[Any]) -> None:
-        with self._lock:
-            self._inflight.discard(fut)
-
-    def _write(
-        self,
-        key: BlockKey,
-        gen: int,
-        buf: memoryview,
-        n: int,
-        xxh3: int | None,
-        done: Callable[[bool], None] | None,
-    ) -> None:
-        """Write one spill (``done``: in place, from the caller's memory, told at the end
-        instead of ``on_spilled``; else from a staging buffer, given back at the end)."""
-        slot: int | None = None
-        evicted: BlockKey | None = None
-        ok = False
-        try:
-            if xxh3 is None:
-                xxh3 = checksum(buf[:n])
-            padded = align_up(n)
-            if done is None:  # the caller's memory past the block is not ours to clear
-                buf[n:padded] = bytes(padded - n)
-            with self._lock:
-                slot, evicted = self._alloc()
-                self._seq += 1
-                seq = self._seq
-            if evicted is not None:
-                self._report(evicted)
-            if slot is None:
-                with self._lock:
-                    self.spill_drops += done is None
-                return
-            fd, off = self._files.where(slot)
-            t0 = time.perf_counter()
-            self._files.write(fd, buf[:padded], off)
-            dt = time.perf_counter() - t0
-            rec = encode_record(SlotRecord(slot, key, seq, gen, n, xxh3))
-            with self._lock:
-                self._files.write_record(slot, rec)
-                s = _Slot(slot, key, gen, n, xxh3, seq, verified=True)
-                self._index[key] = self._lru[key] = s
-                self.spills += 1
-                self.spill_ahead += done is not None
-                self.write_bytes += padded
-                self.write_seconds += dt
-                slot = None
-                ok = True
-        except OSError as e:
-            with self._lock:
-                self.errors += 1
-                self.spill_drops += done is None
-            self._log_error(f"a spill failed ({e}): that block is not kept on disk")
-        finally:
-            with self._lock:
-                if slot is not None:
-                    self._free.append(slot)
-                self._pending.discard(key)
-                if done is None:
-                    self._staging.append(buf)
-            try:
-                if done is not None:
-                    done(ok)
-                elif self._on_spilled is not None:
-                    self._on_spilled(key, ok)
-            except Exception:
-                log.exception("disk tier: the callback of a spill failed")
-
-    def _alloc(self) -> tuple[int | None, BlockKey | None]:
-        """A free slot (lock held), taking the least recently used block's when none is
-        free; returns it and the key evicted, if any."""
-        if self._free:
-            return self._free.pop(), None
-        if not self._lru:
-            return None, None
-        key, s = self._lru.popitem(last=False)
-        del self._index[key]
-        self.evictions += 1
-        self._clear_record(s.idx)
-        return s.idx, key
-
-    def _clear_record(self, slot: int) -> None:
-        try:
-            self._files.write_record(slot, EMPTY_RECORD)
-        except OSError as e:
-            self.errors += 1
-            self._log_error(f"clearing a slot record failed ({e})")
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait for the spills queued so far; False if some are still running at
-        ``timeout``."""
-        with self._lock:
-            pending = list(self._inflight)
-        return not wait(pending, timeout).not_done
-
     # ---- reads ---------------------------------------------------------------------
 
     def contains(self, key: BlockKey) -> bool:
@@ -496,7 +294,7 @@ class DiskTier:
             raise BadRequest(f"buffer of {mv.nbytes} bytes cannot hold a block of {s.length}")
         return self._readers.submit(self._read_slot, s, mv)
 
-    def _pin(self, key: BlockKey, count: bool = True) -> _Slot | None:
+    def _pin(self, key: BlockKey, count: bool = True) -> DiskSlot | None:
         with self._lock:
             s = None if self._closed else self._index.get(key)
             if count:
@@ -508,7 +306,7 @@ class DiskTier:
                 self._lru.pop(key, None)
             return s
 
-    def _unpin(self, s: _Slot, drop: bool) -> bool:
+    def _unpin(self, s: DiskSlot, drop: bool) -> bool:
         """Release a read's pin (``drop``: and drop the block); whether it dropped it."""
         with self._lock:
             s.pins -= 1
@@ -525,11 +323,11 @@ class DiskTier:
                 self._lru[s.key] = s
             return dropped
 
-    def _read_bytes(self, s: _Slot) -> bytes | None:
+    def _read_bytes(self, s: DiskSlot) -> bytes | None:
         n = self._read_slot(s, None)
         return None if n is None else bytes(self._files.bounce()[:n])
 
-    def _read_slot(self, s: _Slot, dest: memoryview | None, count: bool = True) -> int | None:
+    def _read_slot(self, s: DiskSlot, dest: memoryview | None, count: bool = True) -> int | None:
         """Read and verify slot ``s`` into ``dest`` (None: into this thread's bounce
         buffer), unpinning it; the length, or None after dropping it."""
         ok = False

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from pegaflow.storage_node.pool import Entry
+from pegaflow.storage_node.blocks import Entry
 
 from pegaflow.keys import BlockLocation
 from pegaflow.protocol import node as proto

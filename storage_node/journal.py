@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+from pegaflow.storage_node.blocks import ALIGN
 
 from pegaflow.errors import BadRequest, PegaError
 from pegaflow.protocol.codec import SHARD_LIMIT, check_hash, check_namespace, unpack
@@ -70,8 +71,6 @@ log = logging.getLogger(__name__)
 
 MAGIC = "pegaflow-journal"
 VERSION = 2
-SLOT_ALIGN = 4096
-"""slots are multiples of this, and so is the slab size"""
 _CHECK_S = 1.0  # while degraded: how often free space is checked
 _BACKOFF_MAX_S = 60.0  # and the longest wait after a failed rewrite
 
@@ -327,7 +326,7 @@ def _validate(
             raise BadRequest("a commit record's numbers must be integers")
         within = offset % slab_bytes
         if not (
-            SLOT_ALIGN <= stride <= slab_bytes and stride % SLOT_ALIGN == 0
+            ALIGN <= stride <= slab_bytes and stride % ALIGN == 0
             and 0 <= offset <= pool_bytes - stride
             and within % stride == 0 and within + stride <= slab_bytes
             and 0 < size <= stride

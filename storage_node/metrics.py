@@ -7,11 +7,13 @@ data path, which runs on the node's event-loop thread, so they are the lock-free
 :class:`~pegaflow.observability.fastmetrics.FastHistogram`
 (same names, types, labels and API as prometheus_client's).  Pool gauges and the
 connection count are ordinary prometheus_client gauges.  The disk tier's figures are
-read from its counters at scrape time (:class:`DiskCollector`).
+read from its counters at scrape time (:class:`DiskCollector`), and so are the etcd
+publisher's (:class:`PublisherCollector`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,6 +48,7 @@ class NodeMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         r = registry
+        counter = functools.partial(FastCounter, registry=r)
         self.capacity_bytes = Gauge("pegaflow_node_capacity_bytes", "Pool capacity", registry=r)
         self.used_bytes = Gauge("pegaflow_node_used_bytes", "Pool bytes in use", registry=r)
         self.blocks = Gauge("pegaflow_node_blocks", "Committed blocks in the pool", registry=r)
@@ -53,16 +56,10 @@ class NodeMetrics:
             "pegaflow_node_evictions", "Blocks evicted since start (monotonic)", registry=r
         )
         self.connections = Gauge("pegaflow_node_connections", "Open data connections", registry=r)
-        self.get_blocks = FastCounter(
-            "pegaflow_node_get_blocks", "Blocks asked for by get", ["result"], registry=r
-        )
-        self.get_bytes = FastCounter("pegaflow_node_get_bytes", "Bytes sent by get", registry=r)
-        self.put_blocks = FastCounter(
-            "pegaflow_node_put_blocks", "Blocks committed by put", registry=r
-        )
-        self.put_bytes = FastCounter(
-            "pegaflow_node_put_bytes", "Bytes committed by put", registry=r
-        )
+        self.get_blocks = counter("pegaflow_node_get_blocks", "Blocks asked for by get", ["result"])
+        self.get_bytes = counter("pegaflow_node_get_bytes", "Bytes sent by get")
+        self.put_blocks = counter("pegaflow_node_put_blocks", "Blocks committed by put")
+        self.put_bytes = counter("pegaflow_node_put_bytes", "Bytes committed by put")
         self.request_seconds = FastHistogram(
             "pegaflow_node_request_seconds",
             "Data-plane request latency (get includes the transfer)",
@@ -70,58 +67,44 @@ class NodeMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.request_errors = FastCounter(
-            "pegaflow_node_request_errors",
-            "Data-plane requests that failed",
-            ["op", "code"],
-            registry=r,
+        self.request_errors = counter(
+            "pegaflow_node_request_errors", "Data-plane requests that failed", ["op", "code"]
         )
-        self.transfer_errors = FastCounter(
-            "pegaflow_node_transfer_errors", "UCX transfers that failed", ["kind"], registry=r
+        self.transfer_errors = counter(
+            "pegaflow_node_transfer_errors", "UCX transfers that failed", ["kind"]
         )
-        self.unauthenticated_closed = FastCounter(
+        self.unauthenticated_closed = counter(
             "pegaflow_node_unauthenticated_closed",
             "Data connections closed before their hello",
             ["reason"],
-            registry=r,
         )
-        self.quota_refusals = FastCounter(
+        self.quota_refusals = counter(
             "pegaflow_node_quota_refusals",
             "Requests refused because they would exceed a quota",
             ["kind", "scope"],
-            registry=r,
         )
-        self.checksum_failures = FastCounter(
-            "pegaflow_node_checksum_failures",
-            "Blocks refused because their checksum mismatched",
-            registry=r,
+        self.checksum_failures = counter(
+            "pegaflow_node_checksum_failures", "Blocks refused because their checksum mismatched"
         )
-        self.same_host_lookups = FastCounter(
+        self.same_host_lookups = counter(
             "pegaflow_node_same_host_lookups",
             "Lookups answered by this node alone, as its host's connectors reported them",
-            registry=r,
         )
-        self.same_host_hit_blocks = FastCounter(
-            "pegaflow_node_same_host_hit_blocks",
-            "Blocks found by the same-host lookups",
-            registry=r,
+        self.same_host_hit_blocks = counter(
+            "pegaflow_node_same_host_hit_blocks", "Blocks found by the same-host lookups"
         )
-        self.same_host_miss_blocks = FastCounter(
+        self.same_host_miss_blocks = counter(
             "pegaflow_node_same_host_miss_blocks",
             "Blocks asked for by the same-host lookups and not found",
-            registry=r,
         )
 
-        self.disk_promotions = FastCounter(
-            "pegaflow_node_disk_promotions",
-            "Blocks read back from the disk tier into the pool",
-            registry=r,
+        self.disk_promotions = counter(
+            "pegaflow_node_disk_promotions", "Blocks read back from the disk tier into the pool"
         )
-        self.disk_streamed = FastCounter(
+        self.disk_streamed = counter(
             "pegaflow_node_disk_streamed_blocks",
             "Blocks of a get read from the disk tier and sent while its later ones were "
             "still being read",
-            registry=r,
         )
 
     def request_done(self, op: str, seconds: float) -> None:
@@ -157,6 +140,13 @@ _DISK_COUNTERS = (
 )
 
 
+def _family(kind: type[Any], name: str, doc: str, value: float) -> Any:
+    """One unlabelled metric family of ``kind`` holding ``value``."""
+    family = kind(name, doc)
+    family.add_metric([], value)
+    return family
+
+
 class DiskCollector(Collector):
     """The node's ``pegaflow_node_disk_*`` figures from its tier's counters (read at
     scrape time; zeros while ``stats()`` gives None: no disk tier)."""
@@ -167,11 +157,36 @@ class DiskCollector(Collector):
     def collect(self) -> Iterator[Any]:
         st = self.stats()
         for name, doc, field in _DISK_GAUGES:
-            g = GaugeMetricFamily(f"pegaflow_node_disk_{name}", doc)
             value = int(st is not None) if field is None else getattr(st, field, 0)
-            g.add_metric([], value)
-            yield g
+            yield _family(GaugeMetricFamily, f"pegaflow_node_disk_{name}", doc, value)
         for name, doc, field in _DISK_COUNTERS:
-            c = CounterMetricFamily(f"pegaflow_node_disk_{name}", doc)
-            c.add_metric([], getattr(st, field, 0) if st is not None else 0)
-            yield c
+            value = getattr(st, field, 0) if st is not None else 0
+            yield _family(CounterMetricFamily, f"pegaflow_node_disk_{name}", doc, value)
+
+
+_ETCD_FIGURES: dict[str, tuple[type[Any], str, str]] = {
+    # the publisher's stats() key: (family, metric name suffix, help)
+    "batches": (CounterMetricFamily, "write_batches", "etcd transactions written"),
+    "keys_written": (CounterMetricFamily, "write_keys", "keys written to etcd"),
+    "write_errors": (CounterMetricFamily, "write_errors", "failed etcd transactions"),
+    "dropped": (CounterMetricFamily, "dropped_writes", "writes dropped: queue full"),
+    "keepalive_errors": (CounterMetricFamily, "keepalive_errors", "failed lease keepalives"),
+    "lease_losses": (CounterMetricFamily, "lease_losses", "leases found expired"),
+    "rotations": (CounterMetricFamily, "registrations", "lease grants + republishes"),
+    "pending": (GaugeMetricFamily, "pending_writes", "writes queued for etcd"),
+    "registered": (GaugeMetricFamily, "registered", "1 while registered under a live lease"),
+}
+
+
+class PublisherCollector(Collector):
+    """The node's ``pegaflow_node_etcd_*`` figures from its
+    :class:`~pegaflow.storage_node.publisher.EtcdPublisher`'s ``stats()`` (read at
+    scrape time)."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        st = self.stats()
+        for key, (kind, name, doc) in _ETCD_FIGURES.items():
+            yield _family(kind, f"pegaflow_node_etcd_{name}", doc, int(st[key]))

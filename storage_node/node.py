@@ -58,12 +58,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from pegaflow.storage_node.disk_format import BlockKey, align_up
+from pegaflow.storage_node.blocks import BlockKey, Entry, align_up
 from pegaflow.storage_node.disk_tier import DiskTier
 from pegaflow.storage_node.local_control import SOCKET_SUFFIX, LocalControl
 from pegaflow.storage_node.metrics import DiskCollector, NodeMetrics
 from pegaflow.storage_node.node_service import NodeService
-from pegaflow.storage_node.pool import BlockPool, Entry
+from pegaflow.storage_node.pool import BlockPool
 from pegaflow.storage_node.shm_file import apply_access, resolve_group
 from pegaflow.storage_node.spill_ahead import SpillAhead, reserve_bytes
 from pegaflow.storage_node.ucx_site import UcxSite

@@ -27,10 +27,11 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pegaflow.storage_node.blocks import Entry
 from pegaflow.storage_node.disk_tier import DiskTier
 from pegaflow.storage_node.drop import drop_op
 from pegaflow.storage_node.metrics import NodeMetrics
-from pegaflow.storage_node.pool import BlockPool, Entry
+from pegaflow.storage_node.pool import BlockPool
 from pegaflow.storage_node.promotion import Promotion
 from pegaflow.storage_node.puts import Puts
 from pegaflow.storage_node.reads import OpenGet, Reads

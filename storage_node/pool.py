@@ -1,23 +1,16 @@
 """The node's block pool: a shared-memory file carved into slabs of fixed-size slots.
 
 Memory layout: the pool file (``<shm_dir>/pegaflow-<node_id>.pool``, made, checked and
-prepared by :mod:`~pegaflow.storage_node.shm_file`) is split into ``slab_bytes`` slabs.
-A slab serves one slot size (a block size rounded up to 4 KiB), memcached-style, so
-blocks of different models share one pool without fragmentation.  A slot is named by
-its byte offset in the pool.  A pool that fails to open removes the files it created
-(pool file, journal), never a pool file it found and was going to re-attach.
+prepared by :mod:`~pegaflow.storage_node.shm_file`) is split into ``slab_bytes`` slabs,
+each serving one slot size (:mod:`~pegaflow.storage_node.slabs`, which also moves slabs
+between sizes).  A slot is named by its byte offset in the pool.  A pool that fails to
+open removes the files it created (pool file, journal), never a pool file it found and
+was going to re-attach.
 
 Block states: *reserved* (a put is writing it; invisible, never evicted; reclaimed when
 its reservation expires) and *committed* (immutable, has a generation and an xxh3
 checksum, visible in the index).  Committed blocks sit in an LRU; eviction takes the
 least recently used block of the size class that is not pinned by an in-flight read.
-Slabs move between size classes (:meth:`BlockPool._rebalance`): a class that runs out of
-slots while holding fewer slabs than its fair share (the pool's slabs divided by the
-size classes written or read in the last :attr:`BlockPool.rebalance_window_s`) takes a cold slab
-of the class holding the most slabs over its own share (a class not used lately has
-none) instead of evicting one of its own blocks; that slab's blocks are evicted the
-usual way (offered to the disk tier, else reported to ``on_evict``).  Without it, a
-pool filled with one block size kept a single slab for any other size for good.
 A block being written to the disk tier ahead of its eviction
 (:mod:`~pegaflow.storage_node.spill_ahead`) is *spilling*: served as any committed
 block, but never evicted and its slot never reused until that write ends; a drop
@@ -45,79 +38,30 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import mmap
 import os
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-from pegaflow.storage_node.journal import SLOT_ALIGN, Journal, SlotRecord
+from pegaflow.storage_node.blocks import ALIGN, BlockKey, Entry, align_up
+from pegaflow.storage_node.journal import Journal, SlotRecord
 from pegaflow.storage_node.shm_file import (
-    apply_access,
-    check_room,
-    link_prepared,
-    open_locked,
-    prepare,
+    open_pool,
     remove_unused,
+    replaced,
 )
+from pegaflow.storage_node.slabs import SizeClass, SlabAllocator
 
 from pegaflow.checksum import checksum
-from pegaflow.errors import NoSpace, TooLarge, Unavailable
+from pegaflow.errors import TooLarge, Unavailable
 from pegaflow.keys import BlockLocation
 
 log = logging.getLogger(__name__)
-
-BlockKey = tuple[str, bytes, int]
-"""(namespace, block hash, shard)"""
-
-
-def slot_bytes(size: int) -> int:
-    """The slot a block of ``size`` bytes takes (its stride): rounded up to
-    ``SLOT_ALIGN``.  Quotas charge this, not the size asked."""
-    return -(-size // SLOT_ALIGN) * SLOT_ALIGN
-
-
-@dataclass(slots=True, eq=False)
-class Entry:
-    """One block in the pool."""
-
-    key: BlockKey
-    offset: int
-    size: int
-    stride: int
-    gen: int = 0
-    xxh3: int = 0
-    committed: bool = False
-    pins: int = 0
-    reserve_deadline: float = 0.0
-    digest: int | None = None
-    """the writer's device digest of the block (same-host GPU readers check it on the
-    device); kept in memory only: after a restart readers fall back to the xxh3"""
-    spilling: bool = False
-    """being written to the disk tier ahead of eviction (out of the LRU meanwhile)"""
-
-    def location(self, node_id: str) -> BlockLocation:
-        return BlockLocation(node_id, self.offset, self.gen, self.size, self.xxh3)
-
-
-@dataclass(slots=True)
-class _SizeClass:
-    stride: int
-    free: list[int] = field(default_factory=list)
-    lru: OrderedDict[BlockKey, Entry] = field(default_factory=OrderedDict)
-    slabs: list[int] = field(default_factory=list)
-    last_used: float = float("-inf")
-    """when a slot of this class was last reserved or a block of it read
-    (``time.monotonic``)"""
-    rebalance_skip: int = 0
-    """allocations left before this class tries to take a slab again (after a try that
-    found none it could empty)"""
 
 
 @dataclass
@@ -151,7 +95,7 @@ def _locked(method: Callable[..., _T]) -> Callable[..., _T]:
     return run
 
 
-class BlockPool:
+class BlockPool(SlabAllocator):
     """Slot allocator, LRU and block table over a shared-memory pool file.
 
     Thread-safe: the node serves its same-host control socket (locates, pins) on a
@@ -173,14 +117,6 @@ class BlockPool:
     serve the spill-ahead (:mod:`~pegaflow.storage_node.spill_ahead`).
     """
 
-    rebalance_window_s: float = 60.0
-    """a size class reserved within this many seconds counts as *active* when slabs are
-    shared out fairly (:meth:`_rebalance`)"""
-    _REBALANCE_SCAN = 64
-    """least recently used blocks of a donor class looked at for a slab to take"""
-    _REBALANCE_CANDIDATES = 4
-    """distinct slabs of those checked for one whose blocks can all be evicted"""
-
     def __init__(
         self,
         path: str | Path,
@@ -195,8 +131,8 @@ class BlockPool:
         access_gid: int | None = None,
         size_flag: str = "--node-pool-bytes",
     ) -> None:
-        if slab_bytes % SLOT_ALIGN or slab_bytes <= 0:
-            raise ValueError(f"slab_bytes must be a positive multiple of {SLOT_ALIGN}")
+        if slab_bytes % ALIGN or slab_bytes <= 0:
+            raise ValueError(f"slab_bytes must be a positive multiple of {ALIGN}")
         n_slabs = pool_bytes // slab_bytes
         if n_slabs < 1:
             raise ValueError(f"pool_bytes ({pool_bytes}) is smaller than one slab ({slab_bytes})")
@@ -207,35 +143,24 @@ class BlockPool:
         self._on_evict = on_evict
         self._on_spill = on_spill
         self._lock = threading.RLock()
-        self._size_flag = size_flag
         self.journal: Journal | None = None
         journal_path = self.path.with_suffix(".journal")
         if fresh and remove_unused(self.path):
             for old in (journal_path, journal_path.with_suffix(".journal.tmp")):
                 old.unlink(missing_ok=True)
             log.info("removed the pool file %s and its journal: starting empty", self.path)
-        check_room(self.path, self.capacity, size_flag)
-        self._fd, self.created, self._unnamed = open_locked(self.path)
+        self._fd, self._mmap, self.created = open_pool(
+            self.path, self.capacity, access_gid, size_flag
+        )
         st = os.fstat(self._fd)
         self.file_id = (st.st_dev, st.st_ino)
         """the (device, inode) of the file this pool maps: a same-host writer names the
         file it maps in each reservation, and another file's writes are refused"""
-        try:
-            apply_access(self._fd, access_gid)
-            self._map()
-            if self._unnamed:
-                link_prepared(self._fd, self.path)
-                self._unnamed = False
-        except BaseException:
-            with contextlib.suppress(AttributeError, BufferError):
-                self._mmap.close()  # an unnamed file's memory goes with its last mapping
-            self._close_files(unlink=self.created and not self._unnamed)
-            raise
         if persist:
             self.journal = Journal(journal_path, self.capacity, slab_bytes)
         self.buf = np.frombuffer(self._mmap, dtype=np.uint8)
         self._free_slabs = list(range(n_slabs - 1, -1, -1))
-        self._classes: dict[int, _SizeClass] = {}
+        self._classes: dict[int, SizeClass] = {}
         self._slab_class: dict[int, int] = {}
         self._blocks: dict[BlockKey, Entry] = {}
         self._by_offset: dict[int, Entry] = {}
@@ -257,15 +182,6 @@ class BlockPool:
             self.recovered = self._recover(self.journal.replay())
             self.pool_id = self.journal.pool_id
             self.journal.rewrite(self._record(e) for e in self.recovered)
-
-    def _map(self) -> None:
-        """Size the file, map it, and allocate and touch all of it (:func:`prepare`)."""
-        os.ftruncate(self._fd, self.capacity)
-        self._mmap = mmap.mmap(self._fd, self.capacity, mmap.MAP_SHARED)
-        prepare(
-            self._fd, self._mmap, self.path, self.capacity,
-            created=self.created, size_flag=self._size_flag,
-        )  # fmt: skip
 
     def _recover(self, records: list[SlotRecord]) -> list[Entry]:
         """Adopt the journaled blocks whose bytes still match their checksum (the
@@ -290,16 +206,7 @@ class BlockPool:
             self._gen = max(self._gen, e.gen)
             kept.append(e)
         for slab, stride in slab_stride.items():
-            cls = self._classes.setdefault(stride, _SizeClass(stride))
-            base = slab * self.slab_bytes
-            n = self.slab_bytes // stride
-            cls.free.extend(
-                base + i * stride
-                for i in range(n - 1, -1, -1)
-                if base + i * stride not in self._by_offset
-            )
-            cls.slabs.append(slab)
-            self._slab_class[slab] = stride
+            self._carve(self._classes.setdefault(stride, SizeClass(stride)), slab, held=True)
         for e in kept:
             self._classes[e.stride].lru[e.key] = e
         self._free_slabs = [s for s in self._free_slabs if s not in slab_stride]
@@ -424,7 +331,7 @@ class BlockPool:
         self._check_usable()
         if key in self._blocks:
             return None
-        stride = slot_bytes(size)
+        stride = align_up(size)
         if size <= 0 or stride > self.slab_bytes:
             raise TooLarge(f"block of {size} bytes does not fit a slab of {self.slab_bytes}")
         offset = self._alloc(stride)
@@ -479,13 +386,7 @@ class BlockPool:
     def file_problem(self) -> str | None:
         """Why the pool file can no longer be shared (its path was deleted or now names
         another file: same-host clients and handshakes need it), else None."""
-        try:
-            st = os.stat(self.path)
-        except OSError as e:
-            return f"pool file {self.path} is gone ({e.strerror})"
-        if (st.st_dev, st.st_ino) != self.file_id:
-            return f"pool file {self.path} was replaced by another file"
-        return None
+        return replaced(self.path, self.file_id)
 
     @_locked
     def abort(self, e: Entry) -> None:
@@ -605,144 +506,12 @@ class BlockPool:
         self.used_bytes -= e.stride
         self._classes[e.stride].free.append(e.offset)
 
-    def _carve(self, cls: _SizeClass, slab: int) -> None:
-        base = slab * self.slab_bytes
-        n = self.slab_bytes // cls.stride
-        cls.free.extend(base + i * cls.stride for i in range(n - 1, -1, -1))
-        cls.slabs.append(slab)
-        self._slab_class[slab] = cls.stride
-
-    def _alloc(self, stride: int) -> int:
-        cls = self._classes.get(stride)
-        if cls is None:
-            cls = self._classes[stride] = _SizeClass(stride)
-        cls.last_used = time.monotonic()
-        if cls.free:
-            return cls.free.pop()
-        if self._free_slabs:
-            self._carve(cls, self._free_slabs.pop())
-            return cls.free.pop()
-        if cls.lru:
-            slab = self._rebalance(cls)
-            if slab is not None:
-                self._carve(cls, slab)
-                return cls.free.pop()
-            self._evict(next(iter(cls.lru.values())))
-            return cls.free.pop()
-        slab = self._steal_slab(stride)
-        if slab is None:
-            raise NoSpace(
-                f"pool full: no free or evictable slot of {stride} bytes "
-                f"({self.used_bytes}/{self.capacity} bytes used)"
-            )
-        self._carve(cls, slab)
-        return cls.free.pop()
-
     def _evict(self, e: Entry) -> None:
         """Evict ``e``: offered to ``on_spill`` first (which copies it to the disk tier
         at once), reported to ``on_evict`` only if that did not keep it."""
         self.evictions += 1
         kept = self._on_spill is not None and e.committed and self._on_spill(e)
         self.drop(e, report=not kept)
-
-    def _steal_slab(self, stride: int) -> int | None:
-        """Empty a slab of another size class whose blocks are all evictable."""
-        for other in self._classes.values():
-            if other.stride == stride:
-                continue
-            for slab in list(other.slabs):
-                entries = self._evictable(other, slab)
-                if entries is not None:
-                    self._empty_slab(other, slab, entries)
-                    return slab
-        return None
-
-    def _rebalance(self, needy: _SizeClass) -> int | None:
-        """A slab for ``needy`` (out of slots, no free slab) taken from another class,
-        when ``needy`` holds fewer slabs than its fair share: the pool's slabs divided by
-        the classes *active* (reserved or read within :attr:`rebalance_window_s`, ``needy``
-        included).  The donor is the class holding the most slabs over its own share (an
-        inactive class's share is none); its slab is the first, among those of its
-        least recently used blocks, whose blocks can all be evicted (none pinned,
-        reserved, quarantined or spilling).  None: ``needy`` evicts its own block.
-        Cheap unless it moves a slab (once per slab of slots); a try that finds nothing
-        to take is not repeated for a slab's worth of ``needy``'s allocations."""
-        if needy.rebalance_skip > 0:
-            needy.rebalance_skip -= 1
-            return None
-        now = time.monotonic()
-        window = self.rebalance_window_s
-        classes = self._classes.values()
-        active = {c.stride for c in classes if c is needy or now - c.last_used <= window}
-        fair = (self.capacity // self.slab_bytes) // len(active)
-        if len(needy.slabs) >= fair:
-            return None
-
-        def excess(c: _SizeClass) -> int:
-            return len(c.slabs) - (fair if c.stride in active else 0)
-
-        donors = sorted(
-            (c for c in classes if c is not needy),
-            key=lambda c: (excess(c), len(c.slabs)),
-            reverse=True,
-        )
-        for donor in donors:
-            if excess(donor) <= 0:
-                break
-            found = self._cold_slab(donor)
-            if found is not None:
-                slab, entries = found
-                self._empty_slab(donor, slab, entries)
-                log.debug(
-                    "moved slab %d from %d-byte to %d-byte blocks (%d and %d slabs now)",
-                    slab, donor.stride, needy.stride, len(donor.slabs), len(needy.slabs) + 1,
-                )  # fmt: skip
-                return slab
-        needy.rebalance_skip = self.slab_bytes // needy.stride
-        return None
-
-    def _cold_slab(self, cls: _SizeClass) -> tuple[int, list[Entry]] | None:
-        """A slab of ``cls`` whose blocks can all be evicted, and its blocks, among the
-        slabs of its least recently used blocks (coldest first), else None."""
-        tried: set[int] = set()
-        for n, e in enumerate(cls.lru.values()):
-            if n >= self._REBALANCE_SCAN or len(tried) >= self._REBALANCE_CANDIDATES:
-                break
-            slab = e.offset // self.slab_bytes
-            if slab in tried:
-                continue
-            tried.add(slab)
-            entries = self._evictable(cls, slab)
-            if entries is not None:
-                return slab, entries
-        return None
-
-    def _evictable(self, cls: _SizeClass, slab: int) -> list[Entry] | None:
-        """The blocks in ``slab`` (of ``cls``), if all of them can be evicted (committed
-        and in the index, not pinned, not spilling; a reserved or quarantined slot
-        cannot), else None."""
-        base = slab * self.slab_bytes
-        entries = []
-        by_offset, blocks = self._by_offset, self._blocks
-        for o in range(base, base + (self.slab_bytes // cls.stride) * cls.stride, cls.stride):
-            e = by_offset.get(o)
-            if e is None:
-                continue
-            if not e.committed or e.pins or e.spilling or blocks.get(e.key) is not e:
-                return None
-            entries.append(e)
-        return entries
-
-    def _empty_slab(self, cls: _SizeClass, slab: int, entries: list[Entry]) -> None:
-        """Evict ``entries`` (every block of ``slab``, checked by :meth:`_evictable`)
-        and take ``slab`` from ``cls``."""
-        for e in entries:
-            self._evict(e)
-        base = slab * self.slab_bytes
-        end = base + self.slab_bytes
-        cls.free = [o for o in cls.free if not base <= o < end]
-        cls.slabs.remove(slab)
-        del self._slab_class[slab]
 
     def close(self, unlink: bool = False) -> None:
         """Unmap the pool (``unlink=True`` also deletes the shared-memory file and its

@@ -27,7 +27,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pegaflow.storage_node.pool import BlockPool, Entry
+from pegaflow.storage_node.blocks import Entry
+from pegaflow.storage_node.pool import BlockPool
 
 from pegaflow.errors import NoSpace, PegaError
 from pegaflow.protocol.node import Key

@@ -5,10 +5,11 @@
 * It grants a lease (``[etcd] lease_ttl_s``), keeps it alive, and writes
   ``nodes/<id>`` and every ``blocks/<ns>/<hash>/<shard>`` key under it, so a dead
   node's entries vanish by themselves one TTL later.
-* ``publish``/``unpublish`` only queue (a dict keyed by etcd key: a later write to the
-  same key replaces an earlier one still queued).  Writer tasks drain the queue in
-  transactions of ``[etcd] batch_size`` ops, several in flight at once; a key is never
-  in two transactions at the same time, so writes to one key stay ordered.
+* ``publish``/``unpublish`` only queue (:mod:`~pegaflow.storage_node.publish_queue`:
+  a later write to the same key replaces an earlier one still queued).  Writer tasks
+  drain the queue in transactions of ``[etcd] batch_size`` ops, several in flight at
+  once; a key is never in two transactions at the same time, so writes to one key stay
+  ordered.
 * An unpublish is a delete *if the key is still on this node's lease*: a node never
   deletes an entry another node has overwritten since.
 * When the queue is full, writes are dropped and counted.  When the lease is lost
@@ -33,14 +34,13 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
-from itertools import islice
+from collections.abc import Callable
 from typing import Any
 
+from pegaflow.storage_node.metrics import PublisherCollector
 from pegaflow.storage_node.node_claim import NodeIdClaim
+from pegaflow.storage_node.publish_queue import DELETE, Delete, Entries, PublishQueue
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from pegaflow.config import EtcdConfig
 from pegaflow.errors import BadRequest, NotFound, PegaError, TooLarge
@@ -51,16 +51,7 @@ from pegaflow.lifecycle import Backoff, Supervised, close_all
 
 log = logging.getLogger(__name__)
 
-Inventory = Callable[[], Iterable[tuple[str, bytes, int, BlockLocation]]]
-
-
-class _Delete:
-    """A queued unpublish (a put is queued as its value bytes)."""
-
-    __slots__ = ()
-
-
-_DELETE = _Delete()
+Inventory = Callable[[], Entries]
 
 
 class EtcdPublisher:
@@ -92,7 +83,6 @@ class EtcdPublisher:
         self._inventory = inventory
         self._client = client
         self._own_client = client is None
-        self._max_pending = max_pending
         self._concurrency = max(1, concurrency)
         self._batch_size = max(1, etcd.batch_size)
         self._flush_interval = max(0.0, etcd.flush_interval_ms / 1000)
@@ -101,9 +91,7 @@ class EtcdPublisher:
 
         self._record: NodeRecord | None = None
         self._node_key = b""
-        self._pending: dict[bytes, bytes | _Delete] = {}
-        self._snapshot: Iterator[tuple[str, bytes, int, BlockLocation]] | None = None
-        self._inflight_keys: set[bytes] = set()
+        self._writes = PublishQueue(self.keys, max_pending)
         self._inflight = 0
         self._drained = asyncio.Event()  # set while no batch is in flight
         self._drained.set()
@@ -112,7 +100,6 @@ class EtcdPublisher:
         self._gen = 0
         self._old_lease = 0  # revoked once a rotation's snapshot is written
         self._rotate = True  # (re)register at the next chance
-        self._rotate_after_drops = False  # rotate once the queue has room again
         self._lease_ok = asyncio.Event()
         self._work = asyncio.Event()
         self._idle = asyncio.Event()
@@ -134,7 +121,6 @@ class EtcdPublisher:
 
         self.published = 0
         self.unpublished = 0
-        self.dropped = 0
         self.batches = 0
         self.keys_written = 0
         self.write_errors = 0
@@ -142,7 +128,7 @@ class EtcdPublisher:
         self.lease_losses = 0
         self.rotations = 0
         if registry is not None:
-            registry.register(PublisherCollector(self))
+            registry.register(PublisherCollector(self.stats))
 
     # -- InventorySink ----------------------------------------------------------------
 
@@ -206,24 +192,12 @@ class EtcdPublisher:
     def unpublish(self, ns: str, block_hash: bytes, shard: int, loc: BlockLocation) -> None:
         """Queue: this block shard is gone from this node."""
         self.unpublished += 1
-        self._queue(self.keys.block_key(ns, block_hash, shard), _DELETE)
+        self._queue(self.keys.block_key(ns, block_hash, shard), DELETE)
 
-    def publish_many(self, entries: Iterable[tuple[str, bytes, int, BlockLocation]]) -> int:
+    def publish_many(self, entries: Entries) -> int:
         """Queue many publishes at once (benchmarks, bulk loads); returns how many were
         queued (the rest were dropped: the queue was full)."""
-        pending = self._pending
-        block_key = self.keys.block_key
-        room = self._max_pending - len(pending)
-        n = 0
-        for ns, h, shard, loc in entries:
-            key = block_key(ns, h, shard)
-            if room <= 0 and key not in pending:
-                self._drop()
-                continue
-            if key not in pending:
-                room -= 1
-            pending[key] = loc.encode()
-            n += 1
+        n = self._writes.put_many(entries)
         self.published += n
         if n:
             self._idle.clear()
@@ -285,14 +259,19 @@ class EtcdPublisher:
     @property
     def pending(self) -> int:
         """Writes queued and not yet sent."""
-        return len(self._pending)
+        return len(self._writes)
+
+    @property
+    def dropped(self) -> int:
+        """Writes dropped so far (the queue was full)."""
+        return self._writes.dropped
 
     def stats(self) -> dict[str, Any]:
         """Counters for status pages and tests."""
         return {
             "registered": self.registered,
             "lease_id": self.lease_id,
-            "pending": len(self._pending),
+            "pending": len(self._writes),
             "inflight_batches": self._inflight,
             "published": self.published,
             "unpublished": self.unpublished,
@@ -307,31 +286,16 @@ class EtcdPublisher:
 
     # -- queue ------------------------------------------------------------------------
 
-    def _queue(self, key: bytes, value: bytes | _Delete, *, force: bool = False) -> None:
-        pending = self._pending
-        if not force and len(pending) >= self._max_pending and key not in pending:
-            self._drop()
-            return
-        pending[key] = value
-        self._idle.clear()
-        self._work.set()
-
-    def _drop(self) -> None:
-        if not self.dropped or self.dropped % 10000 == 0:
-            log.warning(
-                "etcd publish queue full (%d writes): dropping (%d so far); the inventory "
-                "will be republished when etcd catches up",
-                self._max_pending,
-                self.dropped + 1,
-            )
-        self.dropped += 1
-        self._rotate_after_drops = True
+    def _queue(self, key: bytes, value: bytes | Delete, *, force: bool = False) -> None:
+        if self._writes.put(key, value, force=force):
+            self._idle.clear()
+            self._work.set()
 
     def _is_idle(self) -> bool:
         return (
             self._lease_ok.is_set()
-            and not self._pending
-            and self._snapshot is None
+            and not self._writes.pending
+            and self._writes.snapshot is None
             and self._inflight == 0
             and not self._old_lease
         )
@@ -339,38 +303,8 @@ class EtcdPublisher:
     def _check_idle(self) -> None:
         if self._is_idle():
             self._idle.set()
-        if self._old_lease or self._rotate_after_drops:
+        if self._old_lease or self._writes.overflowed:
             self._wake.set()
-
-    def _take(self) -> list[tuple[bytes, bytes | _Delete]]:
-        n = self._batch_size
-        inflight = self._inflight_keys
-        if self._snapshot is not None:
-            block_key = self.keys.block_key
-            items: list[tuple[bytes, bytes | _Delete]] = [
-                (block_key(ns, h, shard), loc.encode())
-                for ns, h, shard, loc in islice(self._snapshot, n)
-            ]
-            if len(items) < n:
-                self._snapshot = None
-            inflight.update(k for k, _ in items)
-            return items
-        pending = self._pending
-        if not pending:
-            return []
-        keys: list[bytes] = []
-        for k in pending:
-            if k not in inflight:
-                keys.append(k)
-                if len(keys) >= n:
-                    break
-        inflight.update(keys)
-        return [(k, pending.pop(k)) for k in keys]
-
-    def _requeue(self, batch: list[tuple[bytes, bytes | _Delete]]) -> None:
-        setdefault = self._pending.setdefault
-        for k, v in batch:
-            setdefault(k, v)  # a newer write to the key wins
 
     # -- tasks ------------------------------------------------------------------------
 
@@ -380,13 +314,13 @@ class EtcdPublisher:
         await self._lease_ok.wait()
         if (
             self._flush_interval
-            and self._snapshot is None
-            and 0 < len(self._pending) < self._batch_size
+            and self._writes.snapshot is None
+            and 0 < len(self._writes) < self._batch_size
         ):
             await asyncio.sleep(self._flush_interval)  # let a batch fill up
             if not self._lease_ok.is_set():
                 return True
-        batch = self._take()
+        batch = self._writes.take(self._batch_size)
         if not batch:
             self._work.clear()
             self._check_idle()
@@ -416,13 +350,13 @@ class EtcdPublisher:
                     e,
                     self._batch_size,
                 )
-                self._requeue(batch)
+                self._writes.requeue(batch)
             else:
                 self.write_errors += 1
                 log.error("etcd refused a write (%s); dropping it", e)
         except PegaError as e:
             self.write_errors += 1
-            self._requeue(batch)
+            self._writes.requeue(batch)
             self._note_down(e)
             return False
         else:
@@ -434,7 +368,7 @@ class EtcdPublisher:
             self._inflight -= 1
             if not self._inflight:
                 self._drained.set()
-            self._inflight_keys.difference_update(k for k, _ in batch)
+            self._writes.landed(batch)
             self._check_idle()
         return True
 
@@ -475,15 +409,15 @@ class EtcdPublisher:
             if self._rotate:
                 await self._rotate_lease()
                 self._supervise_backoff.reset()
-            elif self._old_lease and self._snapshot is None and self._inflight == 0:
+            elif self._old_lease and self._writes.snapshot is None and self._inflight == 0:
                 await self._revoke_old()
             elif (
-                self._rotate_after_drops
-                and len(self._pending) < self._max_pending // 2
-                and self._snapshot is None
+                self._writes.overflowed
+                and len(self._writes) < self._writes.max_pending // 2
+                and self._writes.snapshot is None
             ):
                 log.info("republishing the inventory after %d dropped writes", self.dropped)
-                self._rotate_after_drops = False
+                self._writes.overflowed = False
                 self._rotate = True
                 return True
             if self._lease is not None and self._lease.due_in() <= 0:
@@ -537,14 +471,12 @@ class EtcdPublisher:
                 await lease.revoke()
             raise
         snapshot = list(self._inventory())
-        self._pending.clear()  # the snapshot supersedes everything queued so far
-        self._snapshot = iter(snapshot)
+        self._writes.restart(snapshot)  # it supersedes everything queued so far
         if self._lease is not None:
             self._old_lease = self._lease.id
         self._lease = lease
         self._gen += 1
         self._rotate = False
-        self._rotate_after_drops = False
         self.rotations += 1
         self._lease_ok.set()
         self._registered.set()
@@ -570,34 +502,3 @@ class EtcdPublisher:
             self._old_lease = old
             raise
         self._check_idle()
-
-
-class PublisherCollector(Collector):
-    """Prometheus metrics of an :class:`EtcdPublisher` (read at scrape time)."""
-
-    def __init__(self, publisher: EtcdPublisher) -> None:
-        self.p = publisher
-
-    def collect(self) -> Iterator[Any]:
-        p = self.p
-        counters = [
-            ("pegaflow_node_etcd_write_batches", "etcd transactions written", p.batches),
-            ("pegaflow_node_etcd_write_keys", "keys written to etcd", p.keys_written),
-            ("pegaflow_node_etcd_write_errors", "failed etcd transactions", p.write_errors),
-            ("pegaflow_node_etcd_dropped_writes", "writes dropped: queue full", p.dropped),
-            ("pegaflow_node_etcd_keepalive_errors", "failed lease keepalives", p.keepalive_errors),
-            ("pegaflow_node_etcd_lease_losses", "leases found expired", p.lease_losses),
-            ("pegaflow_node_etcd_registrations", "lease grants + republishes", p.rotations),
-        ]
-        for name, doc, value in counters:
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], value)
-            yield c
-        for name, doc, value in (
-            ("pegaflow_node_etcd_pending_writes", "writes queued for etcd", p.pending),
-            ("pegaflow_node_etcd_registered", "1 while registered under a live lease",
-             int(p.registered)),
-        ):  # fmt: skip
-            g = GaugeMetricFamily(name, doc)
-            g.add_metric([], value)
-            yield g

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pegaflow.storage_node.pool import Entry
+from pegaflow.storage_node.blocks import Entry
 from pegaflow.storage_node.sessions import Inflow, Session
 
 from pegaflow.checksum import checksums

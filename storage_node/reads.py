@@ -26,7 +26,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pegaflow.storage_node.pool import Entry
+from pegaflow.storage_node.blocks import Entry
 from pegaflow.storage_node.sessions import Pin, PinTable, Session
 
 from pegaflow.protocol import node as proto

@@ -29,8 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pegaflow.storage_node.blocks import Entry, align_up
 from pegaflow.storage_node.metrics import NodeMetrics
-from pegaflow.storage_node.pool import BlockPool, Entry, slot_bytes
+from pegaflow.storage_node.pool import BlockPool
 
 from pegaflow.config import NodeConfig
 from pegaflow.errors import QuotaExceeded
@@ -39,7 +40,7 @@ from pegaflow.protocol.node import Key
 
 def charge(size: int) -> int:
     """What a block of ``size`` bytes is charged to quotas: the slot it takes."""
-    return slot_bytes(size)
+    return align_up(size)
 
 
 class Inflow(Protocol):

@@ -1,5 +1,6 @@
 """The shared-memory file behind a node's block pool: whether it fits, who may open
-it, and creating, locking, naming and preparing it.
+it, and creating, locking, naming, preparing and mapping it (:func:`open_pool`), and
+whether its path still names it (:func:`replaced`).
 
 The pool file (``<shm_dir>/pegaflow-<node_id>.pool``) is allocated whole when the pool
 opens (``posix_fallocate``, then every page is touched), after a check that it fits the
@@ -355,3 +356,44 @@ def link_prepared(fd: int, path: Path) -> None:
         ) from None
     finally:
         os.close(fds)
+
+
+def open_pool(
+    path: Path, capacity: int, access_gid: int | None, size_flag: str
+) -> tuple[int, mmap.mmap, bool]:
+    """The pool file at ``path`` opened (or re-attached), locked, sized to ``capacity``,
+    mapped and prepared: its fd, its mapping, and whether this call made it.  Checks
+    first that it fits (:func:`check_room`); a failure removes a file this call made."""
+    check_room(path, capacity, size_flag)
+    fd, created, unnamed = open_locked(path)
+    mm: mmap.mmap | None = None
+    try:
+        apply_access(fd, access_gid)
+        os.ftruncate(fd, capacity)
+        mm = mmap.mmap(fd, capacity, mmap.MAP_SHARED)
+        prepare(fd, mm, path, capacity, created=created, size_flag=size_flag)
+        if unnamed:
+            link_prepared(fd, path)
+            unnamed = False
+    except BaseException:
+        if mm is not None:
+            with contextlib.suppress(BufferError):
+                mm.close()  # an unnamed file's memory goes with its last mapping
+        os.close(fd)
+        if created and not unnamed:
+            path.unlink(missing_ok=True)
+        raise
+    return fd, mm, created
+
+
+def replaced(path: Path, file_id: tuple[int, int]) -> str | None:
+    """Why the pool file mapped as ``file_id`` (device, inode) can no longer be shared
+    (its path was deleted or now names another file), else None."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"pool file {path} is gone ({e.strerror})"
+    if (st.st_dev, st.st_ino) != file_id:
+        return f"pool file {path} was replaced by another file"
+    return None
+

@@ -36,8 +36,9 @@ import logging
 import time
 from collections.abc import Callable
 
+from pegaflow.storage_node.blocks import Entry
 from pegaflow.storage_node.disk_tier import DiskTier
-from pegaflow.storage_node.pool import BlockPool, Entry
+from pegaflow.storage_node.pool import BlockPool
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,12 @@ import asyncio
 from pathlib import Path
 
 import numpy as np
+from pegaflow.storage_node.blocks import Entry
 from pegaflow.storage_node.disk_tier import DiskTier
 from pegaflow.storage_node.metrics import NodeMetrics
 from pegaflow.storage_node.node import NullSink
 from pegaflow.storage_node.node_service import NodeService
-from pegaflow.storage_node.pool import BlockPool, Entry
+from pegaflow.storage_node.pool import BlockPool
 from prometheus_client import CollectorRegistry
 
 from pegaflow.checksum import checksum

@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from pegaflow.storage_node.blocks import Entry
 from pegaflow.storage_node.disk_files import DiskIO
 from pegaflow.storage_node.disk_tier import DiskTier
-from pegaflow.storage_node.pool import BlockPool, Entry
+from pegaflow.storage_node.pool import BlockPool
 from pegaflow.storage_node.spill_ahead import SpillAhead, reserve_bytes
 
 from pegaflow.checksum import checksum

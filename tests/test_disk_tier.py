@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from pegaflow.storage_node.blocks import BlockKey
 from pegaflow.storage_node.disk_files import DiskInUse, DiskIO
 from pegaflow.storage_node.disk_format import HEADER_BYTES, RECORD_BYTES
-from pegaflow.storage_node.disk_tier import BlockKey, DiskTier
+from pegaflow.storage_node.disk_tier import DiskTier
 
 from pegaflow.checksum import checksum
 from pegaflow.errors import BadRequest, IncompatibleFormat

@@ -23,8 +23,9 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+from pegaflow.storage_node.blocks import Entry
 from pegaflow.storage_node.journal import Journal, parse
-from pegaflow.storage_node.pool import BlockPool, Entry
+from pegaflow.storage_node.pool import BlockPool
 
 from pegaflow.checksum import checksum
 

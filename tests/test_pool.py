@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pegaflow.storage_node.pool import BlockPool, Entry
+from pegaflow.storage_node.blocks import Entry
+from pegaflow.storage_node.pool import BlockPool
 
 from pegaflow.errors import NoSpace, TooLarge
 

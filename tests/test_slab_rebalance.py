@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pegaflow.client.data import DataClient
-from pegaflow.storage_node.pool import BlockKey, BlockPool, Entry
+from pegaflow.storage_node.blocks import BlockKey, Entry
+from pegaflow.storage_node.pool import BlockPool
 
 from pegaflow.checksum import checksum
 from pegaflow.tools.devcluster import Proc, start_node
