@@ -315,8 +315,9 @@ class Coordinator:
         ns, hashes, shards = req.ns, req.hashes, req.shards
         hits, blocks, node_ids, gens = index.lookup(ns, hashes, shards, req.gens)
         disk = index.on_disk(ns, hashes, shards, hits) if hits else []
-        nodes = list(map(index.node_entry_packed, node_ids))
-        rows = self._encoder.rows(blocks)
+        enc = self._encoder
+        nodes = [enc.node(n, index.node_wire(n)) for n in node_ids]
+        rows = enc.rows(blocks)
         return self._lookup_reply(req, t0, hits, nodes, rows, gens, disk)
 
     def _lookup_in_steps(
@@ -338,7 +339,7 @@ class Coordinator:
             part = hashes[start : start + LOOKUP_STEP]
             m = index.lookup(ns, part, shards, req.gens)
             for n in m.nodes.difference(nodes):
-                nodes[n] = index.node_entry_packed(n)
+                nodes[n] = self._encoder.node(n, index.node_wire(n))
             rows.append(self._encoder.rows(m.blocks))
             if gens is not None:
                 gens += m.gens or ()

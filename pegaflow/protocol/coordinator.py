@@ -58,6 +58,7 @@ from pegaflow.protocol.codec import (
     req_list,
     req_map,
     req_str,
+    req_typed,
     unpack_bits,
 )
 
@@ -191,10 +192,22 @@ def _header(n: int, fix: int, two: bytes, four: bytes) -> bytes:
 class LookupEncoder:
     """Writes ``lookup`` replies from their parts, already packed: the fast path of a
     hot op (a generic ``pack`` of the same map costs several times more).  Each distinct
-    row of node ids is packed once (rows are shared by the blocks of one placement)."""
+    row of node ids is packed once (rows are shared by the blocks of one placement), and
+    each node's record once while it stays the same."""
 
     def __init__(self) -> None:
         self._rows: dict[tuple[str, ...], bytes] = {}
+        self._nodes: dict[str, tuple[Any, bytes]] = {}
+
+    def node(self, node_id: str, record: dict[str, Any] | None) -> bytes:
+        """An item of the reply's ``nodes`` map: msgpack of ``node_id``, then of its wire
+        ``record`` (packed again only when the record is another object)."""
+        got = self._nodes.get(node_id)
+        if got is None or got[0] is not record:
+            if len(self._nodes) >= 4096:
+                self._nodes.clear()
+            got = self._nodes[node_id] = (record, pack(node_id) + pack(record))
+        return got[1]
 
     def rows(self, blocks: list[tuple[str, ...]]) -> bytes:
         """The items of ``blocks`` (a row of node ids per block), packed back to back."""
@@ -219,7 +232,7 @@ class LookupEncoder:
     def reply(
         hits: int, nodes: Sequence[bytes], rows: bytes, gens: list[int] | None, disk: list[int]
     ) -> bytes:
-        """The reply: ``nodes``, map entries (msgpack of a node id, then of its record);
+        """The reply: ``nodes``, from :meth:`node`;
         ``rows``, from :meth:`rows`; ``gens``, flat (None: not asked); ``disk``, the
         indexes of the hit blocks with an asked shard only on disk."""
         return b"".join(
@@ -396,13 +409,6 @@ def _url(msg: dict[str, Any], key: str) -> str:
     return url
 
 
-def _bool(msg: dict[str, Any], key: str) -> bool:
-    v = msg.get(key)
-    if not isinstance(v, bool):
-        raise BadRequest(f"field {key!r} must be a boolean")
-    return v
-
-
 def _replica(rec: Any) -> dict[str, Any]:
     if not isinstance(rec, dict):
         raise BadRequest("each replica must be a map")
@@ -411,7 +417,7 @@ def _replica(rec: Any) -> dict[str, Any]:
         "role": req_str(rec, "role", 16),
         "node": req_str(rec, "node", 256) if rec.get("node") is not None else "",
         "host": req_str(rec, "host", 256) if rec.get("host") is not None else "",
-        "healthy": _bool(rec, "healthy"),
+        "healthy": req_typed(rec, "healthy", bool, "a boolean"),
         "inflight": req_int(rec, "inflight", *_COUNT),
         "requests": req_int(rec, "requests", *_COUNT),
         "failures": req_int(rec, "failures", *_COUNT),
