@@ -44,6 +44,7 @@ from pegaflow.protocol.coordinator import (
     LookupRequest,
     Op,
     PlaceRequest,
+    Run,
     encode_nodes_reply,
     encode_place_reply,
 )
@@ -185,6 +186,8 @@ class Coordinator:
             Op.NAMESPACE_PEERS: self.namespace_peers.op_peers,
         }
         assert impls.keys() == OPS.keys(), "every op of the protocol has a handler"
+        for op, h in impls.items():
+            assert inspect.iscoroutinefunction(h) == (OPS[op].run is Run.TASK), op
         return {op: _cluster_only(op, h) for op, h in impls.items()}
 
     async def start(self, *, serve: bool = True) -> None:
