@@ -44,7 +44,6 @@ from pegaflow.protocol.coordinator import (
     LookupRequest,
     Op,
     PlaceRequest,
-    Run,
     encode_nodes_reply,
     encode_place_reply,
 )
@@ -187,7 +186,7 @@ class Coordinator:
         }
         assert impls.keys() == OPS.keys(), "every op of the protocol has a handler"
         for op, h in impls.items():
-            assert inspect.iscoroutinefunction(h) == (OPS[op].run is Run.TASK), op
+            assert inspect.iscoroutinefunction(h) == OPS[op].awaits, op
         return {op: _cluster_only(op, h) for op, h in impls.items()}
 
     async def start(self, *, serve: bool = True) -> None:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Container, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pegaflow.errors import BadRequest, TooLarge, Unavailable
@@ -98,15 +98,6 @@ class Op(enum.StrEnum):
     NAMESPACE_PEERS = "namespace_peers"
 
 
-class Run(enum.Enum):
-    """How the server runs an op's handler."""
-
-    INLINE = "inline"
-    """as the request is read, with no task (a long one in steps: a generator)"""
-    TASK = "task"
-    """as a task under the request's deadline (it awaits something)"""
-
-
 @dataclass(frozen=True)
 class OpSpec:
     """One op of the protocol."""
@@ -115,7 +106,9 @@ class OpSpec:
     """the request's type (its fields and bounds)"""
     reply: str
     """the reply's type"""
-    run: Run = Run.INLINE
+    awaits: bool = False
+    """whether its handler awaits something: the server runs it as a task under the
+    request's deadline (else inline, as the request is read; a long one in steps)"""
     cluster_only: str | None = None
     """what a tenant's connection may not do (None: a tenant may ask it)"""
     transport: str = "control protocol (pegaflow.protocol.framing)"
@@ -128,7 +121,7 @@ OPS: dict[Op, OpSpec] = {
     Op.NODES: OpSpec("{}", "nodes_reply"),
     Op.ROUTER_REPORT: OpSpec("parse_report", "{routers: int}"),
     Op.REPORT_UNREACHABLE: OpSpec(
-        "{node} (<= MAX_NODE_ID)", "{suspected: bool}", Run.TASK,
+        "{node} (<= MAX_NODE_ID)", "{suspected: bool}", awaits=True,
         cluster_only="report unreachable nodes",
     ),
     Op.NAMESPACE_PEERS: OpSpec("NamespacePeersRequest", "namespace_peers_reply"),
@@ -308,12 +301,7 @@ class PlaceRequest:
 
     def to_wire(self) -> dict[str, Any]:
         """The request's ``args``."""
-        return {
-            "ns": self.ns,
-            "count": self.count,
-            "block_bytes": self.block_bytes,
-            "client_host": self.client_host,
-        }
+        return asdict(self)
 
     @classmethod
     def from_wire(cls, args: dict[str, Any]) -> PlaceRequest:
@@ -377,7 +365,7 @@ class NamespacePeersRequest:
 
     def to_wire(self) -> dict[str, Any]:
         """The request's ``args``."""
-        return {"ns": self.ns, "factors": self.factors}
+        return asdict(self)
 
     @classmethod
     def from_wire(cls, args: dict[str, Any]) -> NamespacePeersRequest:
