@@ -34,7 +34,8 @@ from typing import Any, NamedTuple
 
 from pegaflow.errors import BadRequest
 from pegaflow.keys import NodeRecord
-from pegaflow.protocol.codec import GEN_MAX, INDEX_SHARDS
+from pegaflow.protocol.codec import GEN_MAX as MAX_GEN
+from pegaflow.protocol.codec import INDEX_SHARDS as MAX_SHARDS
 
 _MAX_ROWS = (1 << 32) - 1
 
@@ -283,9 +284,9 @@ class BlockIndex:
     ) -> None:
         """Record that ``node_id`` holds ``shard`` of the block with generation ``gen``
         (replacing any holder); ``disk``: only on its disk tier."""
-        if not 0 <= shard < INDEX_SHARDS:  # a block's row is a tuple this long at most
-            raise BadRequest(f"shard {shard} out of range [0, {INDEX_SHARDS})")
-        if not 0 <= gen <= GEN_MAX:
+        if not 0 <= shard < MAX_SHARDS:  # a block's row is a tuple this long at most
+            raise BadRequest(f"shard {shard} out of range [0, {MAX_SHARDS})")
+        if not 0 <= gen <= MAX_GEN:
             raise BadRequest(f"generation {gen} out of range")
         table = self._ns.get(ns)
         if table is None:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pegaflow.coordinator.index import BlockIndex
+from pegaflow.coordinator.index import MAX_SHARDS, BlockIndex
 from pegaflow.coordinator.inprocess_sink import InProcessSink
 
 from pegaflow.errors import BadRequest
 from pegaflow.keys import BlockLocation, NodeRecord
-from pegaflow.protocol.codec import INDEX_SHARDS as MAX_SHARDS
 
 
 def h(i: int) -> bytes:
