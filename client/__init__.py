@@ -3,7 +3,9 @@
 Use :class:`PegaClient` from asyncio code and :class:`SyncPegaClient` elsewhere.
 """
 
-from .api import GetItem, LookupResult, PegaClient, PutItem, PutResult
+from pegaflow.protocol.coordinator import LookupResult
+
+from .api import GetItem, PegaClient, PutItem, PutResult
 from .samehost import LocalNode, on_this_host, open_pool_file
 from .sync import SyncPegaClient
 

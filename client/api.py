@@ -15,16 +15,28 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from pegaflow.addresses import AUTO, client_host
 from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline, Timeout
-from pegaflow.errors import BadRequest, PegaError, Unavailable, WrongPeer
+from pegaflow.errors import PegaError, Unavailable, WrongPeer
 from pegaflow.keys import NodeRecord
 from pegaflow.observability import telemetry
-from pegaflow.protocol.codec import LocatedBlocks, unpack_bits
+from pegaflow.protocol.codec import LocatedBlocks
+from pegaflow.protocol.coordinator import (
+    LookupRequest,
+    LookupResult,
+    NamespacePeersRequest,
+    Op,
+    PlaceRequest,
+    encode_report_unreachable,
+    namespace_peers_reply,
+    nodes_reply,
+    place_reply,
+    report_unreachable_reply,
+)
 from pegaflow.protocol.node import Dropped
 from pegaflow.transport.rpc_client import RpcClient
 
@@ -46,23 +58,6 @@ GetItem = tuple[str, bytes, int, Any]
 """(node id, block hash, shard, writable buffer of exactly the block's size)"""
 PutItem = tuple[bytes, int, Any]
 """(block hash, shard, readable buffer)"""
-
-
-@dataclass
-class LookupResult:
-    """Answer of a lookup: the first ``hits`` blocks are stored with every shard asked for."""
-
-    hits: int
-    nodes: dict[str, NodeRecord] = field(default_factory=dict)
-    blocks: list[list[str]] = field(default_factory=list)
-    """node id per shard, for each of the first ``hits`` blocks"""
-    generations: list[list[int]] = field(default_factory=list)
-    """with ``lookup(..., generations=True)``: the generation of each shard of each of
-    the first ``hits`` blocks when it was published (same shape as ``blocks``); pass
-    them to :meth:`PegaClient.get_blocks` to fence the read (empty otherwise)"""
-    on_disk: list[bool] = field(default_factory=list)
-    """per hit block, whether some shard asked for is only on its node's disk tier (a
-    slower read than memory); empty, or False, where it is in memory"""
 
 
 _op = operation
@@ -93,41 +88,6 @@ async def _per_node(
     return ok
 
 
-def lookup_args(
-    ns: str, hashes: Sequence[bytes], shards: Sequence[int], generations: bool, warm_up: bool
-) -> dict[str, Any]:
-    """The ``args`` of a coordinator ``lookup`` (see :meth:`PegaClient.lookup`)."""
-    args: dict[str, Any] = {"ns": ns, "hashes": list(hashes), "shards": list(shards)}
-    if generations:
-        args["gens"] = True
-    if warm_up:
-        args["warm_up"] = True
-    return args
-
-
-def lookup_result(res: Any, n_shards: int, generations: bool) -> LookupResult:
-    """A coordinator's ``lookup`` reply read into a :class:`LookupResult`; raises
-    ``Unavailable`` for a malformed one."""
-    try:
-        nodes = {nid: NodeRecord.from_wire(rec) for nid, rec in res.get("nodes", {}).items()}
-        hits = int(res["hits"])
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        raise Unavailable(f"malformed lookup reply ({type(e).__name__}: {e})") from None
-    gens: list[list[int]] = []
-    if generations:
-        flat, k = res.get("gens") or [], n_shards
-        if len(flat) != hits * k:
-            raise Unavailable("malformed lookup reply (generations)")
-        gens = [flat[i : i + k] for i in range(0, hits * k, k)]
-    disk = res.get("disk")
-    try:  # absent: a coordinator without disk tiers, or before them
-        on_disk = [False] * hits if disk is None else unpack_bits(disk, hits, "disk")
-    except BadRequest as e:
-        raise Unavailable(f"malformed lookup reply ({e})") from None
-    blocks = [list(b) for b in res.get("blocks", [])]
-    return LookupResult(hits, nodes, blocks, gens, on_disk)
-
-
 class PegaClient:
     """Async client of a PegaFlow cluster (one per event loop)."""
 
@@ -153,6 +113,11 @@ class PegaClient:
         for s in self._sessions.values():
             s.close()
         await self._data.close()
+
+    async def _call(self, op: Op, args: dict[str, Any], timeout: Timeout) -> Any:
+        """The coordinator's answer to ``op`` (:mod:`pegaflow.protocol.coordinator`),
+        under the deadline of this client's operation of the same name."""
+        return await self._rpc.call(op, args, timeout=self._deadline(op, timeout))
 
     def _deadline(self, op: str, timeout: Timeout) -> Deadline:
         """The deadline of operation ``op`` given its ``timeout`` (its declared default)."""
@@ -217,10 +182,10 @@ class PegaClient:
             else None
         )
         with telemetry.span("pegaflow.client.lookup", attrs) as span:
-            args = lookup_args(ns, hashes, shards, generations, warm_up)
-            res = await self._rpc.call("lookup", args, timeout=self._deadline("lookup", timeout))
+            req = LookupRequest(ns, list(hashes), list(shards), generations, warm_up)
+            res = await self._call(Op.LOOKUP, req.to_wire(), timeout)
             span.set_attribute("pegaflow.hits", int(res["hits"]))
-        got = lookup_result(res, len(shards), generations)
+        got = LookupResult.from_wire(res, len(shards), generations)
         self.learn_nodes(got.nodes)
         return got
 
@@ -240,25 +205,20 @@ class PegaClient:
         self, ns: str, count: int, block_bytes: int, timeout: Timeout = None
     ) -> NodeRecord:
         """The node the coordinator picks for ``count`` new blocks of ``block_bytes``."""
-        res = await self._rpc.call(
-            "place",
-            {"ns": ns, "count": count, "block_bytes": block_bytes, "client_host": self.cfg.host},
-            timeout=self._deadline("place", timeout),
-        )
-        rec = NodeRecord.from_wire(res["node"])
+        req = PlaceRequest(ns, count, block_bytes, self.cfg.host)
+        rec = place_reply(await self._call(Op.PLACE, req.to_wire(), timeout))
         self._nodes[rec.node_id] = rec
         return rec
 
     @_op("rpc_timeout_s")
     async def status(self, timeout: Timeout = None) -> dict[str, Any]:
         """The cluster status document (nodes, usage, index size)."""
-        return await self._rpc.call("status", {}, timeout=self._deadline("status", timeout))
+        return await self._call(Op.STATUS, {}, timeout)
 
     @_op("rpc_timeout_s")
     async def nodes(self, timeout: Timeout = None) -> dict[str, NodeRecord]:
         """Every node of the cluster, by id."""
-        res = await self._rpc.call("nodes", {}, timeout=self._deadline("nodes", timeout))
-        recs = [NodeRecord.from_wire(r) for r in res.get("nodes", [])]
+        recs = nodes_reply(await self._call(Op.NODES, {}, timeout))
         self._nodes = {r.node_id: r for r in recs}
         self._nodes_at = time.monotonic()
         return dict(self._nodes)
@@ -602,13 +562,8 @@ class PegaClient:
         """The other namespaces of ``ns``'s model that hold blocks, each ``{ns, blocks,
         factors}`` (``factors`` empty where no engine sent them), after sending this
         engine's ``factors`` of ``ns`` (see :mod:`pegaflow.coordinator.namespaces`)."""
-        res = await self._rpc.call(
-            "namespace_peers",
-            {"ns": ns, "factors": factors},
-            timeout=self._deadline("namespace_peers", timeout),
-        )
-        peers = res.get("peers") if isinstance(res, dict) else None
-        return [p for p in peers or [] if isinstance(p, dict) and isinstance(p.get("ns"), str)]
+        req = NamespacePeersRequest(ns, factors)
+        return namespace_peers_reply(await self._call(Op.NAMESPACE_PEERS, req.to_wire(), timeout))
 
     @_op("rpc_timeout_s")
     async def report_unreachable(self, node_id: str, timeout: Timeout = None) -> bool:
@@ -616,9 +571,5 @@ class PegaClient:
         node's blocks out of lookups for a while unless it reaches the node itself
         (``report_unreachable``; see :mod:`pegaflow.coordinator.suspects`).  Whether the
         coordinator now leaves the node out."""
-        res = await self._rpc.call(
-            "report_unreachable",
-            {"node": node_id},
-            timeout=self._deadline("report_unreachable", timeout),
-        )
-        return bool(res.get("suspected")) if isinstance(res, dict) else False
+        args = encode_report_unreachable(node_id)
+        return report_unreachable_reply(await self._call(Op.REPORT_UNREACHABLE, args, timeout))

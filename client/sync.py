@@ -19,9 +19,10 @@ from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import DeadlineExceeded, Unavailable
 from pegaflow.protocol import node as proto
 from pegaflow.protocol.codec import LocatedBlocks
+from pegaflow.protocol.coordinator import LookupRequest, LookupResult, Op
 from pegaflow.transport.rpc_client import BlockingRpcClient
 
-from .api import LookupResult, PegaClient, lookup_args, lookup_result
+from .api import PegaClient
 from .calls import OnLoop, offer
 from .nodehealth import NodeHealth
 from .session import NodeSession
@@ -114,15 +115,16 @@ class SyncPegaClient(OnLoop):
         if self._lookup_failed:
             self._lookup_failed = False
             return self.lookup(ns, hashes, shards, deadline, generations, warm_up)
-        args = lookup_args(ns, hashes, shards, generations, warm_up)
+        args = LookupRequest(ns, list(hashes), list(shards), generations, warm_up).to_wire()
         try:
-            res = self._lookup_here.call(self._client.coordinator_address, "lookup", args, deadline)
+            address = self._client.coordinator_address
+            res = self._lookup_here.call(address, Op.LOOKUP, args, deadline)
         except DeadlineExceeded:
             self._lookup_failed = True
             raise
         if res is _LOOP:
             return self.lookup(ns, hashes, shards, deadline, generations, warm_up)
-        got = lookup_result(res, len(shards), generations)
+        got = LookupResult.from_wire(res, len(shards), generations)
         if got.nodes:
             self._loop.call_soon_threadsafe(self._client.learn_nodes, got.nodes)
         return got

@@ -36,10 +36,7 @@ from pegaflow.errors import BadRequest
 from pegaflow.keys import NodeRecord
 from pegaflow.protocol.codec import GEN_MAX as MAX_GEN
 from pegaflow.protocol.codec import INDEX_SHARDS as MAX_SHARDS
-from pegaflow.protocol.codec import pack
 
-# MAX_SHARDS: highest shard number + 1 the index stores (a block's row is a tuple this
-# long at most); MAX_GEN: the largest generation
 _MAX_ROWS = (1 << 32) - 1
 
 Row = tuple[str | None, ...]
@@ -109,7 +106,6 @@ class BlockIndex:
         self._lens: dict[str, dict[int, int]] = {}  # ns -> {value length: blocks}
         self._nodes: dict[str, NodeRecord] = {}
         self._wire: dict[str, dict[str, Any]] = {}
-        self._packed: dict[str, bytes] = {}  # node id -> msgpack of id + wire record
         self._counts: dict[str, int] = {}  # node id -> shard entries it holds
         self._unknown: set[str] = set()  # node ids with entries but no record
         self._suspect: frozenset[str] = frozenset()  # reported unreachable: left out
@@ -142,8 +138,7 @@ class BlockIndex:
         """Add or refresh a node record."""
         node_id = sys.intern(record.node_id)
         self._nodes[node_id] = record
-        wire = self._wire[node_id] = record.to_wire()
-        self._packed[node_id] = pack(node_id) + pack(wire)
+        self._wire[node_id] = record.to_wire()
         self._unknown.discard(node_id)
 
     def remove_node(self, node_id: str, *, purge: bool = True) -> int:
@@ -151,7 +146,6 @@ class BlockIndex:
         index, about 0.1 s per million blocks).  Returns the number of entries dropped."""
         self._nodes.pop(node_id, None)
         self._wire.pop(node_id, None)
-        self._packed.pop(node_id, None)
         if not purge or not self._counts.get(node_id):
             if self._counts.get(node_id):
                 self._unknown.add(node_id)
@@ -180,12 +174,9 @@ class BlockIndex:
         return self._nodes.get(node_id)
 
     def node_wire(self, node_id: str) -> dict[str, Any] | None:
-        """A node's record as a wire map (cached), or None."""
+        """A node's record as a wire map (the same object until the record changes), or
+        None."""
         return self._wire.get(node_id)
-
-    def node_entry_packed(self, node_id: str) -> bytes:
-        """msgpack of ``node_id`` followed by its wire record (a ready-made map entry)."""
-        return self._packed[node_id]
 
     def nodes(self) -> list[NodeRecord]:
         """Every known node."""
@@ -293,7 +284,7 @@ class BlockIndex:
     ) -> None:
         """Record that ``node_id`` holds ``shard`` of the block with generation ``gen``
         (replacing any holder); ``disk``: only on its disk tier."""
-        if not 0 <= shard < MAX_SHARDS:
+        if not 0 <= shard < MAX_SHARDS:  # a block's row is a tuple this long at most
             raise BadRequest(f"shard {shard} out of range [0, {MAX_SHARDS})")
         if not 0 <= gen <= MAX_GEN:
             raise BadRequest(f"generation {gen} out of range")

@@ -38,8 +38,9 @@ from pegaflow.errors import PegaError, Unavailable
 from pegaflow.etcd import PUT, EtcdClient, RevisionCompacted, Watch, prefix_range_end
 from pegaflow.keys import DISK_SLOT, Keyspace, NodeRecord, new_cluster_epoch
 from pegaflow.lifecycle import Backoff, Supervised
+from pegaflow.protocol.codec import GEN_MAX
 
-from .index import MAX_GEN, BlockIndex
+from .index import BlockIndex
 
 log = logging.getLogger(__name__)
 
@@ -468,7 +469,7 @@ class EtcdMirror:
             node = leases.get(kv.lease) or v[0]
             if len(v) != 5 or type(node) is not str or type(gen) is not int:
                 raise ValueError("malformed block location")
-            if not 0 <= gen <= MAX_GEN:
+            if not 0 <= gen <= GEN_MAX:
                 raise ValueError("generation out of range")
         except Exception:
             self.bad_keys += 1

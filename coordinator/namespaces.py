@@ -20,8 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from pegaflow.errors import BadRequest
-from pegaflow.protocol.codec import check_namespace, req_map
+from pegaflow.protocol.coordinator import NamespacePeersRequest
 
 from .index import BlockIndex
 
@@ -29,10 +28,6 @@ MAX_KEPT = 4096
 """namespaces whose factors are kept (least recently sent dropped first)"""
 MAX_PEERS = 8
 """peers in one answer"""
-MAX_FACTORS = 64
-"""factors of one namespace"""
-MAX_VALUE = 512
-"""characters of one factor's value (longer ones are cut)"""
 
 
 def label_of(ns: str) -> str:
@@ -49,8 +44,10 @@ class NamespacePeers:
 
     def op_peers(self, args: dict[str, Any]) -> dict[str, Any]:
         """The ``namespace_peers`` op."""
-        ns = check_namespace(args.get("ns"))
-        self.remember(ns, args.get("factors"))
+        req = NamespacePeersRequest.from_wire(args)
+        ns = req.ns
+        if req.factors is not None:
+            self.remember(ns, req.factors)
         label = label_of(ns)
         peers = []
         for other in self.index.namespaces():
@@ -64,15 +61,9 @@ class NamespacePeers:
                 break
         return {"peers": peers}
 
-    def remember(self, ns: str, factors: Any) -> None:
-        """Keep ``factors`` (a map of short strings) as ``ns``'s."""
-        if factors is None:
-            return
-        factors = req_map(factors)
-        if len(factors) > MAX_FACTORS:
-            raise BadRequest(f"more than {MAX_FACTORS} namespace factors")
-        kept = {str(k)[:64]: str(v)[:MAX_VALUE] for k, v in factors.items()}
-        self._factors[ns] = kept
+    def remember(self, ns: str, factors: dict[str, str]) -> None:
+        """Keep ``factors`` (checked: :class:`NamespacePeersRequest`) as ``ns``'s."""
+        self._factors[ns] = factors
         self._factors.move_to_end(ns)
         while len(self._factors) > MAX_KEPT:
             self._factors.popitem(last=False)

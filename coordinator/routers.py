@@ -7,9 +7,8 @@ keeps the last report of each router, by URL, in memory (not in etcd: it is a st
 display, rebuilt within one interval after a coordinator restarts) and drops it when its
 TTL passes; a report with ``ttl_ms: 0`` (a router stopping) drops it at once.
 
-``router_report`` ``{url, mode, ttl_ms, started_at, max_inflight, replicas: [{url, role,
-node, host, healthy, inflight, requests, failures, last_error}], counters: {str: int}}``
--> ``{routers: int}`` (how many this coordinator now lists).
+``router_report``: see :mod:`pegaflow.protocol.coordinator` (its fields, their bounds);
+the reply says how many routers this coordinator now lists.
 
 Who may report (with ``[security] tenant_tokens``): an entry belongs to the connection
 that made it, a tenant or the cluster (the cluster token, or a coordinator without
@@ -25,78 +24,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pegaflow.errors import BadRequest, TooLarge, Unauthorized
-from pegaflow.protocol.codec import req_int, req_list, req_str
+from pegaflow.errors import TooLarge, Unauthorized
+from pegaflow.protocol.coordinator import parse_report
 from pegaflow.transport.rpc_server import current_tenant
 
 #: Most routers one coordinator lists; a report from one more is refused.
 MAX_ROUTERS = 256
 #: Most routers one tenant lists on one coordinator (a tenant cannot crowd others out).
 MAX_ROUTERS_PER_TENANT = 16
-#: Most replicas of one router's report.
-MAX_REPLICAS = 256
-#: Most counters of one router's report.
-MAX_COUNTERS = 64
-#: Longest TTL a report may ask for (a router reporting every few seconds asks ~3x that).
-MAX_TTL_MS = 600_000
-MAX_URL = 512
-MAX_ERROR = 1024
-_COUNT = (0, 2**63 - 1)
-
-
-def _url(msg: dict[str, Any], key: str) -> str:
-    url = req_str(msg, key, MAX_URL)
-    if not url.startswith(("http://", "https://")):
-        raise BadRequest(f"field {key!r} must be an http(s) URL")
-    return url
-
-
-def _bool(msg: dict[str, Any], key: str) -> bool:
-    v = msg.get(key)
-    if not isinstance(v, bool):
-        raise BadRequest(f"field {key!r} must be a boolean")
-    return v
-
-
-def _replica(rec: Any) -> dict[str, Any]:
-    if not isinstance(rec, dict):
-        raise BadRequest("each replica must be a map")
-    return {
-        "url": _url(rec, "url"),
-        "role": req_str(rec, "role", 16),
-        "node": req_str(rec, "node", 256) if rec.get("node") is not None else "",
-        "host": req_str(rec, "host", 256) if rec.get("host") is not None else "",
-        "healthy": _bool(rec, "healthy"),
-        "inflight": req_int(rec, "inflight", *_COUNT),
-        "requests": req_int(rec, "requests", *_COUNT),
-        "failures": req_int(rec, "failures", *_COUNT),
-        "last_error": req_str(rec, "last_error", MAX_ERROR) if rec.get("last_error") else "",
-    }
-
-
-def parse_report(args: dict[str, Any]) -> dict[str, Any]:
-    """A ``router_report``'s arguments, checked field by field (``BadRequest`` or
-    ``TooLarge`` naming the field), as the record the coordinator keeps."""
-    counters = args.get("counters", {})
-    if not isinstance(counters, dict):
-        raise BadRequest("field 'counters' must be a map")
-    if len(counters) > MAX_COUNTERS:
-        raise TooLarge(f"field 'counters' has {len(counters)} items, limit {MAX_COUNTERS}")
-    for k in counters:
-        if not isinstance(k, str) or len(k) > 64:
-            raise BadRequest("counter names must be strings of at most 64 characters")
-    started = args.get("started_at", 0.0)
-    if not isinstance(started, int | float) or isinstance(started, bool) or started < 0:
-        raise BadRequest("field 'started_at' must be a non-negative number")
-    return {
-        "url": _url(args, "url"),
-        "mode": req_str(args, "mode", 16),
-        "ttl_ms": req_int(args, "ttl_ms", 0, MAX_TTL_MS),
-        "started_at": float(started),
-        "max_inflight": req_int(args, "max_inflight", *_COUNT),
-        "replicas": [_replica(r) for r in req_list(args, "replicas", MAX_REPLICAS)],
-        "counters": {k: req_int(counters, k, *_COUNT) for k in sorted(counters)},
-    }
 
 
 class RouterTable:

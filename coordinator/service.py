@@ -8,34 +8,18 @@ A :class:`Coordinator` serves a :class:`~pegaflow.coordinator.index.BlockIndex`,
 either by an :class:`~pegaflow.coordinator.mirror.EtcdMirror` (a cluster: any number of
 coordinators, each a full read replica of etcd) or directly by a storage node through a
 :class:`~pegaflow.coordinator.inprocess_sink.InProcessSink` (the single-host ``pegaflow-server``, no
-etcd).  Ops (``args`` and results are msgpack maps; bytes stay bytes):
-
-``lookup`` ``{ns, hashes: [bytes], shards: [int], gens?: bool, warm_up?: bool}`` ->
-    ``{hits, nodes: {node_id: NodeRecord}, blocks: [[node_id per shard] per hit]}``; with
-    ``gens: true`` also ``gens: [int]``, the generation each of those shards had when it
-    was published, flat and block-major (``gens[i * len(shards) + j]``); with
-    ``warm_up: true`` (a connector connecting at engine start) it is not counted in the
-    lookup metrics; ``disk: bytes`` (:func:`~pegaflow.protocol.codec.pack_bits`, a bit per hit
-    block) is there when some hit block has an asked shard only on its node's disk
-    tier: bit ``i`` set for those (absent: every hit block is in memory)
-``place`` ``{ns, count, block_bytes, client_host}`` -> ``{node: NodeRecord}``
-``status`` ``{}`` -> ``{nodes, blocks, namespaces, cluster_lookups, coordinator: {...},
-    routers}``
-    (``coordinator`` has ``leader``: whether this one runs the singleton duties, and
-    ``election``/``gc``; ``cluster_lookups``: see :meth:`Coordinator.cluster_lookups`)
-``nodes`` ``{}`` -> ``{nodes: [NodeRecord]}``
-``router_report``: a ``pegaflow-router``'s periodic report (:mod:`.routers`); the
-    status document's ``routers`` lists the routers whose report has not expired
-``report_unreachable`` ``{node}`` -> ``{suspected}``: a client cannot reach that node;
-    unless this coordinator can, lookups leave its blocks out for a while
-    (:mod:`.suspects`)
-``namespace_peers`` ``{ns, factors}`` -> ``{peers}``: the other namespaces of the same
-    model that hold blocks, with their factors, for a connector that finds nothing of
-    its own (:mod:`.namespaces`)
+etcd).  Its ops, their requests and replies are those of
+:mod:`pegaflow.protocol.coordinator` (:data:`~pegaflow.protocol.coordinator.OPS`):
+:attr:`Coordinator.handlers` serves each.  The status document's ``routers`` lists the
+routers whose report has not expired (:mod:`.routers`); ``report_unreachable`` makes
+lookups leave a node out for a while (:mod:`.suspects`); ``namespace_peers`` tells a
+connector that finds nothing of its own which namespaces of its model hold blocks
+(:mod:`.namespaces`).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import socket
@@ -43,26 +27,33 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
+import msgpack
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from pegaflow.addresses import settle_coordinator
 from pegaflow.auth import Authenticator
 from pegaflow.config import CoordinatorConfig, EtcdConfig, SecurityConfig
-from pegaflow.errors import NoSpace, Unavailable
+from pegaflow.errors import NoSpace, Unauthorized, Unavailable
 from pegaflow.etcd import EtcdClient
 from pegaflow.keys import Keyspace, NodeRecord
 from pegaflow.observability.http import HttpHandle, new_registry, start_http
-from pegaflow.protocol.codec import (
-    check_hashes,
-    check_namespace,
-    check_shards,
-    pack,
-    pack_bits,
-    req_int,
-    req_str,
+from pegaflow.protocol.coordinator import (
+    OPS,
+    LookupEncoder,
+    LookupRequest,
+    Op,
+    PlaceRequest,
+    encode_nodes_reply,
+    encode_place_reply,
 )
-from pegaflow.transport.rpc_server import Handler, Packed, RpcServer, SyncHandler
+from pegaflow.transport.rpc_server import (
+    Handler,
+    Packed,
+    RpcServer,
+    SyncHandler,
+    current_tenant,
+)
 
 from .election import Election
 from .gc import IndexGC
@@ -75,31 +66,35 @@ from .suspects import Suspects
 
 log = logging.getLogger(__name__)
 
-#: Most hashes accepted in one lookup (a 1M-token prompt at block size 16).
-MAX_LOOKUP_HASHES = 65536
 #: Hashes looked up in one step of a longer lookup, which the server may interleave with
 #: other connections' turns (:class:`~pegaflow.transport.rpc_server.RpcServer`): about a
 #: millisecond of index work.
 LOOKUP_STEP = 4096
 
 
-_HITS = pack("hits")  # after a map header of 3 to 5 entries
-_NODES_KEY = pack("nodes")
-_BLOCKS_KEY = pack("blocks")
-_GENS_KEY = pack("gens")
-_DISK_KEY = pack("disk")
+def _cluster_only(op: Op, handler: Handler | SyncHandler) -> Handler | SyncHandler:
+    """``handler``, refusing a tenant's connection (``OPS[op].cluster_only``)."""
+    what = OPS[op].cluster_only
+    if what is None:
+        return handler
 
+    def refuse() -> None:
+        if current_tenant() is not None:
+            raise Unauthorized(f"only the cluster's own clients may {what}")
 
-def _array_header(n: int) -> bytes:
-    if n < 16:
-        return bytes((0x90 | n,))
-    return (b"\xdc" + n.to_bytes(2, "big")) if n < 1 << 16 else (b"\xdd" + n.to_bytes(4, "big"))
+    if inspect.iscoroutinefunction(handler):
 
+        async def guarded(args: dict[str, Any]) -> Any:
+            refuse()
+            return await handler(args)
 
-def _map_header(n: int) -> bytes:
-    if n < 16:
-        return bytes((0x80 | n,))
-    return (b"\xde" + n.to_bytes(2, "big")) if n < 1 << 16 else (b"\xdf" + n.to_bytes(4, "big"))
+        return guarded
+
+    def guarded_sync(args: dict[str, Any]) -> Any:
+        refuse()
+        return handler(args)
+
+    return guarded_sync
 
 
 class Coordinator:
@@ -159,7 +154,7 @@ class Coordinator:
         self.port = 0
         self.http_port: int | None = None
         self._started = 0.0
-        self._row_cache: dict[tuple[str, ...], bytes] = {}
+        self._encoder = LookupEncoder()
         self._ns_ok: set[str] = set()
         self.routers = RouterTable()
         self.suspects = Suspects(
@@ -178,17 +173,21 @@ class Coordinator:
 
     @property
     def handlers(self) -> dict[str, Handler | SyncHandler]:
-        """The ops, for embedding them in another
-        :class:`~pegaflow.transport.rpc_server.RpcServer`."""
-        return {
-            "lookup": self.op_lookup,
-            "place": self.op_place,
-            "status": self.op_status,
-            "nodes": self.op_nodes,
-            "router_report": self.routers.op_report,
-            "report_unreachable": self.suspects.op_report,
-            "namespace_peers": self.namespace_peers.op_peers,
+        """A handler for each op of :data:`~pegaflow.protocol.coordinator.OPS` (also for
+        embedding them in another :class:`~pegaflow.transport.rpc_server.RpcServer`)."""
+        impls: dict[Op, Handler | SyncHandler] = {
+            Op.LOOKUP: self.op_lookup,
+            Op.PLACE: self.op_place,
+            Op.STATUS: self.op_status,
+            Op.NODES: self.op_nodes,
+            Op.ROUTER_REPORT: self.routers.op_report,
+            Op.REPORT_UNREACHABLE: self.suspects.op_report,
+            Op.NAMESPACE_PEERS: self.namespace_peers.op_peers,
         }
+        assert impls.keys() == OPS.keys(), "every op of the protocol has a handler"
+        for op, h in impls.items():
+            assert inspect.iscoroutinefunction(h) == OPS[op].awaits, op
+        return {op: _cluster_only(op, h) for op, h in impls.items()}
 
     async def start(self, *, serve: bool = True) -> None:
         """Load the index (waiting up to ``[etcd] timeout_s`` for etcd, then going on in
@@ -291,67 +290,59 @@ class Coordinator:
     def lookup(
         self, ns: str, hashes: Sequence[bytes], shards: Sequence[int], gens: bool = False
     ) -> dict[str, Any]:
-        """In-process lookup: the ``lookup`` op's result as a map (no validation)."""
-        hits, blocks, node_ids, block_gens = self.index.lookup(ns, hashes, shards, gens)
-        nodes = {n: self.index.node_wire(n) for n in node_ids}
-        out = {"hits": hits, "nodes": nodes, "blocks": [list(b) for b in blocks]}
-        if gens:
-            out["gens"] = block_gens
-        disk = self.index.on_disk(ns, hashes[:hits], shards)
-        if disk:
-            out["disk"] = pack_bits(disk, hits)
-        return out
+        """In-process lookup: the ``lookup`` op's result as a map (no validation, not
+        counted in the metrics)."""
+        req = LookupRequest(ns, list(hashes), list(shards), gens, warm_up=True)
+        return msgpack.unpackb(self._lookup_whole(req, 0.0), raw=False)
 
     def op_lookup(self, args: dict[str, Any]) -> Packed | Generator[None, None, Packed]:
         """Longest stored prefix of ``hashes`` with every shard in ``shards``; one of
         more than :data:`LOOKUP_STEP` hashes is looked up in steps (a generator)."""
         t0 = time.perf_counter()
-        ns = args.get("ns")
-        if type(ns) is not str or ns not in self._ns_ok:  # validated once per namespace
-            ns = check_namespace(ns)
-            if len(self._ns_ok) >= 4096:
-                self._ns_ok.clear()
-            self._ns_ok.add(ns)
         hashes = args.get("hashes")
         if type(hashes) is list and len(hashes) > LOOKUP_STEP:
-            return self._lookup_in_steps(ns, args, t0)
-        hashes, shards, want_gens = self._lookup_args(args)
-        index = self.index
-        hits, blocks, node_ids, gens = index.lookup(ns, hashes, shards, want_gens)
-        disk = index.on_disk(ns, hashes, shards, hits) if hits else []
-        nodes = list(map(index.node_entry_packed, node_ids))
-        return self._lookup_reply(
-            args, t0, len(hashes), hits, nodes, self._pack_rows(blocks), gens, disk
-        )
+            return self._lookup_in_steps(args, t0)
+        return self._lookup_whole(self._lookup_request(args), t0)
 
-    @staticmethod
-    def _lookup_args(args: dict[str, Any]) -> tuple[list[bytes], list[int], bool]:
-        return (
-            check_hashes(args, "hashes", MAX_LOOKUP_HASHES),
-            check_shards(args),
-            args.get("gens") is True,
-        )
+    def _lookup_request(self, args: dict[str, Any]) -> LookupRequest:
+        req = LookupRequest.from_wire(args, self._ns_ok)
+        if req.ns not in self._ns_ok:  # validated once per namespace
+            if len(self._ns_ok) >= 4096:
+                self._ns_ok.clear()
+            self._ns_ok.add(req.ns)
+        return req
+
+    def _lookup_whole(self, req: LookupRequest, t0: float) -> Packed:
+        index = self.index
+        ns, hashes, shards = req.ns, req.hashes, req.shards
+        hits, blocks, node_ids, gens = index.lookup(ns, hashes, shards, req.gens)
+        disk = index.on_disk(ns, hashes, shards, hits) if hits else []
+        enc = self._encoder
+        nodes = [enc.node(n, index.node_wire(n)) for n in node_ids]
+        rows = enc.rows(blocks)
+        return self._lookup_reply(req, t0, hits, nodes, rows, gens, disk)
 
     def _lookup_in_steps(
-        self, ns: str, args: dict[str, Any], t0: float
+        self, args: dict[str, Any], t0: float
     ) -> Generator[None, None, Packed]:
         """:meth:`op_lookup` of :data:`LOOKUP_STEP` hashes at a time, yielding between.
         The index may change between two steps: each node's record is the one it had
         when its first block was looked up."""
-        hashes, shards, want_gens = self._lookup_args(args)
+        req = self._lookup_request(args)
+        ns, hashes, shards = req.ns, req.hashes, req.shards
         index = self.index
         hits = 0
         nodes: dict[str, bytes] = {}
         rows: list[bytes] = []
-        gens: list[int] | None = [] if want_gens else None
+        gens: list[int] | None = [] if req.gens else None
         disk: list[int] = []
         for start in range(0, len(hashes), LOOKUP_STEP):
             yield
             part = hashes[start : start + LOOKUP_STEP]
-            m = index.lookup(ns, part, shards, want_gens)
+            m = index.lookup(ns, part, shards, req.gens)
             for n in m.nodes.difference(nodes):
-                nodes[n] = index.node_entry_packed(n)
-            rows.append(self._pack_rows(m.blocks))
+                nodes[n] = self._encoder.node(n, index.node_wire(n))
+            rows.append(self._encoder.rows(m.blocks))
             if gens is not None:
                 gens += m.gens or ()
             if m.hits:
@@ -359,78 +350,34 @@ class Coordinator:
             hits += m.hits
             if m.hits < len(part):
                 break
-        return self._lookup_reply(
-            args, t0, len(hashes), hits, list(nodes.values()), b"".join(rows), gens, disk
-        )
+        return self._lookup_reply(req, t0, hits, list(nodes.values()), b"".join(rows), gens, disk)
 
     def _lookup_reply(
         self,
-        args: dict[str, Any],
+        req: LookupRequest,
         t0: float,
-        asked: int,
         hits: int,
         nodes: list[bytes],
         rows: bytes,
         gens: list[int] | None,
         disk: list[int],
     ) -> Packed:
-        """The ``lookup`` result, packed from its parts (``nodes``: map entries, ``rows``:
-        the items of ``blocks``), counted in the metrics unless it is a warm-up."""
-        # {"hits": .., "nodes": {..}, "blocks": [..](, "gens": [..])(, "disk": b"..")}
-        result = Packed(
-            b"".join(
-                (
-                    bytes((0x83 + (gens is not None) + bool(disk),)),
-                    _HITS,
-                    pack(hits),
-                    _NODES_KEY,
-                    _map_header(len(nodes)),
-                    *nodes,
-                    _BLOCKS_KEY,
-                    _array_header(hits),
-                    rows,
-                    *((_GENS_KEY, pack(gens)) if gens is not None else ()),
-                    *((_DISK_KEY, pack(pack_bits(disk, hits))) if disk else ()),
-                )
-            )
-        )
-        if args.get("warm_up") is not True:
+        """The ``lookup`` result (:class:`~pegaflow.protocol.coordinator.LookupEncoder`),
+        counted in the metrics unless it is a warm-up."""
+        result = Packed(LookupEncoder.reply(hits, nodes, rows, gens, disk))
+        if not req.warm_up:
             m = self.metrics
             m.lookups += 1
             m.hit_blocks += hits
-            m.miss_blocks += asked - hits
+            m.miss_blocks += len(req.hashes) - hits
             m.lookup_seconds.observe(time.perf_counter() - t0)
         return result
-
-    def _pack_rows(self, blocks: list[tuple[str, ...]]) -> bytes:
-        """msgpack of each of ``blocks``, one after another: each distinct row is packed
-        once (rows are shared)."""
-        n = len(blocks)
-        if not n:
-            return b""
-        first = blocks[0]
-        if blocks.count(first) == n:
-            return self._packed_row(first) * n
-        return b"".join(map(self._packed_row, blocks))
-
-    def _packed_row(self, row: tuple[str, ...]) -> bytes:
-        cache = self._row_cache
-        packed = cache.get(row)
-        if packed is None:
-            if len(cache) >= 4096:
-                cache.clear()
-            packed = cache[row] = pack(list(row))
-        return packed
 
     def op_place(self, args: dict[str, Any]) -> dict[str, Any]:
         """Pick the node for ``count`` new blocks of ``block_bytes``: one on the client's
         host first, else the one with the most free bytes."""
-        check_namespace(args.get("ns"))
-        count = req_int(args, "count", 1, 1 << 32)
-        block_bytes = req_int(args, "block_bytes", 1, 1 << 40)
-        host = req_str(args, "client_host", 256) if "client_host" in args else ""
-        node = self.place(count * block_bytes, host)
-        return {"node": node.to_wire()}
+        req = PlaceRequest.from_wire(args)
+        return encode_place_reply(self.place(req.count * req.block_bytes, req.client_host))
 
     def place(self, need: int, client_host: str = "") -> NodeRecord:
         """The node a client on ``client_host`` should write ``need`` bytes to."""
@@ -456,7 +403,7 @@ class Coordinator:
 
     def op_nodes(self, args: dict[str, Any]) -> dict[str, Any]:
         """Every known storage node."""
-        return {"nodes": [n.to_wire() for n in self.index.nodes()]}
+        return encode_nodes_reply(self.index.nodes())
 
     def op_status(self, args: dict[str, Any]) -> dict[str, Any]:
         """Nodes, index size and this coordinator's state."""

@@ -14,8 +14,9 @@ report, and ended early when the node answers the coordinator's check again (tri
 that use it, and a restarted coordinator starts with none.
 
 ``report_unreachable`` ``{node}`` -> ``{suspected: bool}`` (whether lookups now leave the
-node out).  Only the cluster's own connections may report (a tenant's is refused:
-one tenant must not hide a node from the others).  Counted by
+node out).  Only the cluster's own connections may report (a tenant's is refused, by
+the op's entry in :data:`~pegaflow.protocol.coordinator.OPS`: one tenant must not hide a
+node from the others).  Counted by
 ``pegaflow_coordinator_unreachable_reports_total{result}``.
 """
 
@@ -29,10 +30,8 @@ from typing import Any
 
 import aiohttp
 
-from pegaflow.errors import Unauthorized
 from pegaflow.keys import NodeRecord
-from pegaflow.protocol.codec import req_str
-from pegaflow.transport.rpc_server import current_tenant
+from pegaflow.protocol.coordinator import decode_report_unreachable
 
 from .index import BlockIndex
 
@@ -94,10 +93,7 @@ class Suspects:
 
     async def op_report(self, args: dict[str, Any]) -> dict[str, Any]:
         """The ``report_unreachable`` op."""
-        if current_tenant() is not None:
-            raise Unauthorized("only the cluster's own clients may report unreachable nodes")
-        node_id = req_str(args, "node", 256)
-        return {"suspected": await self.report(node_id)}
+        return {"suspected": await self.report(decode_report_unreachable(args))}
 
     async def report(self, node_id: str) -> bool:
         """A client cannot reach ``node_id``: whether lookups now leave it out."""

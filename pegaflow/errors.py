@@ -10,63 +10,60 @@ from __future__ import annotations
 
 from typing import Any
 
+ERRORS_BY_CODE: dict[str, type[PegaError]] = {}
+"""each error carried on the wire, by its code"""
+
 
 class PegaError(Exception):
-    """Base class of all PegaFlow errors; ``code`` is its stable wire name."""
+    """Base class of all PegaFlow errors; ``code`` is its stable wire name.  A subclass
+    declared with ``code=...`` (``class NoSpace(PegaError, code="no_space")``) is carried
+    on the wire: :func:`error_from_wire` rebuilds it."""
 
     code = "internal"
+
+    def __init_subclass__(cls, code: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
+            ERRORS_BY_CODE[code] = cls
 
     def to_wire(self) -> dict[str, Any]:
         """The error as a msgpack-ready map."""
         return {"code": self.code, "message": str(self)}
 
 
-class BadRequest(PegaError):
+class BadRequest(PegaError, code="bad_request"):
     """The request is malformed: a missing or mistyped field, an unknown op."""
 
-    code = "bad_request"
 
-
-class TooLarge(PegaError):
+class TooLarge(PegaError, code="too_large"):
     """A frame, field or batch exceeds a configured limit."""
 
-    code = "too_large"
 
-
-class ProtocolError(PegaError):
+class ProtocolError(PegaError, code="protocol"):
     """The peer does not speak our protocol (bad framing, version, handshake)."""
 
-    code = "protocol"
 
-
-class Unauthorized(PegaError):
+class Unauthorized(PegaError, code="unauthorized"):
     """The shared-secret token is missing or wrong."""
 
-    code = "unauthorized"
 
-
-class DeadlineExceeded(PegaError):
+class DeadlineExceeded(PegaError, code="deadline"):
     """The call did not finish within its deadline."""
 
-    code = "deadline"
 
-
-class Unavailable(PegaError):
+class Unavailable(PegaError, code="unavailable"):
     """No peer could be reached (connection refused, reset, all endpoints down)."""
 
-    code = "unavailable"
 
-
-class HandshakeRefused(Unavailable):
+class HandshakeRefused(Unavailable, code="handshake_refused"):
     """The peer refused our connection at its handshake and said why (a UCX address it
     cannot take: another UCX release or configuration, or an address that names the
     peer's own host but came from elsewhere).  An ``Unavailable``: the peer cannot be
     used, whatever is retried."""
 
-    code = "handshake_refused"
 
-
-class WrongPeer(Unavailable):
+class WrongPeer(Unavailable, code="wrong_peer"):
     """The process answering at an address is not the one the caller meant (another
     node answers at the address a node published: an address that is not its own, such
     as a loopback or wildcard ``[node] host`` in a cluster of several hosts).  The data
@@ -74,69 +71,34 @@ class WrongPeer(Unavailable):
     record whose address it dialled (:mod:`pegaflow.client.data`): nothing is sent to
     the node that answered."""
 
-    code = "wrong_peer"
 
-
-class PoolChanged(PegaError):
+class PoolChanged(PegaError, code="pool_changed"):
     """A same-host request named a pool file that is not the node's now: the node was
     restarted on a new file at the same path (a cleaned ``/dev/shm``, a new emptyDir)
     while the caller still maps the old one.  Nothing written through the old mapping is
     taken; the caller maps the node's file again (:mod:`pegaflow.connector.localpath`)."""
 
-    code = "pool_changed"
 
-
-class NoSpace(PegaError):
+class NoSpace(PegaError, code="no_space"):
     """The storage pool cannot hold the block even after eviction."""
 
-    code = "no_space"
 
-
-class QuotaExceeded(PegaError):
+class QuotaExceeded(PegaError, code="quota"):
     """The request would take this connection or tenant past its share of a node (bytes
     reserved, bytes pinned); it may succeed once the client's own holds are released."""
 
-    code = "quota"
 
-
-class NotFound(PegaError):
+class NotFound(PegaError, code="not_found"):
     """The named object (block, reservation, node) does not exist."""
 
-    code = "not_found"
 
-
-class IncompatibleFormat(PegaError):
+class IncompatibleFormat(PegaError, code="incompatible_format"):
     """Stored data (e.g. a disk tier's files) was written by an incompatible version or
     for another geometry: it is refused, never misread."""
 
-    code = "incompatible_format"
 
-
-class Internal(PegaError):
+class Internal(PegaError, code="internal"):
     """An unexpected failure inside the serving process (a bug: please report)."""
-
-    code = "internal"
-
-
-ERRORS_BY_CODE: dict[str, type[PegaError]] = {
-    cls.code: cls
-    for cls in (
-        BadRequest,
-        TooLarge,
-        ProtocolError,
-        Unauthorized,
-        DeadlineExceeded,
-        Unavailable,
-        PoolChanged,
-        HandshakeRefused,
-        WrongPeer,
-        NoSpace,
-        QuotaExceeded,
-        NotFound,
-        IncompatibleFormat,
-        Internal,
-    )
-}
 
 
 def error_from_wire(obj: Any) -> PegaError:

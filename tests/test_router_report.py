@@ -21,9 +21,10 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from pegaflow.coordinator.routers import RouterTable, parse_report
+from pegaflow.coordinator.routers import RouterTable
 
 from pegaflow.errors import BadRequest, TooLarge, Unauthorized
+from pegaflow.protocol.coordinator import parse_report
 from pegaflow.tools.devcluster import Proc, free_port, start, start_coordinator
 from pegaflow.transport.rpc_client import RpcClient
 from tests.test_dashboard import CHROMIUM, chromium

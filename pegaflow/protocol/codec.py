@@ -76,11 +76,17 @@ def req_int(msg: dict[str, Any], key: str, lo: int = 0, hi: int = 2**63 - 1) -> 
     return v
 
 
+def req_typed(msg: dict[str, Any], key: str, kind: type, what: str) -> Any:
+    """Field ``key``, which must be of type ``kind`` (``what`` names it in the error)."""
+    v = msg.get(key)
+    if not isinstance(v, kind):
+        raise BadRequest(f"field {key!r} must be {what}")
+    return v
+
+
 def req_str(msg: dict[str, Any], key: str, max_len: int = 256) -> str:
     """A string field of at most ``max_len`` characters."""
-    v = msg.get(key)
-    if not isinstance(v, str):
-        raise BadRequest(f"field {key!r} must be a string")
+    v = req_typed(msg, key, str, "a string")
     if len(v) > max_len:
         raise TooLarge(f"field {key!r} longer than {max_len}")
     return v
@@ -88,9 +94,7 @@ def req_str(msg: dict[str, Any], key: str, max_len: int = 256) -> str:
 
 def req_list(msg: dict[str, Any], key: str, max_len: int = MAX_LIST) -> list[Any]:
     """A list field of at most ``max_len`` items."""
-    v = msg.get(key)
-    if not isinstance(v, list):
-        raise BadRequest(f"field {key!r} must be a list")
+    v = req_typed(msg, key, list, "a list")
     if len(v) > max_len:
         raise TooLarge(f"field {key!r} has {len(v)} items, limit {max_len}")
     return v
