@@ -34,7 +34,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pegaflow.config import ClientConfig, Source, build, check_address, env_sources, opt
+from pegaflow.config import (
+    ClientConfig,
+    Source,
+    build,
+    check_address,
+    env_sources,
+    opt,
+    same_option,
+)
 
 log = logging.getLogger("pegaflow.connector")
 
@@ -175,22 +183,25 @@ _CLIENT_KEYS = (
 """settings that are also ``[client]`` options (``PEGAFLOW_CLIENT_<KEY>``)"""
 
 
+def client_option(name: str, help: str = "") -> Any:
+    """A setting declared as ``[client] name`` is (see :func:`same_option`)."""
+    return same_option(ClientConfig, name, help)
+
+
 @dataclass(frozen=True)
 class ConnectorSettings:
     """Everything the connector needs; one field per ``kv_connector_extra_config`` key."""
 
-    coordinators: list[str] = opt(
-        ["127.0.0.1:7700"],
-        "coordinator addresses host:port, tried in order (list or comma string)",
-        addresses=True,
+    coordinators: list[str] = client_option(
+        "coordinators", "coordinator addresses host:port, tried in order (list or comma string)"
     )
-    local_node: str = opt(
-        "",
+    local_node: str = client_option(
+        "local_node",
         "node id on this host; saves go there and its hits load straight from its pool "
         "file (empty: found by itself, the node whose pool file this host can open)",
     )
-    host: str = opt(
-        "auto",
+    host: str = client_option(
+        "host",
         "this host's address, sent to placement ('auto': the address on the route to the "
         "first coordinator on another host, else 127.0.0.1)",
     )
@@ -200,11 +211,11 @@ class ConnectorSettings:
         "", "extra text folded into the namespace (e.g. weights revision) to keep caches apart"
     )
     model_id: str = opt("", "model identity for the namespace (default: vLLM's model name/path)")
-    lookup_timeout_s: float = opt(
-        0.05, "hard deadline of one lookup; on expiry the answer is 0 hits"
+    lookup_timeout_s: float = client_option(
+        "lookup_timeout_s", "hard deadline of one lookup; on expiry the answer is 0 hits"
     )
-    rpc_timeout_s: float = opt(5.0, "deadline of other control calls")
-    transfer_timeout_s: float = opt(10.0, "deadline of one batched get or put")
+    rpc_timeout_s: float = client_option("rpc_timeout_s")
+    transfer_timeout_s: float = client_option("transfer_timeout_s")
     load_budget_factor: float = opt(
         0.8,
         "a load from another host may wait this many times what computing its tokens is "
@@ -409,7 +420,8 @@ class ConnectorSettings:
 
     def client_config(self) -> ClientConfig:
         """The ``[client]`` options of these settings, for the connector's client."""
-        return ClientConfig(**{k: getattr(self, k) for k in _CLIENT_KEYS})
+        values = {k: getattr(self, k) for k in _CLIENT_KEYS}
+        return ClientConfig(**{**values, "coordinators": list(self.coordinators)})
 
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict with the token hidden (for logs)."""

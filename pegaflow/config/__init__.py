@@ -41,6 +41,7 @@ from .values import (
     parse_addresses,
     parse_bool,
     parse_size,
+    same_option,
 )
 
 __all__ = [
@@ -71,4 +72,5 @@ __all__ = [
     "parse_bool",
     "parse_size",
     "reference_markdown",
+    "same_option",
 ]

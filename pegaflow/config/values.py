@@ -131,6 +131,16 @@ def opt(
     return field(default=default, metadata=meta)
 
 
+def same_option(cls: type, name: str, help: str = "") -> Any:
+    """Option ``name`` of the dataclass ``cls`` declared again in another one: the same
+    default and kind (``help``: a text of its own there)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    meta = {**f.metadata, "help": help or f.metadata["help"]}
+    if f.default_factory is not dataclasses.MISSING:
+        return field(default_factory=f.default_factory, metadata=meta)
+    return field(default=f.default, metadata=meta)
+
+
 def _integer(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ValueError(f"not an integer: {value!r}")
