@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 from pegaflow.config import (
     ClientConfig,
+    ConfigError,
     Source,
     build,
     check_address,
@@ -70,6 +71,9 @@ PEGAFLOW_KEYS: dict[str, str] = {
 ("": none here; the key is accepted and ignored: the cluster places every TP shard's
 blocks and transfers by itself)."""
 
+_WHERE = "PegaKVConnector setting "
+"""how errors name a setting's source"""
+
 _noticed: set[str] = set()
 _noticed_lock = threading.Lock()
 
@@ -84,26 +88,25 @@ def _notice_once(key: str, level: int, msg: str, *args: object) -> None:
 
 def _pegaflow_coordinator(host: Any, port: Any, where: str) -> str:
     """``host``/``port`` as PegaFlow spells them (``http://10.0.0.1``, ``50055``) as one
-    coordinator address; ``ValueError`` if they do not make one."""
+    coordinator address; :class:`ConfigError` if they do not make one."""
     h = str(host if host is not None else "127.0.0.1").strip()
     for scheme in ("http://", "https://", "grpc://"):
         if h.lower().startswith(scheme):
             h = h[len(scheme) :]
     h = h.rstrip("/")
-    if port is None:
-        _, sep, tail = h.rpartition(":")
-        if sep and tail.isdigit() and "]" not in tail:
-            return check_address(h)  # host:port already
-        port = DEFAULT_COORDINATOR_PORT
-    if isinstance(port, bool) or not str(port).strip().isdigit():
-        raise ValueError(f"PegaKVConnector setting {where}: not a port: {port!r}")
-    if ":" in h and not h.startswith("["):
-        h = f"[{h}]"
+    _, sep, tail = h.rpartition(":")
     try:
+        if port is None and sep and tail.isdigit() and "]" not in tail:
+            return check_address(h)  # host:port already
+        if port is None:
+            port = DEFAULT_COORDINATOR_PORT
+        if isinstance(port, bool) or not str(port).strip().isdigit():
+            raise ValueError(f"not a port: {port!r}")
+        if ":" in h and not h.startswith("["):
+            h = f"[{h}]"
         return check_address(f"{h}:{int(port)}")
     except ValueError as e:
-        raise ValueError(f"PegaKVConnector setting {where}: {e}") from None
-
+        raise ConfigError(f"{_WHERE}{where}", str(e)) from None
 
 def _translate_pegaflow(
     extra: dict[str, Any], env: Mapping[str, str]
@@ -116,9 +119,10 @@ def _translate_pegaflow(
     mapped: dict[str, Any] = {}
     if "pegaflow.host" in theirs or "pegaflow.port" in theirs:
         if "coordinators" in ours:
-            raise ValueError(
-                "kv_connector_extra_config has both 'coordinators' and PegaFlow's "
-                "'pegaflow.host'/'pegaflow.port': keep 'coordinators' only"
+            raise ConfigError(
+                f"{_WHERE}kv_connector_extra_config",
+                "both 'coordinators' and PegaFlow's 'pegaflow.host'/'pegaflow.port': "
+                "keep 'coordinators' only",
             )
         addr = _pegaflow_coordinator(
             theirs.get("pegaflow.host"), theirs.get("pegaflow.port"), "pegaflow.host/port"
@@ -134,9 +138,9 @@ def _translate_pegaflow(
         )
     if "pegaflow.mode" in theirs:
         if "mode" in ours:
-            raise ValueError(
-                "kv_connector_extra_config has both 'mode' and PegaFlow's 'pegaflow.mode': "
-                "keep 'mode' only"
+            raise ConfigError(
+                f"{_WHERE}kv_connector_extra_config",
+                "both 'mode' and PegaFlow's 'pegaflow.mode': keep 'mode' only",
             )
         mapped["mode"] = theirs["pegaflow.mode"]
         _notice_once(
@@ -372,29 +376,29 @@ class ConnectorSettings:
     ) -> ConnectorSettings:
         """Build settings from vLLM's extra config, the environment and ``kv_role``.
 
-        Unknown extra-config keys raise ``ValueError`` (a typo must not silently fall
-        back to a default); so do malformed values, an unknown ``mode`` and an unknown
-        ``kv_role`` (None: ``kv_both``).
+        Unknown extra-config keys raise :class:`ConfigError`, a ``ValueError`` (a typo
+        must not silently fall back to a default); so do malformed values, an unknown
+        ``mode`` and an unknown ``kv_role`` (None: ``kv_both``).
         """
         env = os.environ if env is None else env
         extra, from_pegaflow, from_pegaflow_env = _translate_pegaflow(dict(extra or {}), env)
         if kv_role is not None and kv_role not in KV_ROLES:
-            raise ValueError(f"PegaKVConnector kv_role must be one of {KV_ROLES}, not {kv_role!r}")
+            raise ConfigError(f"{_WHERE}kv_role", f"one of {KV_ROLES}, not {kv_role!r}")
         keys = cls.keys()
         unknown = sorted(set(extra) - set(keys))
         if unknown:
-            raise ValueError(
-                f"unknown PegaKVConnector option(s) in kv_connector_extra_config: {unknown}; "
-                f"known: {sorted(keys)} (and PegaFlow's {sorted(PEGAFLOW_KEYS)})"
+            raise ConfigError(
+                f"{_WHERE}kv_connector_extra_config",
+                f"unknown option(s) {unknown}; known: {sorted(keys)} (and PegaFlow's "
+                f"{sorted(PEGAFLOW_KEYS)})",
             )
-        where = "PegaKVConnector setting "
         sources: list[Source] = [  # lowest precedence first
-            (f"{where}env PEGAFLOW_HOST/PEGAFLOW_PORT", from_pegaflow_env),
-            *env_sources(env, "client", _CLIENT_KEYS, where),
-            *env_sources(env, "security", ["token"], where),
-            *env_sources(env, "connector", keys, where),
-            (f"{where}kv_connector_extra_config (PegaFlow's keys)", from_pegaflow),
-            (f"{where}kv_connector_extra_config", extra),
+            (f"{_WHERE}env PEGAFLOW_HOST/PEGAFLOW_PORT", from_pegaflow_env),
+            *env_sources(env, "client", _CLIENT_KEYS, _WHERE),
+            *env_sources(env, "security", ["token"], _WHERE),
+            *env_sources(env, "connector", keys, _WHERE),
+            (f"{_WHERE}kv_connector_extra_config (PegaFlow's keys)", from_pegaflow),
+            (f"{_WHERE}kv_connector_extra_config", extra),
             ("vLLM", {} if kv_role is None else {"kv_role": kv_role}),
         ]
         s = build(cls, sources)
@@ -402,21 +406,22 @@ class ConnectorSettings:
         return s
 
     def _check(self) -> None:
-        """``ValueError`` for values of the right type that no connector can run with."""
+        """:class:`ConfigError` for values of their type that no connector can run with."""
         if self.mode not in _MODES:
-            raise ValueError(f"PegaKVConnector mode must be one of {_MODES}, not {self.mode!r}")
+            raise ConfigError(f"{_WHERE}mode", f"one of {_MODES}, not {self.mode!r}")
         if not self.coordinators and self.mode != "off":
-            raise ValueError("PegaKVConnector needs at least one coordinator address")
+            raise ConfigError(f"{_WHERE}coordinators", "at least one address is needed")
         for name in ("lookup_timeout_s", "rpc_timeout_s", "transfer_timeout_s"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"PegaKVConnector {name} must be > 0")
+                raise ConfigError(f"{_WHERE}{name}", "must be > 0")
         names = ("report_interval_s", "shutdown_wait_s", "handoff_wait_s", "handoff_ttl_s")
-        names += ("load_budget_factor", "load_budget_min_s")
-        for name in (*names, "load_lookahead_layers"):
+        names += ("load_budget_factor", "load_budget_min_s", "load_lookahead_layers")
+        for name in names:
             if getattr(self, name) < 0:
-                raise ValueError(f"PegaKVConnector {name} must be >= 0")
-        if self.chunk_bytes <= 0 or self.max_staging_bytes <= 0:
-            raise ValueError("PegaKVConnector chunk_bytes and max_staging_bytes must be > 0")
+                raise ConfigError(f"{_WHERE}{name}", "must be >= 0")
+        for name in ("chunk_bytes", "max_staging_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{_WHERE}{name}", "must be > 0")
 
     def client_config(self) -> ClientConfig:
         """The ``[client]`` options of these settings, for the connector's client."""

@@ -63,9 +63,9 @@ def _read_toml(path: str | Path) -> dict[str, Any]:
         with open(path, "rb") as fh:
             return tomllib.load(fh)
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"config file {path}: not valid TOML: {e}") from None
+        raise ConfigError(f"config file {path}", f"not valid TOML: {e}") from None
     except OSError as e:
-        raise ValueError(f"config file {path}: {e.strerror or e}") from None
+        raise ConfigError(f"config file {path}", str(e.strerror or e)) from None
 
 
 def load_config(
@@ -79,14 +79,14 @@ def load_config(
 
     ``defaults``: a program's own defaults over the schema's (``pegaflow-server`` sizes
     its pool by itself unless one is given).  Every problem (a file that cannot be read
-    or parsed, an unknown option, a bad value) is a ``ValueError`` naming where it is."""
+    or parsed, an unknown option, a bad value) is a :class:`ConfigError` naming where it is."""
     env = os.environ if env is None else env
     path = path or env.get("PEGAFLOW_CONFIG") or None
     tables = _read_toml(path) if path else {}
     for name, values in tables.items():
         if name not in SECTIONS or not isinstance(values, dict):
-            raise ValueError(
-                f"config {path}: unknown table [{name}] (tables: {', '.join(SECTIONS)})"
+            raise ConfigError(
+                f"config {path}", f"unknown table [{name}] (tables: {', '.join(SECTIONS)})"
             )
     sections: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
