@@ -99,9 +99,9 @@ def add_arguments(
     parser.add_argument("--config", metavar="FILE", help="TOML config file (also PEGAFLOW_CONFIG)")
     for name in sections:
         group = parser.add_argument_group(f"[{name}] (env PEGAFLOW_{name.upper()}_<OPTION>)")
-        section = getattr(ClusterConfig(), name)
-        hints = get_type_hints(type(section))
-        for f in dataclasses.fields(section):
+        cls = SECTIONS[name]
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
             typ = hints[f.name]
 
             def parse(value: str, f: dataclasses.Field[Any] = f, typ: Any = typ) -> Any:
