@@ -21,7 +21,7 @@ Guarantees, whatever the cluster does:
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from . import sameprocess
@@ -98,16 +98,17 @@ class PegaKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         kv_role = getattr(self._kv_transfer_config, "kv_role", None)
-        self.settings = ConnectorSettings.load(extra, kv_role=kv_role)
-        _setup_logging(self.settings.log_level)
+        settings = ConnectorSettings.load(extra, kv_role=kv_role)
+        _setup_logging(settings.log_level)
         self.geometry = engine_geometry(vllm_config, kv_cache_config)
-        if self.geometry.groups != 1 and self.settings.mode != "off":
+        if self.geometry.groups != 1 and settings.mode != "off":
             logger.error(
                 "PegaFlow: %d KV cache groups (hybrid model); only single-group models are "
                 "supported: connector off",
                 self.geometry.groups,
             )
-            self.settings.mode = "off"
+            settings = replace(settings, mode="off")
+        self.settings = settings
         is_worker = role == KVConnectorRole.WORKER
         tp_rank, tp_size, pp_rank, pp_size = parallel_ranks(vllm_config, is_worker)
         self.tp_size, self.pp_size = tp_size, pp_size
@@ -196,20 +197,11 @@ class PegaKVConnector(KVConnectorBase_V1):
     def _make_client(self) -> Any:
         from pegaflow.client import SyncPegaClient
 
-        from pegaflow.config import ClientConfig
         from pegaflow.observability import telemetry
 
         telemetry.setup(service="pegaflow-connector")  # exports only if configured
         s = self.settings
-        cfg = ClientConfig(
-            coordinators=list(s.coordinators),
-            local_node=s.local_node,
-            host=s.host,
-            lookup_timeout_s=s.lookup_timeout_s,
-            rpc_timeout_s=s.rpc_timeout_s,
-            transfer_timeout_s=s.transfer_timeout_s,
-        )
-        return SyncPegaClient(cfg, token=s.token or None)
+        return SyncPegaClient(s.client_config(), token=s.token or None)
 
     def _compute_namespace(self) -> str | None:
         hi = hash_info(self._vllm_config)

@@ -32,9 +32,18 @@ import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_type_hints
+from typing import Any, Literal
 
-from pegaflow.config import check_address, parse_addresses, parse_bool, parse_size
+from pegaflow.config import (
+    ClientConfig,
+    ConfigError,
+    Source,
+    build,
+    check_address,
+    env_sources,
+    opt,
+    same_option,
+)
 
 log = logging.getLogger("pegaflow.connector")
 
@@ -62,6 +71,9 @@ PEGAFLOW_KEYS: dict[str, str] = {
 ("": none here; the key is accepted and ignored: the cluster places every TP shard's
 blocks and transfers by itself)."""
 
+_WHERE = "PegaKVConnector setting "
+"""how errors name a setting's source"""
+
 _noticed: set[str] = set()
 _noticed_lock = threading.Lock()
 
@@ -76,26 +88,25 @@ def _notice_once(key: str, level: int, msg: str, *args: object) -> None:
 
 def _pegaflow_coordinator(host: Any, port: Any, where: str) -> str:
     """``host``/``port`` as PegaFlow spells them (``http://10.0.0.1``, ``50055``) as one
-    coordinator address; ``ValueError`` if they do not make one."""
+    coordinator address; :class:`ConfigError` if they do not make one."""
     h = str(host if host is not None else "127.0.0.1").strip()
     for scheme in ("http://", "https://", "grpc://"):
         if h.lower().startswith(scheme):
             h = h[len(scheme) :]
     h = h.rstrip("/")
-    if port is None:
-        _, sep, tail = h.rpartition(":")
-        if sep and tail.isdigit() and "]" not in tail:
-            return check_address(h)  # host:port already
-        port = DEFAULT_COORDINATOR_PORT
-    if isinstance(port, bool) or not str(port).strip().isdigit():
-        raise ValueError(f"PegaKVConnector setting {where}: not a port: {port!r}")
-    if ":" in h and not h.startswith("["):
-        h = f"[{h}]"
+    _, sep, tail = h.rpartition(":")
     try:
+        if port is None and sep and tail.isdigit() and "]" not in tail:
+            return check_address(h)  # host:port already
+        if port is None:
+            port = DEFAULT_COORDINATOR_PORT
+        if isinstance(port, bool) or not str(port).strip().isdigit():
+            raise ValueError(f"not a port: {port!r}")
+        if ":" in h and not h.startswith("["):
+            h = f"[{h}]"
         return check_address(f"{h}:{int(port)}")
     except ValueError as e:
-        raise ValueError(f"PegaKVConnector setting {where}: {e}") from None
-
+        raise ConfigError(f"{_WHERE}{where}", str(e)) from None
 
 def _translate_pegaflow(
     extra: dict[str, Any], env: Mapping[str, str]
@@ -108,9 +119,10 @@ def _translate_pegaflow(
     mapped: dict[str, Any] = {}
     if "pegaflow.host" in theirs or "pegaflow.port" in theirs:
         if "coordinators" in ours:
-            raise ValueError(
-                "kv_connector_extra_config has both 'coordinators' and PegaFlow's "
-                "'pegaflow.host'/'pegaflow.port': keep 'coordinators' only"
+            raise ConfigError(
+                f"{_WHERE}kv_connector_extra_config",
+                "both 'coordinators' and PegaFlow's 'pegaflow.host'/'pegaflow.port': "
+                "keep 'coordinators' only",
             )
         addr = _pegaflow_coordinator(
             theirs.get("pegaflow.host"), theirs.get("pegaflow.port"), "pegaflow.host/port"
@@ -126,9 +138,9 @@ def _translate_pegaflow(
         )
     if "pegaflow.mode" in theirs:
         if "mode" in ours:
-            raise ValueError(
-                "kv_connector_extra_config has both 'mode' and PegaFlow's 'pegaflow.mode': "
-                "keep 'mode' only"
+            raise ConfigError(
+                f"{_WHERE}kv_connector_extra_config",
+                "both 'mode' and PegaFlow's 'pegaflow.mode': keep 'mode' only",
             )
         mapped["mode"] = theirs["pegaflow.mode"]
         _notice_once(
@@ -164,40 +176,51 @@ def _translate_pegaflow(
     return ours, mapped, from_env
 
 
-def _f(default: str | int | float | bool, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+_CLIENT_KEYS = (
+    "coordinators",
+    "local_node",
+    "host",
+    "lookup_timeout_s",
+    "rpc_timeout_s",
+    "transfer_timeout_s",
+)
+"""settings that are also ``[client]`` options (``PEGAFLOW_CLIENT_<KEY>``)"""
 
 
-@dataclass
+def client_option(name: str, help: str = "") -> Any:
+    """A setting declared as ``[client] name`` is (see :func:`same_option`)."""
+    return same_option(ClientConfig, name, help)
+
+
+@dataclass(frozen=True)
 class ConnectorSettings:
     """Everything the connector needs; one field per ``kv_connector_extra_config`` key."""
 
-    coordinators: list[str] = field(
-        default_factory=lambda: ["127.0.0.1:7700"],
-        metadata={"help": "coordinator addresses host:port, tried in order (list or comma string)"},
+    coordinators: list[str] = client_option(
+        "coordinators", "coordinator addresses host:port, tried in order (list or comma string)"
     )
-    local_node: str = _f(
-        "",
+    local_node: str = client_option(
+        "local_node",
         "node id on this host; saves go there and its hits load straight from its pool "
         "file (empty: found by itself, the node whose pool file this host can open)",
     )
-    host: str = _f(
-        "auto",
+    host: str = client_option(
+        "host",
         "this host's address, sent to placement ('auto': the address on the route to the "
         "first coordinator on another host, else 127.0.0.1)",
     )
-    token: str = _f("", "shared secret of the cluster (also PEGAFLOW_SECURITY_TOKEN)")
-    mode: str = _f("read_write", "read_write, save_only, load_only or off")
-    namespace_extra: str = _f(
+    token: str = opt("", "shared secret of the cluster (also PEGAFLOW_SECURITY_TOKEN)")
+    mode: str = opt("read_write", "read_write, save_only, load_only or off")
+    namespace_extra: str = opt(
         "", "extra text folded into the namespace (e.g. weights revision) to keep caches apart"
     )
-    model_id: str = _f("", "model identity for the namespace (default: vLLM's model name/path)")
-    lookup_timeout_s: float = _f(
-        0.05, "hard deadline of one lookup; on expiry the answer is 0 hits"
+    model_id: str = opt("", "model identity for the namespace (default: vLLM's model name/path)")
+    lookup_timeout_s: float = client_option(
+        "lookup_timeout_s", "hard deadline of one lookup; on expiry the answer is 0 hits"
     )
-    rpc_timeout_s: float = _f(5.0, "deadline of other control calls")
-    transfer_timeout_s: float = _f(10.0, "deadline of one batched get or put")
-    load_budget_factor: float = _f(
+    rpc_timeout_s: float = client_option("rpc_timeout_s")
+    transfer_timeout_s: float = client_option("transfer_timeout_s")
+    load_budget_factor: float = opt(
         0.8,
         "a load from another host may wait this many times what computing its tokens is "
         "expected to take (the cost model's estimate), then its blocks are computed: a "
@@ -205,99 +228,103 @@ class ConnectorSettings:
         "(never more than transfer_timeout_s; the first load from a node, which also sets "
         "up the connection, gets 1 s more); 0: transfer_timeout_s always",
     )
-    load_budget_min_s: float = _f(
+    load_budget_min_s: float = opt(
         0.05, "least time a load from another host may wait (see load_budget_factor)"
     )
-    lookup_cache_s: float = _f(
+    lookup_cache_s: float = opt(
         1.0, "a request asked again within this many seconds reuses its last lookup"
     )
-    backoff_s: float = _f(1.0, "first pause after consecutive cluster failures (doubles)")
-    backoff_max_s: float = _f(30.0, "longest pause of the failure backoff")
-    failures_to_backoff: int = _f(3, "consecutive failures that open the circuit breaker")
-    save_decode_blocks: bool = _f(
+    backoff_s: float = opt(1.0, "first pause after consecutive cluster failures (doubles)")
+    backoff_max_s: float = opt(30.0, "longest pause of the failure backoff")
+    failures_to_backoff: int = opt(3, "consecutive failures that open the circuit breaker")
+    save_decode_blocks: bool = opt(
         False,
         "also save blocks filled by generated tokens (default: prompt blocks only); on a "
         "kv_consumer, save those and nothing else",
     )
-    handoff_wait_s: float = _f(
+    handoff_wait_s: float = opt(
         2.0,
         "kv_consumer: how long a request given a producer's handoff waits for its blocks "
         "still being committed (other requests are served meanwhile); then what is stored "
         "is loaded and the rest computed",
     )
-    handoff_ttl_s: float = _f(
+    handoff_ttl_s: float = opt(
         60.0, "kv_producer: how long after a request the handoff it returns stays valid"
     )
-    chunk_bytes: int = _f(
-        8 << 20, "bytes per transfer chunk (a load keeps up to 3 in flight while copying)"
+    chunk_bytes: int = opt(
+        8 << 20,
+        "bytes per transfer chunk (a load keeps up to 3 in flight while copying)",
+        size=True,
     )
-    max_staging_bytes: int = _f(
-        1 << 30, "host staging memory for transfers; saves beyond it are dropped, loads wait"
+    max_staging_bytes: int = opt(
+        1 << 30,
+        "host staging memory for transfers; saves beyond it are dropped, loads wait",
+        size=True,
     )
-    read_pin_s: float = _f(
+    read_pin_s: float = opt(
         5.0,
         "after a hit, ask the nodes to keep the blocks from eviction this long (until the "
         "load); 0: no read pins",
     )
-    recompute_failed_loads: bool = _f(
+    recompute_failed_loads: bool = opt(
         True,
         "a block that cannot be loaded (node lost, evicted, corrupt) is recomputed: the "
         "connector sets vLLM's kv_load_failure_policy to recompute; off: vLLM's policy as "
         "given (its default, fail, ends such a request with an error)",
     )
-    same_host_shortcut: bool = _f(
+    same_host_shortcut: bool = opt(
         True,
         "copy blocks straight between the KV cache and local_node's pool file when that "
         "node runs on this host (no UCX hop); off: always UCX",
     )
-    layerwise: bool = _f(
+    layerwise: bool = opt(
         True,
         "hits held wholly by local_node (same host) load during the forward pass, each "
         "layer waited for on its own; off: every load is asynchronous",
     )
-    early_start: bool = _f(
+    early_start: bool = opt(
         True,
         "with one rank (the worker in vLLM's scheduler process), queue a step's layer-wise "
         "copies before vLLM launches the step: each request's as vLLM allocates its blocks "
         "where it replays CUDA graphs, else the step's when it is planned; off: when vLLM "
         "launches the step",
     )
-    load_lookahead_layers: int = _f(
+    load_lookahead_layers: int = opt(
         2,
         "in a step of a size the engine has not run yet (and replays no CUDA graph of), "
         "layer-wise loads queue this many layers ahead of the forward pass, the rest as it "
         "reaches them (CUDA loads a new shape's kernels lazily, which waits for every copy "
         "in flight); 0: all at once",
     )
-    verify_threads: int = _f(
+    verify_threads: int = opt(
         0, "CPU threads that check checksums of same-host loads (0: min(16, cpus))"
     )
-    idle_wait_s: float = _f(
+    idle_wait_s: float = opt(
         0.02, "in engine steps that only wait for loads, block this long for one to land"
     )
-    known_blocks: int = _f(
+    known_blocks: int = opt(
         200_000, "hashes remembered as stored in the cluster (skips redundant saves)"
     )
-    cost_model: bool = _f(
+    cost_model: bool = opt(
         True,
         "claim only hits whose load is expected to be faster than computing them (the "
         "whole hit, a leading part or nothing), from measured load and prefill costs; "
         "off: claim every hit",
     )
-    report_interval_s: float = _f(
+    report_interval_s: float = opt(
         10.0,
         "seconds between two 'PegaFlow cache:' lines in the engine log (lookups, hit rate, "
         "loads, saves, drops, failures), printed only when something happened; 0: never",
     )
-    shutdown_wait_s: float = _f(
+    shutdown_wait_s: float = opt(
         10.0,
         "at engine shutdown, how long pending saves may take to finish; those still "
         "pending after it are dropped (counted, and logged as a warning)",
     )
-    stats_path: str = _f(
+    stats_path: str = opt(
         "", "write connector counters as JSON to <path>.<role><rank>.json (tests, debugging)"
     )
-    log_level: str = _f(
+    log_level: str = opt(
         "",
         "level of the connector's log ('debug': one line per lookup and per layer-wise load, "
         "with timings); empty: as the engine sets it",
@@ -349,73 +376,57 @@ class ConnectorSettings:
     ) -> ConnectorSettings:
         """Build settings from vLLM's extra config, the environment and ``kv_role``.
 
-        Unknown extra-config keys raise ``ValueError`` (a typo must not silently fall
-        back to a default); so do malformed values, an unknown ``mode`` and an unknown
-        ``kv_role`` (None: ``kv_both``).
+        Unknown extra-config keys raise :class:`ConfigError`, a ``ValueError`` (a typo
+        must not silently fall back to a default); so do malformed values, an unknown
+        ``mode`` and an unknown ``kv_role`` (None: ``kv_both``).
         """
         env = os.environ if env is None else env
         extra, from_pegaflow, from_pegaflow_env = _translate_pegaflow(dict(extra or {}), env)
-        s = cls()
-        if kv_role is not None:
-            if kv_role not in KV_ROLES:
-                raise ValueError(
-                    f"PegaKVConnector kv_role must be one of {KV_ROLES}, not {kv_role!r}"
-                )
-            s.kv_role = kv_role
-        hints = get_type_hints(cls)
-        fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("vllm")}
-        # lowest precedence first
-        shared = {
-            "coordinators": env.get("PEGAFLOW_CLIENT_COORDINATORS"),
-            "local_node": env.get("PEGAFLOW_CLIENT_LOCAL_NODE"),
-            "host": env.get("PEGAFLOW_CLIENT_HOST"),
-            "token": env.get("PEGAFLOW_SECURITY_TOKEN"),
-            "lookup_timeout_s": env.get("PEGAFLOW_CLIENT_LOOKUP_TIMEOUT_S"),
-            "rpc_timeout_s": env.get("PEGAFLOW_CLIENT_RPC_TIMEOUT_S"),
-            "transfer_timeout_s": env.get("PEGAFLOW_CLIENT_TRANSFER_TIMEOUT_S"),
-        }
-        layers: list[tuple[str, dict[str, Any]]] = [
-            ("env PEGAFLOW_HOST/PEGAFLOW_PORT", from_pegaflow_env),
-            ("env PEGAFLOW_CLIENT_*", {k: v for k, v in shared.items() if v is not None}),
-            (
-                "env PEGAFLOW_CONNECTOR_*",
-                {
-                    name: env[f"PEGAFLOW_CONNECTOR_{name.upper()}"]
-                    for name in fields
-                    if f"PEGAFLOW_CONNECTOR_{name.upper()}" in env
-                },
-            ),
-        ]
-        unknown = sorted(set(extra) - set(fields))
+        if kv_role is not None and kv_role not in KV_ROLES:
+            raise ConfigError(f"{_WHERE}kv_role", f"one of {KV_ROLES}, not {kv_role!r}")
+        keys = cls.keys()
+        unknown = sorted(set(extra) - set(keys))
         if unknown:
-            raise ValueError(
-                f"unknown PegaKVConnector option(s) in kv_connector_extra_config: {unknown}; "
-                f"known: {sorted(fields)} (and PegaFlow's {sorted(PEGAFLOW_KEYS)})"
+            raise ConfigError(
+                f"{_WHERE}kv_connector_extra_config",
+                f"unknown option(s) {unknown}; known: {sorted(keys)} (and PegaFlow's "
+                f"{sorted(PEGAFLOW_KEYS)})",
             )
-        layers.append(("kv_connector_extra_config (PegaFlow's keys)", from_pegaflow))
-        layers.append(("kv_connector_extra_config", extra))
-        for where, values in layers:
-            for name, value in values.items():
-                setattr(s, name, _coerce(hints[name], value, f"{where}: {name}"))
-        if s.mode not in _MODES:
-            raise ValueError(f"PegaKVConnector mode must be one of {_MODES}, not {s.mode!r}")
-        try:
-            s.coordinators = parse_addresses(s.coordinators)
-        except ValueError as e:
-            raise ValueError(f"PegaKVConnector setting coordinators: {e}") from None
-        if not s.coordinators and s.mode != "off":
-            raise ValueError("PegaKVConnector needs at least one coordinator address")
-        for name in ("lookup_timeout_s", "rpc_timeout_s", "transfer_timeout_s"):
-            if getattr(s, name) <= 0:
-                raise ValueError(f"PegaKVConnector {name} must be > 0")
-        names = ("report_interval_s", "shutdown_wait_s", "handoff_wait_s", "handoff_ttl_s")
-        names += ("load_budget_factor", "load_budget_min_s")
-        for name in (*names, "load_lookahead_layers"):
-            if getattr(s, name) < 0:
-                raise ValueError(f"PegaKVConnector {name} must be >= 0")
-        if s.chunk_bytes <= 0 or s.max_staging_bytes <= 0:
-            raise ValueError("PegaKVConnector chunk_bytes and max_staging_bytes must be > 0")
+        sources: list[Source] = [  # lowest precedence first
+            (f"{_WHERE}env PEGAFLOW_HOST/PEGAFLOW_PORT", from_pegaflow_env),
+            *env_sources(env, "client", _CLIENT_KEYS, _WHERE),
+            *env_sources(env, "security", ["token"], _WHERE),
+            *env_sources(env, "connector", keys, _WHERE),
+            (f"{_WHERE}kv_connector_extra_config (PegaFlow's keys)", from_pegaflow),
+            (f"{_WHERE}kv_connector_extra_config", extra),
+            ("vLLM", {} if kv_role is None else {"kv_role": kv_role}),
+        ]
+        s = build(cls, sources)
+        s._check()
         return s
+
+    def _check(self) -> None:
+        """:class:`ConfigError` for values of their type that no connector can run with."""
+        if self.mode not in _MODES:
+            raise ConfigError(f"{_WHERE}mode", f"one of {_MODES}, not {self.mode!r}")
+        if not self.coordinators and self.mode != "off":
+            raise ConfigError(f"{_WHERE}coordinators", "at least one address is needed")
+        for name in ("lookup_timeout_s", "rpc_timeout_s", "transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{_WHERE}{name}", "must be > 0")
+        names = ("report_interval_s", "shutdown_wait_s", "handoff_wait_s", "handoff_ttl_s")
+        names += ("load_budget_factor", "load_budget_min_s", "load_lookahead_layers")
+        for name in names:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{_WHERE}{name}", "must be >= 0")
+        for name in ("chunk_bytes", "max_staging_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{_WHERE}{name}", "must be > 0")
+
+    def client_config(self) -> ClientConfig:
+        """The ``[client]`` options of these settings, for the connector's client."""
+        values = {k: getattr(self, k) for k in _CLIENT_KEYS}
+        return ClientConfig(**{**values, "coordinators": list(self.coordinators)})
 
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict with the token hidden (for logs)."""
@@ -424,29 +435,3 @@ class ConnectorSettings:
             d["token"] = "***"
         return d
 
-
-def _coerce(typ: Any, value: Any, where: str) -> Any:
-    try:
-        if typ is bool:
-            return parse_bool(value)
-        if typ is int:
-            if isinstance(value, str):
-                return parse_size(value)
-            if isinstance(value, bool) or int(value) != value:
-                raise ValueError(f"not an integer: {value!r}")
-            return int(value)
-        if typ is float:
-            return float(value)
-        if typ is str:
-            if not isinstance(value, str | int | float):
-                raise ValueError(f"not a string: {value!r}")
-            return str(value)
-        if typ == list[str]:
-            if isinstance(value, str):
-                return [p.strip() for p in value.split(",") if p.strip()]
-            if isinstance(value, list | tuple):
-                return [str(p).strip() for p in value if str(p).strip()]
-            raise ValueError(f"not a list: {value!r}")
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"PegaKVConnector setting {where}: {e}") from None
-    raise ValueError(f"PegaKVConnector setting {where}: unsupported type {typ}")

@@ -34,7 +34,7 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pegaflow.config import ClusterConfig
@@ -114,12 +114,12 @@ def auto_pool_bytes(host: HostMemory, slab_bytes: int) -> tuple[int, str]:
     return want // slab_bytes * slab_bytes, why
 
 
-def _size_pool(cfg: ClusterConfig) -> None:
-    """Fill in the default pool size (``[node] pool_bytes`` 0) and say what it is."""
+def _size_pool(cfg: ClusterConfig) -> ClusterConfig:
+    """``cfg`` with the default pool size (``[node] pool_bytes`` 0) decided; says what it is."""
     node = cfg.node
     if node.pool_bytes:
         log.info("pool of %s (given) in %s", human_bytes(node.pool_bytes), node.shm_dir)
-        return
+        return cfg
     size, why = auto_pool_bytes(HostMemory.read(node.shm_dir), node.slab_bytes)
     if size <= 0:
         log.error(
@@ -129,10 +129,10 @@ def _size_pool(cfg: ClusterConfig) -> None:
             human_bytes(node.slab_bytes),
         )
         raise SystemExit(2)
-    node.pool_bytes = size
     log.info(
         "pool of %s in %s (auto: %s; --pool-size sets it)", human_bytes(size), node.shm_dir, why
     )
+    return replace(cfg, node=replace(node, pool_bytes=size))
 
 
 def _aliases(argv: list[str]) -> list[str]:
@@ -222,7 +222,7 @@ class AllInOne:
 
 async def run(cfg: ClusterConfig) -> None:
     """Serve until SIGINT/SIGTERM."""
-    _size_pool(cfg)
+    cfg = _size_pool(cfg)
     server = AllInOne(cfg)
     telemetry.setup(cfg.telemetry, service="pegaflow-server", registry=server.registry)
     stop = asyncio.Event()
