@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pegaflow.storage_node.disk_tier import DiskTierStats
+from pegaflow.storage_node.journal import Journal
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -174,4 +175,33 @@ class DiskCollector(Collector):
         for name, doc, field in _DISK_COUNTERS:
             c = CounterMetricFamily(f"pegaflow_node_disk_{name}", doc)
             c.add_metric([], getattr(st, field, 0) if st is not None else 0)
+            yield c
+
+
+class JournalCollector(Collector):
+    """The node's ``pegaflow_node_journal_*`` metrics (read at scrape time)."""
+
+    def __init__(self, journal: Callable[[], Journal | None]) -> None:
+        self.journal = journal
+
+    def collect(self) -> Iterator[Any]:
+        j = self.journal()
+        if j is None:
+            return
+        for name, doc, value in (
+            ("pegaflow_node_journal_degraded",
+             "1 while journal writes are off after a failed write (see the log)", j.degraded),
+            ("pegaflow_node_journal_bad_records",
+             "journal records skipped as invalid when the pool was re-attached", j.bad_records),
+        ):  # fmt: skip
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], int(value))
+            yield g
+        for name, doc, value in (
+            ("pegaflow_node_journal_write_errors", "failed journal writes", j.write_errors),
+            ("pegaflow_node_journal_unjournaled",
+             "commits and drops not journaled while it was degraded", j.unjournaled),
+        ):  # fmt: skip
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
             yield c
