@@ -86,7 +86,7 @@ from aiohttp import web
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pegaflow.router.server import REPLICA_HEADER  # noqa: E402
+from pegaflow.router.proxy import REPLICA_HEADER  # noqa: E402
 
 from pegaflow.tools.devcluster import Proc, free_port, start  # noqa: E402
 
