@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from pegaflow.observability.http import new_registry
@@ -14,63 +16,52 @@ class RouterMetrics:
 
     def __init__(self, mode: str) -> None:
         self.registry = new_registry()
-        r = self.registry
-        self.requests = Counter(
+        self.mode = mode
+        counter = partial(Counter, registry=self.registry)
+        gauge = partial(Gauge, registry=self.registry)
+        seconds = partial(Histogram, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.requests = counter(
             "pegaflow_router_requests",
             "requests answered, by endpoint and HTTP status",
             ["endpoint", "status"],
-            registry=r,
         )
-        self.routes = Counter(
+        self.routes = counter(
             "pegaflow_router_routes",
             "routing decisions, by mode and decision",
             ["mode", "decision"],
-            registry=r,
         )
-        self.upstream = Counter(
+        self.upstream = counter(
             "pegaflow_router_upstream_requests",
             "requests sent to a replica, by replica and outcome",
             ["replica", "outcome"],
-            registry=r,
         )
-        self.retries = Counter(
-            "pegaflow_router_retries", "requests retried on another replica", registry=r
+        self.retries = counter("pegaflow_router_retries", "requests retried on another replica")
+        self.inflight = gauge(
+            "pegaflow_router_inflight", "requests in flight per replica", ["replica"]
         )
-        self.inflight = Gauge(
-            "pegaflow_router_inflight", "requests in flight per replica", ["replica"], registry=r
-        )
-        self.healthy = Gauge(
+        self.healthy = gauge(
             "pegaflow_router_replica_healthy",
             "1 while the replica is in rotation",
             ["replica", "role"],
-            registry=r,
         )
-        self.prefix_blocks = Counter(
+        self.prefix_blocks = counter(
             "pegaflow_router_prefix_blocks",
             "cache mode: stored prefix blocks of routed prompts, by where the chosen "
             "replica stands (local: on its host's node; elsewhere: on other nodes)",
             ["where"],
-            registry=r,
         )
-        self.latency = Histogram(
+        self.latency = seconds(
             "pegaflow_router_request_seconds",
             "time from a request's arrival to the end of its answer",
             ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.first_byte = Histogram(
+        self.first_byte = seconds(
             "pegaflow_router_first_byte_seconds",
             "time from a request's arrival to the first byte of its answer",
             ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.route_seconds = Histogram(
+        self.route_seconds = seconds(
             "pegaflow_router_route_seconds",
             "time to choose a replica (tokenize, hash, coordinator lookup; pd: the prefill)",
             ["mode"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.mode = mode
