@@ -182,8 +182,10 @@ class AllInOne:
             registry=self.registry,
         )
 
-    async def start(self) -> None:
+    async def start(self, run: Runner) -> None:
+        """Start the coordinator, then the node, each entered into ``run``'s stack."""
         self._control.start()
+        run.stack.callback(self._control.stop)
         self.coordinator = coord = await self._control.run(self._make_coordinator())
         sink: InventorySink
         if self._use_etcd:
@@ -193,21 +195,15 @@ class AllInOne:
         else:
             sink = InProcessSink(coord.index, owner=self._control)
         self.node.sink = sink
-        await self._control.run(coord.start())
+        await run.enter(
+            self._control.run(coord.start()), lambda _: self._control.run(coord.close())
+        )
         if coord.http_port is not None:
             self.node.http_address = f"{coord.config.http_host}:{coord.http_port}"
-        await self.node.start()
-
-    async def close(self, failed: bool = False) -> None:
-        """Stop both; the pool file stays unless ``[node] keep_pool`` is off, or this
-        was a failed start that created it (``failed``)."""
-        unlink = self.node.pool_created if failed else not self.cfg.node.keep_pool
-        await self.node.close(unlink=unlink)
-        if self.coordinator is not None:
-            await self._control.run(self.coordinator.close())
-        self._control.stop()
+        await run.enter(self.node.start(), self.node.close_at_exit)
 
     def ready_line(self) -> str:
+        """``READY coordinator=... node=... ucx=... http=... pool=...`` (once started)."""
         assert self.coordinator is not None
         http: Any = self.coordinator.http_port if self.coordinator.http_port is not None else -1
         pool = self.node.pool.capacity if self.node.pool is not None else 0
@@ -223,7 +219,7 @@ async def start(cfg: ClusterConfig, run: Runner) -> str:
     server = AllInOne(cfg)
     run.telemetry(server.registry)
     try:
-        await run.enter(server.start(), server.close)
+        await server.start(run)
     except (PoolDoesNotFit, PoolInUse, PermissionError, ValueError) as e:
         run.fail("cannot start: %s", e)
     except OSError as e:

@@ -34,19 +34,14 @@ def make_sink(cfg: ClusterConfig, node: StorageNode) -> InventorySink:
 
 
 async def start(cfg: ClusterConfig, run: Runner) -> str:
-    """Start the node and its HTTP site; its READY line.  A failed start removes the
-    pool file it created; a stop keeps it with ``[node] keep_pool``."""
+    """Start the node and its HTTP site; its READY line."""
     node = StorageNode(
         cfg.node, token=cfg.security.token or None, tenant_tokens=cfg.security.tenant_tokens
     )
     node.sink = make_sink(cfg, node)
     run.telemetry(node.registry)
-
-    async def close(failed: bool) -> None:
-        await node.close(unlink=node.pool_created if failed else not cfg.node.keep_pool)
-
     try:
-        await run.enter(node.start(), close)
+        await run.enter(node.start(), node.close_at_exit)
     except (OSError, ValueError, NodeIdInUse) as e:  # port taken, pool file in use, shm full
         run.fail_on_ports("cannot start node", e, [
             (cfg.node.host, cfg.node.ucx_port, "--node-ucx-port"),

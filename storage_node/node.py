@@ -138,8 +138,7 @@ class StorageNode:
         self.ucx: UcxSite | None = None
         self.node_id = cfg.node_id
         self.started_at = time.time()
-        self._stack = contextlib.AsyncExitStack()
-        """what :meth:`start` brought up, closed in reverse by :meth:`close`"""
+        self._stack = contextlib.AsyncExitStack()  # what start brought up, close takes down
         self._aborting = False  # a failed start unwinds: created files go, closes are quiet
         self._unlink = True
         self._reported: str | None = None  # the serving problem logged last
@@ -347,8 +346,7 @@ class StorageNode:
             raise
 
     def _on_close(self, name: str, close: Callable[[], Awaitable[None] | None]) -> None:
-        """Put ``close`` on the stack; while a failed start unwinds, a failure of it is
-        logged and the rest still close."""
+        """Put ``close`` on the stack (while a failed start unwinds, its failure is logged)."""
 
         async def run() -> None:
             try:
@@ -370,8 +368,7 @@ class StorageNode:
             await part.close()
 
     def _close_pool(self) -> None:
-        """Close the pool; its file goes with ``close(unlink=True)``, or a failed start
-        that created it."""
+        """Close the pool; its file goes with ``close(unlink=True)`` or a failed start."""
         pool, self.pool = self.pool, None
         if pool is None:
             return
@@ -581,6 +578,11 @@ class StorageNode:
         removes the pool file and its journal."""
         self._unlink = unlink
         await self._stack.aclose()
+
+    async def close_at_exit(self, failed: bool) -> None:
+        """Close as the process ends: the pool file stays with ``[node] keep_pool``, and
+        goes after a start that ``failed`` if that start created it."""
+        await self.close(unlink=self.pool_created if failed else not self.cfg.keep_pool)
 
     def _close_disk(self) -> None:
         """Close the disk tier (after the sites: its queued spills are written first)."""
