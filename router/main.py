@@ -42,8 +42,9 @@ async def start(cfg: ClusterConfig, run: Runner) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``pegaflow-router``."""
-    sections = ["router", "client", "security", "telemetry"]
-    run_service("pegaflow-router", __doc__, sections, start, argv)
+    run_service(
+        "pegaflow-router", __doc__, ["router", "client", "security", "telemetry"], start, argv
+    )
 
 
 if __name__ == "__main__":
