@@ -29,10 +29,8 @@ false`` removes the pool at exit.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import signal
 import sys
 from dataclasses import dataclass, replace
 from typing import Any
@@ -42,9 +40,8 @@ from pegaflow.coordinator.index import BlockIndex
 from pegaflow.coordinator.inprocess_sink import InProcessSink
 from pegaflow.coordinator.service import Coordinator
 from pegaflow.inventory import InventorySink
-from pegaflow.observability import telemetry
 from pegaflow.observability.http import new_registry
-from pegaflow.service import run_service, taken_ports
+from pegaflow.runner import Runner, run_service
 from pegaflow.storage_node.node import StorageNode
 from pegaflow.storage_node.shm_file import (
     PoolDoesNotFit,
@@ -185,8 +182,10 @@ class AllInOne:
             registry=self.registry,
         )
 
-    async def start(self) -> None:
+    async def start(self, run: Runner) -> None:
+        """Start the coordinator, then the node, each entered into ``run``'s stack."""
         self._control.start()
+        run.stack.callback(self._control.stop)
         self.coordinator = coord = await self._control.run(self._make_coordinator())
         sink: InventorySink
         if self._use_etcd:
@@ -196,21 +195,15 @@ class AllInOne:
         else:
             sink = InProcessSink(coord.index, owner=self._control)
         self.node.sink = sink
-        await self._control.run(coord.start())
+        await run.enter(
+            self._control.run(coord.start()), lambda _: self._control.run(coord.close())
+        )
         if coord.http_port is not None:
             self.node.http_address = f"{coord.config.http_host}:{coord.http_port}"
-        await self.node.start()
-
-    async def close(self, failed: bool = False) -> None:
-        """Stop both; the pool file stays unless ``[node] keep_pool`` is off, or this
-        was a failed start that created it (``failed``)."""
-        unlink = self.node.pool_created if failed else not self.cfg.node.keep_pool
-        await self.node.close(unlink=unlink)
-        if self.coordinator is not None:
-            await self._control.run(self.coordinator.close())
-        self._control.stop()
+        await run.enter(self.node.start(), self.node.close_at_exit)
 
     def ready_line(self) -> str:
+        """``READY coordinator=... node=... ucx=... http=... pool=...`` (once started)."""
         assert self.coordinator is not None
         http: Any = self.coordinator.http_port if self.coordinator.http_port is not None else -1
         pool = self.node.pool.capacity if self.node.pool is not None else 0
@@ -220,38 +213,23 @@ class AllInOne:
         )
 
 
-async def run(cfg: ClusterConfig) -> None:
-    """Serve until SIGINT/SIGTERM."""
+async def start(cfg: ClusterConfig, run: Runner) -> str:
+    """Size the pool, start the coordinator and the node; the READY line."""
     cfg = _size_pool(cfg)
     server = AllInOne(cfg)
-    telemetry.setup(cfg.telemetry, service="pegaflow-server", registry=server.registry)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    run.telemetry(server.registry)
     try:
-        await server.start()
+        await server.start(run)
     except (PoolDoesNotFit, PoolInUse, PermissionError, ValueError) as e:
-        await server.close(failed=True)
-        log.error("cannot start: %s", e)
-        raise SystemExit(2) from None
+        run.fail("cannot start: %s", e)
     except OSError as e:
-        await server.close(failed=True)
         c, n = cfg.coordinator, cfg.node
-        hint = taken_ports([
+        run.fail_on_ports("cannot start", e, [
             (c.host, c.port, "--coordinator-port"),
             (c.http_host, c.http_port, "--coordinator-http-port"),
             (n.host, n.ucx_port, "--node-ucx-port"),
         ])  # fmt: skip
-        log.error("cannot start: %s%s", e, f" ({hint})" if hint else "")
-        raise SystemExit(2) from None
-    print(server.ready_line(), flush=True)
-    try:
-        await stop.wait()
-    finally:
-        log.info("stopping")
-        await server.close()
-        telemetry.shutdown()
+    return server.ready_line()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -260,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         "pegaflow-server",
         __doc__,
         ["etcd", "security", "coordinator", "node", "telemetry"],
-        run,
+        start,
         _aliases(sys.argv[1:] if argv is None else argv),
         defaults={"node": {"pool_bytes": 0}},
     )

@@ -8,58 +8,43 @@ docs/router.md.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import signal
-
 from pegaflow.config import ClusterConfig
 from pegaflow.errors import BadRequest
-from pegaflow.observability import telemetry
-from pegaflow.service import run_service, taken_ports
+from pegaflow.runner import Runner, run_service, taken_ports
 
 from .server import Router
 
-log = logging.getLogger("pegaflow.router")
 
-
-async def run(cfg: ClusterConfig) -> None:
-    """Serve until SIGINT/SIGTERM."""
+async def start(cfg: ClusterConfig, run: Runner) -> str:
+    """Start the router; its READY line."""
     try:
         router = Router(cfg.router, cfg.client, cfg.security)
     except BadRequest as e:
         raise ValueError(str(e)) from None
-    telemetry.setup(cfg.telemetry, service="pegaflow-router", registry=router.metrics.registry)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    run.telemetry(router.metrics.registry)
     r = cfg.router
     try:
-        await router.start()
+        await run.enter(router.start(), lambda failed: router.close())
     except OSError as e:
         hint = taken_ports([(r.host, r.port, "--router-port")])
         why = f"cannot listen on {r.host}:{r.port}: {e}" + (f" ({hint})" if hint else "")
         raise OSError(why) from None
     healthy = sum(x.healthy for x in router.replicas)
-    log.info(
+    run.log.info(
         "router serving on %s:%d, mode %s, %d of %d replicas healthy",
         r.host, router.port, r.mode, healthy, len(router.replicas),
     )  # fmt: skip
     if not healthy:
-        log.warning("no replica answers /health yet: requests get 503 until one does")
-    print(f"READY {r.host}:{router.port} mode={r.mode}", flush=True)
-    try:
-        await stop.wait()
-    finally:
-        log.info("stopping the router")
-        await router.close()
-        telemetry.shutdown()
+        run.log.warning("no replica answers /health yet: requests get 503 until one does")
+    run.stopping = "stopping the router"
+    return f"READY {r.host}:{router.port} mode={r.mode}"
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``pegaflow-router``."""
-    sections = ["router", "client", "security", "telemetry"]
-    run_service("pegaflow-router", __doc__, sections, run, argv)
+    run_service(
+        "pegaflow-router", __doc__, ["router", "client", "security", "telemetry"], start, argv
+    )
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from pegaflow.connector.metrics import HISTOGRAMS  # noqa: E402
-from pegaflow.router.server import REPLICA_HEADER  # noqa: E402
+from pegaflow.router.proxy import REPLICA_HEADER  # noqa: E402
 
 from pegaflow.tools.devcluster import (  # noqa: E402
     EtcdServer,

@@ -84,7 +84,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pegaflow.router.server import REPLICA_HEADER  # noqa: E402
+from pegaflow.router.proxy import REPLICA_HEADER  # noqa: E402
 
 from pegaflow.tools.devcluster import Proc, free_port, start  # noqa: E402
 from scripts import _common  # noqa: E402

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pegaflow.storage_node.disk_tier import DiskTierStats
+from pegaflow.storage_node.journal import Journal
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -190,3 +191,25 @@ class PublisherCollector(Collector):
         st = self.stats()
         for key, (kind, name, doc) in _ETCD_FIGURES.items():
             yield _family(kind, f"pegaflow_node_etcd_{name}", doc, int(st[key]))
+
+
+class JournalCollector(Collector):
+    """The node's ``pegaflow_node_journal_*`` metrics (read at scrape time)."""
+
+    def __init__(self, journal: Callable[[], Journal | None]) -> None:
+        self.journal = journal
+
+    def collect(self) -> Iterator[Any]:
+        j = self.journal()
+        if j is None:
+            return
+        for kind, name, doc, value in (
+            (GaugeMetricFamily, "degraded",
+             "1 while journal writes are off after a failed write (see the log)", j.degraded),
+            (GaugeMetricFamily, "bad_records",
+             "journal records skipped as invalid when the pool was re-attached", j.bad_records),
+            (CounterMetricFamily, "write_errors", "failed journal writes", j.write_errors),
+            (CounterMetricFamily, "unjournaled",
+             "commits and drops not journaled while it was degraded", j.unjournaled),
+        ):  # fmt: skip
+            yield _family(kind, f"pegaflow_node_journal_{name}", doc, int(value))

@@ -54,22 +54,21 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from pegaflow.storage_node.blocks import BlockKey, Entry, align_up
 from pegaflow.storage_node.disk_tier import DiskTier
+from pegaflow.storage_node.journal import Journal
 from pegaflow.storage_node.local_control import SOCKET_SUFFIX, LocalControl
-from pegaflow.storage_node.metrics import DiskCollector, NodeMetrics
+from pegaflow.storage_node.metrics import DiskCollector, JournalCollector, NodeMetrics
 from pegaflow.storage_node.node_service import NodeService
 from pegaflow.storage_node.pool import BlockPool
 from pegaflow.storage_node.shm_file import apply_access, resolve_group
 from pegaflow.storage_node.spill_ahead import SpillAhead, reserve_bytes
 from pegaflow.storage_node.ucx_site import UcxSite
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from pegaflow import __version__
 from pegaflow.addresses import settle_node
@@ -139,8 +138,9 @@ class StorageNode:
         self.ucx: UcxSite | None = None
         self.node_id = cfg.node_id
         self.started_at = time.time()
-        self._refresh: asyncio.Task[None] | None = None
-        self._watch: asyncio.Task[None] | None = None
+        self._stack = contextlib.AsyncExitStack()  # what start brought up, close takes down
+        self._aborting = False  # a failed start unwinds: created files go, closes are quiet
+        self._unlink = True
         self._reported: str | None = None  # the serving problem logged last
         self._dirty = asyncio.Event()
         self.http_address = ""
@@ -150,7 +150,7 @@ class StorageNode:
         """the blocks recovered from the disk tier at start"""
         self._spill_ahead: SpillAhead | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.registry.register(JournalCollector(self))
+        self.registry.register(JournalCollector(self._journal))
         self.registry.register(DiskCollector(self._disk_stats))
 
     @property
@@ -334,25 +334,47 @@ class StorageNode:
     async def start(self) -> None:
         """Bring up pool, service, sites and membership; on failure, take down what came
         up and remove a pool file this start created (see the module docstring)."""
+        self._stack = contextlib.AsyncExitStack()
         try:
             await self._start()
         except BaseException:
-            await self._abort_start()
+            self._aborting = True
+            try:
+                await self._stack.aclose()
+            finally:
+                self._aborting = False
             raise
 
-    async def _abort_start(self) -> None:
-        for task in (self._refresh, self._watch):
-            if task is not None:
-                task.cancel()
-        with contextlib.suppress(Exception):
-            await self.sink.close()
-        await self._close_serving(quiet=True)
-        self._close_disk()
+    def _on_close(self, name: str, close: Callable[[], Awaitable[None] | None]) -> None:
+        """Put ``close`` on the stack (while a failed start unwinds, its failure is logged)."""
+
+        async def run() -> None:
+            try:
+                result = close()
+                if result is not None:
+                    await result
+            except Exception:
+                if not self._aborting:
+                    raise
+                log.warning("closing %s failed", name, exc_info=True)
+
+        self._stack.push_async_callback(run)
+
+    async def _close_part(self, attr: str) -> None:
+        """Close the site or service at ``self.<attr>`` (if any), and forget it."""
+        part = getattr(self, attr)
+        setattr(self, attr, None)
+        if part is not None:
+            await part.close()
+
+    def _close_pool(self) -> None:
+        """Close the pool; its file goes with ``close(unlink=True)`` or a failed start."""
         pool, self.pool = self.pool, None
-        if pool is not None:
-            pool.close(unlink=pool.created)
-            if pool.created:
-                log.info("start failed: removed %s, which it had created", pool.path)
+        if pool is None:
+            return
+        pool.close(unlink=pool.created if self._aborting else self._unlink)
+        if self._aborting and pool.created:
+            log.info("start failed: removed %s, which it had created", pool.path)
 
     async def _start(self) -> None:
         cfg = self.cfg
@@ -369,6 +391,7 @@ class StorageNode:
         self._loop = asyncio.get_running_loop()
         gid = resolve_group(cfg.access_group)
         path = Path(cfg.shm_dir) / f"pegaflow-{self.node_id}.pool"
+        self._on_close("the pool", self._close_pool)
         self.pool = BlockPool(
             path,
             cfg.pool_bytes,
@@ -380,14 +403,17 @@ class StorageNode:
             access_gid=gid,
             size_flag=self.size_flag,
         )
+        self._on_close("the disk tier", self._close_disk)
         self._open_disk()
         self.update_gauges()  # capacity is known now, not only after the first change
         self.service = NodeService(
             self.pool, cfg, self.sink, self.metrics, on_change=self._dirty.set, disk=self.disk
         )
+        self._on_close("the service", lambda: self._close_part("service"))
         await self.service.start()
         control = None
         if cfg.local_access:
+            self._on_close("the control socket", lambda: self._close_part("control"))
             self.control = LocalControl(
                 self.service,
                 str(path) + SOCKET_SUFFIX,
@@ -399,13 +425,16 @@ class StorageNode:
                 control = self.control.path
             else:
                 self.control = None
+        self._on_close("the UCX site", lambda: self._close_part("ucx"))
         self.ucx = UcxSite(self.service, cfg, self.metrics, self._auth, control_path=control)
         await self.ucx.start()
         if gid is not None:  # before the node is published to anyone
-            _share_socket(Path(str(path) + SOCKET_SUFFIX), gid)
+            if (sock := Path(str(path) + SOCKET_SUFFIX)).is_socket():  # if served
+                apply_access(sock, gid)
             log.info("pool file and control socket open to group %s (mode 0660)", cfg.access_group)
         if not cfg.node_id and cfg.ucx_port == 0:
             log.info("node id %s (set [node] node_id to keep it stable)", self.node_id)
+        self._on_close("the sink", self.sink.close)
         await self.sink.start(self.record())
         if self.pool.recovered:
             for e in self.pool.recovered:
@@ -413,8 +442,8 @@ class StorageNode:
             log.info("re-attached %d verified blocks from %s", len(self.pool.recovered), path)
             self.update_gauges()
         self._publish_disk()
-        self._refresh = asyncio.create_task(self._refresh_loop())
-        self._watch = asyncio.create_task(self._watch_loop())
+        for loop in (self._refresh_loop(), self._watch_loop()):
+            self._stack.push_async_callback(_cancel, asyncio.create_task(loop))
         log.info(
             "node %s serving %d MiB on UCX %s:%d",
             self.node_id,
@@ -500,8 +529,11 @@ class StorageNode:
         self._reported = problem
         return problem
 
+    def _journal(self) -> Journal | None:
+        return self.pool.journal if self.pool is not None else None
+
     def _journal_status(self) -> dict[str, Any] | None:
-        j = self.pool.journal if self.pool is not None else None
+        j = self._journal()
         if j is None:
             return None
         return {
@@ -542,15 +574,15 @@ class StorageNode:
         return problem is None, body
 
     async def close(self, unlink: bool = True) -> None:
-        """Stop; ``unlink`` also removes the pool file and its journal."""
-        for task in (self._refresh, self._watch):
-            if task is not None:
-                task.cancel()
-        await self.sink.close()
-        await self._close_serving()
-        self._close_disk()
-        if self.pool is not None:
-            self.pool.close(unlink=unlink)
+        """Stop: take down what :meth:`start` brought up, in reverse; ``unlink`` also
+        removes the pool file and its journal."""
+        self._unlink = unlink
+        await self._stack.aclose()
+
+    async def close_at_exit(self, failed: bool) -> None:
+        """Close as the process ends: the pool file stays with ``[node] keep_pool``, and
+        goes after a start that ``failed`` if that start created it."""
+        await self.close(unlink=self.pool_created if failed else not self.cfg.keep_pool)
 
     def _close_disk(self) -> None:
         """Close the disk tier (after the sites: its queued spills are written first)."""
@@ -560,53 +592,8 @@ class StorageNode:
         if disk is not None:
             disk.close()
 
-    async def _close_serving(self, quiet: bool = False) -> None:
-        """Close the sites, then the service (the reverse of their start); ``quiet``:
-        a failure to close one is logged, and the others still close."""
-        parts = (self.ucx, self.control, self.service)
-        self.ucx = self.control = self.service = None
-        for part in parts:
-            if part is None:
-                continue
-            try:
-                await part.close()
-            except Exception:
-                if not quiet:
-                    raise
-                log.warning("closing %s failed", type(part).__name__, exc_info=True)
 
-
-def _share_socket(sock: Path, gid: int) -> None:
-    """Give the control socket at ``sock``, if served, to group ``gid`` (mode 0660)."""
-    if sock.is_socket():
-        apply_access(sock, gid)
-
-
-class JournalCollector(Collector):
-    """The node's ``pegaflow_node_journal_*`` metrics (read at scrape time)."""
-
-    def __init__(self, node: StorageNode) -> None:
-        self.node = node
-
-    def collect(self) -> Iterator[Any]:
-        pool = self.node.pool
-        j = pool.journal if pool is not None else None
-        if j is None:
-            return
-        for name, doc, value in (
-            ("pegaflow_node_journal_degraded",
-             "1 while journal writes are off after a failed write (see the log)", j.degraded),
-            ("pegaflow_node_journal_bad_records",
-             "journal records skipped as invalid when the pool was re-attached", j.bad_records),
-        ):  # fmt: skip
-            g = GaugeMetricFamily(name, doc)
-            g.add_metric([], int(value))
-            yield g
-        for name, doc, value in (
-            ("pegaflow_node_journal_write_errors", "failed journal writes", j.write_errors),
-            ("pegaflow_node_journal_unjournaled",
-             "commits and drops not journaled while it was degraded", j.unjournaled),
-        ):  # fmt: skip
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], value)
-            yield c
+async def _cancel(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` and wait for it to end."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

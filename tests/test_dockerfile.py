@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pegaflow.service import build_parser
+from pegaflow.runner import build_parser
 from tests.test_install import check_installed, fresh_venv, pip, sh
 
 REPO = Path(__file__).resolve().parent.parent

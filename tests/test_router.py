@@ -40,7 +40,8 @@ from pegaflow.router.policy import (
     parse_replicas,
 )
 from pegaflow.router.prompts import PromptTokenizer
-from pegaflow.router.server import REPLICA_HEADER, Router
+from pegaflow.router.proxy import REPLICA_HEADER
+from pegaflow.router.server import Router
 from pegaflow.router.status import render_router, router_healthy
 
 from pegaflow.config import RouterConfig, load_config

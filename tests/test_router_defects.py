@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from pegaflow.router.server import REPLICA_HEADER
+from pegaflow.router.proxy import REPLICA_HEADER
 
 from pegaflow.tools.devcluster import Proc, free_port, start
 
