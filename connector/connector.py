@@ -2,8 +2,8 @@
 
 A thin facade: vLLM builds one instance per role, in the scheduler process
 (``KVConnectorRole.SCHEDULER``) and in every worker (``KVConnectorRole.WORKER``).
-Each hook below forwards to :class:`~.scheduler.SchedulerSide` or
-:class:`~.worker.WorkerSide`; version differences live in :mod:`.compat`.
+Each hook below forwards to :class:`~.scheduler.side.SchedulerSide` or
+:class:`~.worker.side.WorkerSide`; version differences live in :mod:`.compat`.
 
 Guarantees, whatever the cluster does:
 
@@ -56,9 +56,9 @@ from .namespace import (
     model_identity,
     shard_of,
 )
-from .nsdiag import factor_strings
 from .report import WORKER_COUNTERS, CacheReport, format_line
-from .scheduler import SchedulerSide
+from .scheduler.nsdiag import factor_strings
+from .scheduler.side import SchedulerSide
 from .settings import ConnectorSettings
 from .stats import PegaConnectorStats, PegaPromMetrics
 
@@ -128,11 +128,11 @@ class PegaKVConnector(KVConnectorBase_V1):
             self.policy = "recompute"  # read by vLLM's scheduler right after this
         self._scheduler: SchedulerSide | None = None
         self._ns_factors: dict[str, str] = {}
-        """the namespace's factors, once computed (see :mod:`.nsdiag`)"""
+        """the namespace's factors, once computed (see :mod:`.scheduler.nsdiag`)"""
         self._worker: Any = None
         self._report: CacheReport | None = None
         if is_worker:
-            from .worker import WorkerSide  # torch-heavy; workers only
+            from .worker.side import WorkerSide  # torch-heavy; workers only
 
             self._worker = WorkerSide(
                 self.settings,
@@ -469,7 +469,7 @@ class PegaKVConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plan the load into the blocks vLLM allocated for the external hit; a worker
-        in this process may start it now (:meth:`~.worker.WorkerSide.prestart_job`).
+        in this process may start it now (:meth:`~.worker.side.WorkerSide.prestart_job`).
 
         Args:
             request: the request.

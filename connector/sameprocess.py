@@ -4,8 +4,8 @@ With one rank vLLM runs its worker in the engine core's process (the ``uni`` exe
 :func:`~.loadcheck.defer_possible`), and with asynchronous scheduling it schedules step
 N + 1 while step N runs on the GPU.  The scheduler's connector then hands each load to
 the worker the moment vLLM allocates its blocks
-(:meth:`~.worker.WorkerSide.prestart_job`, started there where vLLM replays CUDA
-graphs) and each plan the moment it is built (:meth:`~.worker.WorkerSide.prestart`), so
+(:meth:`~.worker.side.WorkerSide.prestart_job`, started there where vLLM replays CUDA
+graphs) and each plan the moment it is built (:meth:`~.worker.side.WorkerSide.prestart`), so
 the copies of a step's layer-wise loads start before vLLM launches its forward pass;
 that launch comes after the scheduler has answered the other requests' lookups and vLLM
 has prepared the inputs.
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .worker import WorkerSide
+    from .worker.side import WorkerSide
 
 _worker: WorkerSide | None = None
 

@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pegaflow.connector import tilecopy  # noqa: E402
-from pegaflow.connector.blockio import CopyIn, KVBlockIO  # noqa: E402
+from pegaflow.connector.media.blockio import CopyIn, KVBlockIO  # noqa: E402
 
 from pegaflow.transport import gil_io  # noqa: E402
 from scripts.bench_gpu_path import kv_caches, memcpy_ceiling  # noqa: E402

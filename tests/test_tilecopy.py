@@ -1,4 +1,4 @@
-"""The pure parts of :mod:`pegaflow.connector.tilecopy` (its copies run on the GPU:
+"""The pure parts of :mod:`pegaflow.connector.media.tilecopy` (its copies run on the GPU:
 tests/test_gpu_path.py)."""
 
 from __future__ import annotations

@@ -18,17 +18,15 @@ from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from pegaflow.storage_node.shm_file import human_bytes
-
 from pegaflow.deadline import HOP_MARGIN_S, Deadline
+from pegaflow.units import human_bytes
 
+from ..discovery import LocalNodeFinder
+from ..metadata import LoadJob, SaveJob, disk_source
+from ..settings import ConnectorSettings
+from ..worker.books import WorkerBooks
+from .base import BREAKER_OPEN, chunks, gen_of, node_of
 from .blockio import KVBlockIO
-from .books import WorkerBooks
-from .costmodel import disk_source
-from .discovery import LocalNodeFinder
-from .media import BREAKER_OPEN, chunks, gen_of, node_of
-from .metadata import LoadJob, SaveJob
-from .settings import ConnectorSettings
 from .staging import Buf, Staging
 
 logger = logging.getLogger("pegaflow.connector")

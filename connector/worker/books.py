@@ -13,10 +13,10 @@ from typing import Any
 
 from pegaflow.deadline import Deadline
 
-from .metadata import SaveJob, WorkerReport
-from .metrics import Counters
-from .policy import CircuitBreaker
-from .settings import ConnectorSettings
+from ..metadata import SaveJob, WorkerReport
+from ..metrics import Counters
+from ..policy import CircuitBreaker
+from ..settings import ConnectorSettings
 
 logger = logging.getLogger("pegaflow.connector")
 
@@ -117,7 +117,7 @@ class WorkerBooks:
 
     def merged(self, n: int) -> None:
         """``n`` queued blocks are stored once with the same blocks of another queued
-        job (:func:`~.metadata.merge_saves`): no longer queued."""
+        job (:func:`~pegaflow.connector.metadata.merge_saves`): no longer queued."""
         with self.lock:
             self.queued_saves -= n
 
@@ -140,7 +140,8 @@ class WorkerBooks:
         self.lock.notify_all()
 
     def hold_until_taken(self, req_ids: Sequence[str], filled_at: float) -> Callable[[], None]:
-        """Hold the blocks of ``req_ids`` (a save job's :attr:`~.metadata.SaveJob.holders`)
+        """Hold the blocks of ``req_ids`` (a save job's
+        :attr:`~pegaflow.connector.metadata.SaveJob.holders`)
         from reuse until the callback returned is called (the node holds their commit:
         they are stored even if this process dies now); calls after the first do
         nothing.  ``filled_at``: when the step that filled them was queued (the hold is

@@ -16,13 +16,12 @@ from typing import Any
 
 from pegaflow.protocol.codec import LocatedBlocks
 
+from ..metadata import LOCAL, LoadJob, SaveJob, disk_source
+from ..policy import LOCATE_PIN_S
+from ..worker.books import WorkerBooks
+from .base import BREAKER_OPEN, chunks, gen_of, node_of
 from .blockio import KVBlockIO
-from .books import WorkerBooks
-from .costmodel import LOCAL, disk_source
 from .localpath import LoadRequest, LocalPath, PendingLoad
-from .media import BREAKER_OPEN, chunks, gen_of, node_of
-from .metadata import LoadJob, SaveJob
-from .policy import LOCATE_PIN_S
 
 logger = logging.getLogger("pegaflow.connector")
 

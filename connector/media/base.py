@@ -1,13 +1,13 @@
 """Storage media of the worker: the ways KV blocks move between vLLM's cache and storage.
 
 A medium moves a job's blocks and reports what happened to the worker's books
-(:class:`~pegaflow.connector.books.WorkerBooks`: counters, the report, holds on blocks
-until saves are taken); the worker (:class:`~pegaflow.connector.worker.WorkerSide`)
+(:class:`~pegaflow.connector.worker.books.WorkerBooks`: counters, the report, holds on blocks
+until saves are taken); the worker (:class:`~pegaflow.connector.worker.side.WorkerSide`)
 routes jobs between media and keeps the books.  Two media exist:
 
-- :class:`~pegaflow.connector.remote.RemoteMedium`: any node, over UCX, through host
+- :class:`~pegaflow.connector.media.remote.RemoteMedium`: any node, over UCX, through host
   staging memory;
-- :class:`~pegaflow.connector.poolfile.PoolFileMedium`: the node on this host, straight
+- :class:`~pegaflow.connector.media.poolfile.PoolFileMedium`: the node on this host, straight
   through its mapped pool file; it alone also queues layer-wise loads
   (``start_layerwise``), which need the blocks in this host's memory.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from .metadata import LoadJob, SaveJob
+from ..metadata import LoadJob, SaveJob
 
 BREAKER_OPEN = "saves are failing, so they are paused for a while (circuit breaker)"
 """why saves are dropped while the save breaker is open"""

@@ -1,16 +1,18 @@
 """Worker side of the connector: async loads into the KV cache, async saves out of it.
 
 Runs in every vLLM worker (one per TP/PP rank); each rank moves only its own shard.
-:class:`WorkerSide` routes each job through the storage media (:mod:`.media`): the pool
-file of the node on this host (:mod:`.poolfile`) for the blocks it holds, UCX through
-host staging (:mod:`.remote`) for the rest; it keeps the books (:mod:`.books`).
+:class:`WorkerSide` routes each job through the storage media
+(:mod:`~pegaflow.connector.media.base`): the pool file of the node on this host
+(:mod:`~pegaflow.connector.media.poolfile`) for the blocks it holds, UCX through host staging
+(:mod:`~pegaflow.connector.media.remote`) for the rest; it keeps the books (:mod:`.books`).
 
 Loads (``start_load_kv``) run on a background thread while the engine keeps stepping.
 A request is reported finished (``get_finished``) when all of its blocks are in or
 failed; failed blocks are reported in the same step by
 ``get_block_ids_with_load_errors`` and vLLM recomputes them.  A block is never reported
 loaded unless its verified bytes were written.  Layer-wise loads (``LoadJob.sync``) are
-queued before the forward pass, which waits for them layer by layer (:mod:`.layerwise`).
+queued before the forward pass, which waits for them layer by layer
+(:mod:`~pegaflow.connector.media.layerwise`).
 
 Saves (``wait_for_save``) are queued after the forward pass and never wait on the
 network: a background thread copies the new full blocks out and hands them to a
@@ -38,18 +40,18 @@ import torch
 from pegaflow.deadline import Deadline
 from pegaflow.observability import telemetry
 
-from . import sameprocess
-from .blockio import KVBlockIO
+from .. import sameprocess
+from ..discovery import LocalNodeFinder
+from ..media.base import BREAKER_OPEN, Medium
+from ..media.blockio import KVBlockIO
+from ..media.layerwise import LayerwiseLoads
+from ..media.localpath import LocalPath
+from ..media.poolfile import PoolFileMedium, SyncLoad, save_chunk_blocks
+from ..media.remote import RemoteMedium
+from ..metadata import LoadJob, SaveJob, StepPlan, WorkerReport, merge_saves
+from ..metrics import Counters
+from ..settings import ConnectorSettings
 from .books import WorkerBooks
-from .discovery import LocalNodeFinder
-from .layerwise import LayerwiseLoads
-from .localpath import LocalPath
-from .media import BREAKER_OPEN, Medium
-from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport, merge_saves
-from .metrics import Counters
-from .poolfile import PoolFileMedium, SyncLoad, save_chunk_blocks
-from .remote import RemoteMedium
-from .settings import ConnectorSettings
 from .steptimer import StepTimer
 
 logger = logging.getLogger("pegaflow.connector")
@@ -65,15 +67,15 @@ class WorkerSide:
         client_factory: builds the cluster client (lazily, on first transfer).
         retry_failed_loads: retry blocks that failed once more before reporting them
             (used with ``kv_load_failure_policy="fail"``, where a report fails requests).
-        defer_checks: answer a step's load errors deferred (:mod:`.loadcheck`).
+        defer_checks: answer a step's load errors deferred (:mod:`~pegaflow.connector.loadcheck`).
         graph_tokens: vLLM captures CUDA graphs for steps of up to this many tokens (0:
             none, eager).  It captures them after :meth:`register_kv_caches`, so the
             worker's start-up work (the tile kernel's warm-up; finding, mapping and
             pinning the node's pool, whose client may touch CUDA) waits for the
-            engine's first step (:func:`~.compat.cuda_graph_tokens`).
+            engine's first step (:func:`~pegaflow.connector.compat.cuda_graph_tokens`).
         new_blocks_may_be_busy: a step still in flight on the GPU may touch the blocks
             vLLM gives to new requests (a vLLM that does not defer frees,
-            :func:`~.compat.defers_block_frees`): loads then wait for the GPU work
+            :func:`~pegaflow.connector.compat.defers_block_frees`): loads then wait for the GPU work
             queued before them.
     """
 
@@ -252,7 +254,7 @@ class WorkerSide:
         for tokens, seconds in self._step.end():
             self.books.sample("compute", tokens, seconds)
 
-    # ---- layer-wise (synchronous) loads: :mod:`.layerwise` ---------------------------
+    # ---- layer-wise (synchronous) loads: :mod:`pegaflow.connector.media.layerwise` ----
 
     def prestart(self, plan: StepPlan) -> None:
         """Queue a planned step's layer-wise loads early (:meth:`LayerwiseLoads.prestart`)."""
@@ -265,7 +267,7 @@ class WorkerSide:
         releases a finished or preempted request's blocks once the last step that
         touched them is done (``defer_block_free``, with asynchronous scheduling and a
         KV consumer: every engine that loads), but not in every version
-        (:func:`~.compat.defers_block_frees`)."""
+        (:func:`~pegaflow.connector.compat.defers_block_frees`)."""
         if self.new_blocks_may_be_busy and self.io is not None:
             self.io.follow(self.io.record_step())
 
@@ -288,8 +290,8 @@ class WorkerSide:
 
     @property
     def defer_checks(self) -> bool:
-        """Whether load errors are answered deferred (:mod:`.loadcheck`): as built
-        (``defer_checks``) until vLLM once does not read such an answer in time."""
+        """Whether load errors are answered deferred (:mod:`~pegaflow.connector.loadcheck`): as
+        built (``defer_checks``) until vLLM once does not read such an answer in time."""
         return self.layerwise.defer_checks
 
     @property
@@ -350,9 +352,9 @@ class WorkerSide:
         """Block ids whose load failed, reported once (vLLM recomputes them).
 
         With :attr:`defer_checks` and layer-wise loads in the step, the answer is a
-        :class:`~.loadcheck.DeferredLoadErrors`: the step's copies are checked when vLLM
-        first reads it, so the engine's CPU goes on to schedule and launch the next step
-        meanwhile (see :mod:`.loadcheck`).
+        :class:`~pegaflow.connector.loadcheck.DeferredLoadErrors`: the step's copies are checked
+        when vLLM first reads it, so the engine's CPU goes on to schedule and launch the next step
+        meanwhile (see :mod:`~pegaflow.connector.loadcheck`).
         """
         return self.layerwise.take_load_errors(self._take_errors)
 
@@ -506,9 +508,9 @@ class WorkerSide:
 
     def _take_saves(self) -> tuple[str, SaveJob, Any]:
         """The next queued save job, merged with those queued after it (same namespace)
-        up to one same-host chunk (:func:`~.poolfile.save_chunk_blocks`): a backlog of small jobs (a
-        block or two of each decoding request, a step) then costs one reservation, one
-        copy and one commit per chunk, not per job, and so drains."""
+        up to one same-host chunk (:func:`~pegaflow.connector.media.poolfile.save_chunk_blocks`): a
+        backlog of small jobs (a block or two of each decoding request, a step) then costs one
+        reservation, one copy and one commit per chunk, not per job, and so drains."""
         assert self.io is not None
         q = self._save_queue
         ns, job, marker = q.popleft()

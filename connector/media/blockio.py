@@ -22,7 +22,7 @@ Two families of copies:
   cache and arbitrary offsets of a host byte region (a node's pool file mapped by the
   same-host shortcut).  On CUDA, when the region is pinned and mapped, one kernel per
   layer reads or writes every block's tile straight from host memory
-  (:mod:`~pegaflow.connector.tilecopy`), with an event per layer for layer-wise loads;
+  (:mod:`~pegaflow.connector.media.tilecopy`), with an event per layer for layer-wise loads;
   otherwise blocks go by DMA through a device staging buffer and are scattered on the
   device.
 

@@ -49,9 +49,9 @@ from pegaflow.checksum import checksum
 from pegaflow.errors import PoolChanged, Unavailable
 from pegaflow.protocol.codec import LocatedBlocks
 
+from ..policy import LOCATE_PIN_S, MAX_LOCATE
 from .blockio import CopyIn, KVBlockIO, Transfer
 from .hostpool import MappedPool
-from .policy import LOCATE_PIN_S, MAX_LOCATE
 
 logger = logging.getLogger("pegaflow.connector")
 

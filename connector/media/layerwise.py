@@ -1,14 +1,15 @@
 """Layer-wise (synchronous) loads of a step: queued before its forward pass, waited for
 layer by layer, checked after it.
 
-:class:`LayerwiseLoads` (owned by :class:`~.worker.WorkerSide`) queues the copies of the
-loads that a step's forward pass waits for (``LoadJob.sync``) through the pool file of the
-node on this host (:meth:`~.poolfile.PoolFileMedium.start_layerwise`), early when the
-scheduler shares this process (:mod:`.sameprocess`), and makes the forward pass's CUDA
-stream wait for each layer's blocks (:meth:`~LayerwiseLoads.wait_layer`).  After the
+:class:`LayerwiseLoads` (owned by :class:`~pegaflow.connector.worker.side.WorkerSide`) queues the
+copies of the loads that a step's forward pass waits for (``LoadJob.sync``) through the pool file
+of the node on this host (:meth:`~.poolfile.PoolFileMedium.start_layerwise`), early when the
+scheduler shares this process (:mod:`~pegaflow.connector.sameprocess`), and makes the forward
+pass's CUDA stream wait for each layer's blocks (:meth:`~LayerwiseLoads.wait_layer`).  After the
 forward pass it verifies and accounts the copies; the failed blocks go to the step's
-load errors, answered at once or deferred to vLLM's first read (:mod:`.loadcheck`).
-With debug logging it also times such a step's forward pass (device and CPU).
+load errors, answered at once or deferred to vLLM's first read
+(:mod:`~pegaflow.connector.loadcheck`). With debug logging it also times such a step's forward pass
+(device and CPU).
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .costmodel import LOCAL
-from .loadcheck import DeferredLoadErrors
-from .metadata import LoadJob, StepPlan
-from .policy import WARM_UP_WAIT_S
+from ..loadcheck import DeferredLoadErrors
+from ..metadata import LOCAL, LoadJob, StepPlan
+from ..policy import WARM_UP_WAIT_S
 from .poolfile import SyncLoad
 
 if TYPE_CHECKING:
-    from .worker import WorkerSide
+    from ..worker.side import WorkerSide
 
 logger = logging.getLogger("pegaflow.connector")
 
@@ -59,7 +59,7 @@ class LayerwiseLoads:
 
     Args:
         worker: the worker that owns it.
-        defer_checks: answer a step's load errors deferred (:mod:`.loadcheck`).
+        defer_checks: answer a step's load errors deferred (:mod:`~pegaflow.connector.loadcheck`).
     """
 
     def __init__(self, worker: WorkerSide, defer_checks: bool = False) -> None:
@@ -77,8 +77,8 @@ class LayerwiseLoads:
         """the plan whose early loads :meth:`prestart` completed, until its step takes
         them (another plan's loads wait for their own step meanwhile)"""
         self.defer_checks = defer_checks
-        """answer load errors deferred (:mod:`.loadcheck`); the connector sets it where
-        vLLM's scheduler shares this process"""
+        """answer load errors deferred (:mod:`~pegaflow.connector.loadcheck`); the connector sets
+        it where vLLM's scheduler shares this process"""
         self._deferred: collections.deque[tuple[int, DeferredLoadErrors]] = collections.deque()
         self._steps = 0
         self._step_sizes: set[int] = set()
@@ -139,8 +139,8 @@ class LayerwiseLoads:
 
     def prestart(self, plan: StepPlan) -> None:
         """Queue the copies of a step's layer-wise loads as soon as the scheduler in
-        this process planned it (:mod:`.sameprocess`); :meth:`start_step` then takes
-        them instead of queuing them.  Loads :meth:`prestart_job` queued already are
+        this process planned it (:mod:`~pegaflow.connector.sameprocess`); :meth:`start_step` then
+        takes them instead of queuing them.  Loads :meth:`prestart_job` queued already are
         left alone.  Does nothing unless the node's pool file is mapped and the cache
         is on a GPU, nor in a step with preemptions (their blocks may be reallocated
         before :meth:`WorkerSide.wait_for_copies`); a failure leaves the loads to

@@ -21,11 +21,11 @@ import numpy as np
 
 from pegaflow.deadline import Deadline
 
-from .discovery import LocalNodeFinder
-from .policy import LOCATE_PIN_S, MAX_LOCATE, CircuitBreaker
+from ..discovery import LocalNodeFinder
+from ..policy import LOCATE_PIN_S, MAX_LOCATE, CircuitBreaker
+from ..settings import ConnectorSettings
 from .reqstate import Lookup
 from .schedclient import ClusterClient
-from .settings import ConnectorSettings
 
 logger = logging.getLogger("pegaflow.connector")
 
