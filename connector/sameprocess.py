@@ -13,10 +13,31 @@ has prepared the inputs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .worker.side import WorkerSide
+from .metadata import LoadJob, StepPlan
+from .metrics import Counters
+
+
+class WorkerSide(Protocol):
+    """What the scheduler of this process uses of its worker
+    (:class:`~pegaflow.connector.worker.side.WorkerSide`)."""
+
+    counters: Counters
+
+    @property
+    def client(self) -> Any:
+        """The worker's cluster client (None before it is made)."""
+        ...
+
+    def prestart(self, plan: StepPlan) -> None:
+        """Queue a planned step's layer-wise loads early."""
+        ...
+
+    def prestart_job(self, job: LoadJob, ns: str) -> None:
+        """Queue one request's layer-wise load the moment its blocks are allocated."""
+        ...
+
 
 _worker: WorkerSide | None = None
 

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from pegaflow.connector.media.blockio import KVBlockIO
+from pegaflow.connector.media.kvio import KVBlockIO
 from pegaflow.connector.media.staging import Staging
 from pegaflow.connector.metadata import LoadJob, SaveJob, StepPlan, merge_saves
 from pegaflow.connector.metrics import Counters

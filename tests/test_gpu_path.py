@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from pegaflow.client import SyncPegaClient
-from pegaflow.connector.media.blockio import KVBlockIO
+from pegaflow.connector.media.kvio import KVBlockIO
 from pegaflow.connector.media.localpath import LoadRequest, LocalPath, PendingLoad
 
 from pegaflow.config import ClientConfig

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 from pegaflow.client import SyncPegaClient
-from pegaflow.connector.media.blockio import KVBlockIO
 from pegaflow.connector.media.hostpool import MappedPool
+from pegaflow.connector.media.kvio import KVBlockIO
 from pegaflow.connector.media.localpath import LocalPath
 
 from pegaflow.deadline import Deadline

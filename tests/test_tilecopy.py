@@ -7,7 +7,7 @@ import io
 from typing import Any
 
 import pytest
-from pegaflow.connector import tilecopy
+from pegaflow.connector.media import tilecopy
 
 
 def test_the_2d_copy_keeping_the_gil_comes_from_torchs_libcudart(

@@ -26,7 +26,6 @@ failing, saves are dropped (counted), never waited for.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import logging
 import threading
@@ -42,13 +41,13 @@ from pegaflow.observability import telemetry
 
 from .. import sameprocess
 from ..discovery import LocalNodeFinder
-from ..media.base import BREAKER_OPEN, Medium
-from ..media.blockio import KVBlockIO
+from ..media.base import BREAKER_OPEN, LoadResult, Medium
+from ..media.kvio import KVBlockIO
 from ..media.layerwise import LayerwiseLoads
 from ..media.localpath import LocalPath
 from ..media.poolfile import PoolFileMedium, SyncLoad, save_chunk_blocks
 from ..media.remote import RemoteMedium
-from ..metadata import LoadJob, SaveJob, StepPlan, WorkerReport, merge_saves
+from ..metadata import LoadJob, SaveJob, StepPlan, WorkerReport
 from ..metrics import Counters
 from ..settings import ConnectorSettings
 from .books import WorkerBooks
@@ -117,8 +116,6 @@ class WorkerSide:
         """the pool file of the node on this host (once known and mapped)"""
         self._load_pool = concurrent.futures.ThreadPoolExecutor(1, "pegaflow-load")
         self._save_pool = concurrent.futures.ThreadPoolExecutor(1, "pegaflow-save")
-        self._save_queue: collections.deque[tuple[str, SaveJob, Any]] = collections.deque()
-        """save jobs queued for the save thread (namespace, job, its step's marker)"""
         self._probe_pool = concurrent.futures.ThreadPoolExecutor(1, "pegaflow-probe")
         self._step = StepTimer()
         """times forward passes for the cost model"""
@@ -143,9 +140,7 @@ class WorkerSide:
             logger.error("PegaFlow: cannot use this KV cache layout (%s); connector inert", e)
             self._local_ready.set()
             return
-        self._remote = RemoteMedium(
-            io, self.books, self.finder, self.shard, self.settings, self._retry
-        )
+        self._remote = RemoteMedium(io, self.finder, self.shard, self.settings, self._retry)
         chunk_blocks = self._remote.load_staging.chunk_blocks
         self.books.block_bytes = io.block_bytes
         self.io = io
@@ -212,10 +207,21 @@ class WorkerSide:
         """The media a job is routed through, in order: the pool file first."""
         return [m for m in (self._pool, self._remote) if m is not None]
 
-    def _wait_local(self, timeout: float) -> None:
-        """Wait (up to ``timeout``) for the engine-start search for the node on this host."""
-        if not self._local_ready.is_set():
+    @property
+    def pool(self) -> PoolFileMedium | None:
+        """The pool-file medium of the node on this host (None while not mapped)."""
+        return self._pool
+
+    def pool_ready(self, timeout: float = 0.0) -> bool:
+        """Whether the engine-start search for the node on this host is done, waiting
+        up to ``timeout`` for it."""
+        if not self._local_ready.is_set() and timeout > 0:
             self._local_ready.wait(timeout)
+        return self._local_ready.is_set()
+
+    def get_client(self) -> Any:
+        """The cluster client, made on first use (None while it cannot be made)."""
+        return self._get_client()
 
     # ---- per step ------------------------------------------------------------------
 
@@ -316,8 +322,7 @@ class WorkerSide:
         now = time.monotonic()
         for job in plan.saves:
             job.filled_at = now
-        self.books.queue_saves(plan.saves)
-        self._save_queue.extend((plan.namespace, job, marker) for job in plan.saves)
+        self.books.queue_saves(plan.namespace, plan.saves, marker)
         self._save_pool.submit(self._drain_saves)
 
     def wait_for_copies(self, req_ids: Sequence[str], timeout: float = 120.0) -> None:
@@ -391,10 +396,10 @@ class WorkerSide:
                 {"pegaflow.blocks": n} if telemetry.tracing else None,
                 parent=telemetry.request_context(job.req_id),
             ):
-                self._run_load(ns, job, ok)
+                self.load_whole(ns, job, ok)
         except Exception:
             logger.exception("PegaFlow: load of %s failed", job.req_id)
-        failed, first = self._account_load(job, ok, t0)
+        failed, first = self.books.account_load(job, ok, t0)
         with self._lock:
             left = self._loading.get(job.req_id, 1) - 1
             if left > 0:
@@ -408,30 +413,7 @@ class WorkerSide:
             self._done_loads[job.req_id] = (failed, first)
             self._lock.notify_all()
 
-    def _account_load(
-        self, job: LoadJob, ok: list[bool], t0: float
-    ) -> tuple[list[int], int | None]:
-        """Count a finished load; returns (failed block ids, first failed index)."""
-        n = len(job.block_ids)
-        failed = [job.block_ids[i] for i in range(n) if not ok[i]]
-        first = next((job.first_block + i for i in range(n) if not ok[i]), None)
-        loaded = n - len(failed)
-        self.counters.add("load_jobs")
-        self.counters.add("load_blocks", loaded)
-        if self.io is not None:
-            self.counters.add("load_bytes", loaded * self.io.block_bytes)
-        self.counters.add("load_failed_blocks", len(failed))
-        self.counters.add("load_seconds", time.monotonic() - t0)
-        if failed:
-            logger.warning(
-                "PegaFlow: %d of %d blocks of %s could not be loaded; vLLM recomputes them",
-                len(failed),
-                n,
-                job.req_id,
-            )
-        return failed, first
-
-    def _run_load(self, ns: str, job: LoadJob, ok: list[bool]) -> None:
+    def load_whole(self, ns: str, job: LoadJob, ok: list[bool]) -> None:
         """Route a load's blocks through the media in order: each takes the blocks it
         serves that an earlier one did not handle."""
         if self.io is None or self._remote is None or not ns or not job.block_ids:
@@ -443,7 +425,20 @@ class WorkerSide:
         for medium in self._media():
             if len(handled) == len(job.block_ids):
                 return
-            handled |= medium.load(client, ns, job, ok, handled)
+            res = medium.load(client, ns, job, handled)
+            self.books.collect(res)
+            for i in res.ok:
+                ok[i] = True
+            handled |= res.handled
+
+    def collect(self, result: LoadResult) -> None:
+        """Learn from a medium's load result (:meth:`WorkerBooks.collect`)."""
+        self.books.collect(result)
+
+    def settle_layerwise(self, job: LoadJob, ok: list[bool], t0: float) -> list[int]:
+        """Account a checked layer-wise load (started at ``t0``); returns its failed
+        block ids (the request's first failed block goes to the report)."""
+        return self.books.settle_layerwise(job, ok, t0)
 
     def _run_probe(self, ns: str, job: LoadJob) -> None:
         """Fetch a probe's blocks into staging memory (never into the KV cache) and
@@ -451,7 +446,7 @@ class WorkerSide:
         remote, client = self._remote, self._get_client()
         if remote is None or client is None or self.io is None or not ns or self._closed:
             return
-        remote.probe(client, ns, job)
+        self.books.collect(remote.probe(client, ns, job))
 
     def _note_engine_running(self) -> None:
         """The engine runs steps: vLLM's start (and its CUDA graph capture) is over, so
@@ -480,7 +475,7 @@ class WorkerSide:
         assert self.io is not None
         s = self.settings
         path = LocalPath(self.io, node, s.transfer_timeout_s, s.verify_threads)
-        return PoolFileMedium(path, self.io, self.books, self.shard)
+        return PoolFileMedium(path, self.io, self.shard)
 
     def _discover(self) -> None:
         """Find the node on this host (unless ``local_node`` names it) and, with the
@@ -502,31 +497,12 @@ class WorkerSide:
     # ---- saves ---------------------------------------------------------------------
 
     def _drain_saves(self) -> None:
-        """Run the queued save jobs (on the save thread), in order."""
-        while self._save_queue:
-            self._run_save_safe(*self._take_saves())
-
-    def _take_saves(self) -> tuple[str, SaveJob, Any]:
-        """The next queued save job, merged with those queued after it (same namespace)
-        up to one same-host chunk (:func:`~pegaflow.connector.media.poolfile.save_chunk_blocks`): a
-        backlog of small jobs (a block or two of each decoding request, a step) then costs one
-        reservation, one copy and one commit per chunk, not per job, and so drains."""
+        """Run the queued save jobs (on the save thread), in order, small ones merged
+        up to one same-host chunk (:meth:`WorkerBooks.take_saves`)."""
         assert self.io is not None
-        q = self._save_queue
-        ns, job, marker = q.popleft()
-        jobs = [job]
-        room = save_chunk_blocks(self.io.block_bytes) - len(job.block_ids)
-        while q and q[0][0] == ns and len(q[0][1].block_ids) <= room:
-            _, job, marker = q.popleft()  # a later step's marker: after the earlier ones
-            jobs.append(job)
-            room -= len(job.block_ids)
-        now = time.monotonic()
-        for j in jobs:
-            if j.filled_at:
-                self.books.counters.add("save_wait_seconds", now - j.filled_at)
-        merged = merge_saves(jobs)
-        self.books.merged(sum(len(j.hashes) for j in jobs) - len(merged.hashes))
-        return ns, merged, marker
+        chunk = save_chunk_blocks(self.io.block_bytes)
+        while (queued := self.books.take_saves(chunk)) is not None:
+            self._run_save_safe(*queued)
 
     def _run_save_safe(self, ns: str, job: SaveJob, marker: Any) -> None:
         # the job's blocks count as queued until each chunk is sent (then in flight) or
@@ -549,10 +525,10 @@ class WorkerSide:
         """Hand a save job to the first medium that takes it (the pool file when it is
         mapped, else UCX)."""
         assert self.io is not None and self._remote is not None
-        self._wait_local(self.settings.rpc_timeout_s)  # saves right after engine start
+        self.pool_ready(self.settings.rpc_timeout_s)  # saves right after engine start
         client = self._get_client()
         for medium in self._media():
-            if medium.submit_save(client, ns, job, marker):
+            if medium.submit_save(client, ns, job, marker, self.books):
                 return
 
     # ---- teardown ------------------------------------------------------------------
