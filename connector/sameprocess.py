@@ -19,7 +19,7 @@ from .metadata import LoadJob, StepPlan
 from .metrics import Counters
 
 
-class WorkerSide(Protocol):
+class SameProcessWorker(Protocol):
     """What the scheduler of this process uses of its worker
     (:class:`~pegaflow.connector.worker.side.WorkerSide`)."""
 
@@ -39,23 +39,23 @@ class WorkerSide(Protocol):
         ...
 
 
-_worker: WorkerSide | None = None
+_worker: SameProcessWorker | None = None
 
 
-def register(worker: WorkerSide) -> None:
+def register(worker: SameProcessWorker) -> None:
     """Make ``worker`` this process's worker (its KV cache is registered)."""
     global _worker
     _worker = worker
 
 
-def unregister(worker: WorkerSide) -> None:
+def unregister(worker: SameProcessWorker) -> None:
     """Forget ``worker`` (it is shutting down)."""
     global _worker
     if _worker is worker:
         _worker = None
 
 
-def worker() -> WorkerSide | None:
+def worker() -> SameProcessWorker | None:
     """This process's worker, when the scheduler shares its process."""
     return _worker
 

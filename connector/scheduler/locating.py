@@ -60,9 +60,7 @@ class Locator:
         self.cluster = cluster
         self.finder = finder
         self._clock = clock
-        self.breaker = CircuitBreaker(
-            settings.failures_to_backoff, settings.backoff_s, settings.backoff_max_s, clock
-        )
+        self.breaker = CircuitBreaker.of(settings, clock)
         """pauses locates while they fail"""
 
     @property

@@ -86,9 +86,7 @@ class Lookups:
         self.known = known
         self.same_host = same_host
         self._clock = clock
-        self.breaker = CircuitBreaker(
-            settings.failures_to_backoff, settings.backoff_s, settings.backoff_max_s, clock
-        )
+        self.breaker = CircuitBreaker.of(settings, clock)
         """pauses lookups while they fail"""
         self._pending_probes: list[LoadJob] = []
         self._reported_down: dict[str, float] = {}

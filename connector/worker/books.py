@@ -39,9 +39,7 @@ class WorkerBooks:
         """outcomes for the scheduler, swapped out by :meth:`take_report`"""
         self.block_bytes = 0
         """bytes of one KV block of this shard (0 until the KV cache is registered)"""
-        self.save_breaker = CircuitBreaker(
-            settings.failures_to_backoff, settings.backoff_s, settings.backoff_max_s
-        )
+        self.save_breaker = CircuitBreaker.of(settings)
         """opened by failing saves (shared by all media)"""
         self.closed = False
         """set at shutdown: answers that come later are not counted again"""
