@@ -315,7 +315,7 @@ class WorkerSide:
         if self.io is None or not self.settings.can_save or not plan.namespace:
             self.books.drop(plan.saves, "the connector is inert (see the error logged at start)")
             return
-        if not self.books.save_breaker.allow():
+        if not self.books.allow():
             self.books.drop(plan.saves, BREAKER_OPEN)
             return
         marker = self.io.record_step()
