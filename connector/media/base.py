@@ -20,7 +20,6 @@ new medium (a disk tier) is one new module implementing :class:`Medium`.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,8 +41,12 @@ class LoadResult:
     """indexes of the blocks loaded and verified"""
     samples: list[tuple[str, int, float]] = field(default_factory=list)
     """(source, bytes, seconds) of each source it loaded from, for the cost model"""
-    counts: collections.Counter[str] = field(default_factory=collections.Counter)
-    """counters to add (:mod:`pegaflow.connector.metrics`)"""
+    counts: list[tuple[str, float]] = field(default_factory=list)
+    """counters to add, in order (:mod:`pegaflow.connector.metrics`)"""
+
+    def count(self, name: str, value: float = 1) -> None:
+        """Note ``value`` for counter ``name`` (the worker's books add it)."""
+        self.counts.append((name, value))
 
 
 @dataclass

@@ -223,9 +223,9 @@ class LayerwiseLoads:
             if client is None:
                 return
             w.follow_steps()
-            loads, counts = pool.start_layerwise(client, ns, jobs, time.monotonic(), ahead)
+            loads, res = pool.start_layerwise(client, ns, jobs, time.monotonic(), ahead)
             self.early.extend(loads)
-            w.collect(LoadResult(counts=counts))
+            w.collect(res)
         except Exception as e:  # the step starts them itself
             logger.warning("PegaFlow: early start of a step's loads failed: %s", e)
 
@@ -274,8 +274,8 @@ class LayerwiseLoads:
         pool, client = w.pool, w.get_client()
         started = []
         if pool is not None and client is not None and w.io is not None and ns:
-            started, counts = pool.start_layerwise(client, ns, jobs, t0, self._ahead(plan))
-            w.collect(LoadResult(counts=counts))
+            started, res = pool.start_layerwise(client, ns, jobs, t0, self._ahead(plan))
+            w.collect(res)
         self.sync_loads.extend(started)
         taken = {id(j) for j, _p, _t in started}
         for job in jobs:
@@ -323,7 +323,7 @@ class LayerwiseLoads:
         w = self._w
         out: set[int] = set()
         for job, pending, t0 in loads:
-            res = LoadResult(counts=collections.Counter(layerwise_load_jobs=1))
+            res = LoadResult()
             if isinstance(pending, list):
                 ok = pending
             else:
@@ -331,8 +331,8 @@ class LayerwiseLoads:
                     t1 = max(issued, t0 + pending.queued_s)
                     ok = pending.finish()
                     t2 = time.monotonic()
-                    res.counts["layerwise_wait_seconds"] += t2 - t1
-                    res.counts["local_load_blocks"] += sum(ok)
+                    res.count("layerwise_wait_seconds", t2 - t1)
+                    res.count("local_load_blocks", sum(ok))
                     if w.io is not None and any(ok):
                         # what the load costs: its copies' time on the device where
                         # known, not the wait, which holds the step's other work too
@@ -354,6 +354,7 @@ class LayerwiseLoads:
                 except Exception as e:
                     logger.warning("PegaFlow: layer-wise load of %s failed: %s", job.req_id, e)
                     ok = [False] * len(job.block_ids)
+            res.count("layerwise_load_jobs")
             w.collect(res)
             out.update(w.settle_layerwise(job, ok, t0))
         return out

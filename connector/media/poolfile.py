@@ -8,7 +8,6 @@ layer.  Saves are held from reuse until the node holds their commit.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import logging
 import time
@@ -94,23 +93,23 @@ class PoolFileMedium:
             )
             res.ok = {i for i, good in zip(idx, pending.finish(), strict=True) if good}
             loaded = len(res.ok)
-            res.counts["local_load_blocks"] += loaded
+            res.count("local_load_blocks", loaded)
             if loaded:
                 src = disk_source(LOCAL) if job.mostly_on_disk(idx) else LOCAL
                 res.samples.append((src, loaded * self.io.block_bytes, time.monotonic() - t0))
         except Exception as e:
             logger.warning("PegaFlow: local load of %d blocks failed: %s", len(idx), e)
-        res.counts["copy_seconds"] += time.monotonic() - t0
+        res.count("copy_seconds", time.monotonic() - t0)
         return res
 
     def start_layerwise(
         self, client: Any, ns: str, jobs: list[LoadJob], t0: float, ahead: int = 0
-    ) -> tuple[list[SyncLoad], collections.Counter[str]]:
+    ) -> tuple[list[SyncLoad], LoadResult]:
         """Queue the copies of those of ``jobs`` whose blocks are all on this host's node,
         all at once so that their copies go layer-major (:meth:`LocalPath.start_loads`,
         ``ahead`` layers ahead of the forward pass, 0: all layers); returns them (the
-        worker loads the others whole) and the counters to add."""
-        counts: collections.Counter[str] = collections.Counter()
+        worker loads the others whole) and a result holding the counters to add."""
+        res = LoadResult()
         local = self.path
         here = [
             j
@@ -118,7 +117,7 @@ class PoolFileMedium:
             if all(node_of(j, self.shard, i) == local.node_id for i in range(len(j.block_ids)))
         ]
         if not here or not local.attach(client):
-            return [], counts
+            return [], res
         out: list[SyncLoad] = []
         reqs = []
         for job in here:
@@ -136,11 +135,11 @@ class PoolFileMedium:
                 out.append((job, [False] * len(job.block_ids), t0))
                 continue
             out.append((job, pending, t0))
-            counts["located_load_jobs"] += req.located is not None
+            res.count("located_load_jobs", req.located is not None)
             pending.queued_s = queued
             pending.located_here = req.located is None
-        counts["layerwise_start_seconds"] += queued
-        return out, counts
+        res.count("layerwise_start_seconds", queued)
+        return out, res
 
     def _located(self, job: LoadJob) -> tuple[list[int], LocatedBlocks] | None:
         """The scheduler's locations of this shard's blocks, if they are still pinned

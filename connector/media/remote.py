@@ -121,7 +121,7 @@ class RemoteMedium:
                 items.append((node, job.hashes[i], self.shard, buf[1][i - rows.start]))
                 idx.append(i)
             if unreachable:
-                res.counts["load_unreachable_blocks"] += unreachable
+                res.count("load_unreachable_blocks", unreachable)
             if not items or deadline.expired:  # an expired get would only cut a connection
                 return idx, None
             gens = [gen_of(job, self.shard, i) for i in idx]
@@ -158,7 +158,7 @@ class RemoteMedium:
             if good:
                 t0 = time.monotonic()
                 io.scatter([job.block_ids[i] for i in good], buf[0], [i - rows.start for i in good])
-                res.counts["copy_seconds"] += time.monotonic() - t0
+                res.count("copy_seconds", time.monotonic() - t0)
                 res.ok.update(good)
 
         def settled(buf: Buf) -> Callable[[], bool]:
@@ -265,7 +265,7 @@ class RemoteMedium:
             nbytes = (loaded or nodes[node]) * self.io.block_bytes
             disk = job.mostly_on_disk(range(len(job.hashes)))
             res.samples.append((disk_source(node) if disk else node, nbytes, seconds))
-            res.counts["probe_bytes"] += loaded * self.io.block_bytes
+            res.count("probe_bytes", loaded * self.io.block_bytes)
         return res
 
     def submit_save(

@@ -73,7 +73,7 @@ class WorkerBooks:
 
     def collect(self, result: LoadResult) -> None:
         """Learn from a medium's load (or probe): its counters and cost-model samples."""
-        for name, n in result.counts.items():
+        for name, n in result.counts:
             self.counters.add(name, n)
         for source, size, seconds in result.samples:
             self.sample(source, size, seconds)
