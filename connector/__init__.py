@@ -9,7 +9,7 @@ vLLM imports this package and reads its ``PegaKVConnector`` attribute.  The
 ``vllm.general_plugins`` entry point (:mod:`.plugin`) also registers the name with vLLM,
 so ``{"kv_connector": "PegaKVConnector"}`` alone works too (as a ``MultiConnector``
 child).  The class (and vLLM with it) is imported on first access, so the pure helpers
-(:mod:`.settings`, :mod:`.namespace`, :mod:`.scheduler`) stay importable without vLLM.
+(:mod:`.settings`, :mod:`.namespace`, :mod:`.scheduler.side`) stay importable without vLLM.
 See ``docs/connector.md``.
 """
 

@@ -2,8 +2,8 @@
 
 A thin facade: vLLM builds one instance per role, in the scheduler process
 (``KVConnectorRole.SCHEDULER``) and in every worker (``KVConnectorRole.WORKER``).
-Each hook below forwards to :class:`~.scheduler.SchedulerSide` or
-:class:`~.worker.WorkerSide`; version differences live in :mod:`.compat`.
+Each hook below forwards to :class:`~.scheduler.side.SchedulerSide` or
+:class:`~.worker.side.WorkerSide`; version differences live in :mod:`.compat`.
 
 Guarantees, whatever the cluster does:
 
@@ -47,6 +47,7 @@ from .compat import (
     recompute_load_failures,
 )
 from .loadcheck import defer_possible
+from .logsetup import setup_logging
 from .metadata import StepPlan
 from .metrics import Counters
 from .namespace import (
@@ -56,9 +57,9 @@ from .namespace import (
     model_identity,
     shard_of,
 )
-from .nsdiag import factor_strings
 from .report import WORKER_COUNTERS, CacheReport, format_line
-from .scheduler import SchedulerSide
+from .scheduler.nsdiag import factor_strings
+from .scheduler.side import SchedulerSide
 from .settings import ConnectorSettings
 from .stats import PegaConnectorStats, PegaPromMetrics
 
@@ -99,7 +100,7 @@ class PegaKVConnector(KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         kv_role = getattr(self._kv_transfer_config, "kv_role", None)
         settings = ConnectorSettings.load(extra, kv_role=kv_role)
-        _setup_logging(settings.log_level)
+        setup_logging(settings.log_level)
         self.geometry = engine_geometry(vllm_config, kv_cache_config)
         if self.geometry.groups != 1 and settings.mode != "off":
             logger.error(
@@ -129,11 +130,11 @@ class PegaKVConnector(KVConnectorBase_V1):
             self.policy = "recompute"  # read by vLLM's scheduler right after this
         self._scheduler: SchedulerSide | None = None
         self._ns_factors: dict[str, str] = {}
-        """the namespace's factors, once computed (see :mod:`.nsdiag`)"""
+        """the namespace's factors, once computed (see :mod:`.scheduler.nsdiag`)"""
         self._worker: Any = None
         self._report: CacheReport | None = None
         if is_worker:
-            from .worker import WorkerSide  # torch-heavy; workers only
+            from .worker.side import WorkerSide  # torch-heavy; workers only
 
             self._worker = WorkerSide(
                 self.settings,
@@ -461,7 +462,7 @@ class PegaKVConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plan the load into the blocks vLLM allocated for the external hit; a worker
-        in this process may start it now (:meth:`~.worker.WorkerSide.prestart_job`).
+        in this process may start it now (:meth:`~.worker.side.WorkerSide.prestart_job`).
 
         Args:
             request: the request.
@@ -577,38 +578,3 @@ class PegaKVConnector(KVConnectorBase_V1):
             per_engine_labelvalues: label values per engine index.
         """
         return PegaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
-def _setup_logging(level: str) -> None:
-    """Make the ``pegaflow`` loggers of this process print in the engine's log.
-
-    vLLM gives only its own ``vllm`` logger a handler; without one, the connector's INFO
-    lines (the same-host node found, the ``PegaFlow cache:`` report) would go nowhere, or
-    to a root handler at WARNING (vLLM 0.26 on the H200 has one).  Unless ``pegaflow``
-    has handlers of its own, they go to vLLM's handlers at vLLM's level (and not on to
-    the root); with the ``log_level`` setting, to a handler of their own at that level
-    (and not on to the root either).
-    """
-    log = logging.getLogger("pegaflow")
-    if level:
-        try:
-            log.setLevel(level.upper())
-        except ValueError:
-            logger.warning("PegaFlow: unknown log_level %r ignored", level)
-            level = ""
-    if log.handlers:
-        return  # configured by the process (or by an earlier connector)
-    vllm_log = logging.getLogger("vllm")
-    if not level and vllm_log.handlers:
-        if log.level == logging.NOTSET:
-            log.setLevel(vllm_log.getEffectiveLevel())
-        for h in vllm_log.handlers:
-            log.addHandler(h)
-        log.propagate = False
-        return
-    if log.level == logging.NOTSET:
-        log.setLevel(logging.INFO)
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    log.addHandler(handler)
-    log.propagate = False  # a root handler would print each line again

@@ -32,7 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pegaflow.client.data import PoolFile
-from pegaflow.storage_node.shm_file import human_bytes
+
+from pegaflow.units import human_bytes
 
 logger = logging.getLogger("pegaflow.connector")
 

@@ -12,6 +12,22 @@ from dataclasses import dataclass, field
 
 from pegaflow.protocol.codec import LocatedBlocks
 
+LOCAL = "local"
+"""the source name of this host's node (its pool file, no network)"""
+ON_DISK = "@disk"
+"""suffix of a source's disk-tier name (:func:`disk_source`)"""
+
+
+def disk_source(name: str) -> str:
+    """The source name of blocks of ``name`` (:data:`LOCAL` or a node id) that are only
+    on its disk tier: they have an estimate of their own."""
+    return name + ON_DISK
+
+
+def memory_source(name: str) -> str:
+    """The source a :func:`disk_source` name is of (``name`` itself otherwise)."""
+    return name[: -len(ON_DISK)] if name.endswith(ON_DISK) else name
+
 
 @dataclass
 class LoadJob:
@@ -43,11 +59,11 @@ class LoadJob:
     memory); the worker files its load's measurement under the disk's estimate"""
     budget_s: float = 0.0
     """how long the load from other hosts may wait before its blocks are reported failed
-    and computed (:meth:`~.costmodel.CostModel.load_budget_s`: about what computing
+    and computed (:meth:`~.scheduler.costmodel.CostModel.load_budget_s`: about what computing
     them takes); 0: ``transfer_timeout_s``"""
     probe: bool = False
     """not a load: fetch the blocks into host memory only, to time their node (see
-    :meth:`pegaflow.connector.costmodel.CostModel.wants_probe`); ``block_ids`` is empty"""
+    :meth:`pegaflow.connector.scheduler.costmodel.CostModel.wants_probe`); ``block_ids`` is empty"""
 
     def mostly_on_disk(self, idx: Iterable[int]) -> bool:
         """Whether most of blocks ``idx`` were on a disk tier (their load's time then
@@ -126,7 +142,7 @@ class WorkerReport:
     """request id -> index (within the request) of its first block that failed to load"""
     samples: list[tuple[str, int, float]] = field(default_factory=list)
     """measurements for the cost model: ``(source, bytes, seconds)`` of a load from
-    ``source`` (``"local"`` or a node id, or the ``costmodel.disk_source`` of one
+    ``source`` (``"local"`` or a node id, or the :func:`disk_source` of one
     when most of its blocks were on disk), ``("compute", tokens, seconds)`` of a
     forward pass"""
     block_bytes: int = 0

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from .settings import ConnectorSettings
+
 WARM_UP_WAIT_S = 1.0
 """longest wait of an early lookup for the engine-start connections"""
 MAX_LOCATE = 4096
@@ -37,6 +39,14 @@ class CircuitBreaker:
         self._backoff = backoff_s
         self._open_until = 0.0
         self._tripped = False
+
+    @classmethod
+    def of(
+        cls, settings: ConnectorSettings, clock: Callable[[], float] = time.monotonic
+    ) -> CircuitBreaker:
+        """A breaker with the thresholds of ``settings`` (``failures_to_backoff``,
+        ``backoff_s``, ``backoff_max_s``)."""
+        return cls(settings.failures_to_backoff, settings.backoff_s, settings.backoff_max_s, clock)
 
     def allow(self) -> bool:
         """Whether a call may be made now."""

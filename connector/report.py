@@ -141,8 +141,8 @@ class CacheReport:
         counters: the scheduler side's counters.
         interval_s: seconds between two lines.
         clock: monotonic clock (tests inject one).
-        estimates: the cost model's estimates in words (:meth:`~.costmodel.CostModel.explain`),
-            shown when hits were declined.
+        estimates: the cost model's estimates in words
+        (:meth:`~.scheduler.costmodel.CostModel.explain`), shown when hits were declined.
         worker_totals: the cumulative counters of a worker in this process, or None
             while there is none (the workers' stats are read instead).
         load_failure_fate: what vLLM does with a block that failed to load, in words

@@ -76,7 +76,7 @@ class PoolChanged(PegaError, code="pool_changed"):
     """A same-host request named a pool file that is not the node's now: the node was
     restarted on a new file at the same path (a cleaned ``/dev/shm``, a new emptyDir)
     while the caller still maps the old one.  Nothing written through the old mapping is
-    taken; the caller maps the node's file again (:mod:`pegaflow.connector.localpath`)."""
+    taken; the caller maps the node's file again (:mod:`pegaflow.connector.media.localpath`)."""
 
 
 class NoSpace(PegaError, code="no_space"):

@@ -43,13 +43,9 @@ from pegaflow.inventory import InventorySink
 from pegaflow.observability.http import new_registry
 from pegaflow.runner import Runner, run_service
 from pegaflow.storage_node.node import StorageNode
-from pegaflow.storage_node.shm_file import (
-    PoolDoesNotFit,
-    PoolInUse,
-    human_bytes,
-    memory_available,
-)
+from pegaflow.storage_node.shm_file import PoolDoesNotFit, PoolInUse, memory_available
 from pegaflow.transport.loopthread import LoopThread
+from pegaflow.units import human_bytes
 
 log = logging.getLogger("pegaflow.server")
 

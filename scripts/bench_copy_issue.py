@@ -45,8 +45,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pegaflow.connector import tilecopy  # noqa: E402
-from pegaflow.connector.blockio import CopyIn, KVBlockIO  # noqa: E402
+from pegaflow.connector.media import tilecopy  # noqa: E402
+from pegaflow.connector.media.kvio import KVBlockIO  # noqa: E402
+from pegaflow.connector.media.layerfeed import CopyIn  # noqa: E402
 
 from pegaflow.transport import gil_io  # noqa: E402
 from scripts.bench_gpu_path import kv_caches, memcpy_ceiling  # noqa: E402

@@ -45,8 +45,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pegaflow.client import SyncPegaClient  # noqa: E402
-from pegaflow.connector.blockio import KVBlockIO  # noqa: E402
-from pegaflow.connector.localpath import LocalPath  # noqa: E402
+from pegaflow.connector.media.kvio import KVBlockIO  # noqa: E402
+from pegaflow.connector.media.localpath import LocalPath  # noqa: E402
 
 from pegaflow.config import ClientConfig  # noqa: E402
 from pegaflow.tools.devcluster import start_server  # noqa: E402

@@ -133,7 +133,7 @@ def wait_indexed(client: Any, hashes: list[bytes]) -> None:
 def scheduler(coord: list[str], node: str, client: Any, block_size: int) -> Any:
     """The connector's scheduler side (layer-wise, same-host node) on ``client``."""
     from pegaflow.connector.metrics import Counters
-    from pegaflow.connector.scheduler import SchedulerSide
+    from pegaflow.connector.scheduler.side import SchedulerSide
     from pegaflow.connector.settings import ConnectorSettings
 
     settings = ConnectorSettings.load({"coordinators": ",".join(coord), "local_node": node}, {})

@@ -37,7 +37,7 @@ from pegaflow.client import SyncPegaClient
 from pegaflow.connector.metadata import SaveJob, StepPlan
 from pegaflow.connector.metrics import Counters
 from pegaflow.connector.settings import ConnectorSettings
-from pegaflow.connector.worker import WorkerSide
+from pegaflow.connector.worker.side import WorkerSide
 
 from pegaflow.config import ClientConfig
 from pegaflow.tools.devcluster import start_server

@@ -31,6 +31,8 @@ import os
 import time
 from pathlib import Path
 
+from pegaflow.units import human_bytes
+
 log = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23
@@ -52,11 +54,6 @@ class PoolInUse(OSError):
 class PoolDoesNotFit(OSError):
     """The pool is larger than the memory or the space in ``shm_dir`` left for it
     (refused before anything is allocated)."""
-
-
-def human_bytes(n: int) -> str:
-    """``n`` bytes in GiB (one decimal) from 1 GiB up, else in MiB."""
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
 
 
 def memory_available() -> tuple[int, str]:

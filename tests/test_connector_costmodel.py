@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from pegaflow.connector.costmodel import (
-    LOCAL,
+from pegaflow.connector.metadata import LOCAL
+from pegaflow.connector.scheduler.costmodel import (
     LOCAL_PROBE_INTERVAL_S,
     PROBE_INTERVAL_S,
     SPIKE,

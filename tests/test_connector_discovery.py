@@ -24,9 +24,9 @@ from pegaflow.client.samehost import on_this_host, open_pool_file
 from pegaflow.connector.discovery import LocalNodeFinder
 from pegaflow.connector.metadata import LoadJob, SaveJob, StepPlan
 from pegaflow.connector.metrics import Counters
-from pegaflow.connector.scheduler import SchedulerSide
+from pegaflow.connector.scheduler.side import SchedulerSide
 from pegaflow.connector.settings import ConnectorSettings
-from pegaflow.connector.worker import WorkerSide
+from pegaflow.connector.worker.side import WorkerSide
 
 from pegaflow.config import ClientConfig
 from pegaflow.tools.devcluster import Proc, start_coordinator, start_node

@@ -7,11 +7,11 @@ import threading
 from typing import Any
 
 import pytest
-from pegaflow.connector.known import KnownBlocks
 from pegaflow.connector.metadata import StepPlan, WorkerReport
 from pegaflow.connector.metrics import Counters
 from pegaflow.connector.policy import CircuitBreaker
-from pegaflow.connector.scheduler import SchedulerSide
+from pegaflow.connector.scheduler.known import KnownBlocks
+from pegaflow.connector.scheduler.side import SchedulerSide
 from pegaflow.connector.settings import ConnectorSettings
 
 from tests.connector_fakes import DEADLINE, DOWN, FakeCluster, FakeRequest, new_req, sched_output

@@ -221,7 +221,7 @@ def test_block_hash_bytes() -> None:
 def test_a_connector_log_level_prints_each_line_once(capsys: pytest.CaptureFixture[str]) -> None:
     """With ``log_level`` the connector's loggers get a handler of their own; a root
     handler (vLLM 0.26 has one on the H200) must not print every line a second time."""
-    from pegaflow.connector.connector import _setup_logging
+    from pegaflow.connector.logsetup import setup_logging as _setup_logging
 
     log = logging.getLogger("pegaflow")
     root = logging.getLogger()

@@ -8,13 +8,13 @@ import time
 import numpy as np
 import pytest
 import torch
-from pegaflow.connector.blockio import KVBlockIO
-from pegaflow.connector.books import WorkerBooks
+from pegaflow.connector.media.kvio import KVBlockIO
+from pegaflow.connector.media.staging import Staging
 from pegaflow.connector.metadata import LoadJob, SaveJob, StepPlan, merge_saves
 from pegaflow.connector.metrics import Counters
 from pegaflow.connector.settings import ConnectorSettings
-from pegaflow.connector.staging import Staging
-from pegaflow.connector.worker import WorkerSide
+from pegaflow.connector.worker.books import WorkerBooks
+from pegaflow.connector.worker.side import WorkerSide
 
 from tests.connector_fakes import DOWN, FakeCluster
 

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 from aetcd import rpc
-from pegaflow.connector.costmodel import LOCAL, CostModel, disk_source
-from pegaflow.connector.metadata import LoadJob, WorkerReport
+from pegaflow.connector.metadata import LOCAL, LoadJob, WorkerReport, disk_source
+from pegaflow.connector.scheduler.costmodel import CostModel
 from pegaflow.coordinator.index import BlockIndex
 from pegaflow.coordinator.inprocess_sink import InProcessSink
 from pegaflow.coordinator.mirror import EtcdMirror

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 from pegaflow.client import SyncPegaClient
-from pegaflow.connector.blockio import KVBlockIO
-from pegaflow.connector.localpath import LoadRequest, LocalPath, PendingLoad
+from pegaflow.connector.media.kvio import KVBlockIO
+from pegaflow.connector.media.localpath import LoadRequest, LocalPath, PendingLoad
 
 from pegaflow.config import ClientConfig
 from pegaflow.tools.devcluster import Proc, start_server

@@ -21,7 +21,7 @@ import pytest
 from pegaflow.client import PegaClient, SyncPegaClient
 from pegaflow.connector.metrics import Counters
 from pegaflow.connector.report import SameHostReport
-from pegaflow.connector.scheduler import SchedulerSide
+from pegaflow.connector.scheduler.side import SchedulerSide
 from pegaflow.connector.settings import ConnectorSettings
 
 from pegaflow.config import ClientConfig, EtcdConfig

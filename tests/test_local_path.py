@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 from pegaflow.client import SyncPegaClient
-from pegaflow.connector.blockio import KVBlockIO
-from pegaflow.connector.hostpool import MappedPool
-from pegaflow.connector.localpath import LocalPath
+from pegaflow.connector.media.hostpool import MappedPool
+from pegaflow.connector.media.kvio import KVBlockIO
+from pegaflow.connector.media.localpath import LocalPath
 
 from pegaflow.deadline import Deadline
 from pegaflow.errors import BadRequest, TooLarge, Unauthorized

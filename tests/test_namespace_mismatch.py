@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from pegaflow.client import SyncPegaClient
 from pegaflow.connector.metrics import Counters
-from pegaflow.connector.nsdiag import differences, mismatch_line
-from pegaflow.connector.scheduler import SchedulerSide
+from pegaflow.connector.scheduler.nsdiag import differences, mismatch_line
+from pegaflow.connector.scheduler.side import SchedulerSide
 from pegaflow.connector.settings import ConnectorSettings
 
 from pegaflow.config import ClientConfig

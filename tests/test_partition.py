@@ -36,12 +36,12 @@ import torch
 from pegaflow.client import PegaClient
 from pegaflow.client.nodehealth import NodeHealth
 from pegaflow.connector import sameprocess
-from pegaflow.connector.costmodel import CostModel
 from pegaflow.connector.metadata import LoadJob, StepPlan
 from pegaflow.connector.metrics import Counters
-from pegaflow.connector.scheduler import SchedulerSide
+from pegaflow.connector.scheduler.costmodel import CostModel
+from pegaflow.connector.scheduler.side import SchedulerSide
 from pegaflow.connector.settings import ConnectorSettings
-from pegaflow.connector.worker import WorkerSide
+from pegaflow.connector.worker.side import WorkerSide
 from pegaflow.coordinator.index import BlockIndex
 from pegaflow.coordinator.suspects import Suspects
 
@@ -139,7 +139,7 @@ def test_the_first_load_from_a_node_gets_a_connection_set_up_more() -> None:
     """A node this client never heard from also sets up its connection in that load:
     its budget gets ``FIRST_CONTACT_S`` more, never ``transfer_timeout_s`` (a node cut
     off before an engine's first load from it must not cost 10 s)."""
-    from pegaflow.connector.remote import FIRST_CONTACT_S
+    from pegaflow.connector.media.remote import FIRST_CONTACT_S
 
     cluster = _Hangs()
     w, _ = worker(cluster, kv(2), transfer_timeout_s=7.0)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from pegaflow.connector.handoff import KEY, MAX_BLOCKS, POLL_S, VERSION, Handoff
 from pegaflow.connector.metrics import Counters
-from pegaflow.connector.scheduler import SchedulerSide
+from pegaflow.connector.scheduler.side import SchedulerSide
 from pegaflow.connector.settings import ConnectorSettings
 
 from pegaflow.errors import BadRequest, PegaError, TooLarge

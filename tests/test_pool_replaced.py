@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 from pegaflow.client import SyncPegaClient
-from pegaflow.connector.blockio import KVBlockIO
-from pegaflow.connector.localpath import LocalPath
+from pegaflow.connector.media.kvio import KVBlockIO
+from pegaflow.connector.media.localpath import LocalPath
 
 from pegaflow.config import ClientConfig, EtcdConfig
 from pegaflow.errors import PoolChanged

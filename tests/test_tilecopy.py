@@ -1,4 +1,4 @@
-"""The pure parts of :mod:`pegaflow.connector.tilecopy` (its copies run on the GPU:
+"""The pure parts of :mod:`pegaflow.connector.media.tilecopy` (its copies run on the GPU:
 tests/test_gpu_path.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import io
 from typing import Any
 
 import pytest
-from pegaflow.connector import tilecopy
+from pegaflow.connector.media import tilecopy
 
 
 def test_the_2d_copy_keeping_the_gil_comes_from_torchs_libcudart(

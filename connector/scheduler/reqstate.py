@@ -11,7 +11,7 @@ from typing import Any
 
 from pegaflow.protocol.codec import LocatedBlocks
 
-from .handoff import Handoff
+from ..handoff import Handoff
 
 
 @dataclass

@@ -19,19 +19,19 @@ from typing import Any
 
 from pegaflow.observability import telemetry
 
-from . import sameprocess
-from .costmodel import LOCAL, CostModel, Decision, disk_source
+from .. import sameprocess
+from ..metadata import LOCAL, LoadJob, disk_source
+from ..metrics import Counters
+from ..namespace import block_hashes_bytes
+from ..policy import CircuitBreaker
+from ..report import SameHostReport
+from ..settings import ConnectorSettings
+from .costmodel import CostModel, Decision
 from .known import KnownBlocks
 from .locating import Locator
-from .metadata import LoadJob
-from .metrics import Counters
-from .namespace import block_hashes_bytes
 from .nsdiag import NamespaceCheck
-from .policy import CircuitBreaker
-from .report import SameHostReport
 from .reqstate import Lookup, ReqState
 from .schedclient import ClusterClient
-from .settings import ConnectorSettings
 from .warmup import WarmUp
 
 logger = logging.getLogger("pegaflow.connector")
@@ -86,9 +86,7 @@ class Lookups:
         self.known = known
         self.same_host = same_host
         self._clock = clock
-        self.breaker = CircuitBreaker(
-            settings.failures_to_backoff, settings.backoff_s, settings.backoff_max_s, clock
-        )
+        self.breaker = CircuitBreaker.of(settings, clock)
         """pauses lookups while they fail"""
         self._pending_probes: list[LoadJob] = []
         self._reported_down: dict[str, float] = {}

@@ -1,9 +1,9 @@
 """The pool-file medium: KV blocks moved straight between vLLM's cache and the mapped
 pool file of the storage node on this host (:class:`~.localpath.LocalPath`), no UCX hop.
 
-Whole loads run on the load thread; layer-wise loads (:meth:`PoolFileMedium.start_layerwise`)
-are queued for the step's forward pass to wait on layer by layer.  Saves are held from
-reuse until the node holds their commit.
+Whole loads run on the load thread; layer-wise loads (:meth:`PoolFileMedium.start_layerwise`,
+driven by :mod:`.layerwise`) are queued for the step's forward pass to wait on layer by
+layer.  Saves are held from reuse until the node holds their commit.
 """
 
 from __future__ import annotations
@@ -16,13 +16,11 @@ from typing import Any
 
 from pegaflow.protocol.codec import LocatedBlocks
 
-from .blockio import KVBlockIO
-from .books import WorkerBooks
-from .costmodel import LOCAL, disk_source
+from ..metadata import LOCAL, LoadJob, SaveJob, disk_source
+from ..policy import LOCATE_PIN_S
+from .base import BREAKER_OPEN, LoadResult, SaveResult, SaveSink, chunks, gen_of, node_of
+from .kvio import KVBlockIO
 from .localpath import LoadRequest, LocalPath, PendingLoad
-from .media import BREAKER_OPEN, chunks, gen_of, node_of
-from .metadata import LoadJob, SaveJob
-from .policy import LOCATE_PIN_S
 
 logger = logging.getLogger("pegaflow.connector")
 
@@ -51,7 +49,6 @@ class PoolFileMedium:
     Args:
         path: the mapped pool of the node on this host.
         io: the worker's KV block copier.
-        books: the worker's books (counters, reports, the save breaker, holds).
         shard: this worker's shard.
     """
 
@@ -61,12 +58,10 @@ class PoolFileMedium:
         self,
         path: LocalPath,
         io: KVBlockIO,
-        books: WorkerBooks,
         shard: int,
     ) -> None:
         self.path = path
         self.io = io
-        self.books = books
         self.shard = shard
 
     @property
@@ -74,17 +69,19 @@ class PoolFileMedium:
         """The node whose pool file this is."""
         return self.path.node_id
 
-    def load(self, client: Any, ns: str, job: LoadJob, ok: list[bool], skip: set[int]) -> set[int]:
-        """Load the blocks held by this host's node through its pool file; returns the
-        indexes it handled (loaded or failed), which the UCX path then skips."""
+    def load(self, client: Any, ns: str, job: LoadJob, skip: set[int]) -> LoadResult:
+        """Load the blocks held by this host's node through its pool file; they are the
+        ones it handles (loaded or failed), which the UCX path then skips."""
         local = self.path
+        res = LoadResult()
         idx = [
             i
             for i in range(len(job.block_ids))
             if node_of(job, self.shard, i) == local.node_id and i not in skip
         ]
         if not idx or not local.attach(client):
-            return set()
+            return res
+        res.handled = set(idx)
         t0 = time.monotonic()
         try:
             pending = local.start_load(
@@ -94,25 +91,25 @@ class PoolFileMedium:
                 self.shard,
                 [job.block_ids[i] for i in idx],
             )
-            for i, good in zip(idx, pending.finish(), strict=True):
-                ok[i] = good
-            loaded = sum(ok[i] for i in idx)
-            self.books.counters.add("local_load_blocks", loaded)
+            res.ok = {i for i, good in zip(idx, pending.finish(), strict=True) if good}
+            loaded = len(res.ok)
+            res.count("local_load_blocks", loaded)
             if loaded:
                 src = disk_source(LOCAL) if job.mostly_on_disk(idx) else LOCAL
-                self.books.sample(src, loaded * self.io.block_bytes, time.monotonic() - t0)
+                res.samples.append((src, loaded * self.io.block_bytes, time.monotonic() - t0))
         except Exception as e:
             logger.warning("PegaFlow: local load of %d blocks failed: %s", len(idx), e)
-        self.books.counters.add("copy_seconds", time.monotonic() - t0)
-        return set(idx)
+        res.count("copy_seconds", time.monotonic() - t0)
+        return res
 
     def start_layerwise(
         self, client: Any, ns: str, jobs: list[LoadJob], t0: float, ahead: int = 0
-    ) -> list[SyncLoad]:
+    ) -> tuple[list[SyncLoad], LoadResult]:
         """Queue the copies of those of ``jobs`` whose blocks are all on this host's node,
         all at once so that their copies go layer-major (:meth:`LocalPath.start_loads`,
         ``ahead`` layers ahead of the forward pass, 0: all layers); returns them (the
-        worker loads the others whole)."""
+        worker loads the others whole) and a result holding the counters to add."""
+        res = LoadResult()
         local = self.path
         here = [
             j
@@ -120,7 +117,7 @@ class PoolFileMedium:
             if all(node_of(j, self.shard, i) == local.node_id for i in range(len(j.block_ids)))
         ]
         if not here or not local.attach(client):
-            return []
+            return [], res
         out: list[SyncLoad] = []
         reqs = []
         for job in here:
@@ -138,11 +135,11 @@ class PoolFileMedium:
                 out.append((job, [False] * len(job.block_ids), t0))
                 continue
             out.append((job, pending, t0))
-            self.books.counters.add("located_load_jobs", req.located is not None)
+            res.count("located_load_jobs", req.located is not None)
             pending.queued_s = queued
             pending.located_here = req.located is None
-        self.books.counters.add("layerwise_start_seconds", queued)
-        return out
+        res.count("layerwise_start_seconds", queued)
+        return out, res
 
     def _located(self, job: LoadJob) -> tuple[list[int], LocatedBlocks] | None:
         """The scheduler's locations of this shard's blocks, if they are still pinned
@@ -154,7 +151,9 @@ class PoolFileMedium:
             return None  # pins about to lapse; they expire on the node
         return [job.pins[self.shard]], where
 
-    def submit_save(self, client: Any, ns: str, job: SaveJob, marker: Any) -> bool:
+    def submit_save(
+        self, client: Any, ns: str, job: SaveJob, marker: Any, sink: SaveSink
+    ) -> bool:
         """Copy ``job``'s blocks into reserved slots of the pool file and commit them,
         each chunk held from reuse until the node holds its commit; False when the pool
         file is not mapped (no client, or the node does not offer it)."""
@@ -164,11 +163,11 @@ class PoolFileMedium:
         chunk = save_chunk_blocks(self.io.block_bytes)
         for rows in chunks(len(job.block_ids), chunk):
             hashes = job.hashes[rows.start : rows.stop]
-            if not self.books.save_breaker.allow():
-                self.books.drop([SaveJob(job.req_id, [], job.hashes[rows.start :])], BREAKER_OPEN)
+            if not sink.allow():
+                sink.drop([SaveJob(job.req_id, [], job.hashes[rows.start :])], BREAKER_OPEN)
                 return True
             t0 = time.monotonic()
-            taken = self.books.hold_until_taken(job.holders, job.filled_at)
+            taken = sink.hold_until_taken(job.holders, job.filled_at)
             try:
                 fut = local.save(
                     client, ns, hashes, self.shard, job.block_ids[rows.start : rows.stop],
@@ -177,28 +176,25 @@ class PoolFileMedium:
             except Exception as e:
                 fut = concurrent.futures.Future()
                 fut.set_exception(e)
-            self.books.counters.add("copy_seconds", time.monotonic() - t0)
-            self.books.sent(len(hashes))
+            sink.sent(len(hashes), copy_s=time.monotonic() - t0)
+            result = SaveResult(hashes, t0, job.filled_at)
             fut.add_done_callback(
-                lambda f, hashes=hashes, t0=t0, taken=taken: self._commit_done(
-                    f, hashes, t0, job.filled_at, taken
-                )
+                lambda f, result=result, taken=taken: self._commit_done(f, result, taken, sink)
             )
         return True
 
+    @staticmethod
     def _commit_done(
-        self,
         fut: concurrent.futures.Future[Any],
-        hashes: list[bytes],
-        started: float,
-        filled_at: float,
+        result: SaveResult,
         taken: Callable[[], None],
+        sink: SaveSink,
     ) -> None:
         try:
-            self.books.record_put(fut, hashes, started, filled_at)
+            result.take(fut)
+            sink.answered(result)
         finally:
             taken()  # the commit failed, or the node never said it held it
-            self.books.put_answered(len(hashes))
 
     def close(self) -> None:
         """Unmap the pool file and stop the verify threads."""

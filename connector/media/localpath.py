@@ -1,5 +1,7 @@
-"""The same-host shortcut of one worker: KV blocks copied straight between the KV cache
-and the pool file of the storage node on this host, with no UCX hop.
+"""Same-host path of one worker: KV blocks copied between the KV cache and this host's pool.
+
+KV blocks go straight between vLLM's cache and the pool file of the storage node on this
+host, with no UCX hop.
 
 Loads: ``locate`` pins the blocks on the node and says where they are in its pool file;
 the copies into the KV cache are queued (one kernel per layer from pinned memory, or
@@ -49,9 +51,10 @@ from pegaflow.checksum import checksum
 from pegaflow.errors import PoolChanged, Unavailable
 from pegaflow.protocol.codec import LocatedBlocks
 
-from .blockio import CopyIn, KVBlockIO, Transfer
+from ..policy import LOCATE_PIN_S, MAX_LOCATE
 from .hostpool import MappedPool
-from .policy import LOCATE_PIN_S, MAX_LOCATE
+from .kvio import KVBlockIO
+from .layerfeed import CopyIn, Transfer
 
 logger = logging.getLogger("pegaflow.connector")
 

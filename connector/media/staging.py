@@ -10,7 +10,7 @@ import torch
 
 from pegaflow.deadline import Deadline
 
-from .blockio import KVBlockIO
+from .kvio import KVBlockIO
 
 Buf = tuple[torch.Tensor, Any]
 """a staging buffer: its tensor and the client's registered memory of it"""

@@ -1,10 +1,11 @@
 """The worker's books: what the scheduler learns (the report), the save counts that
-shutdown and delayed frees wait on, and the save breaker; shared by the worker and its
-storage media under one lock."""
+shutdown and delayed frees wait on, and the save breaker; kept under one lock from the
+results of the storage media (:mod:`pegaflow.connector.media.base`): the books are the
+media's :class:`~pegaflow.connector.media.base.SaveSink`."""
 
 from __future__ import annotations
 
-import concurrent.futures
+import collections
 import logging
 import threading
 import time
@@ -13,10 +14,11 @@ from typing import Any
 
 from pegaflow.deadline import Deadline
 
-from .metadata import SaveJob, WorkerReport
-from .metrics import Counters
-from .policy import CircuitBreaker
-from .settings import ConnectorSettings
+from ..media.base import LoadResult, SaveResult
+from ..metadata import LoadJob, SaveJob, WorkerReport, merge_saves
+from ..metrics import Counters
+from ..policy import CircuitBreaker
+from ..settings import ConnectorSettings
 
 logger = logging.getLogger("pegaflow.connector")
 
@@ -37,12 +39,12 @@ class WorkerBooks:
         """outcomes for the scheduler, swapped out by :meth:`take_report`"""
         self.block_bytes = 0
         """bytes of one KV block of this shard (0 until the KV cache is registered)"""
-        self.save_breaker = CircuitBreaker(
-            settings.failures_to_backoff, settings.backoff_s, settings.backoff_max_s
-        )
+        self.save_breaker = CircuitBreaker.of(settings)
         """opened by failing saves (shared by all media)"""
         self.closed = False
         """set at shutdown: answers that come later are not counted again"""
+        self._save_queue: collections.deque[tuple[str, SaveJob, Any]] = collections.deque()
+        """save jobs queued for the save thread (namespace, job, its step's marker)"""
         self.queued_saves = 0
         """blocks of save jobs queued or being copied out, not yet sent"""
         self.inflight_saves = 0
@@ -69,6 +71,13 @@ class WorkerBooks:
             if len(self.report.samples) < 256:
                 self.report.samples.append((source, int(size), float(seconds)))
 
+    def collect(self, result: LoadResult) -> None:
+        """Learn from a medium's load (or probe): its counters and cost-model samples."""
+        for name, n in result.counts:
+            self.counters.add(name, n)
+        for source, size, seconds in result.samples:
+            self.sample(source, size, seconds)
+
     def take_report(self) -> WorkerReport | None:
         """Outcomes the scheduler should learn from (None when there are none)."""
         with self.lock:
@@ -76,6 +85,40 @@ class WorkerBooks:
         if rep.samples and self.block_bytes:
             rep.block_bytes = self.block_bytes
         return None if rep.is_empty() else rep
+
+    # ---- loads ---------------------------------------------------------------------
+
+    def account_load(
+        self, job: LoadJob, ok: list[bool], t0: float
+    ) -> tuple[list[int], int | None]:
+        """Count a finished load; returns (failed block ids, first failed index)."""
+        n = len(job.block_ids)
+        failed = [job.block_ids[i] for i in range(n) if not ok[i]]
+        first = next((job.first_block + i for i in range(n) if not ok[i]), None)
+        loaded = n - len(failed)
+        self.counters.add("load_jobs")
+        self.counters.add("load_blocks", loaded)
+        self.counters.add("load_bytes", loaded * self.block_bytes)
+        self.counters.add("load_failed_blocks", len(failed))
+        self.counters.add("load_seconds", time.monotonic() - t0)
+        if failed:
+            logger.warning(
+                "PegaFlow: %d of %d blocks of %s could not be loaded; vLLM recomputes them",
+                len(failed),
+                n,
+                job.req_id,
+            )
+        return failed, first
+
+    def settle_layerwise(self, job: LoadJob, ok: list[bool], t0: float) -> list[int]:
+        """Count a checked layer-wise load; returns its failed block ids (the request's
+        first failed block goes to the report)."""
+        failed, first = self.account_load(job, ok, t0)
+        if first is not None:
+            with self.lock:
+                prev = self.report.load_failed.get(job.req_id, first)
+                self.report.load_failed[job.req_id] = min(prev, first)
+        return failed
 
     # ---- saves ---------------------------------------------------------------------
 
@@ -96,20 +139,52 @@ class WorkerBooks:
                 why,
             )
 
-    def queue_saves(self, jobs: Sequence[SaveJob]) -> None:
-        """Save jobs were queued: their blocks are held and count as queued."""
+    def queue_saves(self, ns: str, jobs: Sequence[SaveJob], marker: Any) -> None:
+        """Queue save jobs of namespace ``ns`` (their step's ``marker``) for the save
+        thread: their blocks are held and count as queued."""
+        self._save_queue.extend((ns, job, marker) for job in jobs)
         with self.lock:
             for job in jobs:
                 self.pending_gathers[job.req_id] = self.pending_gathers.get(job.req_id, 0) + 1
                 self.queued_saves += len(job.hashes)
+
+    def take_saves(self, chunk_blocks: int) -> tuple[str, SaveJob, Any] | None:
+        """The next queued save job (None: none), merged with those queued after it
+        (same namespace) up to ``chunk_blocks`` (one same-host chunk,
+        :func:`~pegaflow.connector.media.poolfile.save_chunk_blocks`): a backlog of small
+        jobs (a block or two of each decoding request, a step) then costs one
+        reservation, one copy and one commit per chunk, not per job, and so drains."""
+        q = self._save_queue
+        if not q:
+            return None
+        ns, job, marker = q.popleft()
+        jobs = [job]
+        room = chunk_blocks - len(job.block_ids)
+        while q and q[0][0] == ns and len(q[0][1].block_ids) <= room:
+            _, job, marker = q.popleft()  # a later step's marker: after the earlier ones
+            jobs.append(job)
+            room -= len(job.block_ids)
+        now = time.monotonic()
+        for j in jobs:
+            if j.filled_at:
+                self.counters.add("save_wait_seconds", now - j.filled_at)
+        merged = merge_saves(jobs)
+        self.merged(sum(len(j.hashes) for j in jobs) - len(merged.hashes))
+        return ns, merged, marker
 
     def save_started(self) -> None:
         """The save thread starts a job (none of its blocks sent yet)."""
         with self.lock:
             self._moved = 0
 
-    def sent(self, n: int) -> None:
-        """``n`` blocks of the running save job went from queued to in flight."""
+    def allow(self) -> bool:
+        """Whether saves may go now (the save breaker is closed)."""
+        return self.save_breaker.allow()
+
+    def sent(self, n: int, copy_s: float = 0.0) -> None:
+        """``n`` blocks of the running save job went from queued to in flight, after
+        ``copy_s`` seconds of copying them out."""
+        self.counters.add("copy_seconds", copy_s)
         with self.lock:
             self.queued_saves -= n
             self.inflight_saves += n
@@ -117,7 +192,7 @@ class WorkerBooks:
 
     def merged(self, n: int) -> None:
         """``n`` queued blocks are stored once with the same blocks of another queued
-        job (:func:`~.metadata.merge_saves`): no longer queued."""
+        job (:func:`~pegaflow.connector.metadata.merge_saves`): no longer queued."""
         with self.lock:
             self.queued_saves -= n
 
@@ -140,7 +215,8 @@ class WorkerBooks:
         self.lock.notify_all()
 
     def hold_until_taken(self, req_ids: Sequence[str], filled_at: float) -> Callable[[], None]:
-        """Hold the blocks of ``req_ids`` (a save job's :attr:`~.metadata.SaveJob.holders`)
+        """Hold the blocks of ``req_ids`` (a save job's
+        :attr:`~pegaflow.connector.metadata.SaveJob.holders`)
         from reuse until the callback returned is called (the node holds their commit:
         they are stored even if this process dies now); calls after the first do
         nothing.  ``filled_at``: when the step that filled them was queued (the hold is
@@ -163,28 +239,24 @@ class WorkerBooks:
                 self.pending_gathers[req_id] = self.pending_gathers.get(req_id, 0) + 1
         return release
 
-    def put_answered(self, n: int) -> None:
-        """``n`` blocks in flight were answered (stored or failed)."""
-        with self.lock:
-            self.inflight_saves -= n
-            self.lock.notify_all()
+    def answered(self, result: SaveResult) -> None:
+        """A save in flight was answered (stored or failed): account it."""
+        try:
+            self._record(result)
+        finally:
+            with self.lock:
+                self.inflight_saves -= len(result.hashes)
+                self.lock.notify_all()
 
-    def record_put(
-        self,
-        fut: concurrent.futures.Future[Any],
-        hashes: list[bytes],
-        started: float,
-        filled_at: float,
-    ) -> None:
-        """Account the answer ``fut`` of a save of ``hashes`` sent at ``started``, of
-        blocks filled at ``filled_at`` (:attr:`SaveJob.filled_at`)."""
+    def _record(self, result: SaveResult) -> None:
+        """Account the answer of a save (unless it came after shutdown)."""
         if self.closed:
             return  # answered after the bounded wait at shutdown: counted as dropped
+        hashes, filled_at = result.hashes, result.filled_at
         now = time.monotonic()
-        self.counters.add("save_seconds", now - started)
-        try:
-            res = fut.result()
-        except Exception as e:
+        self.counters.add("save_seconds", now - result.started)
+        res, e = result.reply, result.error
+        if e is not None:
             if self.save_breaker.failure():
                 logger.warning("PegaFlow: saves failing (%r); pausing them", e)
             elif not self._save_failing:

@@ -1,16 +1,18 @@
 """Worker side of the connector: async loads into the KV cache, async saves out of it.
 
 Runs in every vLLM worker (one per TP/PP rank); each rank moves only its own shard.
-:class:`WorkerSide` routes each job through the storage media (:mod:`.media`): the pool
-file of the node on this host (:mod:`.poolfile`) for the blocks it holds, UCX through
-host staging (:mod:`.remote`) for the rest; it keeps the books (:mod:`.books`).
+:class:`WorkerSide` routes each job through the storage media
+(:mod:`~pegaflow.connector.media.base`): the pool file of the node on this host
+(:mod:`~pegaflow.connector.media.poolfile`) for the blocks it holds, UCX through host staging
+(:mod:`~pegaflow.connector.media.remote`) for the rest; it keeps the books (:mod:`.books`).
 
 Loads (``start_load_kv``) run on a background thread while the engine keeps stepping.
 A request is reported finished (``get_finished``) when all of its blocks are in or
 failed; failed blocks are reported in the same step by
 ``get_block_ids_with_load_errors`` and vLLM recomputes them.  A block is never reported
 loaded unless its verified bytes were written.  Layer-wise loads (``LoadJob.sync``) are
-queued before the forward pass, which waits for them layer by layer (:mod:`.layerwise`).
+queued before the forward pass, which waits for them layer by layer
+(:mod:`~pegaflow.connector.media.layerwise`).
 
 Saves (``wait_for_save``) are queued after the forward pass and never wait on the
 network: a background thread copies the new full blocks out and hands them to a
@@ -24,7 +26,6 @@ failing, saves are dropped (counted), never waited for.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import logging
 import threading
@@ -38,18 +39,18 @@ import torch
 from pegaflow.deadline import Deadline
 from pegaflow.observability import telemetry
 
-from . import sameprocess
-from .blockio import KVBlockIO
+from .. import sameprocess
+from ..discovery import LocalNodeFinder
+from ..media.base import BREAKER_OPEN, LoadResult, Medium
+from ..media.kvio import KVBlockIO
+from ..media.layerwise import LayerwiseLoads
+from ..media.localpath import LocalPath
+from ..media.poolfile import PoolFileMedium, SyncLoad, save_chunk_blocks
+from ..media.remote import RemoteMedium
+from ..metadata import LoadJob, SaveJob, StepPlan, WorkerReport
+from ..metrics import Counters
+from ..settings import ConnectorSettings
 from .books import WorkerBooks
-from .discovery import LocalNodeFinder
-from .layerwise import LayerwiseLoads
-from .localpath import LocalPath
-from .media import BREAKER_OPEN, Medium
-from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport, merge_saves
-from .metrics import Counters
-from .poolfile import PoolFileMedium, SyncLoad, save_chunk_blocks
-from .remote import RemoteMedium
-from .settings import ConnectorSettings
 from .steptimer import StepTimer
 
 logger = logging.getLogger("pegaflow.connector")
@@ -65,15 +66,15 @@ class WorkerSide:
         client_factory: builds the cluster client (lazily, on first transfer).
         retry_failed_loads: retry blocks that failed once more before reporting them
             (used with ``kv_load_failure_policy="fail"``, where a report fails requests).
-        defer_checks: answer a step's load errors deferred (:mod:`.loadcheck`).
+        defer_checks: answer a step's load errors deferred (:mod:`~pegaflow.connector.loadcheck`).
         graph_tokens: vLLM captures CUDA graphs for steps of up to this many tokens (0:
             none, eager).  It captures them after :meth:`register_kv_caches`, so the
             worker's start-up work (the tile kernel's warm-up; finding, mapping and
             pinning the node's pool, whose client may touch CUDA) waits for the
-            engine's first step (:func:`~.compat.cuda_graph_tokens`).
+            engine's first step (:func:`~pegaflow.connector.compat.cuda_graph_tokens`).
         new_blocks_may_be_busy: a step still in flight on the GPU may touch the blocks
             vLLM gives to new requests (a vLLM that does not defer frees,
-            :func:`~.compat.defers_block_frees`): loads then wait for the GPU work
+            :func:`~pegaflow.connector.compat.defers_block_frees`): loads then wait for the GPU work
             queued before them.
     """
 
@@ -115,8 +116,6 @@ class WorkerSide:
         """the pool file of the node on this host (once known and mapped)"""
         self._load_pool = concurrent.futures.ThreadPoolExecutor(1, "pegaflow-load")
         self._save_pool = concurrent.futures.ThreadPoolExecutor(1, "pegaflow-save")
-        self._save_queue: collections.deque[tuple[str, SaveJob, Any]] = collections.deque()
-        """save jobs queued for the save thread (namespace, job, its step's marker)"""
         self._probe_pool = concurrent.futures.ThreadPoolExecutor(1, "pegaflow-probe")
         self._step = StepTimer()
         """times forward passes for the cost model"""
@@ -141,9 +140,7 @@ class WorkerSide:
             logger.error("PegaFlow: cannot use this KV cache layout (%s); connector inert", e)
             self._local_ready.set()
             return
-        self._remote = RemoteMedium(
-            io, self.books, self.finder, self.shard, self.settings, self._retry
-        )
+        self._remote = RemoteMedium(io, self.finder, self.shard, self.settings, self._retry)
         chunk_blocks = self._remote.load_staging.chunk_blocks
         self.books.block_bytes = io.block_bytes
         self.io = io
@@ -210,10 +207,21 @@ class WorkerSide:
         """The media a job is routed through, in order: the pool file first."""
         return [m for m in (self._pool, self._remote) if m is not None]
 
-    def _wait_local(self, timeout: float) -> None:
-        """Wait (up to ``timeout``) for the engine-start search for the node on this host."""
-        if not self._local_ready.is_set():
+    @property
+    def pool(self) -> PoolFileMedium | None:
+        """The pool-file medium of the node on this host (None while not mapped)."""
+        return self._pool
+
+    def pool_ready(self, timeout: float = 0.0) -> bool:
+        """Whether the engine-start search for the node on this host is done, waiting
+        up to ``timeout`` for it."""
+        if not self._local_ready.is_set() and timeout > 0:
             self._local_ready.wait(timeout)
+        return self._local_ready.is_set()
+
+    def get_client(self) -> Any:
+        """The cluster client, made on first use (None while it cannot be made)."""
+        return self._get_client()
 
     # ---- per step ------------------------------------------------------------------
 
@@ -252,7 +260,7 @@ class WorkerSide:
         for tokens, seconds in self._step.end():
             self.books.sample("compute", tokens, seconds)
 
-    # ---- layer-wise (synchronous) loads: :mod:`.layerwise` ---------------------------
+    # ---- layer-wise (synchronous) loads: :mod:`pegaflow.connector.media.layerwise` ----
 
     def prestart(self, plan: StepPlan) -> None:
         """Queue a planned step's layer-wise loads early (:meth:`LayerwiseLoads.prestart`)."""
@@ -265,7 +273,7 @@ class WorkerSide:
         releases a finished or preempted request's blocks once the last step that
         touched them is done (``defer_block_free``, with asynchronous scheduling and a
         KV consumer: every engine that loads), but not in every version
-        (:func:`~.compat.defers_block_frees`)."""
+        (:func:`~pegaflow.connector.compat.defers_block_frees`)."""
         if self.new_blocks_may_be_busy and self.io is not None:
             self.io.follow(self.io.record_step())
 
@@ -288,8 +296,8 @@ class WorkerSide:
 
     @property
     def defer_checks(self) -> bool:
-        """Whether load errors are answered deferred (:mod:`.loadcheck`): as built
-        (``defer_checks``) until vLLM once does not read such an answer in time."""
+        """Whether load errors are answered deferred (:mod:`~pegaflow.connector.loadcheck`): as
+        built (``defer_checks``) until vLLM once does not read such an answer in time."""
         return self.layerwise.defer_checks
 
     @property
@@ -307,15 +315,14 @@ class WorkerSide:
         if self.io is None or not self.settings.can_save or not plan.namespace:
             self.books.drop(plan.saves, "the connector is inert (see the error logged at start)")
             return
-        if not self.books.save_breaker.allow():
+        if not self.books.allow():
             self.books.drop(plan.saves, BREAKER_OPEN)
             return
         marker = self.io.record_step()
         now = time.monotonic()
         for job in plan.saves:
             job.filled_at = now
-        self.books.queue_saves(plan.saves)
-        self._save_queue.extend((plan.namespace, job, marker) for job in plan.saves)
+        self.books.queue_saves(plan.namespace, plan.saves, marker)
         self._save_pool.submit(self._drain_saves)
 
     def wait_for_copies(self, req_ids: Sequence[str], timeout: float = 120.0) -> None:
@@ -350,9 +357,9 @@ class WorkerSide:
         """Block ids whose load failed, reported once (vLLM recomputes them).
 
         With :attr:`defer_checks` and layer-wise loads in the step, the answer is a
-        :class:`~.loadcheck.DeferredLoadErrors`: the step's copies are checked when vLLM
-        first reads it, so the engine's CPU goes on to schedule and launch the next step
-        meanwhile (see :mod:`.loadcheck`).
+        :class:`~pegaflow.connector.loadcheck.DeferredLoadErrors`: the step's copies are checked
+        when vLLM first reads it, so the engine's CPU goes on to schedule and launch the next step
+        meanwhile (see :mod:`~pegaflow.connector.loadcheck`).
         """
         return self.layerwise.take_load_errors(self._take_errors)
 
@@ -389,10 +396,10 @@ class WorkerSide:
                 {"pegaflow.blocks": n} if telemetry.tracing else None,
                 parent=telemetry.request_context(job.req_id),
             ):
-                self._run_load(ns, job, ok)
+                self.load_whole(ns, job, ok)
         except Exception:
             logger.exception("PegaFlow: load of %s failed", job.req_id)
-        failed, first = self._account_load(job, ok, t0)
+        failed, first = self.books.account_load(job, ok, t0)
         with self._lock:
             left = self._loading.get(job.req_id, 1) - 1
             if left > 0:
@@ -406,30 +413,7 @@ class WorkerSide:
             self._done_loads[job.req_id] = (failed, first)
             self._lock.notify_all()
 
-    def _account_load(
-        self, job: LoadJob, ok: list[bool], t0: float
-    ) -> tuple[list[int], int | None]:
-        """Count a finished load; returns (failed block ids, first failed index)."""
-        n = len(job.block_ids)
-        failed = [job.block_ids[i] for i in range(n) if not ok[i]]
-        first = next((job.first_block + i for i in range(n) if not ok[i]), None)
-        loaded = n - len(failed)
-        self.counters.add("load_jobs")
-        self.counters.add("load_blocks", loaded)
-        if self.io is not None:
-            self.counters.add("load_bytes", loaded * self.io.block_bytes)
-        self.counters.add("load_failed_blocks", len(failed))
-        self.counters.add("load_seconds", time.monotonic() - t0)
-        if failed:
-            logger.warning(
-                "PegaFlow: %d of %d blocks of %s could not be loaded; vLLM recomputes them",
-                len(failed),
-                n,
-                job.req_id,
-            )
-        return failed, first
-
-    def _run_load(self, ns: str, job: LoadJob, ok: list[bool]) -> None:
+    def load_whole(self, ns: str, job: LoadJob, ok: list[bool]) -> None:
         """Route a load's blocks through the media in order: each takes the blocks it
         serves that an earlier one did not handle."""
         if self.io is None or self._remote is None or not ns or not job.block_ids:
@@ -441,7 +425,20 @@ class WorkerSide:
         for medium in self._media():
             if len(handled) == len(job.block_ids):
                 return
-            handled |= medium.load(client, ns, job, ok, handled)
+            res = medium.load(client, ns, job, handled)
+            self.books.collect(res)
+            for i in res.ok:
+                ok[i] = True
+            handled |= res.handled
+
+    def collect(self, result: LoadResult) -> None:
+        """Learn from a medium's load result (:meth:`WorkerBooks.collect`)."""
+        self.books.collect(result)
+
+    def settle_layerwise(self, job: LoadJob, ok: list[bool], t0: float) -> list[int]:
+        """Account a checked layer-wise load (started at ``t0``); returns its failed
+        block ids (the request's first failed block goes to the report)."""
+        return self.books.settle_layerwise(job, ok, t0)
 
     def _run_probe(self, ns: str, job: LoadJob) -> None:
         """Fetch a probe's blocks into staging memory (never into the KV cache) and
@@ -449,7 +446,7 @@ class WorkerSide:
         remote, client = self._remote, self._get_client()
         if remote is None or client is None or self.io is None or not ns or self._closed:
             return
-        remote.probe(client, ns, job)
+        self.books.collect(remote.probe(client, ns, job))
 
     def _note_engine_running(self) -> None:
         """The engine runs steps: vLLM's start (and its CUDA graph capture) is over, so
@@ -478,7 +475,7 @@ class WorkerSide:
         assert self.io is not None
         s = self.settings
         path = LocalPath(self.io, node, s.transfer_timeout_s, s.verify_threads)
-        return PoolFileMedium(path, self.io, self.books, self.shard)
+        return PoolFileMedium(path, self.io, self.shard)
 
     def _discover(self) -> None:
         """Find the node on this host (unless ``local_node`` names it) and, with the
@@ -500,31 +497,12 @@ class WorkerSide:
     # ---- saves ---------------------------------------------------------------------
 
     def _drain_saves(self) -> None:
-        """Run the queued save jobs (on the save thread), in order."""
-        while self._save_queue:
-            self._run_save_safe(*self._take_saves())
-
-    def _take_saves(self) -> tuple[str, SaveJob, Any]:
-        """The next queued save job, merged with those queued after it (same namespace)
-        up to one same-host chunk (:func:`~.poolfile.save_chunk_blocks`): a backlog of small jobs (a
-        block or two of each decoding request, a step) then costs one reservation, one
-        copy and one commit per chunk, not per job, and so drains."""
+        """Run the queued save jobs (on the save thread), in order, small ones merged
+        up to one same-host chunk (:meth:`WorkerBooks.take_saves`)."""
         assert self.io is not None
-        q = self._save_queue
-        ns, job, marker = q.popleft()
-        jobs = [job]
-        room = save_chunk_blocks(self.io.block_bytes) - len(job.block_ids)
-        while q and q[0][0] == ns and len(q[0][1].block_ids) <= room:
-            _, job, marker = q.popleft()  # a later step's marker: after the earlier ones
-            jobs.append(job)
-            room -= len(job.block_ids)
-        now = time.monotonic()
-        for j in jobs:
-            if j.filled_at:
-                self.books.counters.add("save_wait_seconds", now - j.filled_at)
-        merged = merge_saves(jobs)
-        self.books.merged(sum(len(j.hashes) for j in jobs) - len(merged.hashes))
-        return ns, merged, marker
+        chunk = save_chunk_blocks(self.io.block_bytes)
+        while (queued := self.books.take_saves(chunk)) is not None:
+            self._run_save_safe(*queued)
 
     def _run_save_safe(self, ns: str, job: SaveJob, marker: Any) -> None:
         # the job's blocks count as queued until each chunk is sent (then in flight) or
@@ -547,10 +525,10 @@ class WorkerSide:
         """Hand a save job to the first medium that takes it (the pool file when it is
         mapped, else UCX)."""
         assert self.io is not None and self._remote is not None
-        self._wait_local(self.settings.rpc_timeout_s)  # saves right after engine start
+        self.pool_ready(self.settings.rpc_timeout_s)  # saves right after engine start
         client = self._get_client()
         for medium in self._media():
-            if medium.submit_save(client, ns, job, marker):
+            if medium.submit_save(client, ns, job, marker, self.books):
                 return
 
     # ---- teardown ------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""The scheduler's half of the prefill/decode handoff (:mod:`.handoff` is the format).
+"""The scheduler's half of the prefill/decode handoff (:mod:`~pegaflow.connector.handoff` is the
+format).
 
-A ``kv_consumer`` reads the producer's :class:`~.handoff.Handoff` from a request's
+A ``kv_consumer`` reads the producer's :class:`~pegaflow.connector.handoff.Handoff` from a request's
 ``kv_transfer_params``, checks it against its own prompt, and waits (a lookup every
-:data:`~.handoff.POLL_S`, up to ``handoff_wait_s``) until the handed-off blocks are
-stored, serving the other requests meanwhile.  A ``kv_producer`` builds the handoff of
+:data:`~pegaflow.connector.handoff.POLL_S`, up to ``handoff_wait_s``) until the handed-off blocks
+are stored, serving the other requests meanwhile.  A ``kv_producer`` builds the handoff of
 a finished request from the prompt blocks it saved.
 
 Pure module: no vLLM import.
@@ -18,14 +19,14 @@ from typing import Any
 
 from pegaflow.errors import BadRequest, PegaError
 
-from .discovery import LocalNodeFinder
-from .handoff import POLL_S, Handoff
+from ..discovery import LocalNodeFinder
+from ..handoff import POLL_S, Handoff
+from ..metrics import Counters
+from ..namespace import block_hash_bytes
+from ..settings import ConnectorSettings
 from .locating import Locator
 from .lookups import Lookups
-from .metrics import Counters
-from .namespace import block_hash_bytes
 from .reqstate import Lookup, ReqState
-from .settings import ConnectorSettings
 
 logger = logging.getLogger("pegaflow.connector")
 
@@ -113,8 +114,8 @@ class HandoffWait:
         ``handoff_wait_s`` is over, or when the cluster cannot answer (``None``: the
         lookups' breaker opened; a single failed lookup is tried again); else
         ``(None, True)``: vLLM asks again in a later step (a new lookup every
-        :data:`~.handoff.POLL_S`), serving the other requests meanwhile.  The hit is
-        claimed whole: the point of the handoff is that the consumer does not prefill."""
+        :data:`~pegaflow.connector.handoff.POLL_S`), serving the other requests meanwhile.  The hit
+        is claimed whole: the point of the handoff is that the consumer does not prefill."""
         want = min(ho.blocks, (st.request.num_tokens - 1) // self.block_size)
         if now < st.handoff_poll:
             return None, True
@@ -144,8 +145,8 @@ class HandoffWait:
 
     def params(self, st: ReqState | None, request: Any, ns: str) -> dict[str, Any] | None:
         """A ``kv_producer``'s ``kv_transfer_params`` for a finished request: the
-        :class:`~.handoff.Handoff` of the prompt blocks it saved or found stored (None:
-        not a producer, not tracked, no namespace, or no full block)."""
+        :class:`~pegaflow.connector.handoff.Handoff` of the prompt blocks it saved or found stored
+        (None: not a producer, not tracked, no namespace, or no full block)."""
         if not self.settings.hands_off or st is None or not ns:
             return None
         hashes = request.block_hashes

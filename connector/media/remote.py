@@ -18,17 +18,14 @@ from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from pegaflow.storage_node.shm_file import human_bytes
-
 from pegaflow.deadline import HOP_MARGIN_S, Deadline
+from pegaflow.units import human_bytes
 
-from .blockio import KVBlockIO
-from .books import WorkerBooks
-from .costmodel import disk_source
-from .discovery import LocalNodeFinder
-from .media import BREAKER_OPEN, chunks, gen_of, node_of
-from .metadata import LoadJob, SaveJob
-from .settings import ConnectorSettings
+from ..discovery import LocalNodeFinder
+from ..metadata import LoadJob, SaveJob, disk_source
+from ..settings import ConnectorSettings
+from .base import BREAKER_OPEN, LoadResult, SaveResult, SaveSink, chunks, gen_of, node_of
+from .kvio import KVBlockIO
 from .staging import Buf, Staging
 
 logger = logging.getLogger("pegaflow.connector")
@@ -47,7 +44,6 @@ class RemoteMedium:
 
     Args:
         io: the worker's KV block copier.
-        books: the worker's books (counters, reports, the save breaker).
         finder: the node on this host (saves go to it first).
         shard: this worker's shard.
         settings: connector settings (staging size, chunk size, deadlines).
@@ -59,14 +55,12 @@ class RemoteMedium:
     def __init__(
         self,
         io: KVBlockIO,
-        books: WorkerBooks,
         finder: LocalNodeFinder,
         shard: int,
         settings: ConnectorSettings,
         retry: bool = False,
     ) -> None:
         self.io = io
-        self.books = books
         self.finder = finder
         self.shard = shard
         self.settings = settings
@@ -80,21 +74,23 @@ class RemoteMedium:
         if settings.can_save:
             self.save_staging.prefill(1)
 
-    def load(self, client: Any, ns: str, job: LoadJob, ok: list[bool], skip: set[int]) -> set[int]:
+    def load(self, client: Any, ns: str, job: LoadJob, skip: set[int]) -> LoadResult:
         """Fetch every block of ``job`` that a node holds, except those in ``skip``;
         one cost-model sample per node.  Handles all the job's blocks."""
+        res = LoadResult(handled=set(range(len(job.block_ids))))
         t_remote = time.monotonic()
         try:
-            self._run_remote(ns, job, ok, client, skip)
-        finally:
-            self._sample_remote(job, ok, skip, time.monotonic() - t_remote)
-        return set(range(len(job.block_ids)))
+            self._run_remote(ns, job, res, client, skip)
+        except Exception:
+            logger.exception("PegaFlow: load of %s failed", job.req_id)
+        self._sample_remote(job, res, skip, time.monotonic() - t_remote)
+        return res
 
     def _run_remote(
         self,
         ns: str,
         job: LoadJob,
-        ok: list[bool],
+        res: LoadResult,
         client: Any,
         done_local: set[int],
     ) -> None:
@@ -125,7 +121,7 @@ class RemoteMedium:
                 items.append((node, job.hashes[i], self.shard, buf[1][i - rows.start]))
                 idx.append(i)
             if unreachable:
-                self.books.counters.add("load_unreachable_blocks", unreachable)
+                res.count("load_unreachable_blocks", unreachable)
             if not items or deadline.expired:  # an expired get would only cut a connection
                 return idx, None
             gens = [gen_of(job, self.shard, i) for i in idx]
@@ -162,9 +158,8 @@ class RemoteMedium:
             if good:
                 t0 = time.monotonic()
                 io.scatter([job.block_ids[i] for i in good], buf[0], [i - rows.start for i in good])
-                self.books.counters.add("copy_seconds", time.monotonic() - t0)
-                for i in good:
-                    ok[i] = True
+                res.count("copy_seconds", time.monotonic() - t0)
+                res.ok.update(good)
 
         def settled(buf: Buf) -> Callable[[], bool]:
             return lambda: bool(client.settled(buf[1]))
@@ -214,7 +209,7 @@ class RemoteMedium:
         return Deadline.after(limit)
 
     def _sample_remote(
-        self, job: LoadJob, ok: list[bool], done_local: set[int], seconds: float
+        self, job: LoadJob, res: LoadResult, done_local: set[int], seconds: float
     ) -> None:
         """One measurement per node of a load's UCX part (its time split by bytes).  A
         node whose blocks all failed counts when it took long, or ran out the job's
@@ -226,7 +221,7 @@ class RemoteMedium:
             if not node or i in done_local:
                 continue
             tried.setdefault(node, []).append(i)
-            loaded[node] = loaded.get(node, 0) + ok[i]
+            loaded[node] = loaded.get(node, 0) + (i in res.ok)
         total = sum(map(len, tried.values()))
         slow = seconds >= 0.1 or 0 < job.budget_s <= seconds
         for node, idx in tried.items():
@@ -234,15 +229,16 @@ class RemoteMedium:
             blocks = loaded[node] or (n if slow else 0)
             if blocks:
                 src = disk_source(node) if job.mostly_on_disk(idx) else node
-                self.books.sample(src, blocks * self.io.block_bytes, seconds * n / total)
+                res.samples.append((src, blocks * self.io.block_bytes, seconds * n / total))
 
-    def probe(self, client: Any, ns: str, job: LoadJob) -> None:
+    def probe(self, client: Any, ns: str, job: LoadJob) -> LoadResult:
         """Fetch a probe's blocks into staging memory (never into the KV cache), chunk by
         chunk, and report the time: the cost model's measurement of a declined node."""
+        res = LoadResult()
         staging = self.load_staging
         buf = staging.acquire(wait=False)
         if buf is None:
-            return  # loads need the staging memory more
+            return res  # loads need the staging memory more
         nodes: dict[str, int] = {}
         loaded = 0
         t0 = time.monotonic()
@@ -268,10 +264,13 @@ class RemoteMedium:
             node = next(iter(nodes))
             nbytes = (loaded or nodes[node]) * self.io.block_bytes
             disk = job.mostly_on_disk(range(len(job.hashes)))
-            self.books.sample(disk_source(node) if disk else node, nbytes, seconds)
-            self.books.counters.add("probe_bytes", loaded * self.io.block_bytes)
+            res.samples.append((disk_source(node) if disk else node, nbytes, seconds))
+            res.count("probe_bytes", loaded * self.io.block_bytes)
+        return res
 
-    def submit_save(self, client: Any, ns: str, job: SaveJob, marker: Any) -> bool:
+    def submit_save(
+        self, client: Any, ns: str, job: SaveJob, marker: Any, sink: SaveSink
+    ) -> bool:
         """Copy ``job``'s blocks out into staging chunk by chunk and hand each to an
         asynchronous put (to this host's node first when there is one); chunks that
         cannot go (no client, breaker open, staging full) are dropped.  Always True."""
@@ -279,14 +278,14 @@ class RemoteMedium:
         rows_all = chunks(len(job.block_ids), staging.chunk_blocks)
         for rows in rows_all:
             hashes = job.hashes[rows.start : rows.stop]
-            if client is None or not self.books.save_breaker.allow():
+            if client is None or not sink.allow():
                 rest = job.hashes[rows.start :]
                 why = "no connection to the cluster" if client is None else BREAKER_OPEN
-                self.books.drop([SaveJob(job.req_id, [], rest)], why)
-                return
+                sink.drop([SaveJob(job.req_id, [], rest)], why)
+                return True
             buf = staging.acquire(wait=False)
             if buf is None:
-                self.books.drop(
+                sink.drop(
                     [SaveJob(job.req_id, [], hashes)],
                     f"the save staging memory is full ({human_bytes(staging.max_bytes)}, half of "
                     "max_staging_bytes): blocks come faster than the cluster stores them; "
@@ -296,7 +295,7 @@ class RemoteMedium:
             try:
                 t0 = time.monotonic()
                 io.gather(job.block_ids[rows.start : rows.stop], buf[0], after=marker)
-                self.books.counters.add("copy_seconds", time.monotonic() - t0)
+                copy_s = time.monotonic() - t0
                 items = [(h, self.shard, buf[1][j]) for j, h in enumerate(hashes)]
                 fut = client.submit_put_blocks(
                     ns,
@@ -306,14 +305,12 @@ class RemoteMedium:
                 )
             except Exception as e:
                 staging.release(buf)
-                self.books.drop([SaveJob(job.req_id, [], hashes)], f"{type(e).__name__}: {e}")
+                sink.drop([SaveJob(job.req_id, [], hashes)], f"{type(e).__name__}: {e}")
                 raise
-            started = time.monotonic()
-            self.books.sent(len(hashes))
+            result = SaveResult(hashes, time.monotonic(), job.filled_at)
+            sink.sent(len(hashes), copy_s)
             fut.add_done_callback(
-                lambda f, buf=buf, hashes=hashes, started=started: self._put_done(
-                    f, buf, hashes, started, job.filled_at
-                )
+                lambda f, buf=buf, result=result: self._put_done(f, buf, result, sink)
             )
         return True
 
@@ -321,15 +318,12 @@ class RemoteMedium:
         self,
         fut: concurrent.futures.Future[Any],
         buf: Buf,
-        hashes: list[bytes],
-        started: float,
-        filled_at: float,
+        result: SaveResult,
+        sink: SaveSink,
     ) -> None:
         self.save_staging.release(buf)
-        try:
-            self.books.record_put(fut, hashes, started, filled_at)
-        finally:
-            self.books.put_answered(len(hashes))
+        result.take(fut)
+        sink.answered(result)
 
     def close(self) -> None:
         """Nothing to release (the staging buffers go with the medium)."""

@@ -16,10 +16,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from .discovery import LocalNodeFinder
-from .policy import WARM_UP_WAIT_S
+from ..discovery import LocalNodeFinder
+from ..policy import WARM_UP_WAIT_S
+from ..settings import ConnectorSettings
 from .schedclient import ClusterClient
-from .settings import ConnectorSettings
 
 logger = logging.getLogger("pegaflow.connector")
 

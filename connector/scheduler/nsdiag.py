@@ -1,8 +1,8 @@
 """Why an engine gets no hit: the same model stored under another namespace.
 
 Engines whose namespace factors differ (model identity, dtype, KV cache dtype and
-layout, block size, layers, heads, TP/PP, hash seed, weights: :mod:`.namespace`) write
-disjoint namespaces and never hit each other's blocks.  That is right, and silent: an
+layout, block size, layers, heads, TP/PP, hash seed, weights: :mod:`~pegaflow.connector.namespace`)
+write disjoint namespaces and never hit each other's blocks.  That is right, and silent: an
 operator sees a hit rate of zero and nothing else.  So while an engine has had no hit
 at all, a lookup that finds nothing makes it ask the coordinator (at most every
 :data:`CHECK_EVERY_S`, in the background: the lookup is not delayed) for the other

@@ -55,22 +55,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-LOCAL = "local"
-"""the source name of this host's node (its pool file, no network)"""
-ON_DISK = "@disk"
-"""suffix of a source's disk-tier name (:func:`disk_source`)"""
-
-
-def disk_source(name: str) -> str:
-    """The source name of blocks of ``name`` (:data:`LOCAL` or a node id) that are only
-    on its disk tier: they have an estimate of their own."""
-    return name + ON_DISK
-
-
-def memory_source(name: str) -> str:
-    """The source a :func:`disk_source` name is of (``name`` itself otherwise)."""
-    return name[: -len(ON_DISK)] if name.endswith(ON_DISK) else name
-
+from ..metadata import LOCAL, memory_source
 
 DECAY = 0.8
 """weight a load estimate keeps per unit of new evidence (about the last 5-10 samples

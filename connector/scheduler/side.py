@@ -20,19 +20,19 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..discovery import LocalNodeFinder
+from ..metadata import LoadJob, StepPlan, WorkerReport
+from ..metrics import Counters
+from ..report import SameHostReport
+from ..settings import ConnectorSettings
 from .costmodel import CostModel
-from .discovery import LocalNodeFinder
 from .handoffwait import HandoffWait
 from .known import KnownBlocks
 from .locating import Locator
 from .lookups import Lookups
-from .metadata import LoadJob, StepPlan, WorkerReport
-from .metrics import Counters
 from .nsdiag import NamespaceCheck
 from .planner import Planner
-from .report import SameHostReport
 from .schedclient import ClusterClient, LookupClient
-from .settings import ConnectorSettings
 from .warmup import WARM_UP_NS, WarmUp
 
 __all__ = ["WARM_UP_NS", "KnownBlocks", "LookupClient", "SchedulerSide"]
@@ -60,7 +60,7 @@ class SchedulerSide:
             (the workers report the exact figure).
         first_steps_min_tokens: until the engine has run a step computing this many
             tokens of a request, a hit leaves at least that many to compute (0: no
-            bound; see :func:`~.compat.first_steps_min_tokens`).
+            bound; see :func:`~pegaflow.connector.compat.first_steps_min_tokens`).
         factors: this engine's namespace factors (:func:`.nsdiag.factor_strings`), sent
             when a lookup finds nothing to learn whether another namespace has the model.
     """
@@ -251,8 +251,8 @@ class SchedulerSide:
 
     def handoff_params(self, request: Any) -> dict[str, Any] | None:
         """A ``kv_producer``'s ``kv_transfer_params`` for a finished request: the
-        :class:`~.handoff.Handoff` of the prompt blocks it saved or found stored (None:
-        not a producer, or no full block)."""
+        :class:`~pegaflow.connector.handoff.Handoff` of the prompt blocks it saved or found stored
+        (None: not a producer, or no full block)."""
         st = self.planner.reqs.get(request.request_id)
         return self.handoffs.params(st, request, self.namespace)
 

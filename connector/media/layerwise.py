@@ -1,14 +1,18 @@
-"""Layer-wise (synchronous) loads of a step: queued before its forward pass, waited for
-layer by layer, checked after it.
+"""Layer-wise loads of a step: queued before its forward pass, awaited per layer, checked after.
 
-:class:`LayerwiseLoads` (owned by :class:`~.worker.WorkerSide`) queues the copies of the
-loads that a step's forward pass waits for (``LoadJob.sync``) through the pool file of the
-node on this host (:meth:`~.poolfile.PoolFileMedium.start_layerwise`), early when the
-scheduler shares this process (:mod:`.sameprocess`), and makes the forward pass's CUDA
-stream wait for each layer's blocks (:meth:`~LayerwiseLoads.wait_layer`).  After the
+Loads that the forward pass waits for (synchronous ones) are queued before it, waited for
+layer by layer, and checked after it.
+
+The layer-wise capability of the pool-file medium.  :class:`LayerwiseLoads` (owned by a
+worker, its :class:`LayerwiseHost`) queues the copies of the loads that a step's forward
+pass waits for (``LoadJob.sync``) through the pool file of the node on this host
+(:meth:`~.poolfile.PoolFileMedium.start_layerwise`), early when the
+scheduler shares this process (:mod:`~pegaflow.connector.sameprocess`), and makes the forward
+pass's CUDA stream wait for each layer's blocks (:meth:`~LayerwiseLoads.wait_layer`).  After the
 forward pass it verifies and accounts the copies; the failed blocks go to the step's
-load errors, answered at once or deferred to vLLM's first read (:mod:`.loadcheck`).
-With debug logging it also times such a step's forward pass (device and CPU).
+load errors, answered at once or deferred to vLLM's first read
+(:mod:`~pegaflow.connector.loadcheck`). With debug logging it also times such a step's forward pass
+(device and CPU).
 """
 
 from __future__ import annotations
@@ -18,18 +22,17 @@ import logging
 import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from .costmodel import LOCAL
-from .loadcheck import DeferredLoadErrors
-from .metadata import LoadJob, StepPlan
-from .policy import WARM_UP_WAIT_S
-from .poolfile import SyncLoad
-
-if TYPE_CHECKING:
-    from .worker import WorkerSide
+from ..loadcheck import DeferredLoadErrors
+from ..metadata import LOCAL, LoadJob, StepPlan
+from ..policy import WARM_UP_WAIT_S
+from ..settings import ConnectorSettings
+from .base import LoadResult
+from .kvio import KVBlockIO
+from .poolfile import PoolFileMedium, SyncLoad
 
 logger = logging.getLogger("pegaflow.connector")
 
@@ -50,19 +53,59 @@ def _elapsed_ms(timing: tuple[Any, Any] | None) -> float | None:
     return float(timing[0].elapsed_time(timing[1]))
 
 
+class LayerwiseHost(Protocol):
+    """What layer-wise loads use of the worker that owns them."""
+
+    io: KVBlockIO | None
+    settings: ConnectorSettings
+    graph_tokens: int
+
+    @property
+    def pool(self) -> PoolFileMedium | None:
+        """The pool-file medium of this host's node (None while not mapped)."""
+        ...
+
+    def pool_ready(self, timeout: float = 0.0) -> bool:
+        """Whether the engine-start search for this host's node (and the mapping of its
+        pool) is done, waiting up to ``timeout`` for it."""
+        ...
+
+    def get_client(self) -> Any:
+        """The cluster client (None while it cannot be made)."""
+        ...
+
+    def follow_steps(self) -> None:
+        """Make loads queued from now on wait for the GPU work queued so far."""
+        ...
+
+    def load_whole(self, ns: str, job: LoadJob, ok: list[bool]) -> None:
+        """Load ``job`` whole through the media now, setting ``ok[i]`` per block."""
+        ...
+
+    def collect(self, result: LoadResult) -> None:
+        """Learn from a load's result (its counters and cost-model samples)."""
+        ...
+
+    def settle_layerwise(self, job: LoadJob, ok: list[bool], t0: float) -> list[int]:
+        """Account a checked layer-wise load (started at ``t0``); returns its failed
+        block ids (the request's first failed block goes to the report)."""
+        ...
+
+
 class LayerwiseLoads:
     """The layer-wise loads of the steps of one worker.
 
     Runs on the engine's thread only.  Reads its worker's KV cache (``io``), the node's
-    pool file, the cluster client, the books (their lock) and the counters; loads that
-    cannot go layer-wise run whole through the worker's media before the forward pass.
+    pool file and the cluster client, and hands each checked load's result back to the
+    worker; loads that cannot go layer-wise run whole through the worker's media before
+    the forward pass.
 
     Args:
         worker: the worker that owns it.
-        defer_checks: answer a step's load errors deferred (:mod:`.loadcheck`).
+        defer_checks: answer a step's load errors deferred (:mod:`~pegaflow.connector.loadcheck`).
     """
 
-    def __init__(self, worker: WorkerSide, defer_checks: bool = False) -> None:
+    def __init__(self, worker: LayerwiseHost, defer_checks: bool = False) -> None:
         self._w = worker
         self.fwd_timing: tuple[Any, Any] | None = None
         """device timing of a step with layer-wise loads (debug log only)"""
@@ -77,8 +120,8 @@ class LayerwiseLoads:
         """the plan whose early loads :meth:`prestart` completed, until its step takes
         them (another plan's loads wait for their own step meanwhile)"""
         self.defer_checks = defer_checks
-        """answer load errors deferred (:mod:`.loadcheck`); the connector sets it where
-        vLLM's scheduler shares this process"""
+        """answer load errors deferred (:mod:`~pegaflow.connector.loadcheck`); the connector sets
+        it where vLLM's scheduler shares this process"""
         self._deferred: collections.deque[tuple[int, DeferredLoadErrors]] = collections.deque()
         self._steps = 0
         self._step_sizes: set[int] = set()
@@ -139,8 +182,8 @@ class LayerwiseLoads:
 
     def prestart(self, plan: StepPlan) -> None:
         """Queue the copies of a step's layer-wise loads as soon as the scheduler in
-        this process planned it (:mod:`.sameprocess`); :meth:`start_step` then takes
-        them instead of queuing them.  Loads :meth:`prestart_job` queued already are
+        this process planned it (:mod:`~pegaflow.connector.sameprocess`); :meth:`start_step` then
+        takes them instead of queuing them.  Loads :meth:`prestart_job` queued already are
         left alone.  Does nothing unless the node's pool file is mapped and the cache
         is on a GPU, nor in a step with preemptions (their blocks may be reallocated
         before :meth:`WorkerSide.wait_for_copies`); a failure leaves the loads to
@@ -170,17 +213,19 @@ class LayerwiseLoads:
     def _queue_early(self, ns: str, jobs: list[LoadJob], ahead: int) -> None:
         """Queue ``jobs``' copies now, into :attr:`early` (see :meth:`prestart`)."""
         w = self._w
-        io, pool = w.io, w._pool
+        io, pool = w.io, w.pool
         if not jobs or io is None or io.device.type != "cuda" or pool is None:
             return
-        if not ns or not w._local_ready.is_set():
+        if not ns or not w.pool_ready():
             return
         try:
-            client = w._get_client()
+            client = w.get_client()
             if client is None:
                 return
             w.follow_steps()
-            self.early.extend(pool.start_layerwise(client, ns, jobs, time.monotonic(), ahead))
+            loads, res = pool.start_layerwise(client, ns, jobs, time.monotonic(), ahead)
+            self.early.extend(loads)
+            w.collect(res)
         except Exception as e:  # the step starts them itself
             logger.warning("PegaFlow: early start of a step's loads failed: %s", e)
 
@@ -225,11 +270,12 @@ class LayerwiseLoads:
         self.sync_loads.extend(started)
         if not jobs:
             return
-        w._wait_local(WARM_UP_WAIT_S)  # a request right after engine start
-        pool, client = w._pool, w._get_client()
+        w.pool_ready(WARM_UP_WAIT_S)  # a request right after engine start
+        pool, client = w.pool, w.get_client()
         started = []
         if pool is not None and client is not None and w.io is not None and ns:
-            started = pool.start_layerwise(client, ns, jobs, t0, self._ahead(plan))
+            started, res = pool.start_layerwise(client, ns, jobs, t0, self._ahead(plan))
+            w.collect(res)
         self.sync_loads.extend(started)
         taken = {id(j) for j, _p, _t in started}
         for job in jobs:
@@ -238,7 +284,7 @@ class LayerwiseLoads:
             # no local pool here after all: load now, whole, before the forward runs
             ok = [False] * len(job.block_ids)
             try:
-                w._run_load(ns, job, ok)
+                w.load_whole(ns, job, ok)
             except Exception:
                 logger.exception("PegaFlow: load of %s failed", job.req_id)
             self.sync_loads.append((job, ok, t0))
@@ -277,6 +323,7 @@ class LayerwiseLoads:
         w = self._w
         out: set[int] = set()
         for job, pending, t0 in loads:
+            res = LoadResult()
             if isinstance(pending, list):
                 ok = pending
             else:
@@ -284,14 +331,15 @@ class LayerwiseLoads:
                     t1 = max(issued, t0 + pending.queued_s)
                     ok = pending.finish()
                     t2 = time.monotonic()
-                    w.counters.add("layerwise_wait_seconds", t2 - t1)
-                    w.counters.add("local_load_blocks", sum(ok))
+                    res.count("layerwise_wait_seconds", t2 - t1)
+                    res.count("local_load_blocks", sum(ok))
                     if w.io is not None and any(ok):
                         # what the load costs: its copies' time on the device where
                         # known, not the wait, which holds the step's other work too
                         busy = pending.transfer.busy_s()
                         spent = t2 - t1 if busy is None else busy
-                        w.books.sample(LOCAL, sum(ok) * w.io.block_bytes, pending.queued_s + spent)
+                        nbytes = sum(ok) * w.io.block_bytes
+                        res.samples.append((LOCAL, nbytes, pending.queued_s + spent))
                     if logger.isEnabledFor(logging.DEBUG):
                         logger.debug(
                             "PegaFlow: layer-wise load of %s: %d of %d blocks, located %s, "
@@ -306,13 +354,9 @@ class LayerwiseLoads:
                 except Exception as e:
                     logger.warning("PegaFlow: layer-wise load of %s failed: %s", job.req_id, e)
                     ok = [False] * len(job.block_ids)
-            failed, first = w._account_load(job, ok, t0)
-            w.counters.add("layerwise_load_jobs")
-            out.update(failed)
-            if first is not None:
-                with w._lock:
-                    prev = w._report.load_failed.get(job.req_id, first)
-                    w._report.load_failed[job.req_id] = min(prev, first)
+            res.count("layerwise_load_jobs")
+            w.collect(res)
+            out.update(w.settle_layerwise(job, ok, t0))
         return out
 
     def take_load_errors(self, take_errors: Callable[[], set[int]]) -> AbstractSet[int]:

@@ -21,11 +21,11 @@ import numpy as np
 
 from pegaflow.deadline import Deadline
 
-from .discovery import LocalNodeFinder
-from .policy import LOCATE_PIN_S, MAX_LOCATE, CircuitBreaker
+from ..discovery import LocalNodeFinder
+from ..policy import LOCATE_PIN_S, MAX_LOCATE, CircuitBreaker
+from ..settings import ConnectorSettings
 from .reqstate import Lookup
 from .schedclient import ClusterClient
-from .settings import ConnectorSettings
 
 logger = logging.getLogger("pegaflow.connector")
 
@@ -60,9 +60,7 @@ class Locator:
         self.cluster = cluster
         self.finder = finder
         self._clock = clock
-        self.breaker = CircuitBreaker(
-            settings.failures_to_backoff, settings.backoff_s, settings.backoff_max_s, clock
-        )
+        self.breaker = CircuitBreaker.of(settings, clock)
         """pauses locates while they fail"""
 
     @property

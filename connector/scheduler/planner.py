@@ -18,12 +18,12 @@ from typing import Any
 from pegaflow.observability import telemetry
 from pegaflow.protocol.codec import LocatedBlocks
 
+from ..metadata import LoadJob, SaveJob, StepPlan, WorkerReport
+from ..metrics import Counters
+from ..namespace import block_hash_bytes, block_hashes_bytes
+from ..settings import ConnectorSettings
 from .known import KnownBlocks
-from .metadata import LoadJob, SaveJob, StepPlan, WorkerReport
-from .metrics import Counters
-from .namespace import block_hash_bytes, block_hashes_bytes
 from .reqstate import ReqState, group0
-from .settings import ConnectorSettings
 
 logger = logging.getLogger("pegaflow.connector")
 
