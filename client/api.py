@@ -1,5 +1,4 @@
-"""The asyncio client library: lookups through the coordinator, blocks straight from the
-nodes.
+"""The asyncio client: lookups through the coordinator, blocks straight from the nodes.
 
 :class:`PegaClient` is the asyncio API (:class:`~.sync.SyncPegaClient` offers it to
 synchronous callers; :mod:`~.samehost` finds the nodes on this host).  Calls have
@@ -21,17 +20,17 @@ from typing import Any
 from pegaflow.addresses import AUTO, client_host
 from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline, Timeout
-from pegaflow.errors import BadRequest, PegaError, Unavailable, WrongPeer
+from pegaflow.errors import BadRequest, PegaError, Unavailable
 from pegaflow.keys import NodeRecord
 from pegaflow.observability import telemetry
 from pegaflow.protocol.codec import LocatedBlocks, unpack_bits
 from pegaflow.protocol.node import Dropped
 from pegaflow.transport.rpc_client import RpcClient
 
-from .calls import default_timeout, operation
+from .calls import deadline_of, operation
 from .data import DataClient, Fetched, PoolFile, PutOutcome
-from .nodehealth import PROBE_TIMEOUT_S, RETRY_S, NodeHealth
-from .samehost import LocalNode, may_be_here, opens_as_node_file
+from .nodehealth import PROBE_TIMEOUT_S, NodeHealth, watch_down
+from .samehost import LocalNode, nodes_here
 from .session import NodeSession
 
 log = logging.getLogger(__name__)
@@ -63,11 +62,6 @@ class LookupResult:
     on_disk: list[bool] = field(default_factory=list)
     """per hit block, whether some shard asked for is only on its node's disk tier (a
     slower read than memory); empty, or False, where it is in memory"""
-
-
-_op = operation
-"""Declare an operation of :class:`PegaClient` (:func:`~.calls.operation`): the blocking
-and the future form of :class:`~.sync.SyncPegaClient` follow from it."""
 
 
 async def _per_node(
@@ -155,10 +149,8 @@ class PegaClient:
         await self._data.close()
 
     def _deadline(self, op: str, timeout: Timeout) -> Deadline:
-        """The deadline of operation ``op`` given its ``timeout`` (its declared default)."""
-        if isinstance(timeout, Deadline):  # carried from the caller's thread
-            return timeout
-        return Deadline.of(timeout, default_timeout(self.cfg, self, op))
+        """The deadline of operation ``op`` (:func:`~.calls.deadline_of`)."""
+        return deadline_of(self.cfg, getattr(PegaClient, op), timeout)
 
     def session(self, node_id: str) -> NodeSession:
         """The session with node ``node_id`` (one per node, kept; on this client's loop):
@@ -191,7 +183,7 @@ class PegaClient:
 
     # ---- control plane -------------------------------------------------------------
 
-    @_op("lookup_timeout_s")
+    @operation("lookup_timeout_s")
     async def lookup(
         self,
         ns: str,
@@ -218,7 +210,8 @@ class PegaClient:
         )
         with telemetry.span("pegaflow.client.lookup", attrs) as span:
             args = lookup_args(ns, hashes, shards, generations, warm_up)
-            res = await self._rpc.call("lookup", args, timeout=self._deadline("lookup", timeout))
+            deadline = self._deadline("lookup", timeout)
+            res = await self._rpc.call("lookup", args, timeout=deadline)
             span.set_attribute("pegaflow.hits", int(res["hits"]))
         got = lookup_result(res, len(shards), generations)
         self.learn_nodes(got.nodes)
@@ -235,7 +228,7 @@ class PegaClient:
         """The coordinator address calls go to now."""
         return self._rpc.current_address
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def place(
         self, ns: str, count: int, block_bytes: int, timeout: Timeout = None
     ) -> NodeRecord:
@@ -249,15 +242,17 @@ class PegaClient:
         self._nodes[rec.node_id] = rec
         return rec
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def status(self, timeout: Timeout = None) -> dict[str, Any]:
         """The cluster status document (nodes, usage, index size)."""
-        return await self._rpc.call("status", {}, timeout=self._deadline("status", timeout))
+        deadline = self._deadline("status", timeout)
+        return await self._rpc.call("status", {}, timeout=deadline)
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def nodes(self, timeout: Timeout = None) -> dict[str, NodeRecord]:
         """Every node of the cluster, by id."""
-        res = await self._rpc.call("nodes", {}, timeout=self._deadline("nodes", timeout))
+        deadline = self._deadline("nodes", timeout)
+        res = await self._rpc.call("nodes", {}, timeout=deadline)
         recs = [NodeRecord.from_wire(r) for r in res.get("nodes", [])]
         self._nodes = {r.node_id: r for r in recs}
         self._nodes_at = time.monotonic()
@@ -284,7 +279,7 @@ class PegaClient:
 
     # ---- data plane ----------------------------------------------------------------
 
-    @_op("transfer_timeout_s", fetch="_fetch_blocks")
+    @operation("transfer_timeout_s")
     async def get_blocks(
         self,
         ns: str,
@@ -357,7 +352,7 @@ class PegaClient:
 
         return Fetched.joined(await _per_node(items, get), parts)
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def pin_blocks(
         self,
         ns: str,
@@ -376,7 +371,7 @@ class PegaClient:
 
         return await _per_node(items, pin)
 
-    @_op("transfer_timeout_s")
+    @operation("transfer_timeout_s")
     async def put_blocks(
         self,
         ns: str,
@@ -409,7 +404,7 @@ class PegaClient:
             span.set_attribute("pegaflow.stored", out.stored)
         return out
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def drop(self, node_id: str, ns: str, timeout: Timeout = None) -> Dropped:
         """Drop every block of namespace ``ns`` from ``node_id`` (an operator's op: it
         needs the cluster token; see :meth:`NodeSession.drop`)."""
@@ -417,13 +412,14 @@ class PegaClient:
 
     # ---- same-host shortcut: the caller maps the node's pool file itself ------------
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def local_pool(self, node_id: str, timeout: Timeout = None) -> PoolFile | None:
         """The pool file of ``node_id`` if the node offers it to this client (same-host
         shortcut; whether this process can open it is for the caller to check)."""
-        return await self.session(node_id).pool_file(self._deadline("local_pool", timeout))
+        deadline = self._deadline("local_pool", timeout)
+        return await self.session(node_id).pool_file(deadline)
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def local_nodes(self, timeout: Timeout = None) -> list[LocalNode]:
         """The nodes on this host: among every node the coordinator knows, those whose
         published pool file opens here as that file (:func:`~.samehost.may_be_here`: no
@@ -437,36 +433,15 @@ class PegaClient:
         deadline = self._deadline("local_nodes", timeout)
         records = await self.nodes(timeout=deadline)
 
-        async def probe(rec: NodeRecord) -> LocalNode | None:
-            try:
-                pool = await self._data.pool_file(
-                    rec.ucx_address, deadline, expect_node=rec.node_id
-                )
-            except WrongPeer as e:
-                log.warning("node %s left out of this host's nodes: %s", rec.node_id, e)
-                return None
-            except PegaError as e:
-                log.debug("node %s (%s): no handshake: %s", rec.node_id, rec.ucx_address, e)
-                return None
-            if pool is None or not opens_as_node_file(pool):
-                return None
-            self.session(rec.node_id).know(pool)
-            return LocalNode(rec, pool)
+        async def hello(rec: NodeRecord) -> PoolFile | None:
+            return await self._data.pool_file(rec.ucx_address, deadline, expect_node=rec.node_id)
 
-        candidates = [r for r in records.values() if may_be_here(r)]
-        if not candidates:
-            return []
-        try:
-            got = await asyncio.wait_for(
-                asyncio.gather(*(probe(r) for r in candidates)), deadline.left()
-            )
-        except TimeoutError:
-            raise Unavailable("nodes on this host did not answer within the deadline") from None
-        found = [n for n in got if n is not None]
-        found.sort(key=lambda n: (-n.record.capacity_bytes, n.record.node_id))
+        found = await nodes_here(records.values(), hello, deadline)
+        for n in found:
+            self.session(n.record.node_id).know(n.pool)
         return found
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def locate(
         self,
         ns: str,
@@ -482,12 +457,12 @@ class PegaClient:
         deadline = self._deadline("locate", timeout)
         return await self.session(node_id).locate(ns, hashes, shard, ttl_s, deadline)
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def unpin(self, node_id: str, pin: int, timeout: Timeout = None) -> None:
         """Release a pin of :meth:`locate` early."""
         await self.session(node_id).unpin(pin, self._deadline("unpin", timeout))
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def report_lookups(
         self,
         node_id: str,
@@ -503,7 +478,7 @@ class PegaClient:
         deadline = self._deadline("report_lookups", timeout)
         await self.session(node_id).report_lookups(lookups, asked_blocks, hit_blocks, deadline)
 
-    @_op("transfer_timeout_s")
+    @operation("transfer_timeout_s")
     async def reserve_local(
         self,
         ns: str,
@@ -516,7 +491,7 @@ class PegaClient:
         deadline = self._deadline("reserve_local", timeout)
         return await self.session(node_id).reserve_local(ns, blocks, pool, deadline)
 
-    @_op("transfer_timeout_s")
+    @operation("transfer_timeout_s")
     async def commit_local(
         self,
         node_id: str,
@@ -530,10 +505,11 @@ class PegaClient:
         deadline = self._deadline("commit_local", timeout)
         return await self.session(node_id).commit_local(seq, accepted, deadline, digests, on_taken)
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def abort_local(self, node_id: str, seq: int, timeout: Timeout = None) -> None:
         """:meth:`NodeSession.abort_local` on ``node_id``."""
-        await self.session(node_id).abort_local(seq, self._deadline("abort_local", timeout))
+        deadline = self._deadline("abort_local", timeout)
+        await self.session(node_id).abort_local(seq, deadline)
 
     # ---- node health: no get waits on a node that failed (see .nodehealth) ----------
 
@@ -554,27 +530,15 @@ class PegaClient:
 
     def _start_watch(self) -> None:
         if self._watch is None or self._watch.done():
-            self._watch = asyncio.ensure_future(self._watch_down_nodes())
-
-    async def _watch_down_nodes(self) -> None:
-        """While some node is down: report it to the coordinators (rate-limited per node)
-        and try it again every :data:`~.nodehealth.RETRY_S` (a hello on a new
-        connection, at the address of its latest record); ends when none is down."""
-        refreshed = 0.0
-        while self.health.down():
-            if time.monotonic() - refreshed > 5 * RETRY_S:  # a node may have moved
-                refreshed = time.monotonic()
-                try:
-                    await self.nodes(timeout=PROBE_TIMEOUT_S)
-                except PegaError:
-                    pass
-            await asyncio.gather(
-                *(self._report_unreachable(nid) for nid in self.health.due_reports()),
-                *(self._probe(s.node_id) for s in self.health.suspects()),
+            self._watch = asyncio.ensure_future(
+                watch_down(self.health, self._refresh, self._probe, self._report_unreachable)
             )
-            await asyncio.sleep(RETRY_S)
+
+    async def _refresh(self) -> None:
+        await self.nodes(timeout=PROBE_TIMEOUT_S)
 
     async def _probe(self, node_id: str) -> None:
+        """A hello to ``node_id`` at its latest record's address: up if it answers."""
         rec = self._nodes.get(node_id)
         if rec is None:
             return
@@ -595,7 +559,7 @@ class PegaClient:
         except PegaError as e:
             log.debug("report of unreachable node %s failed: %s", node_id, e)
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def namespace_peers(
         self, ns: str, factors: dict[str, str], timeout: Timeout = None
     ) -> list[dict[str, Any]]:
@@ -610,7 +574,7 @@ class PegaClient:
         peers = res.get("peers") if isinstance(res, dict) else None
         return [p for p in peers or [] if isinstance(p, dict) and isinstance(p.get("ns"), str)]
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def report_unreachable(self, node_id: str, timeout: Timeout = None) -> bool:
         """Tell the coordinator that ``node_id`` fails this client's gets: it leaves the
         node's blocks out of lookups for a while unless it reaches the node itself

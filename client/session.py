@@ -41,7 +41,7 @@ from pegaflow.protocol.codec import LocatedBlocks
 from pegaflow.protocol.framing import UNIX_PREFIX
 from pegaflow.transport.rpc_client import RpcClient
 
-from .calls import default_timeout, operation
+from .calls import deadline_of, operation
 from .data import DataClient, Fetched, PoolFile, PutOutcome, retrieve
 
 log = logging.getLogger(__name__)
@@ -148,10 +148,8 @@ class NodeSession:
             sock.close_now()
 
     def _deadline(self, op: str, timeout: Timeout) -> Deadline:
-        if isinstance(timeout, Deadline):  # carried down: no default to look up
-            return timeout
-        default = None if self._cfg is None else default_timeout(self._cfg, self, op)
-        return Deadline.of(timeout, default)
+        """The deadline of operation ``op`` (:func:`~.calls.deadline_of`)."""
+        return deadline_of(self._cfg, getattr(NodeSession, op), timeout)
 
     # ---- transports ----------------------------------------------------------------
 
@@ -203,7 +201,7 @@ class NodeSession:
 
     # ---- over UCX ------------------------------------------------------------------
 
-    @operation("transfer_timeout_s", fetch="fetch")
+    @operation("transfer_timeout_s")
     async def get(
         self,
         ns: str,
@@ -308,7 +306,8 @@ class NodeSession:
     @operation("rpc_timeout_s")
     async def unpin(self, pin: int, timeout: Timeout = None) -> None:
         """Release a pin taken by :meth:`locate` or :meth:`pin` (idempotent)."""
-        await self._same_host(proto.encode_unpin(pin), self._deadline("unpin", timeout))
+        deadline = self._deadline("unpin", timeout)
+        await self._same_host(proto.encode_unpin(pin), deadline)
 
     @operation("rpc_timeout_s")
     async def report_lookups(
@@ -357,7 +356,8 @@ class NodeSession:
         while the node still hashes.  Else (an older node, an error) it is called when
         the commit's answer came, whatever it was."""
         msg = proto.encode_commit(seq, [None] * len(accepted), digests)
-        deadline = self._deadline("commit_local", timeout)  # the commit and its taken share it
+        # the commit and its taken share one deadline
+        deadline = self._deadline("commit_local", timeout)
         if on_taken is None:
             reply = await self._same_host(msg, deadline)
         else:
@@ -388,4 +388,5 @@ class NodeSession:
     @operation("rpc_timeout_s")
     async def abort_local(self, seq: int, timeout: Timeout = None) -> None:
         """Drop a local reservation (its slots go back to the pool)."""
-        await self._same_host(proto.encode_abort(seq), self._deadline("abort_local", timeout))
+        deadline = self._deadline("abort_local", timeout)
+        await self._same_host(proto.encode_abort(seq), deadline)
