@@ -82,9 +82,9 @@ class OnLoop:
         op: Callable[..., Coroutine[Any, Any, Any]],
         timeout: Timeout,
         *args: Any,
-        via: Callable[..., Coroutine[Any, Any, T]] | None = None,
+        via: Callable[..., Coroutine[Any, Any, Any]] | None = None,
         **kwargs: Any,
-    ) -> tuple[concurrent.futures.Future[T], Deadline]:
+    ) -> tuple[concurrent.futures.Future[Any], Deadline]:
         """``op(*args, timeout=<deadline>, **kwargs)`` started on the loop (or ``via``
         with those arguments: ``op``'s fetch form), and that deadline (made here, from
         ``timeout`` and ``op``'s default: :func:`deadline_of`)."""

@@ -133,7 +133,7 @@ class NodeSession:
     def control_address(self) -> str | None:
         """The address of the control socket this session uses, or would use first
         (None when it has none), for a caller that asks from its own thread (see
-        :meth:`~.sync.SyncNodeSession.locate_here`)."""
+        :meth:`~.sync_session.SyncNodeSession.locate_here`)."""
         sock, pool = self._socket, self._given
         if sock is not None:
             return sock.current_address

@@ -28,6 +28,7 @@ from pegaflow.protocol.node import Dropped
 
 from .api import GetItem, LookupResult, PegaClient, PutItem, PutResult, lookup_args, lookup_result
 from .calls import OnLoop, deadline_of, delivering
+from .landing import Fetched
 from .nodehealth import NodeHealth
 from .samehost import LocalNode, PoolFile
 from .session import NodeSession
@@ -90,8 +91,9 @@ class SyncPegaClient(OnLoop):
     ) -> LookupResult:
         """Blocking :meth:`PegaClient.lookup` (through the loop; see :meth:`lookup_here`)."""
         c = self._client
-        return self._call(c.lookup, timeout, ns, hashes, shards, generations=generations,
-                          warm_up=warm_up)  # fmt: skip
+        return self._call(
+            c.lookup, timeout, ns, hashes, shards, generations=generations, warm_up=warm_up
+        )
 
     def submit_lookup(
         self,
@@ -104,13 +106,13 @@ class SyncPegaClient(OnLoop):
     ) -> Future[LookupResult]:
         """:meth:`PegaClient.lookup` without waiting: a future of its answer."""
         c = self._client
-        return self._later(c.lookup, timeout, ns, hashes, shards, generations=generations,
-                           warm_up=warm_up)  # fmt: skip
+        return self._later(
+            c.lookup, timeout, ns, hashes, shards, generations=generations, warm_up=warm_up
+        )
 
     def place(self, ns: str, count: int, block_bytes: int, timeout: Timeout = None) -> NodeRecord:
         """Blocking :meth:`PegaClient.place`."""
         return self._call(self._client.place, timeout, ns, count, block_bytes)
-
 
     def submit_place(
         self, ns: str, count: int, block_bytes: int, timeout: Timeout = None
@@ -122,7 +124,6 @@ class SyncPegaClient(OnLoop):
         """Blocking :meth:`PegaClient.status`."""
         return self._call(self._client.status, timeout)
 
-
     def submit_status(self, timeout: Timeout = None) -> Future[dict[str, Any]]:
         """:meth:`PegaClient.status` without waiting: a future of its answer."""
         return self._later(self._client.status, timeout)
@@ -130,7 +131,6 @@ class SyncPegaClient(OnLoop):
     def nodes(self, timeout: Timeout = None) -> dict[str, NodeRecord]:
         """Blocking :meth:`PegaClient.nodes`."""
         return self._call(self._client.nodes, timeout)
-
 
     def submit_nodes(self, timeout: Timeout = None) -> Future[dict[str, NodeRecord]]:
         """:meth:`PegaClient.nodes` without waiting: a future of its answer."""
@@ -148,8 +148,10 @@ class SyncPegaClient(OnLoop):
         """Blocking :meth:`PegaClient.get_blocks`: the blocks are copied into the items'
         buffers on this thread, and never once the call gave up."""
         c = self._client
-        got = self._call(c.get_blocks, timeout, ns, items, generations=generations,
-                         zero_copy=zero_copy, via=c._fetch_blocks)  # fmt: skip
+        fetch, get = c._fetch_blocks, c.get_blocks
+        got: Fetched = self._wait(*self._start(
+            get, timeout, ns, items, generations=generations, zero_copy=zero_copy, via=fetch
+        ))  # fmt: skip
         return got.deliver()
 
     def submit_get_blocks(
@@ -166,8 +168,10 @@ class SyncPegaClient(OnLoop):
         first (:func:`~.calls.delivering`).  Its deadline runs from this call; pass a
         Deadline as ``timeout`` to wait for it with ``fut.result(deadline.hop_wait())``."""
         c = self._client
-        fut = self._later(c.get_blocks, timeout, ns, items, generations=generations,
-                          zero_copy=zero_copy, via=c._fetch_blocks)  # fmt: skip
+        fetch, get = c._fetch_blocks, c.get_blocks
+        fut, _deadline = self._start(
+            get, timeout, ns, items, generations=generations, zero_copy=zero_copy, via=fetch
+        )
         return delivering(fut)
 
     def pin_blocks(
@@ -214,7 +218,6 @@ class SyncPegaClient(OnLoop):
         """Blocking :meth:`PegaClient.drop`."""
         return self._call(self._client.drop, timeout, node_id, ns)
 
-
     def submit_drop(self, node_id: str, ns: str, timeout: Timeout = None) -> Future[Dropped]:
         """:meth:`PegaClient.drop` without waiting: a future of its answer."""
         return self._later(self._client.drop, timeout, node_id, ns)
@@ -223,7 +226,6 @@ class SyncPegaClient(OnLoop):
         """Blocking :meth:`PegaClient.local_pool`."""
         return self._call(self._client.local_pool, timeout, node_id)
 
-
     def submit_local_pool(self, node_id: str, timeout: Timeout = None) -> Future[PoolFile | None]:
         """:meth:`PegaClient.local_pool` without waiting: a future of its answer."""
         return self._later(self._client.local_pool, timeout, node_id)
@@ -231,7 +233,6 @@ class SyncPegaClient(OnLoop):
     def local_nodes(self, timeout: Timeout = None) -> list[LocalNode]:
         """Blocking :meth:`PegaClient.local_nodes`."""
         return self._call(self._client.local_nodes, timeout)
-
 
     def submit_local_nodes(self, timeout: Timeout = None) -> Future[list[LocalNode]]:
         """:meth:`PegaClient.local_nodes` without waiting: a future of its answer."""
@@ -283,7 +284,6 @@ class SyncPegaClient(OnLoop):
         c = self._client
         return self._call(c.report_lookups, timeout, node_id, lookups, asked_blocks, hit_blocks)
 
-
     def submit_report_lookups(
         self,
         node_id: str,
@@ -307,7 +307,6 @@ class SyncPegaClient(OnLoop):
         """Blocking :meth:`PegaClient.reserve_local`."""
         return self._call(self._client.reserve_local, timeout, ns, node_id, blocks, pool)
 
-
     def submit_reserve_local(
         self,
         ns: str,
@@ -330,9 +329,9 @@ class SyncPegaClient(OnLoop):
     ) -> PutResult:
         """Blocking :meth:`PegaClient.commit_local` (``on_taken`` runs on the loop)."""
         c = self._client
-        return self._call(c.commit_local, timeout, node_id, seq, accepted, digests=digests,
-                          on_taken=on_taken)  # fmt: skip
-
+        return self._call(
+            c.commit_local, timeout, node_id, seq, accepted, digests=digests, on_taken=on_taken
+        )
 
     def submit_commit_local(
         self,
@@ -345,13 +344,13 @@ class SyncPegaClient(OnLoop):
     ) -> Future[PutResult]:
         """:meth:`PegaClient.commit_local` without waiting: a future of its answer."""
         c = self._client
-        return self._later(c.commit_local, timeout, node_id, seq, accepted, digests=digests,
-                           on_taken=on_taken)  # fmt: skip
+        return self._later(
+            c.commit_local, timeout, node_id, seq, accepted, digests=digests, on_taken=on_taken
+        )
 
     def abort_local(self, node_id: str, seq: int, timeout: Timeout = None) -> None:
         """Blocking :meth:`PegaClient.abort_local`."""
         return self._call(self._client.abort_local, timeout, node_id, seq)
-
 
     def submit_abort_local(self, node_id: str, seq: int, timeout: Timeout = None) -> Future[None]:
         """:meth:`PegaClient.abort_local` without waiting: a future of its answer."""
@@ -372,7 +371,6 @@ class SyncPegaClient(OnLoop):
     def report_unreachable(self, node_id: str, timeout: Timeout = None) -> bool:
         """Blocking :meth:`PegaClient.report_unreachable`."""
         return self._call(self._client.report_unreachable, timeout, node_id)
-
 
     def submit_report_unreachable(self, node_id: str, timeout: Timeout = None) -> Future[bool]:
         """:meth:`PegaClient.report_unreachable` without waiting: a future of its answer."""

@@ -17,6 +17,7 @@ from pegaflow.transport.rpc_blocking import BlockingRpcClient
 
 from .calls import OnLoop, deadline_of
 from .data import PutOutcome
+from .landing import Fetched
 from .samehost import PoolFile
 from .session import NodeSession
 
@@ -56,7 +57,9 @@ class SyncNodeSession(OnLoop):
         """Blocking :meth:`NodeSession.get`: the blocks are copied into ``items``'
         buffers on this thread, and never once the call gave up."""
         s = self._session
-        got = self._call(s.get, timeout, ns, items, gens=gens, zero_copy=zero_copy, via=s.fetch)
+        got: Fetched = self._wait(
+            *self._start(s.get, timeout, ns, items, gens=gens, zero_copy=zero_copy, via=s.fetch)
+        )
         return got.deliver()
 
     def put(
