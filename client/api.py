@@ -28,9 +28,10 @@ from pegaflow.protocol.node import Dropped
 from pegaflow.transport.rpc_client import RpcClient
 
 from .calls import deadline_of, operation
-from .data import DataClient, Fetched, PoolFile, PutOutcome
+from .data import DataClient, GetOptions, PutOutcome
+from .landing import Fetched
 from .nodehealth import PROBE_TIMEOUT_S, NodeHealth, watch_down
-from .samehost import LocalNode, nodes_here
+from .samehost import LocalNode, PoolFile, nodes_here
 from .session import NodeSession
 
 log = logging.getLogger(__name__)
@@ -304,22 +305,16 @@ class PegaClient:
         reuses or reads a buffer only once :meth:`settled` says so, as the connector
         does (see :mod:`pegaflow.client.data`).
         """
-        deadline = self._deadline("get_blocks", timeout)
-        got = await self._fetch_blocks(ns, items, deadline, generations, zero_copy=zero_copy)
-        return got.deliver()
+        opts = GetOptions(generations, zero_copy)
+        return (await self._fetch_blocks(ns, items, opts, timeout)).deliver()
 
     async def _fetch_blocks(
-        self,
-        ns: str,
-        items: Sequence[GetItem],
-        timeout: Timeout = None,
-        generations: Sequence[int | None] | None = None,
-        *,
-        zero_copy: bool = False,
+        self, ns: str, items: Sequence[GetItem], opts: GetOptions, timeout: Timeout = None
     ) -> Fetched:
         """:meth:`get_blocks` but its last step: the caller's buffers are written only by
         :meth:`Fetched.deliver` (:meth:`DataClient.fetch`)."""
-        if generations is not None and len(generations) != len(items):
+        gens = opts.gens
+        if gens is not None and len(gens) != len(items):
             raise ValueError("generations must have one entry per item")
         deadline = self._deadline("get_blocks", timeout)
         parts: list[Fetched] = []
@@ -340,9 +335,8 @@ class PegaClient:
                 got = await self.session(node_id).fetch(
                     ns,
                     [(items[i][1], items[i][2], items[i][3]) for i in idx],
+                    replace(opts, gens=None if gens is None else [gens[i] for i in idx]),
                     deadline,
-                    None if generations is None else [generations[i] for i in idx],
-                    zero_copy=zero_copy,
                 )  # a failed get is misses; a node not a member raises
                 parts.append(got)
                 span.set_attribute("pegaflow.loaded", sum(got.ok))

@@ -67,6 +67,17 @@ def wrong_node(addr: str, meant: str, answered: str) -> WrongPeer:
     )
 
 
+@dataclass(frozen=True)
+class GetOptions:
+    """How a get reads, passed down as it is from the client through a node's session to
+    :meth:`DataClient.fetch`."""
+
+    gens: Sequence[int | None] | None = None
+    """per item, the generation its block must still have (None: any)"""
+    zero_copy: bool = False
+    """receive straight into the caller's buffers (see :mod:`.landing`)"""
+
+
 @dataclass
 class PutOutcome:
     """What a put did: blocks stored, already present (skipped), failed."""
@@ -298,29 +309,20 @@ class DataClient:
         for a while longer: only for a caller that reuses or reads a buffer of a failed
         get only once :meth:`settled` says so (see the module docstring).
         """
-        got = await self.fetch(
-            addr, ns, items, timeout, gens, expect_node=expect_node, zero_copy=zero_copy
-        )
-        return got.deliver()
+        opts, deadline = GetOptions(gens, zero_copy), Deadline.of(timeout)
+        return (await self.fetch(addr, ns, items, deadline, opts, expect_node)).deliver()
 
     async def fetch(
-        self,
-        addr: str,
-        ns: str,
-        items: Sequence[tuple[bytes, int, Any]],
-        timeout: Timeout,
-        gens: Sequence[int | None] | None = None,
-        *,
-        expect_node: str = "",
-        zero_copy: bool = False,
-    ) -> Fetched:
+        self, addr: str, ns: str, items: Sequence[tuple[bytes, int, Any]], deadline: Deadline,
+        opts: GetOptions, expect_node: str = "",
+    ) -> Fetched:  # fmt: skip
         """:meth:`get` but its last step: the blocks verified in landing buffers, copied
         into the caller's only by :meth:`Fetched.deliver` (a blocking caller delivers on
         its own thread, and not at all once it gave up on the call)."""
         misses = Fetched([False] * len(items))
         if not items:
             return misses
-        deadline = Deadline.of(timeout)
+        gens, zero_copy = opts.gens, opts.zero_copy
         views = [byte_view(b) for _, _, b in items]
         if zero_copy:
             key = self._unsettled.claim(views)

@@ -42,7 +42,9 @@ from pegaflow.protocol.framing import UNIX_PREFIX
 from pegaflow.transport.rpc_client import RpcClient
 
 from .calls import deadline_of, operation
-from .data import DataClient, Fetched, PoolFile, PutOutcome, retrieve
+from .data import DataClient, GetOptions, PutOutcome, retrieve
+from .landing import Fetched
+from .samehost import PoolFile
 
 log = logging.getLogger(__name__)
 
@@ -213,23 +215,16 @@ class NodeSession:
     ) -> list[bool]:
         """Fetch ``(hash, shard, buffer)`` blocks; once it returned, nothing writes the
         buffers, unless ``zero_copy`` (see :meth:`DataClient.get`)."""
-        return (await self.fetch(ns, items, timeout, gens, zero_copy=zero_copy)).deliver()
+        return (await self.fetch(ns, items, GetOptions(gens, zero_copy), timeout)).deliver()
 
     async def fetch(
-        self,
-        ns: str,
-        items: Sequence[tuple[bytes, int, Any]],
+        self, ns: str, items: Sequence[tuple[bytes, int, Any]], opts: GetOptions,
         timeout: Timeout = None,
-        gens: Sequence[int | None] | None = None,
-        *,
-        zero_copy: bool = False,
-    ) -> Fetched:
+    ) -> Fetched:  # fmt: skip
         """:meth:`get` but its last step (:meth:`DataClient.fetch`)."""
         deadline = self._deadline("get", timeout)
         addr = await self._address(deadline)
-        return await self._data.fetch(
-            addr, ns, items, deadline, gens, expect_node=self.node_id, zero_copy=zero_copy
-        )
+        return await self._data.fetch(addr, ns, items, deadline, opts, self.node_id)
 
     @operation("transfer_timeout_s")
     async def put(

@@ -28,6 +28,7 @@ from pegaflow.protocol.node import Dropped
 
 from .api import GetItem, LookupResult, PegaClient, PutItem, PutResult, lookup_args, lookup_result
 from .calls import OnLoop, deadline_of, delivering
+from .data import GetOptions
 from .landing import Fetched
 from .nodehealth import NodeHealth
 from .samehost import LocalNode, PoolFile
@@ -149,9 +150,8 @@ class SyncPegaClient(OnLoop):
         buffers on this thread, and never once the call gave up."""
         c = self._client
         fetch, get = c._fetch_blocks, c.get_blocks
-        got: Fetched = self._wait(*self._start(
-            get, timeout, ns, items, generations=generations, zero_copy=zero_copy, via=fetch
-        ))  # fmt: skip
+        opts = GetOptions(generations, zero_copy)
+        got: Fetched = self._wait(*self._start(get, timeout, ns, items, opts, via=fetch))
         return got.deliver()
 
     def submit_get_blocks(
@@ -169,9 +169,8 @@ class SyncPegaClient(OnLoop):
         Deadline as ``timeout`` to wait for it with ``fut.result(deadline.hop_wait())``."""
         c = self._client
         fetch, get = c._fetch_blocks, c.get_blocks
-        fut, _deadline = self._start(
-            get, timeout, ns, items, generations=generations, zero_copy=zero_copy, via=fetch
-        )
+        opts = GetOptions(generations, zero_copy)
+        fut, _deadline = self._start(get, timeout, ns, items, opts, via=fetch)
         return delivering(fut)
 
     def pin_blocks(

@@ -16,7 +16,7 @@ from pegaflow.protocol.node import Dropped
 from pegaflow.transport.rpc_blocking import BlockingRpcClient
 
 from .calls import OnLoop, deadline_of
-from .data import PutOutcome
+from .data import GetOptions, PutOutcome
 from .landing import Fetched
 from .samehost import PoolFile
 from .session import NodeSession
@@ -57,9 +57,8 @@ class SyncNodeSession(OnLoop):
         """Blocking :meth:`NodeSession.get`: the blocks are copied into ``items``'
         buffers on this thread, and never once the call gave up."""
         s = self._session
-        got: Fetched = self._wait(
-            *self._start(s.get, timeout, ns, items, gens=gens, zero_copy=zero_copy, via=s.fetch)
-        )
+        opts = GetOptions(gens, zero_copy)
+        got: Fetched = self._wait(*self._start(s.get, timeout, ns, items, opts, via=s.fetch))
         return got.deliver()
 
     def put(
