@@ -305,8 +305,9 @@ class PegaClient:
         reuses or reads a buffer only once :meth:`settled` says so, as the connector
         does (see :mod:`pegaflow.client.data`).
         """
-        opts = GetOptions(generations, zero_copy)
-        return (await self._fetch_blocks(ns, items, opts, timeout)).deliver()
+        deadline = self._deadline("get_blocks", timeout)
+        got = await self._fetch_blocks(ns, items, GetOptions(generations, zero_copy), deadline)
+        return got.deliver()
 
     async def _fetch_blocks(
         self, ns: str, items: Sequence[GetItem], opts: GetOptions, timeout: Timeout = None
