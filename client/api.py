@@ -1,5 +1,4 @@
-"""The asyncio client library: lookups through the coordinator, blocks straight from the
-nodes.
+"""The asyncio client: lookups through the coordinator, blocks straight from the nodes.
 
 :class:`PegaClient` is the asyncio API (:class:`~.sync.SyncPegaClient` offers it to
 synchronous callers; :mod:`~.samehost` finds the nodes on this host).  Calls have
@@ -21,7 +20,7 @@ from typing import Any
 from pegaflow.addresses import AUTO, client_host
 from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline, Timeout
-from pegaflow.errors import PegaError, Unavailable, WrongPeer
+from pegaflow.errors import PegaError, Unavailable
 from pegaflow.keys import NodeRecord
 from pegaflow.observability import telemetry
 from pegaflow.protocol.codec import LocatedBlocks
@@ -40,10 +39,11 @@ from pegaflow.protocol.coordinator import (
 from pegaflow.protocol.node import Dropped
 from pegaflow.transport.rpc_client import RpcClient
 
-from .calls import default_timeout, operation
-from .data import DataClient, Fetched, PoolFile, PutOutcome
-from .nodehealth import PROBE_TIMEOUT_S, RETRY_S, NodeHealth
-from .samehost import LocalNode, may_be_here, opens_as_node_file
+from .calls import deadline_of, operation
+from .data import DataClient, GetOptions, PutOutcome
+from .landing import Fetched
+from .nodehealth import PROBE_TIMEOUT_S, NodeHealth, watch_down
+from .samehost import LocalNode, PoolFile, nodes_here
 from .session import NodeSession
 
 log = logging.getLogger(__name__)
@@ -58,11 +58,6 @@ GetItem = tuple[str, bytes, int, Any]
 """(node id, block hash, shard, writable buffer of exactly the block's size)"""
 PutItem = tuple[bytes, int, Any]
 """(block hash, shard, readable buffer)"""
-
-
-_op = operation
-"""Declare an operation of :class:`PegaClient` (:func:`~.calls.operation`): the blocking
-and the future form of :class:`~.sync.SyncPegaClient` follow from it."""
 
 
 async def _per_node(
@@ -114,16 +109,13 @@ class PegaClient:
             s.close()
         await self._data.close()
 
-    async def _call(self, op: Op, args: dict[str, Any], timeout: Timeout) -> Any:
-        """The coordinator's answer to ``op`` (:mod:`pegaflow.protocol.coordinator`),
-        under the deadline of this client's operation of the same name."""
-        return await self._rpc.call(op, args, timeout=self._deadline(op, timeout))
+    async def _call(self, op: Op, args: dict[str, Any], deadline: Deadline) -> Any:
+        """The coordinator's answer to ``op`` (:mod:`pegaflow.protocol.coordinator`)."""
+        return await self._rpc.call(op, args, timeout=deadline)
 
     def _deadline(self, op: str, timeout: Timeout) -> Deadline:
-        """The deadline of operation ``op`` given its ``timeout`` (its declared default)."""
-        if isinstance(timeout, Deadline):  # carried from the caller's thread
-            return timeout
-        return Deadline.of(timeout, default_timeout(self.cfg, self, op))
+        """The deadline of operation ``op`` (:func:`~.calls.deadline_of`)."""
+        return deadline_of(self.cfg, getattr(PegaClient, op), timeout)
 
     def session(self, node_id: str) -> NodeSession:
         """The session with node ``node_id`` (one per node, kept; on this client's loop):
@@ -156,7 +148,7 @@ class PegaClient:
 
     # ---- control plane -------------------------------------------------------------
 
-    @_op("lookup_timeout_s")
+    @operation("lookup_timeout_s")
     async def lookup(
         self,
         ns: str,
@@ -183,7 +175,7 @@ class PegaClient:
         )
         with telemetry.span("pegaflow.client.lookup", attrs) as span:
             req = LookupRequest(ns, list(hashes), list(shards), generations, warm_up)
-            res = await self._call(Op.LOOKUP, req.to_wire(), timeout)
+            res = await self._call(Op.LOOKUP, req.to_wire(), self._deadline("lookup", timeout))
             span.set_attribute("pegaflow.hits", int(res["hits"]))
         got = LookupResult.from_wire(res, len(shards), generations)
         self.learn_nodes(got.nodes)
@@ -200,25 +192,26 @@ class PegaClient:
         """The coordinator address calls go to now."""
         return self._rpc.current_address
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def place(
         self, ns: str, count: int, block_bytes: int, timeout: Timeout = None
     ) -> NodeRecord:
         """The node the coordinator picks for ``count`` new blocks of ``block_bytes``."""
         req = PlaceRequest(ns, count, block_bytes, self.cfg.host)
-        rec = place_reply(await self._call(Op.PLACE, req.to_wire(), timeout))
+        deadline = self._deadline("place", timeout)
+        rec = place_reply(await self._call(Op.PLACE, req.to_wire(), deadline))
         self._nodes[rec.node_id] = rec
         return rec
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def status(self, timeout: Timeout = None) -> dict[str, Any]:
         """The cluster status document (nodes, usage, index size)."""
-        return await self._call(Op.STATUS, {}, timeout)
+        return await self._call(Op.STATUS, {}, self._deadline("status", timeout))
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def nodes(self, timeout: Timeout = None) -> dict[str, NodeRecord]:
         """Every node of the cluster, by id."""
-        recs = nodes_reply(await self._call(Op.NODES, {}, timeout))
+        recs = nodes_reply(await self._call(Op.NODES, {}, self._deadline("nodes", timeout)))
         self._nodes = {r.node_id: r for r in recs}
         self._nodes_at = time.monotonic()
         return dict(self._nodes)
@@ -244,7 +237,7 @@ class PegaClient:
 
     # ---- data plane ----------------------------------------------------------------
 
-    @_op("transfer_timeout_s", fetch="_fetch_blocks")
+    @operation("transfer_timeout_s")
     async def get_blocks(
         self,
         ns: str,
@@ -270,21 +263,16 @@ class PegaClient:
         does (see :mod:`pegaflow.client.data`).
         """
         deadline = self._deadline("get_blocks", timeout)
-        got = await self._fetch_blocks(ns, items, deadline, generations, zero_copy=zero_copy)
+        got = await self._fetch_blocks(ns, items, GetOptions(generations, zero_copy), deadline)
         return got.deliver()
 
     async def _fetch_blocks(
-        self,
-        ns: str,
-        items: Sequence[GetItem],
-        timeout: Timeout = None,
-        generations: Sequence[int | None] | None = None,
-        *,
-        zero_copy: bool = False,
+        self, ns: str, items: Sequence[GetItem], opts: GetOptions, timeout: Timeout = None
     ) -> Fetched:
         """:meth:`get_blocks` but its last step: the caller's buffers are written only by
         :meth:`Fetched.deliver` (:meth:`DataClient.fetch`)."""
-        if generations is not None and len(generations) != len(items):
+        gens = opts.gens
+        if gens is not None and len(gens) != len(items):
             raise ValueError("generations must have one entry per item")
         deadline = self._deadline("get_blocks", timeout)
         parts: list[Fetched] = []
@@ -305,9 +293,8 @@ class PegaClient:
                 got = await self.session(node_id).fetch(
                     ns,
                     [(items[i][1], items[i][2], items[i][3]) for i in idx],
+                    replace(opts, gens=None if gens is None else [gens[i] for i in idx]),
                     deadline,
-                    None if generations is None else [generations[i] for i in idx],
-                    zero_copy=zero_copy,
                 )  # a failed get is misses; a node not a member raises
                 parts.append(got)
                 span.set_attribute("pegaflow.loaded", sum(got.ok))
@@ -317,7 +304,7 @@ class PegaClient:
 
         return Fetched.joined(await _per_node(items, get), parts)
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def pin_blocks(
         self,
         ns: str,
@@ -336,7 +323,7 @@ class PegaClient:
 
         return await _per_node(items, pin)
 
-    @_op("transfer_timeout_s")
+    @operation("transfer_timeout_s")
     async def put_blocks(
         self,
         ns: str,
@@ -369,7 +356,7 @@ class PegaClient:
             span.set_attribute("pegaflow.stored", out.stored)
         return out
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def drop(self, node_id: str, ns: str, timeout: Timeout = None) -> Dropped:
         """Drop every block of namespace ``ns`` from ``node_id`` (an operator's op: it
         needs the cluster token; see :meth:`NodeSession.drop`)."""
@@ -377,13 +364,14 @@ class PegaClient:
 
     # ---- same-host shortcut: the caller maps the node's pool file itself ------------
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def local_pool(self, node_id: str, timeout: Timeout = None) -> PoolFile | None:
         """The pool file of ``node_id`` if the node offers it to this client (same-host
         shortcut; whether this process can open it is for the caller to check)."""
-        return await self.session(node_id).pool_file(self._deadline("local_pool", timeout))
+        deadline = self._deadline("local_pool", timeout)
+        return await self.session(node_id).pool_file(deadline)
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def local_nodes(self, timeout: Timeout = None) -> list[LocalNode]:
         """The nodes on this host: among every node the coordinator knows, those whose
         published pool file opens here as that file (:func:`~.samehost.may_be_here`: no
@@ -397,36 +385,15 @@ class PegaClient:
         deadline = self._deadline("local_nodes", timeout)
         records = await self.nodes(timeout=deadline)
 
-        async def probe(rec: NodeRecord) -> LocalNode | None:
-            try:
-                pool = await self._data.pool_file(
-                    rec.ucx_address, deadline, expect_node=rec.node_id
-                )
-            except WrongPeer as e:
-                log.warning("node %s left out of this host's nodes: %s", rec.node_id, e)
-                return None
-            except PegaError as e:
-                log.debug("node %s (%s): no handshake: %s", rec.node_id, rec.ucx_address, e)
-                return None
-            if pool is None or not opens_as_node_file(pool):
-                return None
-            self.session(rec.node_id).know(pool)
-            return LocalNode(rec, pool)
+        async def hello(rec: NodeRecord) -> PoolFile | None:
+            return await self._data.pool_file(rec.ucx_address, deadline, expect_node=rec.node_id)
 
-        candidates = [r for r in records.values() if may_be_here(r)]
-        if not candidates:
-            return []
-        try:
-            got = await asyncio.wait_for(
-                asyncio.gather(*(probe(r) for r in candidates)), deadline.left()
-            )
-        except TimeoutError:
-            raise Unavailable("nodes on this host did not answer within the deadline") from None
-        found = [n for n in got if n is not None]
-        found.sort(key=lambda n: (-n.record.capacity_bytes, n.record.node_id))
+        found = await nodes_here(records.values(), hello, deadline)
+        for n in found:
+            self.session(n.record.node_id).know(n.pool)
         return found
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def locate(
         self,
         ns: str,
@@ -442,12 +409,12 @@ class PegaClient:
         deadline = self._deadline("locate", timeout)
         return await self.session(node_id).locate(ns, hashes, shard, ttl_s, deadline)
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def unpin(self, node_id: str, pin: int, timeout: Timeout = None) -> None:
         """Release a pin of :meth:`locate` early."""
         await self.session(node_id).unpin(pin, self._deadline("unpin", timeout))
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def report_lookups(
         self,
         node_id: str,
@@ -463,7 +430,7 @@ class PegaClient:
         deadline = self._deadline("report_lookups", timeout)
         await self.session(node_id).report_lookups(lookups, asked_blocks, hit_blocks, deadline)
 
-    @_op("transfer_timeout_s")
+    @operation("transfer_timeout_s")
     async def reserve_local(
         self,
         ns: str,
@@ -476,7 +443,7 @@ class PegaClient:
         deadline = self._deadline("reserve_local", timeout)
         return await self.session(node_id).reserve_local(ns, blocks, pool, deadline)
 
-    @_op("transfer_timeout_s")
+    @operation("transfer_timeout_s")
     async def commit_local(
         self,
         node_id: str,
@@ -490,10 +457,11 @@ class PegaClient:
         deadline = self._deadline("commit_local", timeout)
         return await self.session(node_id).commit_local(seq, accepted, deadline, digests, on_taken)
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def abort_local(self, node_id: str, seq: int, timeout: Timeout = None) -> None:
         """:meth:`NodeSession.abort_local` on ``node_id``."""
-        await self.session(node_id).abort_local(seq, self._deadline("abort_local", timeout))
+        deadline = self._deadline("abort_local", timeout)
+        await self.session(node_id).abort_local(seq, deadline)
 
     # ---- node health: no get waits on a node that failed (see .nodehealth) ----------
 
@@ -514,27 +482,15 @@ class PegaClient:
 
     def _start_watch(self) -> None:
         if self._watch is None or self._watch.done():
-            self._watch = asyncio.ensure_future(self._watch_down_nodes())
-
-    async def _watch_down_nodes(self) -> None:
-        """While some node is down: report it to the coordinators (rate-limited per node)
-        and try it again every :data:`~.nodehealth.RETRY_S` (a hello on a new
-        connection, at the address of its latest record); ends when none is down."""
-        refreshed = 0.0
-        while self.health.down():
-            if time.monotonic() - refreshed > 5 * RETRY_S:  # a node may have moved
-                refreshed = time.monotonic()
-                try:
-                    await self.nodes(timeout=PROBE_TIMEOUT_S)
-                except PegaError:
-                    pass
-            await asyncio.gather(
-                *(self._report_unreachable(nid) for nid in self.health.due_reports()),
-                *(self._probe(s.node_id) for s in self.health.suspects()),
+            self._watch = asyncio.ensure_future(
+                watch_down(self.health, self._refresh, self._probe, self._report_unreachable)
             )
-            await asyncio.sleep(RETRY_S)
+
+    async def _refresh(self) -> None:
+        await self.nodes(timeout=PROBE_TIMEOUT_S)
 
     async def _probe(self, node_id: str) -> None:
+        """A hello to ``node_id`` at its latest record's address: up if it answers."""
         rec = self._nodes.get(node_id)
         if rec is None:
             return
@@ -555,7 +511,7 @@ class PegaClient:
         except PegaError as e:
             log.debug("report of unreachable node %s failed: %s", node_id, e)
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def namespace_peers(
         self, ns: str, factors: dict[str, str], timeout: Timeout = None
     ) -> list[dict[str, Any]]:
@@ -563,13 +519,15 @@ class PegaClient:
         factors}`` (``factors`` empty where no engine sent them), after sending this
         engine's ``factors`` of ``ns`` (see :mod:`pegaflow.coordinator.namespaces`)."""
         req = NamespacePeersRequest(ns, factors)
-        return namespace_peers_reply(await self._call(Op.NAMESPACE_PEERS, req.to_wire(), timeout))
+        deadline = self._deadline("namespace_peers", timeout)
+        return namespace_peers_reply(await self._call(Op.NAMESPACE_PEERS, req.to_wire(), deadline))
 
-    @_op("rpc_timeout_s")
+    @operation("rpc_timeout_s")
     async def report_unreachable(self, node_id: str, timeout: Timeout = None) -> bool:
         """Tell the coordinator that ``node_id`` fails this client's gets: it leaves the
         node's blocks out of lookups for a while unless it reaches the node itself
         (``report_unreachable``; see :mod:`pegaflow.coordinator.suspects`).  Whether the
         coordinator now leaves the node out."""
         args = encode_report_unreachable(node_id)
-        return report_unreachable_reply(await self._call(Op.REPORT_UNREACHABLE, args, timeout))
+        deadline = self._deadline("report_unreachable", timeout)
+        return report_unreachable_reply(await self._call(Op.REPORT_UNREACHABLE, args, deadline))

@@ -1,78 +1,65 @@
-"""The operations of the async client classes, and their blocking and future forms.
+"""A call's deadline, and the way a blocking facade runs an async operation.
 
 An operation is a coroutine method declared with :func:`operation`, which names the
-:class:`~pegaflow.config.ClientConfig` field its ``timeout`` defaults to.  :func:`offer`
-gives a synchronous facade (an :class:`OnLoop`) each operation of an async class twice,
-with its signature: ``op(...)`` blocks for the answer, ``submit_op(...)`` returns a
-:class:`concurrent.futures.Future` of it.  The deadline of a call is made from its
-``timeout`` on the caller's thread and carried to the loop (:mod:`pegaflow.deadline`).
+:class:`~pegaflow.config.ClientConfig` field its ``timeout`` defaults to.
+:func:`deadline_of` is the one place a call's ``timeout`` becomes its
+:class:`~pegaflow.deadline.Deadline`: the async operations resolve it there, and so
+does a blocking facade (:class:`OnLoop`) on the caller's thread before it hands the
+call to the loop, so the wait for the loop counts against the call's budget.
 
-An operation that writes the caller's buffers (a get) names its *fetch* form, which
-answers a :class:`~.data.Fetched` instead: the facade runs that one on the loop and
-delivers its answer on the caller's side, so a caller that gave up on the call (a
-blocking call past its deadline, a cancelled future) never has its buffers written
-afterwards.
+A get writes the caller's buffers: a facade runs its *fetch* form, which answers a
+:class:`~.landing.Fetched`, and delivers it on the caller's side (:func:`delivering` for
+a future), so a caller that gave up on the call (a blocking call past its deadline, a
+cancelled future) never has its buffers written afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
-import inspect
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from pegaflow.config import ClientConfig
-from pegaflow.deadline import Deadline
+from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import Unavailable
 from pegaflow.observability import telemetry
 
-from .data import Fetched
+from .landing import Fetched
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Coroutine[Any, Any, Any]])
 
 _DEFAULT = "__pegaflow_timeout__"
-_FETCH = "__pegaflow_fetch__"
 
 
-def operation(default: str, *, fetch: str | None = None) -> Callable[[F], F]:
-    """Declare an operation whose ``timeout`` defaults to ``ClientConfig.<default>``.
-
-    ``fetch``: the method (with the same arguments) that answers the
-    :class:`~.data.Fetched` this operation delivers (see the module docstring)."""
+def operation(default: str) -> Callable[[F], F]:
+    """Declare an operation whose ``timeout`` defaults to ``ClientConfig.<default>``."""
 
     def register(fn: F) -> F:
         setattr(fn, _DEFAULT, default)
-        if fetch is not None:
-            setattr(fn, _FETCH, fetch)
         return fn
 
     return register
 
 
-def operations(cls: type) -> dict[str, str]:
-    """Each operation of ``cls`` (by name): the config field its timeout defaults to."""
-    out: dict[str, str] = {}
-    for name in dir(cls):
-        default = getattr(getattr(cls, name), _DEFAULT, None)
-        if default is not None:
-            out[name] = default
-    return out
-
-
-def default_timeout(cfg: ClientConfig, obj: object, op: str) -> float:
-    """The default timeout of operation ``op`` of ``obj``'s class."""
-    return float(getattr(cfg, getattr(getattr(type(obj), op), _DEFAULT)))
+def deadline_of(cfg: ClientConfig | None, op: Callable[..., Any], timeout: Timeout) -> Deadline:
+    """The deadline of a call of operation ``op`` given its ``timeout``: a
+    :class:`Deadline` as it is (carried down), else seconds from now, ``None`` for the
+    default :func:`operation` declared for ``op`` (none without a ``cfg``: the call then
+    needs a timeout)."""
+    if isinstance(timeout, Deadline):
+        return timeout
+    default = None if cfg is None else float(getattr(cfg, getattr(op, _DEFAULT)))
+    return Deadline.of(timeout, default)
 
 
 class OnLoop:
-    """A synchronous facade over an async object that lives on ``loop`` (a thread runs
-    it); :func:`offer` adds the operations."""
+    """A blocking facade over an async object that lives on ``loop`` (a thread runs it).
 
-    _timeouts: dict[str, str] = {}
-    """each operation offered: the config field its timeout defaults to"""
+    Each operation of the facade is written out and goes through :meth:`_start`: its
+    deadline is made on the caller's thread, then the async operation runs on the loop
+    with it."""
 
     def __init__(self, cfg: ClientConfig, loop: asyncio.AbstractEventLoop) -> None:
         self.cfg = cfg
@@ -90,84 +77,39 @@ class OnLoop:
             fut.cancel()
             raise Unavailable("client event loop did not answer in time") from None
 
-    def _carry(
-        self, op: str, pos: int, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Deadline, tuple[Any, ...]]:
-        """The deadline of a call of ``op`` (``timeout`` at position ``pos`` of ``args``
-        or in ``kwargs``), put back into its arguments in place of the timeout."""
-        default = getattr(self.cfg, self._timeouts[op])
-        if len(args) > pos:
-            deadline = Deadline.of(args[pos], default)
-            args = (*args[:pos], deadline, *args[pos + 1 :])
-        else:
-            deadline = kwargs["timeout"] = Deadline.of(kwargs.get("timeout"), default)
-        return deadline, args
+    def _start(
+        self,
+        op: Callable[..., Coroutine[Any, Any, Any]],
+        timeout: Timeout,
+        *args: Any,
+        via: Callable[..., Coroutine[Any, Any, Any]] | None = None,
+        **kwargs: Any,
+    ) -> tuple[concurrent.futures.Future[Any], Deadline]:
+        """``op(*args, timeout=<deadline>, **kwargs)`` started on the loop (or ``via``
+        with those arguments: ``op``'s fetch form), and that deadline (made here, from
+        ``timeout`` and ``op``'s default: :func:`deadline_of`)."""
+        deadline = deadline_of(self.cfg, op, timeout)
+        run = op if via is None else via
+        return self._submit(run(*args, timeout=deadline, **kwargs)), deadline
+
+    def _call(
+        self, op: Callable[..., Coroutine[Any, Any, T]], timeout: Timeout, *args: Any, **kwargs: Any
+    ) -> T:
+        """:meth:`_start`, waited for."""
+        return self._wait(*self._start(op, timeout, *args, **kwargs))
+
+    def _later(
+        self, op: Callable[..., Coroutine[Any, Any, T]], timeout: Timeout, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[T]:
+        """:meth:`_start`, not waited for: the future of its answer."""
+        return self._start(op, timeout, *args, **kwargs)[0]
 
 
-def offer(facade: type[OnLoop], target: type, attr: str) -> None:
-    """Give ``facade`` every operation of ``target`` (whose instance is the facade's
-    attribute ``attr``), blocking and as a future."""
-    facade._timeouts = operations(target)
-    for op in facade._timeouts:
-        setattr(facade, op, _blocking(target, op, attr))
-        setattr(facade, f"submit_{op}", _submitting(target, op, attr))
-
-
-def _loop_method(target: type, op: str) -> tuple[str, bool]:
-    """The method the facade runs on the loop for ``op``: ``op``, or its fetch form (then
-    True: its answer is to be delivered)."""
-    fetch = getattr(getattr(target, op), _FETCH, None)
-    return (op, False) if fetch is None else (fetch, True)
-
-
-def _blocking(target: type, op: str, attr: str) -> Callable[..., Any]:
-    """``<facade>.<op>``: the target's ``op`` on the loop, waited for (a fetch form's
-    answer is delivered on the caller's thread)."""
-    fn = getattr(target, op)
-    pos = _timeout_index(fn)
-    run, fetches = _loop_method(target, op)
-
-    @functools.wraps(fn)
-    def call(self: OnLoop, *args: Any, **kwargs: Any) -> Any:
-        deadline, args = self._carry(op, pos, args, kwargs)
-        coro = getattr(getattr(self, attr), run)(*args, **kwargs)
-        got = self._wait(self._submit(coro), deadline)
-        return got.deliver() if fetches else got
-
-    call.__doc__ = f"Blocking :meth:`{target.__name__}.{op}` (see there)."
-    return call
-
-
-def _submitting(target: type, op: str, attr: str) -> Callable[..., concurrent.futures.Future[Any]]:
-    """``<facade>.submit_<op>``: the target's ``op`` on the loop, not waited for."""
-    fn = getattr(target, op)
-    pos = _timeout_index(fn)
-    run, fetches = _loop_method(target, op)
-
-    @functools.wraps(fn)
-    def submit(self: OnLoop, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
-        _deadline, args = self._carry(op, pos, args, kwargs)
-        fut = self._submit(getattr(getattr(self, attr), run)(*args, **kwargs))
-        return _delivering(fut) if fetches else fut
-
-    sig = inspect.signature(fn)
-    submit.__name__ = submit.__qualname__ = f"submit_{op}"
-    submit.__signature__ = sig.replace(  # type: ignore[attr-defined]
-        return_annotation=f"concurrent.futures.Future[{sig.return_annotation}]"
-    )
-    submit.__doc__ = (
-        f":meth:`{target.__name__}.{op}` without waiting: a future of its answer (its "
-        "deadline runs from this call; pass a Deadline as ``timeout`` to wait for it with "
-        "``fut.result(deadline.hop_wait())``)."
-    )
-    return submit
-
-
-def _delivering(fetch: concurrent.futures.Future[Fetched]) -> concurrent.futures.Future[Any]:
+def delivering(fetch: concurrent.futures.Future[Fetched]) -> concurrent.futures.Future[list[bool]]:
     """A future of ``fetch``'s answer delivered (on the loop thread, as it comes), unless
     this future was cancelled first: the answer is then discarded.  Once its delivery
     began, ``cancel()`` says False (the caller waits for its answer)."""
-    out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    out: concurrent.futures.Future[list[bool]] = concurrent.futures.Future()
 
     def done(f: concurrent.futures.Future[Fetched]) -> None:
         if f.cancelled():
@@ -189,9 +131,3 @@ def _delivering(fetch: concurrent.futures.Future[Fetched]) -> concurrent.futures
     fetch.add_done_callback(done)
     out.add_done_callback(given_up)
     return out
-
-
-def _timeout_index(fn: Callable[..., Any]) -> int:
-    """Where ``timeout`` is among the positional arguments of method ``fn`` after self."""
-    names = list(inspect.signature(fn).parameters)[1:]
-    return names.index("timeout")

@@ -5,24 +5,8 @@ reused across calls.  Every block is checked against the node's xxh3 before it c
 fetched.  A timeout or transport error closes the endpoint (without waiting on the node,
 which may be hung) and turns the whole batch into misses.
 
-Late bytes.  UCX cannot cancel a receive that is under way, and closing its endpoint does
-not stop it: the bytes of a get that gave up may land in its buffers long after it
-returned (at once over shared memory, or when a hung node resumes: 180-250 MiB of a
-256 MiB get did, ``tests/test_late_bytes.py``).  So a get receives into the client's own
-*landing buffers* and copies each verified block into the caller's buffer as its last
-step (:meth:`Fetched.deliver`): a caller's buffer is never a UCX target.  A landing buffer
-goes back to its pool (:data:`LANDING_KEEP_BYTES` kept) only once UCX reports its receive
-finished.  The copy costs: 0.60-0.83x the throughput of a zero-copy get (batches of 32
-blocks of 2-8 MiB over shared memory and TCP, one client reusing its landing buffers;
-a new client's first get also faults their pages in: 0.55-0.75x; 2-core machine,
-interleaved A/B).
-
-A caller that manages settlement itself (the vLLM connector, which receives into its own
-staging memory and reuses a buffer only once settled) may pass ``zero_copy=True``: UCX
-then receives straight into its buffers, which stay *unsettled* while the get is under
-way and, after a failed get, until UCX reports each receive finished.
-:meth:`DataClient.settled` tells it when a buffer may be reused, and a get into an
-unsettled buffer is refused (all misses) rather than verified and then overwritten.
+How a get keeps the caller's buffers from late bytes (its landing buffers, or
+``zero_copy=True``): :mod:`.landing`.
 
 Which node answers: connections are kept per address, and the node that answers the
 hello names itself (``node_id``).  A caller that means a given node passes its id
@@ -45,9 +29,8 @@ import concurrent.futures
 import functools
 import itertools
 import logging
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,12 +38,15 @@ import numpy as np
 
 from pegaflow.checksum import checksum
 from pegaflow.deadline import Deadline, Timeout
-from pegaflow.errors import BadRequest, PegaError, Unavailable, WrongPeer, error_from_wire
+from pegaflow.errors import PegaError, Unavailable, WrongPeer, error_from_wire
 from pegaflow.observability import telemetry
 from pegaflow.protocol import node as proto
 from pegaflow.protocol.codec import pack, unpack
 from pegaflow.protocol.framing import parse_address
-from pegaflow.transport.ucx import UcxWorker, as_array, close_endpoint, make_tag
+from pegaflow.transport.ucx import UcxWorker, close_endpoint, make_tag
+
+from .landing import Fetched, Landing, LandingPool, Unsettled, byte_view
+from .samehost import PoolFile
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +55,6 @@ _MAX_BLOCK = 1 << 30
 _WRONG_NODE_LOG_S = 60.0
 """a get that reached the wrong node is logged at WARNING at most this often per address
 and node meant"""
-LANDING_KEEP_BYTES = 256 << 20
-"""free landing buffers kept for the next gets (more are freed): one 256 MiB get reuses
-its buffers without faulting in new pages"""
 
 
 def wrong_node(addr: str, meant: str, answered: str) -> WrongPeer:
@@ -84,6 +67,17 @@ def wrong_node(addr: str, meant: str, answered: str) -> WrongPeer:
     )
 
 
+@dataclass(frozen=True)
+class GetOptions:
+    """How a get reads, passed down as it is from the client through a node's session to
+    :meth:`DataClient.fetch`."""
+
+    gens: Sequence[int | None] | None = None
+    """per item, the generation its block must still have (None: any)"""
+    zero_copy: bool = False
+    """receive straight into the caller's buffers (see :mod:`.landing`)"""
+
+
 @dataclass
 class PutOutcome:
     """What a put did: blocks stored, already present (skipped), failed."""
@@ -91,39 +85,6 @@ class PutOutcome:
     stored: int = 0
     skipped: int = 0
     failed: int = 0
-
-
-@dataclass(frozen=True)
-class PoolFile:
-    """Where a node keeps its pool (offered to same-host clients in the handshake)."""
-
-    path: str
-    dev: int
-    ino: int
-    size: int
-    control: str | None = None
-    """the node's same-host control socket (see :mod:`pegaflow.client.session`), if any"""
-
-    @property
-    def file_id(self) -> tuple[int, int]:
-        """(device, inode): which file this is (a same-host reservation names it)."""
-        return self.dev, self.ino
-
-    @classmethod
-    def from_wire(cls, d: Any) -> PoolFile | None:
-        if not isinstance(d, dict):
-            return None
-        try:
-            control = d.get("control")
-            return cls(
-                str(d["path"]),
-                int(d["dev"]),
-                int(d["ino"]),
-                int(d["bytes"]),
-                control if isinstance(control, str) and control else None,
-            )
-        except (KeyError, TypeError, ValueError):
-            return None
 
 
 @dataclass
@@ -135,201 +96,6 @@ class _NodeConn:
     pending: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
     reader: asyncio.Task[None] | None = None
     closed: bool = False
-
-
-class _Landing:
-    """The payloads of one get: each block's xxh3, taken the moment it lands, and one
-    future that completes when every block has landed (or fails with the first error)."""
-
-    __slots__ = ("fut", "left", "reqs", "sums", "views")
-
-    def __init__(self, views: list[memoryview]) -> None:
-        self.views = views
-        self.sums: list[int | None] = [None] * len(views)
-        self.left = len(views)
-        self.fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.reqs: list[Any] = []
-        """the receive requests, one per view"""
-
-    def callback(self, i: int) -> Callable[[BaseException | None], None]:
-        """The completion callback of block ``i``'s receive."""
-        return functools.partial(self._landed, i)
-
-    def _landed(self, i: int, err: BaseException | None) -> None:
-        fut = self.fut
-        if fut.done():
-            return
-        if err is not None:
-            fut.set_exception(err)
-            return
-        self.sums[i] = checksum(self.views[i])
-        self.left -= 1
-        if not self.left:
-            fut.set_result(None)
-
-
-def _byte_view(buf: Any) -> memoryview:
-    mv = memoryview(buf)
-    if not mv.c_contiguous:
-        raise BadRequest("block buffers must be C-contiguous")
-    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-
-
-def _span(view: memoryview) -> tuple[int, int]:
-    """The address range ``[start, end)`` of a byte view."""
-    start = as_array(view).ptr if len(view) else 0
-    return start, start + len(view)
-
-
-class _Unsettled:
-    """The caller's buffers that receives of zero-copy gets may write (see the module
-    docstring): while a get is under way, and after it failed until UCX reports its
-    unfinished receives finished."""
-
-    def __init__(self) -> None:
-        self._spans: dict[int, list[tuple[int, int]]] = {}
-        self._ids = itertools.count()
-        self.bytes = 0
-        """what failed gets' unfinished receives may still write (landing buffers too)"""
-
-    def claim(self, views: Sequence[memoryview]) -> int | None:
-        """Register the buffers of a zero-copy get; None (nothing registered) when one of
-        them overlaps a buffer still registered."""
-        spans = [_span(v) for v in views]
-        if self._overlap(spans):
-            return None
-        key = next(self._ids)
-        self._spans[key] = spans
-        return key
-
-    def release(self, key: int | None) -> None:
-        """Nothing writes the buffers of claim ``key`` any more."""
-        if key is not None:
-            self._spans.pop(key, None)
-
-    def hold(
-        self,
-        worker: UcxWorker,
-        landing: _Landing,
-        key: int | None,
-        then: Callable[[list[int]], None] | None = None,
-    ) -> list[int]:
-        """After a failed get: the buffers of ``landing`` whose receives are unfinished
-        are held until UCX reports those finished (the buffers of claim ``key`` stay
-        registered until then, the claim's others are released now); ``then(indexes)``
-        runs then.  Returns their indexes."""
-        open_ = [i for i, r in enumerate(landing.reqs) if not r.completed]
-        if not open_:
-            self.release(key)
-            return []
-        if key is not None:
-            self._spans[key] = [_span(landing.views[i]) for i in open_]
-        n = sum(len(landing.views[i]) for i in open_)
-        self.bytes += n
-        log.warning(
-            "%d bytes of a failed get may still be written by UCX; those buffers are held "
-            "until their receives finish",
-            n,
-        )
-
-        views = landing.views  # kept alive while UCX may write them
-
-        def settled() -> None:
-            views.clear()
-            self.release(key)
-            self.bytes -= n
-            if then is not None:
-                then(open_)
-
-        worker.settle([landing.reqs[i] for i in open_], settled)
-        return open_
-
-    def overlaps(self, views: Sequence[memoryview]) -> bool:
-        """Whether any byte of ``views`` may be written by a zero-copy get."""
-        return bool(self._spans) and self._overlap([_span(v) for v in views])
-
-    def _overlap(self, spans: Sequence[tuple[int, int]]) -> bool:
-        if not self._spans:
-            return False
-        held = [sp for group in list(self._spans.values()) for sp in group]
-        return any(a < hb and ha < b for a, b in spans for ha, hb in held)
-
-
-class _LandingPool:
-    """The client's own receive buffers, one per block (see the module docstring): taken
-    by a get, given back once copied out or once no receive can write them any more;
-    up to :data:`LANDING_KEEP_BYTES` of them kept.  Thread-safe: a blocking caller
-    delivers on its own thread."""
-
-    def __init__(self) -> None:
-        self._free: dict[int, list[np.ndarray]] = {}
-        self._kept = 0
-        self._lock = threading.Lock()
-
-    def take(self, sizes: Sequence[int]) -> list[np.ndarray]:
-        """One buffer of each size (kept ones first)."""
-        with self._lock:
-            got = [self._pop(n) for n in sizes]
-        return [np.empty(n, np.uint8) if b is None else b for b, n in zip(got, sizes, strict=True)]
-
-    def _pop(self, n: int) -> np.ndarray | None:
-        free = self._free.get(n)
-        if not free:
-            return None
-        self._kept -= n
-        return free.pop()
-
-    def give(self, bufs: Sequence[np.ndarray]) -> None:
-        """Buffers no receive can write any more (freed beyond what is kept)."""
-        with self._lock:
-            for b in bufs:
-                if self._kept + b.nbytes <= LANDING_KEEP_BYTES:
-                    self._free.setdefault(b.nbytes, []).append(b)
-                    self._kept += b.nbytes
-
-
-class Fetched:
-    """A get's answer before its last step: per item, whether its block arrived whole and
-    matched its checksum (:attr:`ok`), with the copies of those blocks from the client's
-    landing buffers into the caller's that only :meth:`deliver` makes (none for a
-    zero-copy get).  Whoever answers the caller delivers, or discards when the caller
-    gave up: nothing else ever writes the caller's buffers."""
-
-    __slots__ = ("_copies", "_then", "ok")
-
-    def __init__(
-        self,
-        ok: list[bool],
-        copies: Sequence[tuple[np.ndarray, np.ndarray]] = (),
-        then: Sequence[Callable[[], None]] = (),
-    ) -> None:
-        self.ok = ok
-        self._copies = list(copies)
-        """(caller's buffer, landing buffer) of each verified block"""
-        self._then = list(then)
-        """what gives the landing buffers back"""
-
-    @classmethod
-    def joined(cls, ok: list[bool], parts: Sequence[Fetched]) -> Fetched:
-        """Several gets' answers (of disjoint items) as one; ``ok``: per item of all."""
-        return cls(
-            ok,
-            [c for p in parts for c in p._copies],
-            [t for p in parts for t in p._then],
-        )
-
-    def deliver(self) -> list[bool]:
-        """Copy each verified block into the caller's buffer (once); :attr:`ok`."""
-        for dst, src in self._copies:
-            np.copyto(dst, src)
-        self.discard()
-        return self.ok
-
-    def discard(self) -> None:
-        """Give the landing buffers back without writing the caller's."""
-        then, self._copies, self._then = self._then, [], []
-        for t in then:
-            t()
 
 
 class DataClient:
@@ -353,8 +119,8 @@ class DataClient:
         self._connecting: dict[str, asyncio.Future[_NodeConn]] = {}
         self._ids = itertools.count(1)
         self._hasher = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pegaflow-xxh3")
-        self._unsettled = _Unsettled()
-        self._landings = _LandingPool()
+        self._unsettled = Unsettled()
+        self._landings = LandingPool()
         self.connect_timeout = connect_timeout
         """how long a connection (and its hello) may take, whatever the call's deadline"""
         #: Blocks a node answered ``"stale"`` for: their slot now holds another
@@ -368,7 +134,7 @@ class DataClient:
         write into ``buf``: only then may its caller reuse it for anything (a get into an
         unsettled buffer is refused).  Always true of a buffer only ever given to gets
         without ``zero_copy``.  Safe to call from any thread."""
-        return not self._unsettled.overlaps([_byte_view(buf)])
+        return not self._unsettled.overlaps([byte_view(buf)])
 
     def connected(self, addr: str) -> bool:
         """Whether a connection to the node at ``addr`` is open now (a failed transfer
@@ -543,30 +309,21 @@ class DataClient:
         for a while longer: only for a caller that reuses or reads a buffer of a failed
         get only once :meth:`settled` says so (see the module docstring).
         """
-        got = await self.fetch(
-            addr, ns, items, timeout, gens, expect_node=expect_node, zero_copy=zero_copy
-        )
-        return got.deliver()
+        opts, deadline = GetOptions(gens, zero_copy), Deadline.of(timeout)
+        return (await self.fetch(addr, ns, items, deadline, opts, expect_node)).deliver()
 
     async def fetch(
-        self,
-        addr: str,
-        ns: str,
-        items: Sequence[tuple[bytes, int, Any]],
-        timeout: Timeout,
-        gens: Sequence[int | None] | None = None,
-        *,
-        expect_node: str = "",
-        zero_copy: bool = False,
-    ) -> Fetched:
+        self, addr: str, ns: str, items: Sequence[tuple[bytes, int, Any]], deadline: Deadline,
+        opts: GetOptions, expect_node: str = "",
+    ) -> Fetched:  # fmt: skip
         """:meth:`get` but its last step: the blocks verified in landing buffers, copied
         into the caller's only by :meth:`Fetched.deliver` (a blocking caller delivers on
         its own thread, and not at all once it gave up on the call)."""
         misses = Fetched([False] * len(items))
         if not items:
             return misses
-        deadline = Deadline.of(timeout)
-        views = [_byte_view(b) for _, _, b in items]
+        gens, zero_copy = opts.gens, opts.zero_copy
+        views = [byte_view(b) for _, _, b in items]
         if zero_copy:
             key = self._unsettled.claim(views)
             refused = key is None
@@ -580,7 +337,7 @@ class DataClient:
             )  # fmt: skip
             return misses
         landings = None if zero_copy else self._landings.take([len(v) for v in views])
-        landed = _Landing(views if landings is None else [memoryview(b) for b in landings])
+        landed = Landing(views if landings is None else [memoryview(b) for b in landings])
         try:
             reply = await self._receive(addr, ns, items, gens, landed, deadline, expect_node)
             ok = self._verified(addr, reply, landed, gens)
@@ -605,7 +362,7 @@ class DataClient:
         ns: str,
         items: Sequence[tuple[bytes, int, Any]],
         gens: Sequence[int | None] | None,
-        landed: _Landing,
+        landed: Landing,
         deadline: Deadline,
         expect_node: str,
     ) -> dict[str, Any]:
@@ -641,7 +398,7 @@ class DataClient:
         return reply
 
     def _verified(
-        self, addr: str, reply: dict[str, Any], landed: _Landing, gens: Sequence[int | None] | None
+        self, addr: str, reply: dict[str, Any], landed: Landing, gens: Sequence[int | None] | None
     ) -> list[bool]:
         """Per item of a get's ``reply``: whether its block arrived whole, with the
         generation asked for, and matched its checksum."""
@@ -661,7 +418,7 @@ class DataClient:
         return ok
 
     def _give_up(
-        self, landed: _Landing, key: int | None, landings: list[np.ndarray] | None
+        self, landed: Landing, key: int | None, landings: list[np.ndarray] | None
     ) -> None:
         """After a failed get: what its unfinished receives may write is held until UCX
         reports them finished (the caller's buffers of claim ``key``, or landing
@@ -708,7 +465,7 @@ class DataClient:
         if not items:
             return PutOutcome()
         deadline = Deadline.of(timeout)
-        views = [_byte_view(b) for _, _, b in items]
+        views = [byte_view(b) for _, _, b in items]
         loop = asyncio.get_running_loop()
         # checksums are computed off the loop thread while the reservation round-trips
         hashing = asyncio.gather(*(loop.run_in_executor(self._hasher, checksum, v) for v in views))

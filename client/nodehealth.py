@@ -15,16 +15,20 @@ lookups for a while (``[coordinator] suspect_ttl_s``) unless they can reach it
 themselves: the cluster-wide part, see :mod:`pegaflow.coordinator.suspects`.
 
 Thread-safe: the connector's scheduler (another thread of the process) asks
-:meth:`NodeHealth.is_down` to decline hits on a node at once.  Pure module: no I/O.
+:meth:`NodeHealth.is_down` to decline hits on a node at once.  No I/O of its own:
+:func:`watch_down` drives the client's probes and reports.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+
+from pegaflow.errors import PegaError
 
 log = logging.getLogger("pegaflow.client.nodehealth")
 
@@ -156,3 +160,28 @@ class NodeHealth:
                 return
             self._logged[key] = now
         log.warning(msg, *args)
+
+
+async def watch_down(
+    health: NodeHealth,
+    refresh: Callable[[], Awaitable[object]],
+    probe: Callable[[str], Awaitable[object]],
+    report: Callable[[str], Awaitable[object]],
+) -> None:
+    """While some node of ``health`` is down: ``report`` it to the coordinators
+    (rate-limited per node) and ``probe`` it again every :data:`RETRY_S` (a hello on a
+    new connection, at the address of its latest record, which ``refresh`` learns anew
+    every ``5 * RETRY_S``: a node may have moved); ends when none is down."""
+    refreshed = 0.0
+    while health.down():
+        if time.monotonic() - refreshed > 5 * RETRY_S:
+            refreshed = time.monotonic()
+            try:
+                await refresh()
+            except PegaError:
+                pass
+        await asyncio.gather(
+            *(report(nid) for nid in health.due_reports()),
+            *(probe(s.node_id) for s in health.suspects()),
+        )
+        await asyncio.sleep(RETRY_S)

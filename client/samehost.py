@@ -12,18 +12,54 @@ older version) falls back to the address check (:func:`on_this_host`)."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import ipaddress
 import logging
 import os
 import socket
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
+from pegaflow.deadline import Deadline
+from pegaflow.errors import PegaError, Unavailable, WrongPeer
 from pegaflow.keys import NodeRecord
 
-from .data import PoolFile
-
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolFile:
+    """Where a node keeps its pool (offered to same-host clients in the handshake)."""
+
+    path: str
+    dev: int
+    ino: int
+    size: int
+    control: str | None = None
+    """the node's same-host control socket (see :mod:`pegaflow.client.session`), if any"""
+
+    @property
+    def file_id(self) -> tuple[int, int]:
+        """(device, inode): which file this is (a same-host reservation names it)."""
+        return self.dev, self.ino
+
+    @classmethod
+    def from_wire(cls, d: Any) -> PoolFile | None:
+        if not isinstance(d, dict):
+            return None
+        try:
+            control = d.get("control")
+            return cls(
+                str(d["path"]),
+                int(d["dev"]),
+                int(d["ino"]),
+                int(d["bytes"]),
+                control if isinstance(control, str) and control else None,
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
 
 
 @dataclass(frozen=True)
@@ -104,3 +140,42 @@ def opens_as_node_file(info: PoolFile) -> bool:
     except OSError:
         return False
     return True
+
+
+async def nodes_here(
+    records: Iterable[NodeRecord],
+    hello: Callable[[NodeRecord], Awaitable[PoolFile | None]],
+    deadline: Deadline,
+) -> list[LocalNode]:
+    """The nodes of ``records`` on this host: those whose published pool file opens here
+    as that file (:func:`may_be_here`: no other node is asked), and whose pool file
+    offered in their ``hello`` (the data-plane handshake) does too.  Largest pool first,
+    then by id.  A node whose hello fails is left out (one that another node answers
+    for is logged at WARNING, see :class:`~pegaflow.errors.WrongPeer`); raises
+    ``Unavailable`` when the hellos run past ``deadline``."""
+
+    async def probe(rec: NodeRecord) -> LocalNode | None:
+        try:
+            pool = await hello(rec)
+        except WrongPeer as e:
+            log.warning("node %s left out of this host's nodes: %s", rec.node_id, e)
+            return None
+        except PegaError as e:
+            log.debug("node %s (%s): no handshake: %s", rec.node_id, rec.ucx_address, e)
+            return None
+        if pool is None or not opens_as_node_file(pool):
+            return None
+        return LocalNode(rec, pool)
+
+    candidates = [r for r in records if may_be_here(r)]
+    if not candidates:
+        return []
+    try:
+        got = await asyncio.wait_for(
+            asyncio.gather(*(probe(r) for r in candidates)), deadline.left()
+        )
+    except TimeoutError:
+        raise Unavailable("nodes on this host did not answer within the deadline") from None
+    found = [n for n in got if n is not None]
+    found.sort(key=lambda n: (-n.record.capacity_bytes, n.record.node_id))
+    return found

@@ -41,8 +41,10 @@ from pegaflow.protocol.codec import LocatedBlocks
 from pegaflow.protocol.framing import UNIX_PREFIX
 from pegaflow.transport.rpc_client import RpcClient
 
-from .calls import default_timeout, operation
-from .data import DataClient, Fetched, PoolFile, PutOutcome, retrieve
+from .calls import deadline_of, operation
+from .data import DataClient, GetOptions, PutOutcome, retrieve
+from .landing import Fetched
+from .samehost import PoolFile
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +135,7 @@ class NodeSession:
     def control_address(self) -> str | None:
         """The address of the control socket this session uses, or would use first
         (None when it has none), for a caller that asks from its own thread (see
-        :meth:`~.sync.SyncNodeSession.locate_here`)."""
+        :meth:`~.sync_session.SyncNodeSession.locate_here`)."""
         sock, pool = self._socket, self._given
         if sock is not None:
             return sock.current_address
@@ -148,10 +150,8 @@ class NodeSession:
             sock.close_now()
 
     def _deadline(self, op: str, timeout: Timeout) -> Deadline:
-        if isinstance(timeout, Deadline):  # carried down: no default to look up
-            return timeout
-        default = None if self._cfg is None else default_timeout(self._cfg, self, op)
-        return Deadline.of(timeout, default)
+        """The deadline of operation ``op`` (:func:`~.calls.deadline_of`)."""
+        return deadline_of(self._cfg, getattr(NodeSession, op), timeout)
 
     # ---- transports ----------------------------------------------------------------
 
@@ -203,7 +203,7 @@ class NodeSession:
 
     # ---- over UCX ------------------------------------------------------------------
 
-    @operation("transfer_timeout_s", fetch="fetch")
+    @operation("transfer_timeout_s")
     async def get(
         self,
         ns: str,
@@ -215,23 +215,16 @@ class NodeSession:
     ) -> list[bool]:
         """Fetch ``(hash, shard, buffer)`` blocks; once it returned, nothing writes the
         buffers, unless ``zero_copy`` (see :meth:`DataClient.get`)."""
-        return (await self.fetch(ns, items, timeout, gens, zero_copy=zero_copy)).deliver()
+        return (await self.fetch(ns, items, GetOptions(gens, zero_copy), timeout)).deliver()
 
     async def fetch(
-        self,
-        ns: str,
-        items: Sequence[tuple[bytes, int, Any]],
+        self, ns: str, items: Sequence[tuple[bytes, int, Any]], opts: GetOptions,
         timeout: Timeout = None,
-        gens: Sequence[int | None] | None = None,
-        *,
-        zero_copy: bool = False,
-    ) -> Fetched:
+    ) -> Fetched:  # fmt: skip
         """:meth:`get` but its last step (:meth:`DataClient.fetch`)."""
         deadline = self._deadline("get", timeout)
         addr = await self._address(deadline)
-        return await self._data.fetch(
-            addr, ns, items, deadline, gens, expect_node=self.node_id, zero_copy=zero_copy
-        )
+        return await self._data.fetch(addr, ns, items, deadline, opts, self.node_id)
 
     @operation("transfer_timeout_s")
     async def put(
@@ -308,7 +301,8 @@ class NodeSession:
     @operation("rpc_timeout_s")
     async def unpin(self, pin: int, timeout: Timeout = None) -> None:
         """Release a pin taken by :meth:`locate` or :meth:`pin` (idempotent)."""
-        await self._same_host(proto.encode_unpin(pin), self._deadline("unpin", timeout))
+        deadline = self._deadline("unpin", timeout)
+        await self._same_host(proto.encode_unpin(pin), deadline)
 
     @operation("rpc_timeout_s")
     async def report_lookups(
@@ -357,7 +351,8 @@ class NodeSession:
         while the node still hashes.  Else (an older node, an error) it is called when
         the commit's answer came, whatever it was."""
         msg = proto.encode_commit(seq, [None] * len(accepted), digests)
-        deadline = self._deadline("commit_local", timeout)  # the commit and its taken share it
+        # the commit and its taken share one deadline
+        deadline = self._deadline("commit_local", timeout)
         if on_taken is None:
             reply = await self._same_host(msg, deadline)
         else:
@@ -388,4 +383,5 @@ class NodeSession:
     @operation("rpc_timeout_s")
     async def abort_local(self, seq: int, timeout: Timeout = None) -> None:
         """Drop a local reservation (its slots go back to the pool)."""
-        await self._same_host(proto.encode_abort(seq), self._deadline("abort_local", timeout))
+        deadline = self._deadline("abort_local", timeout)
+        await self._same_host(proto.encode_abort(seq), deadline)

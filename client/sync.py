@@ -1,31 +1,40 @@
-"""The blocking client: :class:`SyncPegaClient` runs a :class:`~.api.PegaClient` on a
-private event-loop thread for synchronous callers (the vLLM connector, scripts) and
-offers each of its operations twice, built from it by one helper
-(:func:`~.calls.offer`): ``op(...)`` blocks for the answer, ``submit_op(...)`` returns a
-future.  Deadlines are made on the caller's thread and carried across the hop to the
-loop (:mod:`pegaflow.deadline`)."""
+"""The blocking client: each operation of the asyncio client, run on its loop thread.
+
+:class:`SyncPegaClient` runs a :class:`~.api.PegaClient` on a private event-loop thread
+for synchronous callers (the vLLM connector, scripts).
+
+Each of its operations is written out here and runs the async one on the loop through
+one helper (:class:`~.calls.OnLoop`): ``op(...)`` blocks for the answer,
+``submit_op(...)`` returns a future of it.
+Deadlines are made on the caller's thread and carried across the hop to the loop
+(:func:`~.calls.deadline_of`, :mod:`pegaflow.deadline`)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import uvloop
 
 from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline, Timeout
-from pegaflow.errors import DeadlineExceeded, Unavailable
-from pegaflow.protocol import node as proto
+from pegaflow.errors import DeadlineExceeded
+from pegaflow.keys import NodeRecord
 from pegaflow.protocol.codec import LocatedBlocks
 from pegaflow.protocol.coordinator import LookupRequest, LookupResult, Op
-from pegaflow.transport.rpc_client import BlockingRpcClient
+from pegaflow.protocol.node import Dropped
 
-from .api import PegaClient
-from .calls import OnLoop, offer
+from .api import GetItem, PegaClient, PutItem, PutResult
+from .calls import OnLoop, deadline_of, delivering
+from .data import GetOptions
+from .landing import Fetched
 from .nodehealth import NodeHealth
+from .samehost import LocalNode, PoolFile
 from .session import NodeSession
+from .sync_session import LOOP, Here, SyncNodeSession
 
 T = TypeVar("T")
 
@@ -33,11 +42,11 @@ T = TypeVar("T")
 class SyncPegaClient(OnLoop):
     """A thread-safe, blocking facade over a :class:`PegaClient` on its own loop thread.
 
-    Every operation of :class:`PegaClient` is here twice, with its signature: ``op(...)``
-    blocks until the answer, ``submit_op(...)`` returns a
-    :class:`concurrent.futures.Future` of it at once (:func:`~.calls.offer`).  The call's
-    deadline is made from its ``timeout`` on the caller's thread and carried to the loop
-    (a :class:`~pegaflow.deadline.Deadline` passed as ``timeout`` is carried as it is),
+    Every operation of :class:`PegaClient` is here with its signature: ``op(...)`` blocks
+    until the answer; ``submit_op(...)`` returns a
+    :class:`concurrent.futures.Future` of it at once.  The call's deadline is made from
+    its ``timeout`` on the caller's thread and carried to the loop (a
+    :class:`~pegaflow.deadline.Deadline` passed as ``timeout`` is carried as it is),
     so the wait for the loop counts against it; a blocking call waits at most
     :data:`~pegaflow.deadline.HOP_MARGIN_S` past it.  :meth:`node_session` gives the
     same for one node's ops.
@@ -58,7 +67,7 @@ class SyncPegaClient(OnLoop):
         self._node_sessions: dict[str, SyncNodeSession] = {}
         self._sessions_lock = threading.Lock()
         self._token = token
-        self._lookup_here = _Here(token)
+        self._lookup_here = Here(token)
         self._lookup_failed = False
         """the last :meth:`lookup_here` passed its deadline: the next goes through the loop"""
 
@@ -70,6 +79,302 @@ class SyncPegaClient(OnLoop):
         """``fn(async_client)`` on the loop, waited for: only for tests that reach into
         the async client's internals (callers use the operations)."""
         return self._wait(self._submit(fn(self._client)), Deadline.of(timeout))
+
+    # ---- the operations of PegaClient, blocking (and as futures) ---------------------
+
+    def lookup(
+        self,
+        ns: str,
+        hashes: Sequence[bytes],
+        shards: Sequence[int] = (0,),
+        timeout: Timeout = None,
+        generations: bool = False,
+        warm_up: bool = False,
+    ) -> LookupResult:
+        """Blocking :meth:`PegaClient.lookup` (through the loop; see :meth:`lookup_here`)."""
+        c = self._client
+        return self._call(
+            c.lookup, timeout, ns, hashes, shards, generations=generations, warm_up=warm_up
+        )
+
+    def submit_lookup(
+        self,
+        ns: str,
+        hashes: Sequence[bytes],
+        shards: Sequence[int] = (0,),
+        timeout: Timeout = None,
+        generations: bool = False,
+        warm_up: bool = False,
+    ) -> Future[LookupResult]:
+        """:meth:`PegaClient.lookup` without waiting: a future of its answer."""
+        c = self._client
+        return self._later(
+            c.lookup, timeout, ns, hashes, shards, generations=generations, warm_up=warm_up
+        )
+
+    def place(self, ns: str, count: int, block_bytes: int, timeout: Timeout = None) -> NodeRecord:
+        """Blocking :meth:`PegaClient.place`."""
+        return self._call(self._client.place, timeout, ns, count, block_bytes)
+
+    def submit_place(
+        self, ns: str, count: int, block_bytes: int, timeout: Timeout = None
+    ) -> Future[NodeRecord]:
+        """:meth:`PegaClient.place` without waiting: a future of its answer."""
+        return self._later(self._client.place, timeout, ns, count, block_bytes)
+
+    def status(self, timeout: Timeout = None) -> dict[str, Any]:
+        """Blocking :meth:`PegaClient.status`."""
+        return self._call(self._client.status, timeout)
+
+    def submit_status(self, timeout: Timeout = None) -> Future[dict[str, Any]]:
+        """:meth:`PegaClient.status` without waiting: a future of its answer."""
+        return self._later(self._client.status, timeout)
+
+    def nodes(self, timeout: Timeout = None) -> dict[str, NodeRecord]:
+        """Blocking :meth:`PegaClient.nodes`."""
+        return self._call(self._client.nodes, timeout)
+
+    def submit_nodes(self, timeout: Timeout = None) -> Future[dict[str, NodeRecord]]:
+        """:meth:`PegaClient.nodes` without waiting: a future of its answer."""
+        return self._later(self._client.nodes, timeout)
+
+    def get_blocks(
+        self,
+        ns: str,
+        items: Sequence[GetItem],
+        timeout: Timeout = None,
+        generations: Sequence[int | None] | None = None,
+        *,
+        zero_copy: bool = False,
+    ) -> list[bool]:
+        """Blocking :meth:`PegaClient.get_blocks`: the blocks are copied into the items'
+        buffers on this thread, and never once the call gave up."""
+        c = self._client
+        fetch, get = c._fetch_blocks, c.get_blocks
+        opts = GetOptions(generations, zero_copy)
+        got: Fetched = self._wait(*self._start(get, timeout, ns, items, opts, via=fetch))
+        return got.deliver()
+
+    def submit_get_blocks(
+        self,
+        ns: str,
+        items: Sequence[GetItem],
+        timeout: Timeout = None,
+        generations: Sequence[int | None] | None = None,
+        *,
+        zero_copy: bool = False,
+    ) -> Future[list[bool]]:
+        """:meth:`PegaClient.get_blocks` without waiting: a future of its answer, whose
+        blocks are copied into the buffers as it comes, unless the future was cancelled
+        first (:func:`~.calls.delivering`).  Its deadline runs from this call; pass a
+        Deadline as ``timeout`` to wait for it with ``fut.result(deadline.hop_wait())``."""
+        c = self._client
+        fetch, get = c._fetch_blocks, c.get_blocks
+        opts = GetOptions(generations, zero_copy)
+        fut, _deadline = self._start(get, timeout, ns, items, opts, via=fetch)
+        return delivering(fut)
+
+    def pin_blocks(
+        self,
+        ns: str,
+        items: Sequence[tuple[str, bytes, int]],
+        ttl_s: float = 5.0,
+        timeout: Timeout = None,
+    ) -> list[bool]:
+        """Blocking :meth:`PegaClient.pin_blocks`."""
+        return self._call(self._client.pin_blocks, timeout, ns, items, ttl_s)
+
+    def submit_pin_blocks(
+        self,
+        ns: str,
+        items: Sequence[tuple[str, bytes, int]],
+        ttl_s: float = 5.0,
+        timeout: Timeout = None,
+    ) -> Future[list[bool]]:
+        """:meth:`PegaClient.pin_blocks` without waiting: a future of its answer."""
+        return self._later(self._client.pin_blocks, timeout, ns, items, ttl_s)
+
+    def put_blocks(
+        self,
+        ns: str,
+        items: Sequence[PutItem],
+        node_id: str | None = None,
+        timeout: Timeout = None,
+    ) -> PutResult:
+        """Blocking :meth:`PegaClient.put_blocks`."""
+        return self._call(self._client.put_blocks, timeout, ns, items, node_id)
+
+    def submit_put_blocks(
+        self,
+        ns: str,
+        items: Sequence[PutItem],
+        node_id: str | None = None,
+        timeout: Timeout = None,
+    ) -> Future[PutResult]:
+        """:meth:`PegaClient.put_blocks` without waiting: a future of its answer."""
+        return self._later(self._client.put_blocks, timeout, ns, items, node_id)
+
+    def drop(self, node_id: str, ns: str, timeout: Timeout = None) -> Dropped:
+        """Blocking :meth:`PegaClient.drop`."""
+        return self._call(self._client.drop, timeout, node_id, ns)
+
+    def submit_drop(self, node_id: str, ns: str, timeout: Timeout = None) -> Future[Dropped]:
+        """:meth:`PegaClient.drop` without waiting: a future of its answer."""
+        return self._later(self._client.drop, timeout, node_id, ns)
+
+    def local_pool(self, node_id: str, timeout: Timeout = None) -> PoolFile | None:
+        """Blocking :meth:`PegaClient.local_pool`."""
+        return self._call(self._client.local_pool, timeout, node_id)
+
+    def submit_local_pool(self, node_id: str, timeout: Timeout = None) -> Future[PoolFile | None]:
+        """:meth:`PegaClient.local_pool` without waiting: a future of its answer."""
+        return self._later(self._client.local_pool, timeout, node_id)
+
+    def local_nodes(self, timeout: Timeout = None) -> list[LocalNode]:
+        """Blocking :meth:`PegaClient.local_nodes`."""
+        return self._call(self._client.local_nodes, timeout)
+
+    def submit_local_nodes(self, timeout: Timeout = None) -> Future[list[LocalNode]]:
+        """:meth:`PegaClient.local_nodes` without waiting: a future of its answer."""
+        return self._later(self._client.local_nodes, timeout)
+
+    def locate(
+        self,
+        ns: str,
+        node_id: str,
+        hashes: Sequence[bytes],
+        shard: int = 0,
+        ttl_s: float = 5.0,
+        timeout: Timeout = None,
+    ) -> tuple[int, LocatedBlocks]:
+        """Blocking :meth:`PegaClient.locate` (through the loop; see :meth:`locate_here`)."""
+        return self._call(self._client.locate, timeout, ns, node_id, hashes, shard, ttl_s)
+
+    def submit_locate(
+        self,
+        ns: str,
+        node_id: str,
+        hashes: Sequence[bytes],
+        shard: int = 0,
+        ttl_s: float = 5.0,
+        timeout: Timeout = None,
+    ) -> Future[tuple[int, LocatedBlocks]]:
+        """:meth:`PegaClient.locate` without waiting: a future of its answer."""
+        return self._later(self._client.locate, timeout, ns, node_id, hashes, shard, ttl_s)
+
+    def unpin(self, node_id: str, pin: int, timeout: Timeout = None) -> None:
+        """Blocking :meth:`PegaClient.unpin`."""
+        return self._call(self._client.unpin, timeout, node_id, pin)
+
+    def submit_unpin(
+        self, node_id: str, pin: int, timeout: Timeout = None
+    ) -> Future[None]:
+        """:meth:`PegaClient.unpin` without waiting: a future of its answer."""
+        return self._later(self._client.unpin, timeout, node_id, pin)
+
+    def report_lookups(
+        self,
+        node_id: str,
+        lookups: int,
+        asked_blocks: int,
+        hit_blocks: int,
+        timeout: Timeout = None,
+    ) -> None:
+        """Blocking :meth:`PegaClient.report_lookups`."""
+        c = self._client
+        return self._call(c.report_lookups, timeout, node_id, lookups, asked_blocks, hit_blocks)
+
+    def submit_report_lookups(
+        self,
+        node_id: str,
+        lookups: int,
+        asked_blocks: int,
+        hit_blocks: int,
+        timeout: Timeout = None,
+    ) -> Future[None]:
+        """:meth:`PegaClient.report_lookups` without waiting: a future of its answer."""
+        c = self._client
+        return self._later(c.report_lookups, timeout, node_id, lookups, asked_blocks, hit_blocks)
+
+    def reserve_local(
+        self,
+        ns: str,
+        node_id: str,
+        blocks: Sequence[tuple[bytes, int, int]],
+        pool: tuple[int, int],
+        timeout: Timeout = None,
+    ) -> tuple[int, list[int | None]]:
+        """Blocking :meth:`PegaClient.reserve_local`."""
+        return self._call(self._client.reserve_local, timeout, ns, node_id, blocks, pool)
+
+    def submit_reserve_local(
+        self,
+        ns: str,
+        node_id: str,
+        blocks: Sequence[tuple[bytes, int, int]],
+        pool: tuple[int, int],
+        timeout: Timeout = None,
+    ) -> Future[tuple[int, list[int | None]]]:
+        """:meth:`PegaClient.reserve_local` without waiting: a future of its answer."""
+        return self._later(self._client.reserve_local, timeout, ns, node_id, blocks, pool)
+
+    def commit_local(
+        self,
+        node_id: str,
+        seq: int,
+        accepted: Sequence[bool],
+        timeout: Timeout = None,
+        digests: Sequence[int | None] | None = None,
+        on_taken: Callable[[], None] | None = None,
+    ) -> PutResult:
+        """Blocking :meth:`PegaClient.commit_local` (``on_taken`` runs on the loop)."""
+        c = self._client
+        return self._call(
+            c.commit_local, timeout, node_id, seq, accepted, digests=digests, on_taken=on_taken
+        )
+
+    def submit_commit_local(
+        self,
+        node_id: str,
+        seq: int,
+        accepted: Sequence[bool],
+        timeout: Timeout = None,
+        digests: Sequence[int | None] | None = None,
+        on_taken: Callable[[], None] | None = None,
+    ) -> Future[PutResult]:
+        """:meth:`PegaClient.commit_local` without waiting: a future of its answer."""
+        c = self._client
+        return self._later(
+            c.commit_local, timeout, node_id, seq, accepted, digests=digests, on_taken=on_taken
+        )
+
+    def abort_local(self, node_id: str, seq: int, timeout: Timeout = None) -> None:
+        """Blocking :meth:`PegaClient.abort_local`."""
+        return self._call(self._client.abort_local, timeout, node_id, seq)
+
+    def submit_abort_local(self, node_id: str, seq: int, timeout: Timeout = None) -> Future[None]:
+        """:meth:`PegaClient.abort_local` without waiting: a future of its answer."""
+        return self._later(self._client.abort_local, timeout, node_id, seq)
+
+    def namespace_peers(
+        self, ns: str, factors: dict[str, str], timeout: Timeout = None
+    ) -> list[dict[str, Any]]:
+        """Blocking :meth:`PegaClient.namespace_peers`."""
+        return self._call(self._client.namespace_peers, timeout, ns, factors)
+
+    def submit_namespace_peers(
+        self, ns: str, factors: dict[str, str], timeout: Timeout = None
+    ) -> Future[list[dict[str, Any]]]:
+        """:meth:`PegaClient.namespace_peers` without waiting: a future of its answer."""
+        return self._later(self._client.namespace_peers, timeout, ns, factors)
+
+    def report_unreachable(self, node_id: str, timeout: Timeout = None) -> bool:
+        """Blocking :meth:`PegaClient.report_unreachable`."""
+        return self._call(self._client.report_unreachable, timeout, node_id)
+
+    def submit_report_unreachable(self, node_id: str, timeout: Timeout = None) -> Future[bool]:
+        """:meth:`PegaClient.report_unreachable` without waiting: a future of its answer."""
+        return self._later(self._client.report_unreachable, timeout, node_id)
 
     def node_session(self, node_id: str) -> SyncNodeSession:
         """The blocking facade of :meth:`PegaClient.session` (one per node, kept)."""
@@ -109,7 +414,7 @@ class SyncPegaClient(OnLoop):
         to now, keeping the GIL through the round trip; through the loop when that
         connection fails, and for the call after one that failed (the loop's client
         fails over to the next coordinator when one hangs or goes away)."""
-        deadline = Deadline.of(timeout, self.cfg.lookup_timeout_s)
+        deadline = deadline_of(self.cfg, self._client.lookup, timeout)
         if not hashes:
             return LookupResult(0)
         if self._lookup_failed:
@@ -122,7 +427,7 @@ class SyncPegaClient(OnLoop):
         except DeadlineExceeded:
             self._lookup_failed = True
             raise
-        if res is _LOOP:
+        if res is LOOP:
             return self.lookup(ns, hashes, shards, deadline, generations, warm_up)
         got = LookupResult.from_wire(res, len(shards), generations)
         if got.nodes:
@@ -168,85 +473,3 @@ class SyncPegaClient(OnLoop):
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
             self._loop.close()
-
-
-class SyncNodeSession(OnLoop):
-    """A blocking facade over a :class:`~.session.NodeSession` of a
-    :class:`SyncPegaClient`: each of its operations as ``op(...)`` and
-    ``submit_op(...)``, as on the client."""
-
-    def __init__(self, client: SyncPegaClient, session: NodeSession) -> None:
-        super().__init__(client.cfg, client._loop)
-        self._session = session
-        self.node_id = session.node_id
-        self._here = _Here(client._token)
-
-    @property
-    def over_socket(self) -> bool:
-        """See :attr:`NodeSession.over_socket`."""
-        return self._session.over_socket
-
-    def locate_here(
-        self, ns: str, hashes: Sequence[bytes], shard: int = 0, ttl_s: float = 5.0,
-        timeout: Timeout = None,
-    ) -> tuple[int, LocatedBlocks]:  # fmt: skip
-        """:meth:`NodeSession.locate` asked from the calling thread: over a blocking
-        socket of its own (:class:`~pegaflow.transport.rpc_client.BlockingRpcClient`) to the node's
-        control socket when the session has one, so the caller waits for the GIL once
-        rather than at each hop to and from the loop thread (vLLM's scheduler, on the
-        path of a request's first token, while other threads of its process are busy);
-        through the loop otherwise, and whenever the blocking socket fails."""
-        deadline = Deadline.of(timeout, self.cfg.rpc_timeout_s)
-        msg = proto.encode_locate(ns, hashes, shard, ttl_s)
-        op = msg.pop("op")
-        res = self._here.call(self._session.control_address(), op, msg, deadline)
-        if res is _LOOP:  # the loop's session finds out what went wrong, and recovers
-            return self.locate(ns, hashes, shard, ttl_s, deadline)
-        return proto.locate_reply(res, len(hashes))
-
-    def close_here(self) -> None:
-        """Close the blocking socket of :meth:`locate_here` (a later call opens another)."""
-        self._here.close()
-
-
-_LOOP = object()
-"""what :meth:`_Here.call` answers when the call is to go through the loop instead"""
-
-
-class _Here:
-    """The blocking connection behind a facade's ``*_here`` calls
-    (:class:`~pegaflow.transport.rpc_client.BlockingRpcClient`), to the address the facade's
-    loop-side client uses now (a new connection when that changes).  One thread at a
-    time: a call made while another thread asks, to no address, or whose connection
-    fails is answered :data:`_LOOP` (ask through the loop instead)."""
-
-    def __init__(self, token: str | None) -> None:
-        self.client: BlockingRpcClient | None = None
-        self._token = token
-        self._lock = threading.Lock()
-
-    def call(self, address: str | None, op: str, args: dict[str, Any], deadline: Deadline) -> Any:
-        """``op``'s result, or :data:`_LOOP`; raises the call's other errors."""
-        if address is None or not self._lock.acquire(blocking=False):
-            return _LOOP
-        try:
-            c = self.client
-            if c is None or c.address != address:
-                self.close()
-                c = self.client = BlockingRpcClient(address, token=self._token)
-            return c.call(op, args, deadline)
-        except Unavailable:
-            self.close()
-            return _LOOP
-        finally:
-            self._lock.release()
-
-    def close(self) -> None:
-        """Close the connection (a later call opens another)."""
-        c, self.client = self.client, None
-        if c is not None:
-            c.close()
-
-
-offer(SyncPegaClient, PegaClient, "_client")
-offer(SyncNodeSession, NodeSession, "_session")

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pegaflow.client.data import PoolFile
+from pegaflow.client.samehost import PoolFile
 
 from pegaflow.units import human_bytes
 

@@ -27,7 +27,8 @@ from typing import Any
 from aetcd import rpc
 
 from pegaflow.errors import PegaError
-from pegaflow.etcd import DELETE, PUT, EtcdClient, KeptLease, put_op
+from pegaflow.etcd import DELETE, PUT, EtcdClient, put_op
+from pegaflow.etcd_lease import KeptLease
 from pegaflow.lifecycle import Backoff, Supervised
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,8 @@
-"""etcd v3 access: deadlines on every call, endpoint failover, TLS and user auth, paged
-range reads, batched transactions, leases (and :class:`KeptLease`) and watches.
+"""etcd v3 access: one client with deadlines, failover, TLS, auth, paging, leases, watches.
+
+Deadlines on every call (:class:`~pegaflow.deadline.Deadline`), endpoint failover, TLS
+and user auth, paged range reads, batched transactions, leases (one kept alive:
+:class:`~pegaflow.etcd_lease.KeptLease`) and watches.
 
 :class:`EtcdClient` speaks to etcd through the generated gRPC stubs that ship with
 ``aetcd`` (``aetcd.rpc``) instead of ``aetcd.Client``'s high-level API, because that API
@@ -18,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -28,6 +30,7 @@ import grpc
 from aetcd import rpc
 
 from pegaflow.config import EtcdConfig
+from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import (
     BadRequest,
     DeadlineExceeded,
@@ -210,7 +213,7 @@ class EtcdClient:
             certificate_chain=read(self.cfg.cert_cert),
         )
 
-    async def _open(self, deadline: float) -> _Stubs:
+    async def _open(self, deadline: Deadline) -> _Stubs:
         endpoint = self._endpoints[self._current]
         target, tls = _strip_scheme(endpoint)
         if tls or self.cfg.ca_cert or self.cfg.cert_cert:
@@ -229,7 +232,7 @@ class EtcdClient:
             try:
                 resp = await rpc.AuthStub(channel).Authenticate(
                     rpc.AuthenticateRequest(name=self.cfg.username, password=self.cfg.password),
-                    timeout=max(0.001, deadline - time.monotonic()),
+                    timeout=deadline.left(),
                 )
             except grpc.aio.AioRpcError as e:
                 await channel.close()
@@ -239,7 +242,7 @@ class EtcdClient:
             self._metadata = None
         return stubs
 
-    async def _ensure(self, deadline: float) -> _Stubs:
+    async def _ensure(self, deadline: Deadline) -> _Stubs:
         if self._closed:
             raise Unavailable("etcd client closed")
         stubs = self._stubs
@@ -265,21 +268,20 @@ class EtcdClient:
         self,
         method: Callable[[_Stubs], Any],
         request: Any,
-        timeout: float | None = None,
+        timeout: Timeout = None,
     ) -> Any:
         """Run one unary RPC (``method`` picks the stub method) within the deadline."""
-        budget = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + budget
+        deadline = Deadline.of(timeout, self.timeout)
         reauthed = False
         tries = len(self._endpoints)
         last: PegaError | None = None
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise last or DeadlineExceeded(f"etcd call exceeded its {budget:g} s deadline")
+            if deadline.expired:
+                raise last or DeadlineExceeded("etcd call passed its deadline")
             stubs = await self._ensure(deadline)
             try:
-                return await method(stubs)(request, timeout=remaining, metadata=self._metadata)
+                rpc_call = method(stubs)
+                return await rpc_call(request, timeout=deadline.left(), metadata=self._metadata)
             except grpc.aio.AioRpcError as e:
                 err = _translate(e, stubs.endpoint)
                 if self.cfg.username and not reauthed and _is_token_expired(e):
@@ -307,17 +309,17 @@ class EtcdClient:
 
     # -- KV ---------------------------------------------------------------------------
 
-    async def status(self, timeout: float | None = None) -> rpc.StatusResponse:
+    async def status(self, timeout: Timeout = None) -> rpc.StatusResponse:
         """The answering member's status (version, db size, leader, raft index)."""
         return await self.call(lambda s: s.maintenance.Status, rpc.StatusRequest(), timeout)
 
-    async def get(self, key: bytes, timeout: float | None = None) -> rpc.KeyValue | None:
+    async def get(self, key: bytes, timeout: Timeout = None) -> rpc.KeyValue | None:
         """One key's KeyValue, or None."""
         r = await self.call(lambda s: s.kv.Range, rpc.RangeRequest(key=key), timeout)
         return r.kvs[0] if r.kvs else None
 
     async def put(
-        self, key: bytes, value: bytes, lease: int = 0, timeout: float | None = None
+        self, key: bytes, value: bytes, lease: int = 0, timeout: Timeout = None
     ) -> int:
         """Put one key; returns the revision of the write."""
         r = await self.call(
@@ -325,7 +327,7 @@ class EtcdClient:
         )
         return r.header.revision
 
-    async def count_prefix(self, prefix: bytes, timeout: float | None = None) -> tuple[int, int]:
+    async def count_prefix(self, prefix: bytes, timeout: Timeout = None) -> tuple[int, int]:
         """``(number of keys under prefix, current revision)``."""
         req = rpc.RangeRequest(key=prefix, range_end=prefix_range_end(prefix), count_only=True)
         r = await self.call(lambda s: s.kv.Range, req, timeout)
@@ -339,7 +341,7 @@ class EtcdClient:
         page_size: int = DEFAULT_PAGE_SIZE,
         keys_only: bool = False,
         end: bytes | None = None,
-        timeout: float | None = None,
+        timeout: Timeout = None,
     ) -> AsyncIterator[tuple[int, Sequence[rpc.KeyValue]]]:
         """Yield ``(revision, kvs)`` pages of every key under ``prefix`` (or, with
         ``end``, of ``[prefix, end)``), in key order, all read at one revision (the
@@ -372,7 +374,7 @@ class EtcdClient:
                 task.cancel()
 
     async def probe(
-        self, start: bytes, end: bytes, *, revision: int = 0, timeout: float | None = None
+        self, start: bytes, end: bytes, *, revision: int = 0, timeout: Timeout = None
     ) -> tuple[int, bytes | None, int]:
         """``(keys in [start, end), first key or None, revision)`` in one call."""
         req = rpc.RangeRequest(key=start, range_end=end, limit=1, keys_only=True, revision=revision)
@@ -384,14 +386,14 @@ class EtcdClient:
         success: Sequence[rpc.RequestOp],
         compare: Sequence[rpc.Compare] = (),
         failure: Sequence[rpc.RequestOp] = (),
-        timeout: float | None = None,
+        timeout: Timeout = None,
     ) -> rpc.TxnResponse:
         """One transaction (at most ``--max-txn-ops`` ops per branch)."""
         req = rpc.TxnRequest(compare=compare, success=success, failure=failure)
         return await self.call(lambda s: s.kv.Txn, req, timeout)
 
     async def put_if_absent(
-        self, key: bytes, value: bytes, timeout: float | None = None
+        self, key: bytes, value: bytes, timeout: Timeout = None
     ) -> tuple[bytes, bool]:
         """Create ``key`` with ``value`` unless it exists, in one transaction; returns
         ``(the value stored now, whether this call created it)``, so concurrent callers
@@ -431,14 +433,14 @@ class EtcdClient:
 
     # -- leases -----------------------------------------------------------------------
 
-    async def grant(self, ttl: int, timeout: float | None = None) -> int:
+    async def grant(self, ttl: int, timeout: Timeout = None) -> int:
         """Grant a lease of ``ttl`` seconds; returns its id."""
         r = await self.call(lambda s: s.lease.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl), timeout)
         if r.error:
             raise Internal(f"etcd refused a lease: {r.error}")
         return r.ID
 
-    async def keepalive(self, lease_id: int, timeout: float | None = None) -> int:
+    async def keepalive(self, lease_id: int, timeout: Timeout = None) -> int:
         """Refresh a lease once; returns its new TTL, 0 when it no longer exists."""
         req = rpc.LeaseKeepAliveRequest(ID=lease_id)
 
@@ -456,11 +458,11 @@ class EtcdClient:
 
         return await self.call(method, req, timeout)
 
-    async def revoke(self, lease_id: int, timeout: float | None = None) -> None:
+    async def revoke(self, lease_id: int, timeout: Timeout = None) -> None:
         """Revoke a lease: every key attached to it is deleted now."""
         await self.call(lambda s: s.lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease_id), timeout)
 
-    async def compact(self, revision: int, timeout: float | None = None) -> None:
+    async def compact(self, revision: int, timeout: Timeout = None) -> None:
         """Compact history up to ``revision`` (tests and maintenance)."""
         await self.call(lambda s: s.kv.Compact, rpc.CompactionRequest(revision=revision), timeout)
 
@@ -472,13 +474,13 @@ class EtcdClient:
         start_revision: int,
         *,
         progress_notify: bool = True,
-        timeout: float | None = None,
+        timeout: Timeout = None,
     ) -> Watch:
         """Open a watch of every key under ``prefix`` from ``start_revision`` on.
 
         Returns once etcd confirmed the watch (within the deadline); raises
         :class:`RevisionCompacted` if ``start_revision`` is already compacted."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        deadline = Deadline.of(timeout, self.timeout)
         stubs = await self._ensure(deadline)
         call = stubs.watch.Watch(metadata=self._metadata)
         create = rpc.WatchCreateRequest(
@@ -489,7 +491,7 @@ class EtcdClient:
             fragment=True,
         )
         try:
-            async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
+            async with asyncio.timeout(deadline.left()):
                 await call.write(rpc.WatchRequest(create_request=create))
                 first = await call.read()
         except TimeoutError:
@@ -557,86 +559,6 @@ class Watch:
         """Close the stream."""
         self._cancelled = True
         self._call.cancel()
-
-
-class KeptLease:
-    """A lease its holder keeps alive with a keep-alive every ``interval_s`` (a third of
-    its TTL by default), and the time until which it is surely alive.
-
-    Make one with :meth:`grant`.  :attr:`valid_until` is the send time of the last
-    successful keep-alive (or of the grant) plus the TTL etcd granted then: etcd cannot
-    expire the lease before it.  A failed keep-alive is retried after
-    ``max(min_retry_s, min(interval_s, time left / 3))``.
-    """
-
-    def __init__(
-        self,
-        client: EtcdClient,
-        lease_id: int,
-        ttl: int,
-        sent: float,
-        *,
-        interval_s: float | None = None,
-        min_retry_s: float = 0.05,
-    ) -> None:
-        self.client = client
-        #: The lease's id.
-        self.id = lease_id
-        self.ttl = ttl
-        self.interval_s = ttl / 3 if interval_s is None else interval_s
-        self.min_retry_s = min_retry_s
-        #: Monotonic time until which etcd keeps the lease for sure.
-        self.valid_until = sent + ttl
-        #: Monotonic time the next keep-alive is due.
-        self.next_due = time.monotonic() + self.interval_s
-
-    @classmethod
-    async def grant(
-        cls,
-        client: EtcdClient,
-        ttl: int,
-        *,
-        interval_s: float | None = None,
-        min_retry_s: float = 0.05,
-        timeout: float | None = None,
-    ) -> KeptLease:
-        """Grant a lease of ``ttl`` seconds (raises PegaError when etcd cannot)."""
-        sent = time.monotonic()
-        lease_id = await client.grant(ttl, timeout=timeout)
-        return cls(client, lease_id, ttl, sent, interval_s=interval_s, min_retry_s=min_retry_s)
-
-    def left(self) -> float:
-        """Seconds the lease surely lives on (<= 0 once it may have expired)."""
-        return self.valid_until - time.monotonic()
-
-    def due_in(self) -> float:
-        """Seconds until the next keep-alive is due (0 when overdue)."""
-        return max(0.0, self.next_due - time.monotonic())
-
-    def retry_soon(self) -> None:
-        """Schedule the next keep-alive as after a failed one."""
-        now = time.monotonic()
-        wait = max(self.min_retry_s, min(self.interval_s, (self.valid_until - now) / 3))
-        self.next_due = now + wait
-
-    async def refresh(self, timeout: float | None = None) -> bool:
-        """One keep-alive: True while the lease lives, False once etcd says it is gone.
-        A failed call raises PegaError, and the next keep-alive is due soon."""
-        sent = time.monotonic()
-        try:
-            ttl = await self.client.keepalive(self.id, timeout=timeout)
-        except PegaError:
-            self.retry_soon()
-            raise
-        self.next_due = time.monotonic() + self.interval_s
-        if ttl <= 0:
-            return False
-        self.valid_until = sent + ttl
-        return True
-
-    async def revoke(self, timeout: float | None = None) -> None:
-        """Revoke the lease (its keys are deleted now); raises PegaError."""
-        await self.client.revoke(self.id, timeout=timeout)
 
 
 async def connect(cfg: EtcdConfig) -> EtcdClient:

@@ -6,7 +6,7 @@ closed.  A round that raises is handed to the service's ``on_error`` (which coun
 logs it as that service's status reports it) and is followed by a pause from the
 service's :class:`Backoff`; a round says by what it returns whether the next one starts at
 once.  Closing cancels the task and waits for it.  The lease these services keep alive is
-:class:`pegaflow.etcd.KeptLease`.
+:class:`pegaflow.etcd_lease.KeptLease`.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ from prometheus_client import CollectorRegistry
 
 from pegaflow.config import EtcdConfig
 from pegaflow.errors import BadRequest, NotFound, PegaError, TooLarge
-from pegaflow.etcd import EtcdClient, KeptLease, delete_if_lease_op, put_op
+from pegaflow.etcd import EtcdClient, delete_if_lease_op, put_op
+from pegaflow.etcd_lease import KeptLease
 from pegaflow.inventory import NodeIdInUse
 from pegaflow.keys import BlockLocation, Keyspace, NodeRecord
 from pegaflow.lifecycle import Backoff, Supervised, close_all

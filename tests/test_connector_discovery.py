@@ -19,8 +19,7 @@ from typing import Any
 import pytest
 import torch
 from pegaflow.client import SyncPegaClient
-from pegaflow.client.data import PoolFile
-from pegaflow.client.samehost import on_this_host, open_pool_file
+from pegaflow.client.samehost import PoolFile, on_this_host, open_pool_file
 from pegaflow.connector.discovery import LocalNodeFinder
 from pegaflow.connector.metadata import LoadJob, SaveJob, StepPlan
 from pegaflow.connector.metrics import Counters

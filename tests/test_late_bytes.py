@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 from pegaflow.client import PegaClient, SyncPegaClient
-from pegaflow.client.data import Fetched
+from pegaflow.client.landing import Fetched
 
 from pegaflow.config import ClientConfig
 from pegaflow.errors import Unavailable

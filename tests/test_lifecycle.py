@@ -1,5 +1,5 @@
 """Unit tests of the services' shared lifecycle (pegaflow/lifecycle.py) and the kept lease
-(pegaflow/etcd.py KeptLease): pure logic, with a fake etcd client for the lease."""
+(pegaflow/etcd_lease.py KeptLease): pure logic, with a fake etcd client for the lease."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pegaflow.errors import PegaError, Unavailable
-from pegaflow.etcd import KeptLease
+from pegaflow.etcd_lease import KeptLease
 from pegaflow.lifecycle import MAX_BACKOFF_S, Backoff, Supervised, close_all
 
 

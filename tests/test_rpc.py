@@ -21,7 +21,8 @@ from pegaflow.protocol import framing as rpc
 from pegaflow.protocol.codec import PROTOCOL_VERSION, pack
 from pegaflow.protocol.framing import encode_frame, read_frame
 from pegaflow.transport import gil_io, rpc_server
-from pegaflow.transport.rpc_client import BlockingRpcClient, RpcClient
+from pegaflow.transport.rpc_blocking import BlockingRpcClient
+from pegaflow.transport.rpc_client import RpcClient
 from pegaflow.transport.rpc_server import Packed, RpcServer
 
 

@@ -25,8 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from pegaflow.client.data import PoolFile
-from pegaflow.client.samehost import open_pool_file
+from pegaflow.client.samehost import PoolFile, open_pool_file
 
 log = logging.getLogger("pegaflow.connector")
 

@@ -1,10 +1,11 @@
-"""The control protocol's server (:mod:`pegaflow.protocol.framing` has the wire format): named
-handlers, run inline or as tasks under each request's deadline, several at once per
+"""The control protocol's server (wire format: :mod:`~pegaflow.protocol.framing`).
+
+Named handlers, run inline or as tasks under each request's deadline, several at once per
 connection, with the handshake, tenant checks and back-pressure.
 
-The event loop is shared fairly (:class:`_Turns`): once some connection has more work
-than ``slice_s``, tenants take turns of that long, round-robin, and each tenant's
-connections share its turns.  Before, plain handlers ran as each request was read: a
+The event loop is shared fairly (:mod:`~pegaflow.transport.turns`): once some connection
+has more work than ``slice_s``, tenants take turns of that long, round-robin, and each
+tenant's connections share its turns.  Before, plain handlers ran as each request was read: a
 client keeping four 65,536-block lookups in flight made 33 to 36 of 40 of another
 tenant's 50 ms lookups fail, and 16 such clients 35 to 39 (0 now;
 ``tests/test_lookup_fairness.py``).
@@ -19,7 +20,6 @@ import inspect
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from types import GeneratorType
 from typing import Any, cast
@@ -40,6 +40,7 @@ from pegaflow.protocol.framing import (
     FrameBuffer,
     encode_frame,
 )
+from pegaflow.transport.turns import Turns
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def current_tenant() -> str | None:
     """The tenant of the connection whose request the running handler serves (None:
     cluster-wide access, an open service, or outside a request)."""
     session = _SESSION.get()
-    return session._tenant if isinstance(session, _ServerConnection) else None
+    return session.tenant if isinstance(session, _ServerConnection) else None
 
 
 class Packed(bytes):
@@ -98,7 +99,7 @@ class RpcServer:
     with much work to do returns a generator instead: it is run a step (one ``next``)
     at a time, in its connection's turns, and what it returns is the result.
 
-    ``slice_s``: how long a turn on the event loop lasts (:class:`_Turns`); a request
+    ``slice_s``: how long a turn on the event loop lasts (:class:`Turns`); a request
     that runs past it is not cut short, but a turn ends after the step of a generator
     that does.
     """
@@ -129,7 +130,7 @@ class RpcServer:
         self._server: asyncio.base_events.Server | None = None
         self._path: str | None = None
         self._conns: set[_ServerConnection] = set()
-        self._turns = _Turns(slice_s)
+        self._turns = Turns(slice_s)
         self._hello_ok = encode_frame({"ok": True, "version": PROTOCOL_VERSION, "server": name})
 
     async def start(self, host: str, port: int) -> int:
@@ -309,86 +310,6 @@ class RpcServer:
             return encode_frame(self._error_reply(reply.get("id"), op, e))
 
 
-class _Queue:
-    """One tenant's connections waiting for a turn: those that had nothing waiting
-    (``fresh``: most often one small request) and those still busy after a turn (or as
-    long, inline) take the tenant's turns alternately.  A fresh turn serves fresh
-    connections in their order of arrival, as many as it has time for; a busy turn,
-    one busy connection.  So a small request waits for at most one busy connection's
-    turn, however many are busy, and busy ones get at least every other turn."""
-
-    __slots__ = ("busy", "fresh", "fresh_next")
-
-    def __init__(self) -> None:
-        self.fresh: deque[_ServerConnection] = deque()
-        self.busy: deque[_ServerConnection] = deque()
-        self.fresh_next = True
-
-    def __bool__(self) -> bool:
-        return bool(self.fresh or self.busy)
-
-    def turn(self, until: float) -> None:
-        """The tenant's turn, until ``until`` (``time.perf_counter``); the queue must
-        not be empty."""
-        line = self.fresh if self.fresh and (self.fresh_next or not self.busy) else self.busy
-        self.fresh_next = line is self.busy
-        while True:
-            conn = line.popleft()
-            if conn._turn(until):
-                self.busy.append(conn)
-            if line is self.busy or not line or time.perf_counter() >= until:
-                return
-
-
-class _Turns:
-    """Event-loop time for connections with requests waiting, shared fairly: tenants take
-    turns round-robin (the connections with cluster-wide access count as one tenant), and
-    each tenant's connections share its turns (:class:`_Queue`).
-
-    A connection runs what it has received at once unless its tenant has connections
-    waiting; when that runs past ``slice_s`` it waits for a turn too.  A turn is one
-    loop callback of about ``slice_s``, and the loop reads sockets between two, so a
-    request of a tenant with nothing waiting is served after at most the turn in
-    progress, and one of a tenant with connections waiting after at most two turns of
-    each tenant waiting.
-    """
-
-    def __init__(self, slice_s: float) -> None:
-        self.slice_s = slice_s
-        self.waiting: dict[str | None, _Queue] = {}
-        """tenant -> its connections waiting for a turn"""
-        self._ring: deque[str | None] = deque()  # the tenants in waiting, in turn order
-        self._handle: asyncio.Handle | None = None
-
-    def wait(self, conn: _ServerConnection, busy: bool) -> None:
-        """Give ``conn`` a turn; ``busy``: it has just run for a turn's time."""
-        queue = self.waiting.get(conn._tenant)
-        if queue is None:
-            queue = self.waiting[conn._tenant] = _Queue()
-            self._ring.append(conn._tenant)
-        (queue.busy if busy else queue.fresh).append(conn)
-        if self._handle is None:
-            self._handle = asyncio.get_running_loop().call_soon(self._turn)
-
-    def _turn(self) -> None:
-        tenant = self._ring.popleft()
-        queue = self.waiting[tenant]
-        try:
-            queue.turn(time.perf_counter() + self.slice_s)
-        finally:
-            if queue:
-                self._ring.append(tenant)
-            else:
-                del self.waiting[tenant]
-            self._handle = asyncio.get_running_loop().call_soon(self._turn) if self._ring else None
-
-    def close(self) -> None:
-        """Give no more turns."""
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-
 class _ServerConnection(asyncio.Protocol):
     """One client connection of an :class:`RpcServer`."""
 
@@ -404,10 +325,10 @@ class _ServerConnection(asyncio.Protocol):
         self._batching = False
         self._paused_for_tasks = False
         self._paused_for_writes = False
-        self._waiting = False  # for a turn (see _Turns)
+        self._waiting = False  # for a turn (see Turns)
         self._steps: Generator[None, None, bytes] | None = None  # a request being run
         self._timer: asyncio.TimerHandle | None = None
-        self._tenant: str | None = None
+        self.tenant: str | None = None
 
     # -- asyncio.Protocol -------------------------------------------------------------
 
@@ -449,14 +370,14 @@ class _ServerConnection(asyncio.Protocol):
         return self._server._max_frame if self._ready else _MAX_HELLO
 
     def _process(self) -> None:
-        """Serve what was received now, or wait for a turn (see :class:`_Turns`)."""
+        """Serve what was received now, or wait for a turn (see :class:`Turns`)."""
         if self._closing:
             return
         if self._waiting:
             self._update_reading()
             return
         turns = self._server._turns
-        if turns.waiting and self._tenant in turns.waiting:
+        if turns.waiting and self.tenant in turns.waiting:
             if not self._frame_ready():
                 return  # nothing to run yet
             busy = False
@@ -468,7 +389,7 @@ class _ServerConnection(asyncio.Protocol):
         self._update_reading()
         turns.wait(self, busy)
 
-    def _turn(self, until: float) -> bool:
+    def take_turn(self, until: float) -> bool:
         """Serve until ``until`` (``time.perf_counter``); whether it needs another turn."""
         self._waiting = self._serve(until)
         self._update_reading()
@@ -492,8 +413,8 @@ class _ServerConnection(asyncio.Protocol):
                     if not self._hello(msg):
                         return False
                     continue
-                if self._tenant is not None:
-                    denied = server._foreign_ns(msg, self._tenant)
+                if self.tenant is not None:
+                    denied = server._foreign_ns(msg, self.tenant)
                     if denied is not None:
                         self._out.append(denied)
                         continue
@@ -549,7 +470,7 @@ class _ServerConnection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         try:
-            self._tenant = self._server._check_hello(msg)
+            self.tenant = self._server._check_hello(msg)
         except PegaError as e:
             self._out.append(encode_frame({"ok": False, "error": e.to_wire()}))
             self._close()
