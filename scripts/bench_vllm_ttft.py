@@ -41,8 +41,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pegaflow.tools.devcluster import start_server  # noqa: E402
-from tests.vllm_engine import VllmEngine, prompts, wait_saved  # noqa: E402
-from tests.vllm_engine import connector_stats as stats  # noqa: E402
+from tests.support.vllm_engine import VllmEngine, prompts, wait_saved  # noqa: E402
+from tests.support.vllm_engine import connector_stats as stats  # noqa: E402
 
 BENCH_MODEL: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
