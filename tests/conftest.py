@@ -1,4 +1,5 @@
-"""Shared fixtures: a real etcd server (tests/support/etcd_fixture.py) and real service processes."""
+"""Shared fixtures: a real etcd server (tests/support/etcd_fixture.py) and real service
+processes."""
 
 from __future__ import annotations
 

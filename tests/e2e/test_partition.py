@@ -49,8 +49,17 @@ from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline
 from pegaflow.keys import NodeRecord
 from pegaflow.tools.devcluster import Proc, start_coordinator, start_node
-from tests.support.connector_fakes import FakeCluster, FakeRequest
-from tests.unit.test_connector_worker import NB, NS, finish_loads, h, kv, save, worker
+from tests.support.connector_fakes import (
+    NB,
+    NS,
+    FakeCluster,
+    FakeRequest,
+    finish_loads,
+    h,
+    kv,
+    save,
+    worker,
+)
 
 # ---- the budget -------------------------------------------------------------------
 
@@ -164,7 +173,7 @@ def test_a_failed_load_is_attempted_once_under_recompute() -> None:
     from pegaflow.connector import PegaKVConnector
     from pegaflow.connector.compat import KVConnectorRole
 
-    from tests.unit.test_connector_facade import kv_cache_config, vllm_config
+    from tests.support.connector_fakes import kv_cache_config, vllm_config
 
     def worker_connector(extra: dict[str, Any] | None = None) -> Any:
         # a worker of its own process (TP > 1): no scheduler beside it decided anything

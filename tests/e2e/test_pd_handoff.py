@@ -22,19 +22,11 @@ from pegaflow.connector.scheduler import SchedulerSide
 from pegaflow.connector.settings import ConnectorSettings
 
 from pegaflow.errors import BadRequest, PegaError, TooLarge
-from tests.support.connector_fakes import FakeCluster, FakeRequest, new_req, sched_output
+from tests.support.connector_fakes import Clock, FakeCluster, FakeRequest, new_req, sched_output
 
 BS = 4
 NS = "tiny.abc"
 FUTURE_MS = int(time.time() * 1000) + 3_600_000
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def make(
@@ -426,8 +418,7 @@ def test_pd_handoff_through_vllm_serve(pd_pair: dict[str, Any]) -> None:
     ``kv_transfer_params``; the consumer, given them unchanged, loads every full prompt
     block (it computes only the partial last one) and answers token for token what a
     cold engine answers; the producer never looked up, the consumer saved nothing."""
-    from tests.e2e.test_serving_http import cached_tokens
-    from tests.support.vllm_engine import connector_stats, text_prompt
+    from tests.support.vllm_engine import cached_tokens, connector_stats, text_prompt
 
     producer, consumer, work = pd_pair["producer"], pd_pair["consumer"], pd_pair["work"]
     prompt = text_prompt(E2E_PROMPT_TOKENS, seed=21)

@@ -299,7 +299,7 @@ async def _traffic(srv: Proc) -> None:
     from pegaflow.client import PegaClient
 
     from pegaflow.config import ClientConfig
-    from tests.integration.test_metrics import malformed_requests
+    from tests.support.metrics import malformed_requests
 
     address = srv.ready["coordinator"]
     client = PegaClient(

@@ -46,7 +46,13 @@ from pegaflow.router.status import render_router, router_healthy
 from pegaflow.config import RouterConfig, load_config
 from pegaflow.errors import BadRequest
 from pegaflow.tools.devcluster import Proc, start, start_coordinator, start_node
-from tests.support.vllm_engine import TINY_MODEL, VllmServe, connector_stats, text_prompt, wait_saved
+from tests.support.vllm_engine import (
+    TINY_MODEL,
+    VllmServe,
+    connector_stats,
+    text_prompt,
+    wait_saved,
+)
 
 HERE = Path(__file__).resolve().parent
 TOKENIZER = str(HERE.parent / "support" / "assets" / "tiny-tokenizer")
@@ -298,7 +304,7 @@ def assert_metrics_documented(url: str) -> None:
     Router table with its type, and every name there is served."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tests.integration.test_metrics import documented, family_name
+    from tests.support.metrics import documented, family_name
 
     docs = documented()["router"]
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:

@@ -24,7 +24,13 @@ from typing import Any
 import pytest
 
 from pegaflow.tools.devcluster import Proc, start_server
-from tests.support.vllm_engine import VllmServe, text_prompt, tiny_model_with_tokenizer, wait_saved
+from tests.support.vllm_engine import (
+    VllmServe,
+    cached_tokens,
+    text_prompt,
+    tiny_model_with_tokenizer,
+    wait_saved,
+)
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM not installed"
@@ -48,14 +54,6 @@ BS = 32
 PROMPT = text_prompt(300, seed=14)  # 9 full blocks (288 tokens) and a partial one
 PROMPT_BLOCKS = 300 // BS
 OTHER = text_prompt(200, seed=15)  # 6 full blocks, first seen by the MultiConnector server
-
-
-def cached_tokens(answer: dict[str, Any]) -> int:
-    """``usage.prompt_tokens_details.cached_tokens`` of a completion (vLLM fills it with
-    ``--enable-prompt-tokens-details``)."""
-    details = answer["usage"].get("prompt_tokens_details")
-    assert details is not None, f"no prompt_tokens_details in {answer['usage']}"
-    return int(details["cached_tokens"])
 
 
 def pega(metrics: dict[str, float], counter: str) -> float:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 import pytest
@@ -14,32 +13,11 @@ from pegaflow.client import PegaClient
 
 from pegaflow.config import ClientConfig, EtcdConfig
 from pegaflow.errors import BadRequest, PegaError, TooLarge, Unauthorized
-from pegaflow.protocol.codec import PROTOCOL_VERSION, pack, unpack
+from pegaflow.protocol.codec import PROTOCOL_VERSION, pack
 from pegaflow.tools.devcluster import Proc, start_node
-from pegaflow.transport.ucx import UcxWorker, close_endpoint
+from tests.support.cluster import BLOCK, NS, RawConn, blocks
 from tests.support.etcd_fixture import CoordinatorFactory, CoordinatorProcess
-
-BLOCK = 256 << 10
-NS = "test-model"
-
-
-def blocks(n: int, seed: int) -> tuple[list[bytes], np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [os.urandom(32) for _ in range(n)], rng.integers(0, 255, size=(n, BLOCK), dtype=np.uint8)
-
-
-async def wait_for(cond: Callable[[], object], timeout: float, what: str) -> None:
-    """Poll an async or sync condition until true; fail with ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if asyncio.iscoroutine(v):
-            v = await v
-        if v:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.1)
+from tests.support.waiting import wait_until
 
 
 class Cluster:
@@ -73,7 +51,7 @@ async def cluster(
         )
     c = Cluster(etcd_config, coord, nodes)
     probe = c.client()
-    await wait_for(lambda: _has_nodes(probe, 2), 15, "both nodes in the index")
+    await wait_until(lambda: _has_nodes(probe, 2), "both nodes in the index", 15)
     yield c
     for cl in c.clients:
         await cl.close()
@@ -106,7 +84,7 @@ async def test_put_get_round_trip_across_two_nodes(cluster: Cluster) -> None:
 
     reader = cluster.client()
     hashes = h1 + h2
-    await wait_for(lambda: _hits(reader, hashes, 16), 10, "all blocks visible in the index")
+    await wait_until(lambda: _hits(reader, hashes, 16), "all blocks visible in the index", 10)
     res = await reader.lookup(NS, hashes)
     assert [b[0] for b in res.blocks] == ["n1"] * 8 + ["n2"] * 8
     out = np.zeros((16, BLOCK), dtype=np.uint8)
@@ -133,8 +111,8 @@ async def test_longest_prefix_needs_every_shard(cluster: Cluster) -> None:
     hashes, data = blocks(6, 3)
     await c.put_blocks(NS, [(h, 0, data[i]) for i, h in enumerate(hashes)])
     await c.put_blocks(NS, [(h, 1, data[i]) for i, h in enumerate(hashes[:3])], node_id="n2")
-    await wait_for(lambda: _hits(c, hashes, 6), 10, "shard 0 visible")
-    await wait_for(lambda: _hits(c, hashes, 3, (0, 1)), 10, "shard 1 visible")
+    await wait_until(lambda: _hits(c, hashes, 6), "shard 0 visible", 10)
+    await wait_until(lambda: _hits(c, hashes, 3, (0, 1)), "shard 1 visible", 10)
     res = await c.lookup(NS, hashes, (0, 1))
     assert res.hits == 3 and res.blocks[0] == ["n1", "n2"]
     # a gap stops the prefix even if later blocks are stored
@@ -146,11 +124,11 @@ async def test_killed_node_entries_vanish_within_lease_ttl(cluster: Cluster) -> 
     c = cluster.client(local_node="n2")
     hashes, data = blocks(4, 4)
     await c.put_blocks(NS, [(h, 0, data[i]) for i, h in enumerate(hashes)])
-    await wait_for(lambda: _hits(c, hashes, 4), 10, "blocks visible")
+    await wait_until(lambda: _hits(c, hashes, 4), "blocks visible", 10)
     cluster.nodes["n2"].kill()
     ttl = cluster.etcd.lease_ttl_s
     # etcd expires the lease after TTL; allow its expiry sweep and the watch some slack
-    await wait_for(lambda: _hits(c, hashes, 0), ttl * 3 + 5, "entries of the killed node gone")
+    await wait_until(lambda: _hits(c, hashes, 0), "entries of the killed node gone", ttl * 3 + 5)
     assert "n2" not in await c.nodes()
     # a get that still names the dead node fails cleanly, as misses
     out = np.zeros((1, BLOCK), dtype=np.uint8)
@@ -163,7 +141,7 @@ async def test_restarted_and_second_coordinator_answer_for_old_blocks(
     c = cluster.client(local_node="n1")
     hashes, data = blocks(5, 5)
     await c.put_blocks(NS, [(h, 0, data[i]) for i, h in enumerate(hashes)])
-    await wait_for(lambda: _hits(c, hashes, 5), 10, "blocks visible")
+    await wait_until(lambda: _hits(c, hashes, 5), "blocks visible", 10)
     second = await coordinators.start(cluster.etcd)
     cluster.coordinator.kill()
     c2 = cluster.client(coordinators=[cluster.coordinator.address, second.address])
@@ -180,12 +158,12 @@ async def test_eviction_under_a_full_pool_unpublishes(cluster: Cluster) -> None:
     c = cluster.client(local_node="n1")
     first, d_first = blocks(16, 6)  # 4 MiB: one slab
     await c.put_blocks(NS, [(h, 0, d_first[i]) for i, h in enumerate(first)])
-    await wait_for(lambda: _hits(c, first, 16), 10, "first batch visible")
+    await wait_until(lambda: _hits(c, first, 16), "first batch visible", 10)
     for seed in range(10, 30):  # 80 MiB through a 64 MiB pool
         hs, d = blocks(16, seed)
         r = await c.put_blocks(NS, [(h, 0, d[i]) for i, h in enumerate(hs)])
         assert r.stored == 16
-    await wait_for(lambda: _hits(c, first, 0), 10, "evicted blocks gone from the index")
+    await wait_until(lambda: _hits(c, first, 0), "evicted blocks gone from the index", 10)
     nodes = await c.nodes()
     assert nodes["n1"].used_bytes <= nodes["n1"].capacity_bytes
 
@@ -195,7 +173,7 @@ async def test_concurrent_clients(cluster: Cluster) -> None:
         c = cluster.client(local_node=f"n{1 + i % 2}")
         hashes, data = blocks(6, 100 + i)
         assert (await c.put_blocks(NS, [(h, 0, data[j]) for j, h in enumerate(hashes)])).stored == 6
-        await wait_for(lambda: _hits(c, hashes, 6), 10, "own blocks visible")
+        await wait_until(lambda: _hits(c, hashes, 6), "own blocks visible", 10)
         for _ in range(3):
             res = await c.lookup(NS, hashes)
             out = np.zeros_like(data)
@@ -208,30 +186,6 @@ async def test_concurrent_clients(cluster: Cluster) -> None:
 
 
 # ---- malformed data-plane input ---------------------------------------------------------
-
-
-class RawConn:
-    """A bare UCX endpoint to a node, for sending hand-made (bad) messages."""
-
-    def __init__(self, worker: UcxWorker, ep: object) -> None:
-        self.w = worker
-        self.ep = ep
-
-    @classmethod
-    async def open(cls, addr: str) -> RawConn:
-        w = UcxWorker()
-        host, port = addr.rsplit(":", 1)
-        return cls(w, await w.connect(host, int(port), 2))
-
-    async def ask(self, payload: bytes) -> dict:
-        r = self.w.am_recv(self.ep)
-        await self.w.wait(self.w.am_send(self.ep, payload), 5)
-        await self.w.wait(r, 5)
-        return unpack(bytes(r.recv_buffer), 1 << 20)
-
-    def close(self) -> None:
-        close_endpoint(self.ep)
-        self.w.close()
 
 
 def _error(reply: dict) -> str:
@@ -331,7 +285,7 @@ async def test_writer_dying_mid_put_leaves_nothing_visible(node_factory: list[Pr
                 return False
 
         # once the reservation expires its slots are reclaimed and the same blocks can be stored
-        await wait_for(stored_again, 15, "reservation reclaimed")
+        await wait_until(stored_again, "reservation reclaimed", 15)
         assert all(await c._data.get(addr, NS, [(h, 0, out[i]) for i, h in enumerate(hashes)], 5))
         assert np.array_equal(out, data)
     finally:
@@ -342,7 +296,7 @@ async def test_read_pins_keep_looked_up_blocks_through_eviction(cluster: Cluster
     c = cluster.client(local_node="n1")
     first, d_first = blocks(8, 40)
     await c.put_blocks(NS, [(h, 0, d_first[i]) for i, h in enumerate(first)])
-    await wait_for(lambda: _hits(c, first, 8), 10, "blocks visible")
+    await wait_until(lambda: _hits(c, first, 8), "blocks visible", 10)
     res = await c.lookup(NS, first)
     pins = await c.pin_blocks(NS, [(res.blocks[i][0], h, 0) for i, h in enumerate(first)], ttl_s=30)
     assert pins == [True] * 8
@@ -376,7 +330,7 @@ async def test_tenants_cannot_touch_each_others_blocks(node_factory: list[Proc])
         ).stored == 4
         with pytest.raises(Unauthorized):
             await acme.put_blocks("globex@m", [(hashes[0], 0, data[0])])
-        await wait_for(lambda: _ns_hits(acme, "acme@m", hashes, 4), 10, "acme's blocks visible")
+        await wait_until(lambda: _ns_hits(acme, "acme@m", hashes, 4), "acme's blocks visible", 10)
         with pytest.raises(Unauthorized):
             await globex.lookup("acme@m", hashes)
         node = server.ready["node"]

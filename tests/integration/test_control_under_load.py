@@ -21,8 +21,8 @@ from pegaflow.client import PegaClient
 from pegaflow.config import ClientConfig, EtcdConfig
 from pegaflow.errors import PegaError
 from pegaflow.tools.devcluster import start_node, start_server
+from tests.support.cluster import NS
 from tests.support.etcd_fixture import CoordinatorFactory
-from tests.integration.test_cluster import NS
 
 DEADLINE_S = 0.25
 """of every control op; the connector's lookup deadline is 50 ms, and a loaded 2-core CI

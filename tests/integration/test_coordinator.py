@@ -9,9 +9,8 @@ import json
 import os
 import shutil
 import subprocess
-import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ from pegaflow.coordinator.index import BlockIndex
 from pegaflow.coordinator.inprocess_sink import InProcessSink
 from pegaflow.coordinator.mirror import EtcdMirror
 from pegaflow.coordinator.service import Coordinator
-from pegaflow.storage_node.publisher import EtcdPublisher
 
 from pegaflow.config import CoordinatorConfig, EtcdConfig, SecurityConfig
 from pegaflow.errors import BadRequest, NoSpace, TooLarge, Unauthorized, Unavailable
@@ -30,58 +28,8 @@ from pegaflow.keys import BlockLocation, Keyspace, NodeRecord
 from pegaflow.protocol.codec import PROTOCOL_VERSION
 from pegaflow.protocol.framing import encode_frame, parse_address, read_frame
 from pegaflow.transport.rpc_client import RpcClient
+from tests.support.coordinator_fakes import NS, FakeNode, eventually, h
 from tests.support.etcd_fixture import EtcdServer, make_test_certs
-
-NS = "llama-tiny:bf16:bs16"
-
-
-def h(i: int) -> bytes:
-    return i.to_bytes(32, "big")
-
-
-class FakeNode:
-    """A node's inventory, published through an EtcdPublisher."""
-
-    def __init__(self, etcd: EtcdConfig, node_id: str, **kw: Any) -> None:
-        self.node_id = node_id
-        self.blocks: dict[tuple[str, bytes, int], BlockLocation] = {}
-        self.publisher = EtcdPublisher(etcd, self.inventory, **kw)
-        self.record = NodeRecord(
-            node_id=node_id, host="127.0.0.1", ucx_port=9000, capacity_bytes=1 << 30
-        )
-
-    def inventory(self) -> Iterable[tuple[str, bytes, int, BlockLocation]]:
-        return [(ns, bh, s, loc) for (ns, bh, s), loc in self.blocks.items()]
-
-    async def start(self) -> FakeNode:
-        await self.publisher.start(self.record)
-        return self
-
-    def put(self, hashes: Iterable[int], shard: int = 0, ns: str = NS) -> None:
-        for i in hashes:
-            loc = BlockLocation(self.node_id, slot=i, gen=1, size=4096, xxh3=i * 7)
-            self.blocks[(ns, h(i), shard)] = loc
-            self.publisher.publish(ns, h(i), shard, loc)
-
-    def evict(self, hashes: Iterable[int], shard: int = 0, ns: str = NS) -> None:
-        for i in hashes:
-            loc = self.blocks.pop((ns, h(i), shard))
-            self.publisher.unpublish(ns, h(i), shard, loc)
-
-    async def flush(self) -> None:
-        assert await self.publisher.flush(timeout=20), self.publisher.stats()
-
-
-async def eventually(
-    check: Callable[[], Awaitable[bool]], timeout: float = 15.0, what: str = ""
-) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if await check():
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await asyncio.sleep(0.1)
 
 
 async def lookup(client: RpcClient, n: int, shards: list[int], ns: str = NS) -> dict[str, Any]:

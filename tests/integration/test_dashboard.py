@@ -31,9 +31,9 @@ from pegaflow.client import PegaClient
 from pegaflow.config import ClientConfig
 from pegaflow.tools.dashboard import Dashboard, parse_metrics_text
 from pegaflow.tools.devcluster import Proc, free_port, start_server
+from tests.support.chromium import CHROMIUM, chromium
 
 REPO = Path(__file__).resolve().parents[2]
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 NODE = "dash-node"
 NS = "dash-model"
 BLOCK = 256 << 10
@@ -234,21 +234,6 @@ class _Dom(HTMLParser):
             self.series[a["data-series"]] = a
         if tag == "body":
             self.body = a
-
-
-def chromium(url: str, *args: str) -> str:
-    """Run headless Chromium on ``url`` (loopback only) and return its stdout."""
-    assert CHROMIUM is not None
-    with tempfile.TemporaryDirectory(prefix="pegaflow-chromium-") as profile:
-        cmd = [
-            CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-            "--no-first-run", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", f"--user-data-dir={profile}", "--hide-scrollbars",
-            "--window-size=1400,1050", "--virtual-time-budget=4000", *args, url,
-        ]  # fmt: skip
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
 
 
 @pytest.mark.skipif(

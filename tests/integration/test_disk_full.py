@@ -22,7 +22,7 @@ import pytest
 from pegaflow.storage_node.disk_format import HEADER_BYTES
 
 from pegaflow.tools.devcluster import Proc
-from tests.e2e.test_disk_tier_node import (
+from tests.support.disk_node import (
     BATCH,
     POOL_BLOCKS,
     WORKING_SET,
@@ -33,11 +33,10 @@ from tests.e2e.test_disk_tier_node import (
     present,
     put_all,
     server,
-    wait_for,
     wait_spilled,
 )
-from tests.e2e.test_disk_tier_node import procs as procs  # a fixture
-from tests.e2e.test_disk_tier_node import shm as shm  # a fixture
+from tests.support.disk_node import shm as shm  # a fixture
+from tests.support.waiting import wait_for
 
 FS_BYTES = 8 << 20
 _PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE

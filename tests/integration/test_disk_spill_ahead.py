@@ -13,34 +13,32 @@ nor reused, a drop meanwhile keeps no copy on disk."""
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from pegaflow.storage_node.disk_files import DiskIO
 from pegaflow.storage_node.disk_tier import DiskTier
 from pegaflow.storage_node.pool import BlockPool, Entry
 from pegaflow.storage_node.spill_ahead import SpillAhead, reserve_bytes
 
 from pegaflow.checksum import checksum
 from pegaflow.tools.devcluster import Proc, _temp_shm_dir
-from tests.e2e.test_disk_tier_node import (
+from tests.support.disk_node import (
     BATCH,
     POOL_BLOCKS,
     WORKING_SET,
+    HeldIO,
     blocks,
     client,
     get_all,
     metrics,
     present,
     server,
-    wait_for,
 )
-from tests.e2e.test_disk_tier_node import procs as procs  # a fixture
-from tests.e2e.test_disk_tier_node import shm as shm  # a fixture
+from tests.support.disk_node import shm as shm  # a fixture
+from tests.support.waiting import wait_for
 
 NS = "disk-tier"
 BLOCK = 64 << 10
@@ -124,21 +122,6 @@ def test_unpaced_puts_past_the_reserve_fall_back_and_lose_nothing(
 
 SLOT = 64 << 10
 POOL_SLOTS = 8
-
-
-class HeldIO(DiskIO):
-    """Holds back every write of the slab files until ``release()``."""
-
-    def __init__(self) -> None:
-        self.open = threading.Event()
-        self.waiting = threading.Semaphore(0)
-        self.slab_fds: set[int] = set()
-
-    def pwritev(self, fd: int, bufs: Sequence[Any], offset: int) -> int:
-        if fd in self.slab_fds:
-            self.waiting.release()
-            assert self.open.wait(30)
-        return super().pwritev(fd, bufs, offset)
 
 
 class Rig:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pegaflow.tools.devcluster import Proc
-from tests.e2e.test_disk_tier_node import (
+from tests.support.disk_node import (
     BLOCK,
     NODE,
     NS,
@@ -26,11 +26,10 @@ from tests.e2e.test_disk_tier_node import (
     metrics,
     put_all,
     server,
-    wait_for,
     wait_spilled,
 )
-from tests.e2e.test_disk_tier_node import procs as procs  # a fixture
-from tests.e2e.test_disk_tier_node import shm as shm  # a fixture
+from tests.support.disk_node import shm as shm  # a fixture
+from tests.support.waiting import wait_for
 
 GET = 32  # one batched get, all of its blocks only on disk (the pool holds 32 blocks)
 

@@ -24,9 +24,8 @@ from pegaflow.errors import BadRequest
 from pegaflow.keys import DISK_SLOT, BlockLocation, Keyspace, NodeRecord
 from pegaflow.protocol.codec import pack_bits, unpack, unpack_bits
 from pegaflow.tools.devcluster import Proc
-from tests.support.connector_fakes import FakeCluster, FakeLookup, FakeRequest
-from tests.unit.test_connector_scheduler import BS, NS, costed, toks
-from tests.e2e.test_disk_tier_node import (
+from tests.support.connector_fakes import BS, NS, FakeCluster, FakeLookup, FakeRequest, costed, toks
+from tests.support.disk_node import (
     BATCH,
     NODE,
     POOL_BLOCKS,
@@ -35,11 +34,10 @@ from tests.e2e.test_disk_tier_node import (
     metrics,
     put_all,
     server,
-    wait_for,
 )
-from tests.e2e.test_disk_tier_node import NS as DISK_NS
-from tests.e2e.test_disk_tier_node import procs as procs  # a fixture
-from tests.e2e.test_disk_tier_node import shm as shm  # a fixture
+from tests.support.disk_node import NS as DISK_NS  # a fixture
+from tests.support.disk_node import shm as shm  # a fixture
+from tests.support.waiting import wait_for
 
 H = [bytes([i]) * 16 for i in range(8)]
 

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from pegaflow.service import build_parser
-from tests.integration.test_install import check_installed, fresh_venv, pip, sh
+from tests.support.install import check_installed, fresh_venv, pip, sh
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = [REPO / "Dockerfile", REPO / "configs" / "k8s" / "Dockerfile.vllm"]

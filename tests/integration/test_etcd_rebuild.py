@@ -28,8 +28,8 @@ from pegaflow.errors import PegaError
 from pegaflow.etcd import EtcdClient, delete_op, prefix_range_end
 from pegaflow.keys import BlockLocation, Keyspace, NodeRecord
 from pegaflow.transport.rpc_client import RpcClient
+from tests.support.coordinator_fakes import NS, FakeNode, eventually, h
 from tests.support.etcd_fixture import EtcdServer
-from tests.integration.test_coordinator import NS, FakeNode, eventually, h
 
 
 async def _wipe_prefix(etcd: EtcdClient, prefix: bytes) -> None:

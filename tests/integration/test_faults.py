@@ -19,8 +19,9 @@ from pegaflow.client import PegaClient
 from pegaflow.config import ClientConfig, EtcdConfig
 from pegaflow.errors import PegaError
 from pegaflow.tools.devcluster import Proc, start_coordinator, start_node
+from tests.support.cluster import NS, blocks
 from tests.support.etcd_fixture import CoordinatorFactory
-from tests.integration.test_cluster import NS, blocks, wait_for
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture
@@ -55,23 +56,23 @@ async def test_node_restart_serves_the_same_verified_blocks(
     node()
     c = PegaClient(ClientConfig(coordinators=[coord.address], local_node="r1", lookup_timeout_s=2))
     try:
-        await wait_for(lambda: _node_known(c, "r1"), 15, "node r1 registered")
+        await wait_until(lambda: _node_known(c, "r1"), "node r1 registered", 15)
         hashes, data = blocks(12, 11)
         assert (
             await c.put_blocks(NS, [(h, 0, data[i]) for i, h in enumerate(hashes)])
         ).stored == 12
-        await wait_for(lambda: _hits(c, hashes, 12), 10, "blocks visible")
+        await wait_until(lambda: _hits(c, hashes, 12), "blocks visible", 10)
 
         procs[-1].kill()  # kill -9: no clean shutdown, the pool file stays in shm
         # corrupt one stored block behind the node's back: it must never be served again
         _corrupt_first_block(Path(shm_dir) / "pegaflow-r1.pool")
 
         node()
-        await wait_for(lambda: _hits(c, hashes[1:], 11), 20, "re-attached blocks republished")
+        await wait_until(lambda: _hits(c, hashes[1:], 11), "re-attached blocks republished", 20)
         # the corrupted block (the first slot) is not republished: once the dead
         # process's lease expires, the prefix stops right at it
-        await wait_for(
-            lambda: _hits(c, hashes, 0), etcd_config.lease_ttl_s * 3 + 5, "old lease gone"
+        await wait_until(
+            lambda: _hits(c, hashes, 0), "old lease gone", etcd_config.lease_ttl_s * 3 + 5
         )
         res = await c.lookup(NS, hashes[1:])
         assert res.hits == 11
@@ -141,11 +142,11 @@ async def test_reads_fenced_by_generation_miss_once_the_slot_was_rewritten(
     c = PegaClient(ClientConfig(coordinators=[coord.address], local_node="f1", lookup_timeout_s=2))
     block = 1 << 20  # 16 slots in the pool
     try:
-        await wait_for(lambda: _node_known(c, "f1"), 15, "node f1 registered")
+        await wait_until(lambda: _node_known(c, "f1"), "node f1 registered", 15)
         target = os.urandom(32)
         data = np.frombuffer(target * (block // 32), dtype=np.uint8)
         assert (await c.put_blocks(NS, [(target, 0, data)])).stored == 1
-        await wait_for(lambda: _hits(c, [target], 1), 10, "block indexed")
+        await wait_until(lambda: _hits(c, [target], 1), "block indexed", 10)
         first = await c.lookup(NS, [target], generations=True)
         assert first.blocks == [["f1"]] and len(first.generations) == 1
         [[gen1]] = first.generations
@@ -162,7 +163,7 @@ async def test_reads_fenced_by_generation_miss_once_the_slot_was_rewritten(
             res = await c.lookup(NS, [target], generations=True)
             return res.hits == 1 and res.generations[0][0] != gen1
 
-        await wait_for(regenerated, 10, "the new generation indexed")
+        await wait_until(regenerated, "the new generation indexed", 10)
         stale_before = c._data.stale_misses
         out[:] = 0
         assert await c.get_blocks(NS, [("f1", target, 0, out)], generations=[gen1]) == [False]

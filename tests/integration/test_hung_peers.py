@@ -32,8 +32,9 @@ from pegaflow.client.data import DataClient
 from pegaflow.config import ClientConfig, EtcdConfig
 from pegaflow.errors import PegaError
 from pegaflow.tools.devcluster import REPO, Proc, start_node
+from tests.support.cluster import NS
 from tests.support.etcd_fixture import CoordinatorFactory
-from tests.integration.test_cluster import NS, wait_for
+from tests.support.waiting import wait_until
 
 N_BLOCKS = 32
 BLOCK = 8 << 20  # 256 MiB a get: it takes long enough to be caught mid-transfer
@@ -113,7 +114,7 @@ async def _settled_then_reusable(
     data: np.ndarray,
 ) -> None:
     """Once ``out`` is settled nothing writes it any more, and a get into it works."""
-    await wait_for(lambda: c.settled(out), 30, "the failed get's receives finished")
+    await wait_until(lambda: c.settled(out), "the failed get's receives finished", 30)
     out[:] = 0
     await asyncio.sleep(0.5)
     assert not out.any(), "bytes landed in a buffer after it was settled"

@@ -6,64 +6,35 @@ it for real: no fake ``os.write`` in them.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
 import random
 import shutil
-import struct
-import subprocess
 import tempfile
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 import pytest
 from pegaflow.storage_node.journal import Journal, parse
 from pegaflow.storage_node.pool import BlockPool, Entry
 
 from pegaflow.checksum import checksum
-
-KiB, MiB = 1 << 10, 1 << 20
-POOL, SLAB = MiB, 256 * KiB
-
-
-@contextlib.contextmanager
-def tmpfs(size: int) -> Iterator[Path]:
-    """A tmpfs of ``size`` bytes mounted on a fresh directory, unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    d = Path(tempfile.mkdtemp(prefix="pegaflow-tmpfs-"))
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    if r.returncode != 0:
-        d.rmdir()
-        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
-    try:
-        yield d
-    finally:
-        if subprocess.run(["umount", str(d)], capture_output=True, timeout=30).returncode:
-            subprocess.run(["umount", "-l", str(d)], capture_output=True, timeout=30)
-        with contextlib.suppress(OSError):
-            d.rmdir()
-
-
-def fill(d: Path, leave: int) -> Path:
-    """Fill the file system of ``d`` up to ``leave`` free bytes with one file."""
-    st = os.statvfs(d)
-    free = st.f_bavail * st.f_frsize
-    filler = d / "filler"
-    with open(filler, "wb") as f:
-        f.write(b"\0" * max(0, free - leave))
-    return filler
+from tests.support.journal import (
+    HEAD,
+    POOL,
+    SLAB,
+    KiB,
+    fill,
+    frame,
+    pack_v1,
+    tmpfs,
+    unframe,
+    unpack_v1,
+    v1_journal,
+)
 
 
 def commit(pool: BlockPool, name: bytes, size: int, ns: str = "ns") -> Entry:
@@ -76,47 +47,10 @@ def commit(pool: BlockPool, name: bytes, size: int, ns: str = "ns") -> Entry:
     return e
 
 
-# Version 2 framing, as the journal's module docstring specifies it.
-_HEAD = struct.Struct("<2sHI")
-
-
-def frame(obj: Any) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
-    return _HEAD.pack(b"PJ", len(body), zlib.crc32(body)) + body
-
-
-def unframe(data: bytes) -> list[Any]:
-    objs, pos = [], 0
-    while pos < len(data):
-        magic, n, crc = _HEAD.unpack_from(data, pos)
-        body = data[pos + _HEAD.size : pos + _HEAD.size + n]
-        assert magic == b"PJ" and zlib.crc32(body) == crc
-        objs.append(msgpack.unpackb(body, raw=False))
-        pos += _HEAD.size + n
-    return objs
-
-
-def pack_v1(objs: list[Any]) -> bytes:
-    return b"".join(msgpack.packb(o, use_bin_type=True) for o in objs)
-
-
-def unpack_v1(data: bytes) -> list[Any]:
-    u = msgpack.Unpacker(raw=False)
-    u.feed(data)
-    return list(u)
-
-
 FORMATS = {
     "v1": (pack_v1, unpack_v1),
     "v2": (lambda objs: b"".join(map(frame, objs)), unframe),
 }
-
-
-def v1_journal(entries: list[Entry], pool: int = POOL, slab: int = SLAB) -> bytes:
-    """A version-1 journal (PegaFlow 0.1.0: bare msgpack records) of ``entries``."""
-    objs: list[Any] = [["pegaflow-journal", 1, pool, slab]]
-    objs += [["C", e.offset, e.stride, e.size, e.gen, e.xxh3, *e.key] for e in entries]
-    return pack_v1(objs)
 
 
 # ---- validated replay ------------------------------------------------------------
@@ -200,7 +134,7 @@ def test_a_flipped_bit_in_a_size_field_loses_one_block_at_most(
     victim = objs[_c_records(objs)[2]]
     size_at = data.index(pack([victim])) + len(pack([victim[:3]]))
     if fmt == "v2":
-        size_at -= _HEAD.size  # the frame header was counted twice
+        size_at -= HEAD.size  # the frame header was counted twice
     for bit in range(24):  # every bit of the size (a uint16: type byte and two bytes)
         corrupt = bytearray(data)
         corrupt[size_at + bit // 8] ^= 1 << (bit % 8)

@@ -31,7 +31,7 @@ from pegaflow.client.data import Fetched
 from pegaflow.config import ClientConfig
 from pegaflow.errors import Unavailable
 from pegaflow.tools.devcluster import Proc, start_coordinator, start_node
-from tests.integration.test_cluster import wait_for
+from tests.support.waiting import wait_until
 
 NS = "late-bytes"
 N_BLOCKS = 32
@@ -76,12 +76,12 @@ def _data() -> tuple[list[bytes], np.ndarray]:
 async def _stored(c: PegaClient) -> tuple[list[bytes], np.ndarray]:
     """The test's blocks, stored on n1 and found by a lookup."""
     hashes, data = _data()
-    await wait_for(lambda: _has_node(c), 15, "n1 in the cluster")
+    await wait_until(lambda: _has_node(c), "n1 in the cluster", 15)
     for i in range(0, N_BLOCKS, 8):  # within a connection's reservation quota
         items = [(h, 0, data[i + j]) for j, h in enumerate(hashes[i : i + 8])]
         out = await c.put_blocks(NS, items, node_id="n1", timeout=60)
         assert out.stored + out.skipped == 8
-    await wait_for(lambda: _hits(c, hashes), 15, "the blocks in the index")
+    await wait_until(lambda: _hits(c, hashes), "the blocks in the index", 15)
     return hashes, data
 
 
@@ -132,8 +132,8 @@ async def test_a_get_given_up_never_writes_its_callers_buffer_afterwards(
         await asyncio.sleep(WATCH_S)  # the client's loop runs: UCX progresses meanwhile
         _check(out, seen, ok, data)
         # what the given-up receives held is reused once they finished: bytes stay exact
-        await wait_for(lambda: c._data.unsettled_bytes == 0, 30, "the receives finished")
-        await wait_for(lambda: not c.health.is_down("n1"), 10, "n1 answering again")
+        await wait_until(lambda: c._data.unsettled_bytes == 0, "the receives finished", 30)
+        await wait_until(lambda: not c.health.is_down("n1"), "n1 answering again", 10)
         out[:] = 0
         assert all(await c.get_blocks(NS, items, timeout=30.0))
         assert np.array_equal(out, data)

@@ -32,8 +32,8 @@ from pegaflow.protocol.codec import PROTOCOL_VERSION, unpack
 from pegaflow.protocol.framing import encode_frame, parse_address
 from pegaflow.transport.rpc_client import RpcClient
 from pegaflow.transport.rpc_server import RpcServer
+from tests.support.coordinator_fakes import FakeNode, eventually, h
 from tests.support.etcd_fixture import CoordinatorFactory
-from tests.integration.test_coordinator import FakeNode, eventually, h
 
 TENANTS = "acme=a-secret,globex=g-secret"
 HOG_NS, NS = "acme@model", "globex@model"

@@ -10,7 +10,6 @@ import re
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,32 +19,10 @@ from pegaflow.client import data as client_data
 from prometheus_client.parser import text_string_to_metric_families
 
 from pegaflow.config import ClientConfig, EtcdConfig
-from pegaflow.errors import BadRequest
 from pegaflow.tools.devcluster import Proc, start_coordinator, start_node
-from pegaflow.transport.rpc_client import RpcClient
+from tests.support.metrics import BLOCK, NS, REPO, documented, family_name, malformed_requests
 
-REPO = Path(__file__).resolve().parents[2]
-BLOCK = 64 << 10
-NS = "metrics-model"
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def documented() -> dict[str, dict[str, str]]:
-    """``{section: {exposed name: type}}`` from the tables of docs/metrics.md (the
-    services' ``pegaflow_*`` names and the connector's ``vllm:pegaflow_*`` names)."""
-    out: dict[str, dict[str, str]] = {}
-    section = ""
-    for line in (REPO / "docs" / "metrics.md").read_text().splitlines():
-        if line.startswith("## "):
-            section = line[3:].strip().lower()
-        m = re.match(r"^\| `((?:vllm:)?pegaflow_[a-z0-9_]+)` \| (counter|gauge|histogram) \|", line)
-        if m:
-            out.setdefault(section, {})[m.group(1)] = m.group(2)
-    return out
-
-
-def family_name(name: str, typ: str) -> str:
-    return name[: -len("_total")] if typ == "counter" else name
 
 
 def scrape(port: int) -> tuple[Samples, dict[str, str]]:
@@ -67,21 +44,6 @@ def val(samples: Samples, name: str, **labels: str) -> float:
 
 def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
     return val(after, name, **labels) - val(before, name, **labels)
-
-
-async def malformed_requests(
-    client: PegaClient, ucx: str, coordinator: str, h: bytes, ns: str = NS
-) -> None:
-    """A malformed data-plane request (a bad namespace: a miss) and a malformed control
-    request (a typed error), for the error metrics to count."""
-    wrong = np.zeros(BLOCK, dtype=np.uint8)
-    assert await client._data.get(ucx, "bad/ns", [(h, 0, wrong)], 5) == [False]
-    rpc = RpcClient([coordinator], timeout=5)
-    try:
-        with pytest.raises(BadRequest):
-            await rpc.call("lookup", {"ns": ns, "hashes": "not a list"})
-    finally:
-        await rpc.close()
 
 
 async def eventually(cond: Callable[[], bool], what: str, timeout: float = 15.0) -> None:

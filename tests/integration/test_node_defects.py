@@ -26,8 +26,8 @@ from pegaflow.client.data import DataClient
 from pegaflow.errors import PegaError, QuotaExceeded
 from pegaflow.protocol.codec import pack
 from pegaflow.tools.devcluster import Proc, start_node
-from tests.integration.test_cluster import wait_for
-from tests.integration.test_tenants import error_code, raw_conn, sample, scrape, tenant_node
+from tests.support.tenant_server import error_code, raw_conn, sample, scrape, tenant_node
+from tests.support.waiting import wait_until
 
 MIB = 1 << 20
 
@@ -129,7 +129,7 @@ async def test_slots_of_writers_that_stalled_and_went_away_come_back(procs: list
             st = await node_stats(addr)
             return st["quarantined_bytes"] == 0 and st["used_bytes"] == 0
 
-        await wait_for(released, 10, "the slots of the writers that went away to come back")
+        await wait_until(released, "the slots of the writers that went away to come back", 10)
         put = items(32, MIB, 2)  # half the pool
         assert (await c.put(addr, "defects", put, 20)).stored == 32
     finally:

@@ -33,8 +33,8 @@ from pegaflow.config import EtcdConfig
 from pegaflow.etcd import EtcdClient
 from pegaflow.keys import Keyspace, NodeRecord
 from pegaflow.tools.devcluster import REPO, Proc, start_node
-from tests.integration.test_cluster import wait_for
-from tests.integration.test_journal import fill, frame, pack_v1, tmpfs, unframe, unpack_v1, v1_journal
+from tests.support.journal import fill, frame, pack_v1, tmpfs, unframe, unpack_v1, v1_journal
+from tests.support.waiting import wait_until
 
 KiB, MiB = 1 << 10, 1 << 20
 NS = "lifecycle"
@@ -201,10 +201,10 @@ async def test_a_full_journal_file_system_keeps_the_node_serving_and_loses_nothi
             assert code == 200 and health["journal_degraded"]  # degraded, still serving
 
             filler.unlink()  # space comes back: the journal is rewritten whole
-            await wait_for(
+            await wait_until(
                 lambda: not http_json(n.ready["http"], "/v1/status")[1]["journal"]["degraded"],
-                20,
                 "journal rewritten",
+                20,
             )
             batch = [(hashes[j], 0, data[j]) for j in range(100, 120)]
             assert (await c.put(n.ready["ucx"], NS, batch, 10)).stored == 20
@@ -232,7 +232,7 @@ async def test_health_fails_once_the_pool_file_is_gone(shm_dir: Path, procs: lis
         assert code == 503 and not body["ok"] and "pegaflow-h1.pool" in body["reason"]
     _, status = http_json(port, "/v1/status")
     assert not status["health"]["ok"] and "pegaflow-h1.pool" in status["health"]["reason"]
-    await wait_for(lambda: log_lines(n, "ERROR", "restart the node"), 10, "the error logged")
+    await wait_until(lambda: log_lines(n, "ERROR", "restart the node"), "the error logged", 10)
     await asyncio.sleep(2.5)  # a few watchdog ticks: still logged once
     assert len(log_lines(n, "ERROR", "restart the node")) == 1
 

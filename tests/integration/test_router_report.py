@@ -26,7 +26,7 @@ from pegaflow.coordinator.routers import RouterTable, parse_report
 from pegaflow.errors import BadRequest, TooLarge, Unauthorized
 from pegaflow.tools.devcluster import Proc, free_port, start, start_coordinator
 from pegaflow.transport.rpc_client import RpcClient
-from tests.integration.test_dashboard import CHROMIUM, chromium
+from tests.support.chromium import CHROMIUM, chromium
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 30.0

@@ -18,8 +18,8 @@ from pegaflow.client.api import PegaClient
 from pegaflow.config import ClientConfig
 from pegaflow.server import AUTO_POOL_CAP, HostMemory, _aliases, auto_pool_bytes
 from pegaflow.tools.devcluster import REPO, Proc, start_server
-from tests.integration.test_cluster import wait_for
-from tests.integration.test_journal import tmpfs
+from tests.support.journal import tmpfs
+from tests.support.waiting import wait_until
 
 GiB = 1 << 30
 SLAB = 64 << 20
@@ -121,7 +121,7 @@ async def test_the_server_keeps_its_pool_across_a_restart(shm_dir: Path) -> None
     p = server(shm_dir)
     try:
         await put(p, hashes, data)
-        await wait_for(lambda: _hits_are(p, hashes, 6), 10, "the blocks visible")
+        await wait_until(lambda: _hits_are(p, hashes, 6), "the blocks visible", 10)
     finally:
         p.terminate()  # SIGTERM: a clean stop keeps the pool ([node] keep_pool)
     assert p.popen.returncode == 0 and (shm_dir / "pegaflow-s1.pool").exists()

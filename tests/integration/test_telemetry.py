@@ -312,8 +312,7 @@ def test_connector_lookup_is_a_span_of_the_request_trace() -> None:
     emits the request's root span when vLLM finishes it."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from tests.support.connector_fakes import FakeRequest
-    from tests.unit.test_connector_scheduler import make, store, toks
+    from tests.support.connector_fakes import FakeRequest, make, store, toks
 
     spans = InMemorySpanExporter()
     reg, _, _ = registry()

@@ -7,60 +7,31 @@ from __future__ import annotations
 
 import os
 import secrets
-import urllib.request
 from typing import Any
 
 import numpy as np
 import pytest
 from pegaflow.client.data import DataClient
 from pegaflow.client.session import NodeSession
-from prometheus_client.parser import text_string_to_metric_families
 
 from pegaflow.checksum import checksum
 from pegaflow.errors import BadRequest, QuotaExceeded, TooLarge, Unauthorized
-from pegaflow.protocol.codec import PROTOCOL_VERSION, pack, unpack
+from pegaflow.protocol.codec import pack, unpack
 from pegaflow.protocol.framing import UNIX_PREFIX
-from pegaflow.tools.devcluster import Proc, start_node, start_server
+from pegaflow.tools.devcluster import Proc, start_server
 from pegaflow.transport.rpc_client import RpcClient
 from pegaflow.transport.ucx import UcxWorker, close_endpoint, make_tag
-from tests.integration.test_cluster import BLOCK, RawConn, blocks, wait_for
-
-TENANTS = "acme=a-secret,globex=g-secret"
-POOL = 32 << 20  # 128 blocks of BLOCK
-
-
-def tenant_node(procs: list[Proc], name: str, *extra: str, pool: int = POOL) -> Proc:
-    """A node with the cluster token ``admin`` and the tenants acme and globex."""
-    node = start_node(
-        name, pool=str(pool), slab="4MiB", token="admin",
-        extra=["--security-tenant-tokens", TENANTS, *extra],
-    )  # fmt: skip
-    procs.append(node)
-    return node
-
-
-def scrape(http_port: str) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as r:
-        return r.read().decode()
-
-
-def sample(text: str, name: str, **labels: str) -> float:
-    """The value of one sample of a ``/metrics`` text (0 when absent)."""
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and s.labels == labels:
-                return s.value
-    return 0.0
-
-
-async def raw_conn(addr: str, token: str | None) -> RawConn:
-    """A bare UCX connection, authenticated with ``token`` unless None."""
-    raw = await RawConn.open(addr)
-    if token is not None:
-        reply = await raw.ask(pack({"op": "hello", "id": 0, "version": PROTOCOL_VERSION,
-                                    "token": token}))  # fmt: skip
-        assert reply["ok"], reply
-    return raw
+from tests.support.cluster import BLOCK, RawConn, blocks
+from tests.support.tenant_server import (
+    POOL,
+    TENANTS,
+    error_code,
+    raw_conn,
+    sample,
+    scrape,
+    tenant_node,
+)
+from tests.support.waiting import wait_until
 
 
 async def flood(raw: RawConn, frames: list[bytes]) -> list[dict[str, Any]]:
@@ -73,11 +44,6 @@ async def flood(raw: RawConn, frames: list[bytes]) -> list[dict[str, Any]]:
         await w.wait_all([w.am_send(raw.ep, f) for f in chunk] + recvs, 10)
         replies += [unpack(bytes(r.recv_buffer), 1 << 20) for r in recvs]
     return replies
-
-
-def error_code(reply: dict[str, Any]) -> str:
-    assert reply["ok"] is False, reply
-    return reply["error"]["code"]
 
 
 # ---- 4: nothing a peer says becomes a metric label -------------------------------------
@@ -168,7 +134,7 @@ async def test_handshakes_without_hello_are_closed_and_bounded(procs: list[Proc]
         def only_the_client_left() -> bool:
             return sample(scrape(http), "pegaflow_node_connections") == 1
 
-        await wait_for(only_the_client_left, 10, "the silent handshakes to be closed")
+        await wait_until(only_the_client_left, "the silent handshakes to be closed", 10)
         text = scrape(http)
         closed = sample(text, "pegaflow_node_unauthenticated_closed_total", reason="limit")
         closed += sample(text, "pegaflow_node_unauthenticated_closed_total", reason="timeout")
@@ -306,7 +272,7 @@ async def test_quotas_keep_one_client_from_reserving_the_pool(procs: list[Proc])
         async def room_again() -> bool:
             return bool((await conns[2].ask(reserve(share, 7)))["ok"])
 
-        await wait_for(room_again, 5, "the aborted reservation's quota to come back")
+        await wait_until(room_again, "the aborted reservation's quota to come back", 5)
 
         # read pins: distinct pinned bytes per connection (a block pinned twice counts once)
         more, more_data = blocks(24, 44)

@@ -1,4 +1,5 @@
-"""Test helper: a real vLLM engine process (``tests/support/vllm_runner.py``) to send commands to."""
+"""Test helper: a real vLLM engine process (``tests/support/vllm_runner.py``) to send
+commands to."""
 
 from __future__ import annotations
 
@@ -391,3 +392,11 @@ class VllmServe(ServeProcess):
             for s in fam.samples:
                 out[s.name] = out.get(s.name, 0.0) + s.value
         return out
+
+
+def cached_tokens(answer: dict[str, Any]) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` of a completion (vLLM fills it with
+    ``--enable-prompt-tokens-details``)."""
+    details = answer["usage"].get("prompt_tokens_details")
+    assert details is not None, f"no prompt_tokens_details in {answer['usage']}"
+    return int(details["cached_tokens"])

@@ -25,38 +25,16 @@ from pegaflow.connector.compat import (
 from pegaflow.connector.metadata import WorkerReport
 from pegaflow.connector.stats import PegaConnectorStats
 
-from tests.support.connector_fakes import FakeCluster, FakeRequest, new_req, sched_output
+from tests.support.connector_fakes import (
+    FakeCluster,
+    FakeRequest,
+    kv_cache_config,
+    new_req,
+    sched_output,
+    vllm_config,
+)
 
 BS = 32
-
-
-def vllm_config(extra: dict[str, Any] | None = None, policy: str = "recompute") -> Any:
-    return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(
-            kv_connector="PegaKVConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra or {},
-            kv_load_failure_policy=policy,
-            is_kv_producer=True,
-        ),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        model_config=SimpleNamespace(model="/m/tiny", dtype="bfloat16", seed=0),
-        cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256", cache_dtype="auto"),
-        load_config=SimpleNamespace(load_format="dummy"),
-    )
-
-
-def kv_cache_config(groups: int = 1) -> Any:
-    spec = SimpleNamespace(
-        block_size=BS, num_kv_heads=2, head_size=32, dtype="torch.bfloat16", page_size_bytes=8192
-    )
-    return SimpleNamespace(
-        num_blocks=64,
-        kv_cache_layout="LBHNC",
-        kv_cache_groups=[
-            SimpleNamespace(layer_names=["l0", "l1"], kv_cache_spec=spec) for _ in range(groups)
-        ],
-    )
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -14,44 +14,21 @@ from pegaflow.connector.policy import CircuitBreaker
 from pegaflow.connector.scheduler import SchedulerSide
 from pegaflow.connector.settings import ConnectorSettings
 
-from tests.support.connector_fakes import DEADLINE, DOWN, FakeCluster, FakeRequest, new_req, sched_output
-
-BS = 4
-NS = "tiny.abc"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def make(
-    cluster: FakeCluster | None = None,
-    world: int = 1,
-    clock: Clock | None = None,
-    **settings: object,
-) -> tuple[SchedulerSide, FakeCluster, Counters]:
-    cluster = cluster or FakeCluster()
-    # the bookkeeping tests claim every hit; the cost model has tests of its own
-    s = ConnectorSettings.load({"cost_model": False, **settings}, env={})
-    c = Counters()
-    side = SchedulerSide(
-        s, BS, world, namespace=lambda: NS, counters=c, client=cluster, clock=clock or Clock()
-    )
-    return side, cluster, c
-
-
-def store(cluster: FakeCluster, req: FakeRequest, n: int, world: int = 1, node: str = "n1") -> None:
-    for h in req.block_hashes[:n]:
-        for s in range(world):
-            cluster.blocks[(NS, h, s)] = (node, b"x")
-
-
-def toks(n: int, base: int = 0) -> list[int]:
-    return [base + i for i in range(n)]
+from tests.support.connector_fakes import (
+    BS,
+    DEADLINE,
+    DOWN,
+    NS,
+    Clock,
+    FakeCluster,
+    FakeRequest,
+    costed,
+    make,
+    new_req,
+    sched_output,
+    store,
+    toks,
+)
 
 
 def test_miss_then_save_plan_of_full_prompt_blocks() -> None:
@@ -466,18 +443,6 @@ def test_known_blocks_lru_bound() -> None:
     assert len(k) == 1024
     assert (0).to_bytes(4, "big") not in k
     assert (1999).to_bytes(4, "big") in k
-
-
-def costed(cluster: FakeCluster, **settings: object) -> tuple[SchedulerSide, Counters]:
-    """A scheduler side with the cost model on, for a GPU engine with 2 MiB blocks of
-    4 tokens (before any measurement: prefill at 5 GB/s of KV, TCP loads at 1 GB/s)."""
-    s = ConnectorSettings.load(settings, env={})
-    c = Counters()
-    side = SchedulerSide(
-        s, BS, 1, namespace=lambda: NS, counters=c, client=cluster, clock=Clock(),
-        device="cuda", block_bytes=2 << 20,
-    )  # fmt: skip
-    return side, c
 
 
 def test_a_slow_source_is_declined_counted_and_probed() -> None:

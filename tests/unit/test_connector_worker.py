@@ -16,59 +16,18 @@ from pegaflow.connector.settings import ConnectorSettings
 from pegaflow.connector.staging import Staging
 from pegaflow.connector.worker import WorkerSide
 
-from tests.support.connector_fakes import DOWN, FakeCluster
-
-NS = "tiny.abc"
-NB = 16
-
-
-def kv(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        f"model.layers.{i}.self_attn.attn": torch.randn(NB, 2, 8, 16, generator=g).to(
-            torch.bfloat16
-        )
-        for i in range(3)
-    }
-
-
-def worker(
-    cluster: FakeCluster, caches: dict[str, torch.Tensor], **settings: object
-) -> tuple[WorkerSide, Counters]:
-    s = ConnectorSettings.load({"chunk_bytes": 2 * 3 * 512, **settings}, env={})  # 2 blocks/chunk
-    c = Counters()
-    w = WorkerSide(s, 0, c, lambda: cluster)
-    w.register_kv_caches(caches, NB)
-    return w, c
-
-
-def h(i: int) -> bytes:
-    return i.to_bytes(4, "big") * 8
-
-
-def wait_for(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
-def finish_loads(w: WorkerSide, req: str) -> tuple[set[int], set[str] | None]:
-    """Step until ``req`` is reported loaded; returns (errors reported, sending)."""
-    errors: set[int] = set()
-    deadline = time.monotonic() + 10
-    while True:
-        sending, recving = w.get_finished(set())
-        errors |= w.take_load_errors()
-        if recving and req in recving:
-            return errors, sending
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-
-
-def save(w: WorkerSide, cluster: FakeCluster, blocks: list[int], hashes: list[bytes]) -> None:
-    w.submit_saves(StepPlan(NS, saves=[SaveJob("s", blocks, hashes)]))
-    wait_for(lambda: sum(1 for k in cluster.blocks if k[0] == NS) >= len(hashes))
+from tests.support.connector_fakes import (
+    DOWN,
+    NB,
+    NS,
+    FakeCluster,
+    finish_loads,
+    h,
+    kv,
+    save,
+    worker,
+)
+from tests.support.waiting import wait_for
 
 
 def test_block_bytes_are_whole_tiles_of_every_layer_in_order() -> None:

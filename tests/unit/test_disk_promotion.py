@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry
 from pegaflow.checksum import checksum
 from pegaflow.config import NodeConfig
 from pegaflow.tools.devcluster import _temp_shm_dir
-from tests.integration.test_cluster import wait_for
-from tests.integration.test_disk_spill_ahead import HeldIO
+from tests.support.disk_node import HeldIO
+from tests.support.waiting import wait_until
 
 SLOT = 64 << 10
 POOL_SLOTS = 8
@@ -69,12 +69,12 @@ async def test_a_promotion_into_a_full_pool_waits_for_the_spill_queue_and_drops_
             put(i)
         for i in range(POOL_SLOTS, 2 * POOL_SLOTS):  # each evicts one: written, one at a time
             put(i)
-            await wait_for(lambda i=i: disk.contains(key(i - POOL_SLOTS)), 30, "a spill written")
+            await wait_until(lambda i=i: disk.contains(key(i - POOL_SLOTS)), "a spill written", 30)
         assert disk.spill_drops == 0
         io.open.clear()  # from here the writes wait
         # blocks 0-3 live on disk only; each promoted one evicts one of 8-15 (not on disk)
         promoting = asyncio.ensure_future(svc.promotion.promote([key(i) for i in range(4)]))
-        await wait_for(lambda: pool.get(key(0)) is not None, 30, "the first promotion")
+        await wait_until(lambda: pool.get(key(0)) is not None, "the first promotion", 30)
         await asyncio.sleep(0.3)
         assert disk.spill_drops == 0  # the second eviction would find the queue full
         assert not promoting.done()
@@ -85,8 +85,8 @@ async def test_a_promotion_into_a_full_pool_waits_for_the_spill_queue_and_drops_
             e = pool.get(key(i))
             assert e is not None and np.array_equal(pool.view(e), data[i])
         # what the promotions evicted was written, not lost
-        await wait_for(
-            lambda: all(disk.contains(key(i)) for i in range(8, 12)), 30, "evictions written"
+        await wait_until(
+            lambda: all(disk.contains(key(i)) for i in range(8, 12)), "evictions written", 30
         )
     finally:
         io.open.set()

@@ -223,8 +223,7 @@ def connector_namespace(model: str, caplog: pytest.LogCaptureFixture, **mc: Any)
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import init_none_hash
 
-    from tests.support.connector_fakes import FakeCluster
-    from tests.unit.test_connector_facade import kv_cache_config, vllm_config
+    from tests.support.connector_fakes import FakeCluster, kv_cache_config, vllm_config
 
     init_none_hash(get_hash_fn_by_name("sha256"))
     vc = vllm_config()
