@@ -26,7 +26,7 @@ from pegaflow.client.data import DataClient
 from pegaflow.errors import PegaError, QuotaExceeded
 from pegaflow.protocol.codec import pack
 from pegaflow.tools.devcluster import Proc, start_node
-from tests.support.tenant_server import error_code, raw_conn, sample, scrape, tenant_node
+from tests.support.tenant_node import error_code, raw_conn, sample, scrape, tenant_node
 from tests.support.waiting import wait_until
 
 MIB = 1 << 20

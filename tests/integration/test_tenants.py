@@ -22,7 +22,7 @@ from pegaflow.tools.devcluster import Proc, start_server
 from pegaflow.transport.rpc_client import RpcClient
 from pegaflow.transport.ucx import UcxWorker, close_endpoint, make_tag
 from tests.support.cluster import BLOCK, RawConn, blocks
-from tests.support.tenant_server import (
+from tests.support.tenant_node import (
     POOL,
     TENANTS,
     error_code,

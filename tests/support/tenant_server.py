@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import urllib.request
-from typing import Any
-
 from pegaflow.client import SyncPegaClient
-from prometheus_client.parser import text_string_to_metric_families
 
 from pegaflow.config import ClientConfig
-from pegaflow.protocol.codec import PROTOCOL_VERSION, pack
-from pegaflow.tools.devcluster import Proc, start_node, start_server
-from tests.support.cluster import RawConn
-
-TENANTS = "acme=a-secret,globex=g-secret"
-POOL = 32 << 20  # 128 blocks of BLOCK
+from pegaflow.tools.devcluster import Proc, start_server
 
 ADMIN = "admin"
 """the cluster token"""
 TENANT = ("acme", "a-secret")
 """a tenant and its token"""
+
 
 def tenant_server(pool: str) -> Proc:
     """The server, with a node pool of ``pool`` bytes (e.g. ``"32MiB"``)."""
@@ -34,42 +26,3 @@ def client_of(server: Proc, token: str = ADMIN) -> SyncPegaClient:
     """A client of ``server`` with ``token``."""
     cfg = ClientConfig(coordinators=[server.ready["coordinator"]], lookup_timeout_s=2)
     return SyncPegaClient(cfg, token=token)
-
-
-def tenant_node(procs: list[Proc], name: str, *extra: str, pool: int = POOL) -> Proc:
-    """A node with the cluster token ``admin`` and the tenants acme and globex."""
-    node = start_node(
-        name, pool=str(pool), slab="4MiB", token="admin",
-        extra=["--security-tenant-tokens", TENANTS, *extra],
-    )  # fmt: skip
-    procs.append(node)
-    return node
-
-
-def scrape(http_port: str) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as r:
-        return r.read().decode()
-
-
-def sample(text: str, name: str, **labels: str) -> float:
-    """The value of one sample of a ``/metrics`` text (0 when absent)."""
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and s.labels == labels:
-                return s.value
-    return 0.0
-
-
-async def raw_conn(addr: str, token: str | None) -> RawConn:
-    """A bare UCX connection, authenticated with ``token`` unless None."""
-    raw = await RawConn.open(addr)
-    if token is not None:
-        reply = await raw.ask(pack({"op": "hello", "id": 0, "version": PROTOCOL_VERSION,
-                                    "token": token}))  # fmt: skip
-        assert reply["ok"], reply
-    return raw
-
-
-def error_code(reply: dict[str, Any]) -> str:
-    assert reply["ok"] is False, reply
-    return reply["error"]["code"]
