@@ -14,6 +14,8 @@ import pytest
 from tests.support.netns_hosts import available
 from tests.support.script_module import SCRIPTS
 
+pytestmark = pytest.mark.ucx
+
 BENCH = str(SCRIPTS / "bench_hosts.py")
 TINY = ["--rounds", "1", "--block", "256KiB", "--batch", "4", "--tcp-message", "1MiB"]
 
@@ -55,6 +57,7 @@ def test_a_tiny_data_path_run_prints_its_figures() -> None:
 
 @needs_hosts
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_ttft_across_hosts() -> None:
     """Two real vLLM engines on h2, no node of their own host: the warm one loads every
     full block of the prompt across the bridge."""

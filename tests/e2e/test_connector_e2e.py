@@ -30,7 +30,10 @@ from pegaflow.tools.devcluster import Proc, free_port, start_coordinator, start_
 from tests.support.vllm_engine import VllmEngine, prompts
 from tests.support.vllm_engine import connector_stats as stats
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.etcd, pytest.mark.ucx, pytest.mark.vllm,
+    pytest.mark.slow,
+]
 
 BS = 32
 MAX_TOKENS = 8

@@ -32,6 +32,8 @@ from tests.support.disk_node import (
 from tests.support.disk_node import shm as shm  # a fixture
 from tests.support.waiting import wait_for
 
+pytestmark = pytest.mark.ucx
+
 RESERVE_BLOCKS = 4
 """kept free by spill-ahead (disk_spill_ahead_bytes: by default at most 1/8 of the pool)"""
 IN_MEMORY = POOL_BLOCKS - RESERVE_BLOCKS
@@ -180,6 +182,7 @@ E2E_MAX_TOKENS = 8
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_vllm_prompts_larger_than_the_pool_are_served_from_disk_after_an_engine_restart(
     tmp_path: Path, shm: str, procs: list[Proc]
 ) -> None:

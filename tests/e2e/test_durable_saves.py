@@ -29,6 +29,8 @@ from pegaflow.tools.devcluster import Proc, start_server
 from pegaflow.transport.rpc_client import RpcClient
 from tests.support.vllm_engine import VllmEngine, prompts
 
+pytestmark = pytest.mark.ucx
+
 NS = "test-durable"
 BLOCK = 4096
 
@@ -240,6 +242,7 @@ def _reusable(engine: VllmEngine) -> set[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_an_engine_killed_once_told_its_blocks_are_reusable_loses_no_save(
     tmp_path: Path,
 ) -> None:

@@ -52,6 +52,7 @@ BIN = Path(sys.executable).parent
 """the venv's console scripts (pegaflow-coordinator, pegaflow-node, pegaflow)"""
 
 pytestmark = [
+    pytest.mark.etcd, pytest.mark.ucx,
     pytest.mark.slow,
     pytest.mark.skipif(shutil.which("etcd") is None, reason="no etcd binary"),
 ]
@@ -489,6 +490,7 @@ def wait_stats(path: str, cond: Any, timeout: float = 20.0) -> dict[str, float]:
 FIGURES: dict[str, Any] = {}
 
 
+@pytest.mark.vllm
 def test_hit_across_hosts(cluster: Cluster, engines: Engines) -> None:
     """h3's engine computes X (saved on h3's node); h2's engine gets every full block of
     it across the link: same outputs, and the very KV bytes h3 computed."""
@@ -532,6 +534,7 @@ HANG_BOUND_S = 5.0
 deadline (10 s), not on the load budget"""
 
 
+@pytest.mark.vllm
 def test_partition_then_recovery(cluster: Cluster, engines: Engines) -> None:
     """h3 cut off while its node holds P and Q: h2's engine asks for them, each call
     completes (no wait on the transfer deadline) with correct outputs; after the link
@@ -678,6 +681,7 @@ def _loads_from_pool(engines: Engines, name: str, ref: dict[str, Any]) -> dict[s
     return d
 
 
+@pytest.mark.vllm
 def test_pod_engine_pinned_to_its_hosts_node_loads_from_the_pool_file(
     pod_engines: Engines, pod_reference: dict[str, Any]
 ) -> None:
@@ -689,6 +693,7 @@ def test_pod_engine_pinned_to_its_hosts_node_loads_from_the_pool_file(
     assert d["load_failed_blocks"] == 0, d
 
 
+@pytest.mark.vllm
 def test_pod_engine_as_deployed_loads_from_the_pool_file(
     pod_engines: Engines, pod_reference: dict[str, Any]
 ) -> None:

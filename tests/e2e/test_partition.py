@@ -61,6 +61,8 @@ from tests.support.connector_fakes import (
     worker,
 )
 
+pytestmark = [pytest.mark.etcd, pytest.mark.ucx]
+
 # ---- the budget -------------------------------------------------------------------
 
 
@@ -447,6 +449,7 @@ NS_R = "partition-model"
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_an_engine_does_not_wait_on_a_frozen_remote_node(etcd_server: Any, tmp_path: Any) -> None:
     """The prompt's blocks are on n1, loaded over UCX (not this host's pool: the
     same-host shortcut is off, as on another host); n1 is then frozen.  The request

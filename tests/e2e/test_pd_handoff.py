@@ -24,6 +24,8 @@ from pegaflow.connector.settings import ConnectorSettings
 from pegaflow.errors import BadRequest, PegaError, TooLarge
 from tests.support.connector_fakes import Clock, FakeCluster, FakeRequest, new_req, sched_output
 
+pytestmark = pytest.mark.ucx
+
 BS = 4
 NS = "tiny.abc"
 FUTURE_MS = int(time.time() * 1000) + 3_600_000
@@ -413,6 +415,7 @@ def pd_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_pd_handoff_through_vllm_serve(pd_pair: dict[str, Any]) -> None:
     """The producer prefills (``max_tokens=1``) and returns its handoff in the completion's
     ``kv_transfer_params``; the consumer, given them unchanged, loads every full prompt

@@ -38,6 +38,8 @@ import pytest
 
 from pegaflow.tools.devcluster import EtcdServer, Proc, free_port, start_server
 
+pytestmark = [pytest.mark.etcd, pytest.mark.ucx]
+
 yaml = pytest.importorskip("yaml")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -401,6 +403,7 @@ def wait_engine(engine: Any, sample: str, at_least: float, timeout: float = 60.0
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 @needs_prometheus
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 def test_every_engine_query_and_alert_selects_existing_series(server: Proc, tmp_path: Path) -> None:

@@ -54,6 +54,8 @@ from tests.support.vllm_engine import (
     wait_saved,
 )
 
+pytestmark = [pytest.mark.etcd, pytest.mark.ucx]
+
 HERE = Path(__file__).resolve().parent
 TOKENIZER = str(HERE.parent / "support" / "assets" / "tiny-tokenizer")
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -474,6 +476,7 @@ def status(url: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_round_robin_passes_answers_through(cluster: Cluster) -> None:
     """Answers through the router (plain and streamed, completions and chat) equal the
     replicas' direct answers; round robin spreads them over both replicas."""
@@ -510,6 +513,7 @@ def namespace_of(srv: VllmServe, timeout: float = 30.0) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_cache_mode_follows_the_prefix(cluster: Cluster) -> None:
     """Two conversations, each begun directly on one replica (its blocks saved to that
     replica's node): every later turn through the cache-aware router lands on that
@@ -541,6 +545,7 @@ def test_cache_mode_follows_the_prefix(cluster: Cluster) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_pd_mode_answers_as_one_engine(cluster: Cluster) -> None:
     """Prefill on A, decode on B: the answers (plain and streamed) equal a single
     engine's, token for token."""
@@ -580,6 +585,7 @@ async def _stream_then_kill(url: str, victim: VllmServe) -> tuple[list[str], flo
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_killed_replica_leaves_rotation(cluster: Cluster) -> None:
     """A killed mid-stream: its stream ends with an error event (no hang), A leaves
     rotation, every next request is answered by B, and P/D requests whose prefill
@@ -615,6 +621,7 @@ def test_killed_replica_leaves_rotation(cluster: Cluster) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_pd_roles_hand_off_through_the_router(cluster: Cluster) -> None:
     """A ``kv_producer`` prefill replica and a ``kv_consumer`` decode replica behind the
     P/D router: the producer's ``kv_transfer_params`` reach the consumer, which loads

@@ -32,9 +32,10 @@ from tests.support.vllm_engine import (
     wait_saved,
 )
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM not installed"
-)
+pytestmark = [
+    pytest.mark.ucx,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed"),
+]
 
 #: The README's ``--kv-transfer-config``, word for word.
 THREE_KEYS = {
@@ -146,6 +147,7 @@ def cold() -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_cold_then_warm(
     serve: Callable[[str, dict[str, Any]], VllmServe], cold: dict[str, Any], workdir: Path
 ) -> None:
@@ -171,6 +173,7 @@ def test_cold_then_warm(
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_restart_hits_pegaflow(
     serve: Callable[[str, dict[str, Any]], VllmServe], cold: dict[str, Any]
 ) -> None:
@@ -197,6 +200,7 @@ def test_restart_hits_pegaflow(
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_multiconnector_serves_and_hits(
     serve: Callable[[str, dict[str, Any]], VllmServe], cold: dict[str, Any], workdir: Path
 ) -> None:

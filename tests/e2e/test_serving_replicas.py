@@ -28,10 +28,13 @@ import pytest
 from pegaflow.tools.devcluster import start_server
 from tests.support.script_module import load_script
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None or importlib.util.find_spec("aiohttp") is None,
-    reason="vLLM or aiohttp not installed",
-)
+pytestmark = [
+    pytest.mark.ucx,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None or importlib.util.find_spec("aiohttp") is None,
+        reason="vLLM or aiohttp not installed",
+    ),
+]
 
 BS = 32  # the tiny preset's --block-size
 
@@ -155,6 +158,7 @@ def test_conversations_of_varied_length_start_out_of_step() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_two_replicas_share_the_cache_over_http(tmp_path: Path) -> None:
     bench = load_bench()
     server = start_server(extra=["--pool-size", "256MiB", "--node-slab-bytes", "16MiB"])

@@ -21,6 +21,8 @@ import pytest
 
 from pegaflow.tools.devcluster import ETCD_BINARY
 
+pytestmark = [pytest.mark.etcd, pytest.mark.ucx]
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "chaos.py"
 STRICT = os.environ.get("PEGAFLOW_CHAOS_STRICT") == "1"

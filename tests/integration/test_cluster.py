@@ -19,6 +19,8 @@ from tests.support.cluster import BLOCK, NS, RawConn, blocks
 from tests.support.etcd_fixture import CoordinatorFactory, CoordinatorProcess
 from tests.support.waiting import wait_until
 
+pytestmark = [pytest.mark.etcd, pytest.mark.ucx]
+
 
 class Cluster:
     def __init__(self, etcd: EtcdConfig, coordinator: CoordinatorProcess, nodes: dict[str, Proc]):

@@ -31,6 +31,8 @@ from pegaflow.connector.worker import WorkerSide
 from pegaflow.config import ClientConfig
 from pegaflow.tools.devcluster import Proc, start_coordinator, start_node
 
+pytestmark = [pytest.mark.etcd, pytest.mark.ucx]
+
 NS = "test-discovery"
 NB = 8
 

@@ -24,6 +24,8 @@ from pegaflow.tools.devcluster import start_node, start_server
 from tests.support.cluster import NS
 from tests.support.etcd_fixture import CoordinatorFactory
 
+pytestmark = [pytest.mark.etcd, pytest.mark.ucx]
+
 DEADLINE_S = 0.25
 """of every control op; the connector's lookup deadline is 50 ms, and a loaded 2-core CI
 machine gets some slack"""

@@ -31,6 +31,8 @@ from pegaflow.transport.rpc_client import RpcClient
 from tests.support.coordinator_fakes import NS, FakeNode, eventually, h
 from tests.support.etcd_fixture import EtcdServer, make_test_certs
 
+pytestmark = [pytest.mark.etcd, pytest.mark.ucx]
+
 
 async def lookup(client: RpcClient, n: int, shards: list[int], ns: str = NS) -> dict[str, Any]:
     return await client.call(

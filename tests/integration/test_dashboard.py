@@ -33,6 +33,8 @@ from pegaflow.tools.dashboard import Dashboard, parse_metrics_text
 from pegaflow.tools.devcluster import Proc, free_port, start_server
 from tests.support.chromium import CHROMIUM, chromium
 
+pytestmark = pytest.mark.ucx
+
 REPO = Path(__file__).resolve().parents[2]
 NODE = "dash-node"
 NS = "dash-model"

@@ -49,7 +49,10 @@ def _namespaces_work() -> bool:
     return r.returncode == 0
 
 
-pytestmark = pytest.mark.skipif(not _namespaces_work(), reason="no unprivileged namespaces")
+pytestmark = [
+    pytest.mark.ucx,
+    pytest.mark.skipif(not _namespaces_work(), reason="no unprivileged namespaces"),
+]
 
 
 def on_tmpfs(mnt: Path) -> list[str]:

@@ -40,6 +40,8 @@ from tests.support.disk_node import (
 from tests.support.disk_node import shm as shm  # a fixture
 from tests.support.waiting import wait_for
 
+pytestmark = pytest.mark.ucx
+
 NS = "disk-tier"
 BLOCK = 64 << 10
 AHEAD = "pegaflow_node_disk_spill_ahead_blocks_total"

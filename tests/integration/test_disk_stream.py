@@ -31,6 +31,8 @@ from tests.support.disk_node import (
 from tests.support.disk_node import shm as shm  # a fixture
 from tests.support.waiting import wait_for
 
+pytestmark = pytest.mark.ucx
+
 GET = 32  # one batched get, all of its blocks only on disk (the pool holds 32 blocks)
 
 

@@ -39,6 +39,8 @@ from tests.support.disk_node import NS as DISK_NS  # a fixture
 from tests.support.disk_node import shm as shm  # a fixture
 from tests.support.waiting import wait_for
 
+pytestmark = pytest.mark.ucx
+
 H = [bytes([i]) * 16 for i in range(8)]
 
 

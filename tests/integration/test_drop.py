@@ -16,6 +16,8 @@ from pegaflow.errors import BadRequest, Unauthorized
 from pegaflow.tools.devcluster import REPO, Proc
 from tests.support.tenant_server import client_of, tenant_server
 
+pytestmark = pytest.mark.ucx
+
 SIZE = 4096
 
 

@@ -31,6 +31,8 @@ from pegaflow.transport.rpc_client import RpcClient
 from tests.support.coordinator_fakes import NS, FakeNode, eventually, h
 from tests.support.etcd_fixture import EtcdServer
 
+pytestmark = pytest.mark.etcd
+
 
 async def _wipe_prefix(etcd: EtcdClient, prefix: bytes) -> None:
     """Delete every key under ``prefix`` (an operator wiping the cluster's keys)."""

@@ -23,6 +23,8 @@ from tests.support.cluster import NS, blocks
 from tests.support.etcd_fixture import CoordinatorFactory
 from tests.support.waiting import wait_until
 
+pytestmark = [pytest.mark.etcd, pytest.mark.ucx]
+
 
 @pytest.fixture
 def shm_dir() -> Iterator[str]:

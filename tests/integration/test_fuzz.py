@@ -59,6 +59,8 @@ from pegaflow.transport.ucx_address import (
     tl_name_csum,
 )
 
+pytestmark = pytest.mark.ucx
+
 T = TypeVar("T")
 NS = "fuzz"
 TYPED = set(ERRORS_BY_CODE)

@@ -20,7 +20,10 @@ from pegaflow.connector.localpath import LoadRequest, LocalPath, PendingLoad
 from pegaflow.config import ClientConfig
 from pegaflow.tools.devcluster import Proc, start_server
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+pytestmark = [
+    pytest.mark.ucx, pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
 
 
 @pytest.fixture(scope="module")

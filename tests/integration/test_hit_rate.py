@@ -30,6 +30,8 @@ from pegaflow.tools.devcluster import Proc, start_coordinator, start_node
 from pegaflow.transport.rpc_client import RpcClient
 from tests.support.connector_fakes import FakeRequest
 
+pytestmark = [pytest.mark.etcd, pytest.mark.ucx]
+
 BLOCK = 16 << 10
 BS = 16
 BIN = Path(sys.executable).parent

@@ -36,6 +36,8 @@ from tests.support.cluster import NS
 from tests.support.etcd_fixture import CoordinatorFactory
 from tests.support.waiting import wait_until
 
+pytestmark = [pytest.mark.etcd, pytest.mark.ucx]
+
 N_BLOCKS = 32
 BLOCK = 8 << 20  # 256 MiB a get: it takes long enough to be caught mid-transfer
 

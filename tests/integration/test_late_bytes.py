@@ -33,6 +33,8 @@ from pegaflow.errors import Unavailable
 from pegaflow.tools.devcluster import Proc, start_coordinator, start_node
 from tests.support.waiting import wait_until
 
+pytestmark = [pytest.mark.etcd, pytest.mark.ucx]
+
 NS = "late-bytes"
 N_BLOCKS = 32
 BLOCK = 8 << 20  # 256 MiB a get: it takes long enough to be caught mid-transfer

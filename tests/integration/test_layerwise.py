@@ -26,6 +26,8 @@ from pegaflow.config import ClientConfig
 from pegaflow.tools.devcluster import Proc, start_server
 from tests.support.connector_fakes import FakeRequest, new_req, sched_output
 
+pytestmark = pytest.mark.ucx
+
 NS = "test-layerwise"
 NB = 16
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

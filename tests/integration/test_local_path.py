@@ -25,6 +25,8 @@ from pegaflow.tools.devcluster import Proc
 from pegaflow.transport.rpc_client import RpcClient
 from tests.support.tenant_server import client_of, tenant_server
 
+pytestmark = pytest.mark.ucx
+
 NS = "test-local"
 
 

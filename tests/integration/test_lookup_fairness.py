@@ -35,6 +35,8 @@ from pegaflow.transport.rpc_server import RpcServer
 from tests.support.coordinator_fakes import FakeNode, eventually, h
 from tests.support.etcd_fixture import CoordinatorFactory
 
+pytestmark = pytest.mark.etcd
+
 TENANTS = "acme=a-secret,globex=g-secret"
 HOG_NS, NS = "acme@model", "globex@model"
 BIG = 65536

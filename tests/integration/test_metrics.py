@@ -22,6 +22,8 @@ from pegaflow.config import ClientConfig, EtcdConfig
 from pegaflow.tools.devcluster import Proc, start_coordinator, start_node
 from tests.support.metrics import BLOCK, NS, REPO, documented, family_name, malformed_requests
 
+pytestmark = [pytest.mark.etcd, pytest.mark.ucx]
+
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 

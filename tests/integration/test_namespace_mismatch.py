@@ -25,6 +25,8 @@ from pegaflow.errors import BadRequest
 from pegaflow.tools.devcluster import Proc
 from tests.support.connector_fakes import FakeRequest
 
+pytestmark = pytest.mark.ucx
+
 BS = 4
 STORED = "llama.00aa"
 ASKING = "llama.00bb"

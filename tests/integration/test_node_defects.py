@@ -29,6 +29,8 @@ from pegaflow.tools.devcluster import Proc, start_node
 from tests.support.tenant_node import error_code, raw_conn, sample, scrape, tenant_node
 from tests.support.waiting import wait_until
 
+pytestmark = pytest.mark.ucx
+
 MIB = 1 << 20
 
 

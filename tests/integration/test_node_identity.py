@@ -36,6 +36,8 @@ from pegaflow.tools.cli import WRONG_NODE, node_health, render_status
 from pegaflow.tools.dashboard import Dashboard
 from pegaflow.tools.devcluster import Proc, start_node
 
+pytestmark = pytest.mark.ucx
+
 NS = "test-node-identity"
 SIZE = 4096
 SMALL = {"pool": "32MiB", "slab": "4MiB"}

@@ -36,6 +36,8 @@ from pegaflow.tools.devcluster import REPO, Proc, start_node
 from tests.support.journal import fill, frame, pack_v1, tmpfs, unframe, unpack_v1, v1_journal
 from tests.support.waiting import wait_until
 
+pytestmark = [pytest.mark.etcd, pytest.mark.ucx]
+
 KiB, MiB = 1 << 10, 1 << 20
 NS = "lifecycle"
 POOL, SLAB = 4 * MiB, MiB

@@ -20,6 +20,8 @@ from pegaflow.config import ClientConfig, EtcdConfig
 from pegaflow.errors import PegaError
 from pegaflow.tools.devcluster import Proc, free_port, start_coordinator, start_node
 
+pytestmark = [pytest.mark.etcd, pytest.mark.ucx]
+
 NS = "moves"
 BLOCK = 64 << 10
 

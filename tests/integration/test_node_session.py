@@ -17,6 +17,8 @@ from pegaflow.deadline import Deadline
 from pegaflow.errors import Unavailable
 from pegaflow.tools.devcluster import Proc, start_server
 
+pytestmark = pytest.mark.ucx
+
 NS = "test-session"
 
 

@@ -27,6 +27,8 @@ from pegaflow.client.data import DataClient
 
 from pegaflow.tools.devcluster import REPO, Proc, start_node
 
+pytestmark = pytest.mark.ucx
+
 USER, GROUP = "pegaflow-test-peer", "pegaflow-test-access"
 NS = "perm"
 SIZE = 12288

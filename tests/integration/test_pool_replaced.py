@@ -28,6 +28,8 @@ from pegaflow.config import ClientConfig, EtcdConfig
 from pegaflow.errors import PoolChanged
 from pegaflow.tools.devcluster import Proc, start_coordinator, start_node
 
+pytestmark = [pytest.mark.etcd, pytest.mark.ucx]
+
 NS = "replaced"
 BLOCKS = 8
 

@@ -28,6 +28,8 @@ from pegaflow.tools.devcluster import Proc, free_port, start, start_coordinator
 from pegaflow.transport.rpc_client import RpcClient
 from tests.support.chromium import CHROMIUM, chromium
 
+pytestmark = pytest.mark.etcd
+
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 30.0
 

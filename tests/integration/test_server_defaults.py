@@ -21,6 +21,8 @@ from pegaflow.tools.devcluster import REPO, Proc, start_server
 from tests.support.journal import tmpfs
 from tests.support.waiting import wait_until
 
+pytestmark = pytest.mark.ucx
+
 GiB = 1 << 30
 SLAB = 64 << 20
 NS = "server-restart"

@@ -20,6 +20,8 @@ from pegaflow.storage_node.pool import BlockKey, BlockPool, Entry
 from pegaflow.checksum import checksum
 from pegaflow.tools.devcluster import Proc, start_node
 
+pytestmark = pytest.mark.ucx
+
 MiB = 1 << 20
 KiB = 1 << 10
 SLAB = 16 * MiB

@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pegaflow.config import TelemetryConfig, load_config
 from pegaflow.observability import telemetry
 
+pytestmark = pytest.mark.ucx
+
 otel = pytest.importorskip("opentelemetry.sdk", reason="the otlp extra is not installed")
 
 

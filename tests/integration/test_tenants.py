@@ -33,6 +33,8 @@ from tests.support.tenant_node import (
 )
 from tests.support.waiting import wait_until
 
+pytestmark = pytest.mark.ucx
+
 
 async def flood(raw: RawConn, frames: list[bytes]) -> list[dict[str, Any]]:
     """Send every frame (32 in flight at a time); the replies."""
