@@ -77,7 +77,7 @@ class Cluster:
         self.client = SyncPegaClient(
             ClientConfig(coordinators=[self.address], lookup_timeout_s=2.0)
         )
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while len(self.client.nodes()) < len(node_ids):
             assert time.monotonic() < deadline, "nodes did not join"
             time.sleep(0.2)
@@ -104,7 +104,7 @@ class Cluster:
 def wait_stats(
     prefix: str,
     cond: Callable[[dict[str, float]], bool],
-    timeout: float = 20,
+    timeout: float = 120,
     engine: VllmEngine | None = None,
 ) -> dict[str, float]:
     """The engine's connector counters once ``cond`` holds; fails (with the engine's

@@ -60,6 +60,7 @@ from tests.support.connector_fakes import (
     save,
     worker,
 )
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.etcd, pytest.mark.ucx]
 
@@ -347,8 +348,7 @@ async def test_the_coordinator_leaves_a_reported_node_out_until_ttl_or_it_answer
     await asyncio.sleep(1.2)  # a check: still down, not expired
     assert sus.nodes == {"n1"}
     now[0] = 9.5
-    await asyncio.sleep(1.1)
-    assert sus.nodes == frozenset()  # the last report's TTL ran out
+    await wait_until(lambda: sus.nodes == frozenset(), "the last report's TTL to run out", 60)
     assert idx.lookup("ns", hashes, [0]).hits == 4
     assert await sus.report("n1")
     alive["n1"] = True
@@ -421,7 +421,7 @@ async def test_a_client_stops_waiting_on_a_frozen_node_and_so_do_lookups(
         assert time.monotonic() - t0 < 0.05  # not asked: a miss at once
         assert c.health.skipped_blocks == 4
         # cluster-wide: the coordinator cannot reach n1 either, lookups leave it out
-        for _ in range(50):
+        for _ in range(600):
             if (await c.lookup(NS_R, hashes)).hits == 0:
                 break
             await asyncio.sleep(0.1)
@@ -501,7 +501,7 @@ def test_an_engine_does_not_wait_on_a_frozen_remote_node(etcd_server: Any, tmp_p
 
         _, cached = run(0)  # a load from n1: its connection is set up, it answered
         assert cached >= 15 * 32
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while stats(s).get("load_blocks", 0) < 15:  # the counters are written every 0.3 s
             assert time.monotonic() < deadline, stats(s)
             time.sleep(0.2)

@@ -312,7 +312,7 @@ async def _traffic(srv: Proc) -> None:
         data = np.random.default_rng(1).integers(0, 255, size=(4, BLOCK), dtype=np.uint8)
         put = await client.put_blocks(NS, [(h, 0, data[i]) for i, h in enumerate(hashes)])
         assert put.stored == 4
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while (res := await client.lookup(NS, [*hashes, os.urandom(32)])).hits < 4:
             assert time.monotonic() < deadline, "blocks never reached the index"
             await asyncio.sleep(0.1)

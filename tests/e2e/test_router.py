@@ -500,7 +500,7 @@ def test_round_robin_passes_answers_through(cluster: Cluster) -> None:
     assert st["counters"]["rr"] >= 9 and all(r["healthy"] for r in st["replicas"])
 
 
-def namespace_of(srv: VllmServe, timeout: float = 30.0) -> str:
+def namespace_of(srv: VllmServe, timeout: float = 120.0) -> str:
     """The PegaFlow namespace the replica logged at its first request."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

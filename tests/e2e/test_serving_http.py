@@ -69,7 +69,7 @@ def pega(metrics: dict[str, float], counter: str) -> float:
 
 
 def wait_metrics(
-    srv: VllmServe, cond: Callable[[dict[str, float]], bool], timeout: float = 30.0
+    srv: VllmServe, cond: Callable[[dict[str, float]], bool], timeout: float = 120.0
 ) -> dict[str, float]:
     """The server's ``/metrics`` once ``cond`` holds (connector counters reach vLLM's
     Prometheus with the engine steps after them); fails after ``timeout`` seconds."""

@@ -53,7 +53,7 @@ async def cluster(
         )
     c = Cluster(etcd_config, coord, nodes)
     probe = c.client()
-    await wait_until(lambda: _has_nodes(probe, 2), "both nodes in the index", 15)
+    await wait_until(lambda: _has_nodes(probe, 2), "both nodes in the index", 60)
     yield c
     for cl in c.clients:
         await cl.close()
@@ -86,7 +86,7 @@ async def test_put_get_round_trip_across_two_nodes(cluster: Cluster) -> None:
 
     reader = cluster.client()
     hashes = h1 + h2
-    await wait_until(lambda: _hits(reader, hashes, 16), "all blocks visible in the index", 10)
+    await wait_until(lambda: _hits(reader, hashes, 16), "all blocks visible in the index", 60)
     res = await reader.lookup(NS, hashes)
     assert [b[0] for b in res.blocks] == ["n1"] * 8 + ["n2"] * 8
     out = np.zeros((16, BLOCK), dtype=np.uint8)
@@ -113,8 +113,8 @@ async def test_longest_prefix_needs_every_shard(cluster: Cluster) -> None:
     hashes, data = blocks(6, 3)
     await c.put_blocks(NS, [(h, 0, data[i]) for i, h in enumerate(hashes)])
     await c.put_blocks(NS, [(h, 1, data[i]) for i, h in enumerate(hashes[:3])], node_id="n2")
-    await wait_until(lambda: _hits(c, hashes, 6), "shard 0 visible", 10)
-    await wait_until(lambda: _hits(c, hashes, 3, (0, 1)), "shard 1 visible", 10)
+    await wait_until(lambda: _hits(c, hashes, 6), "shard 0 visible", 60)
+    await wait_until(lambda: _hits(c, hashes, 3, (0, 1)), "shard 1 visible", 60)
     res = await c.lookup(NS, hashes, (0, 1))
     assert res.hits == 3 and res.blocks[0] == ["n1", "n2"]
     # a gap stops the prefix even if later blocks are stored
@@ -126,7 +126,7 @@ async def test_killed_node_entries_vanish_within_lease_ttl(cluster: Cluster) -> 
     c = cluster.client(local_node="n2")
     hashes, data = blocks(4, 4)
     await c.put_blocks(NS, [(h, 0, data[i]) for i, h in enumerate(hashes)])
-    await wait_until(lambda: _hits(c, hashes, 4), "blocks visible", 10)
+    await wait_until(lambda: _hits(c, hashes, 4), "blocks visible", 60)
     cluster.nodes["n2"].kill()
     ttl = cluster.etcd.lease_ttl_s
     # etcd expires the lease after TTL; allow its expiry sweep and the watch some slack
@@ -143,7 +143,7 @@ async def test_restarted_and_second_coordinator_answer_for_old_blocks(
     c = cluster.client(local_node="n1")
     hashes, data = blocks(5, 5)
     await c.put_blocks(NS, [(h, 0, data[i]) for i, h in enumerate(hashes)])
-    await wait_until(lambda: _hits(c, hashes, 5), "blocks visible", 10)
+    await wait_until(lambda: _hits(c, hashes, 5), "blocks visible", 60)
     second = await coordinators.start(cluster.etcd)
     cluster.coordinator.kill()
     c2 = cluster.client(coordinators=[cluster.coordinator.address, second.address])
@@ -160,12 +160,12 @@ async def test_eviction_under_a_full_pool_unpublishes(cluster: Cluster) -> None:
     c = cluster.client(local_node="n1")
     first, d_first = blocks(16, 6)  # 4 MiB: one slab
     await c.put_blocks(NS, [(h, 0, d_first[i]) for i, h in enumerate(first)])
-    await wait_until(lambda: _hits(c, first, 16), "first batch visible", 10)
+    await wait_until(lambda: _hits(c, first, 16), "first batch visible", 60)
     for seed in range(10, 30):  # 80 MiB through a 64 MiB pool
         hs, d = blocks(16, seed)
         r = await c.put_blocks(NS, [(h, 0, d[i]) for i, h in enumerate(hs)])
         assert r.stored == 16
-    await wait_until(lambda: _hits(c, first, 0), "evicted blocks gone from the index", 10)
+    await wait_until(lambda: _hits(c, first, 0), "evicted blocks gone from the index", 60)
     nodes = await c.nodes()
     assert nodes["n1"].used_bytes <= nodes["n1"].capacity_bytes
 
@@ -175,7 +175,7 @@ async def test_concurrent_clients(cluster: Cluster) -> None:
         c = cluster.client(local_node=f"n{1 + i % 2}")
         hashes, data = blocks(6, 100 + i)
         assert (await c.put_blocks(NS, [(h, 0, data[j]) for j, h in enumerate(hashes)])).stored == 6
-        await wait_until(lambda: _hits(c, hashes, 6), "own blocks visible", 10)
+        await wait_until(lambda: _hits(c, hashes, 6), "own blocks visible", 60)
         for _ in range(3):
             res = await c.lookup(NS, hashes)
             out = np.zeros_like(data)
@@ -287,7 +287,7 @@ async def test_writer_dying_mid_put_leaves_nothing_visible(node_factory: list[Pr
                 return False
 
         # once the reservation expires its slots are reclaimed and the same blocks can be stored
-        await wait_until(stored_again, "reservation reclaimed", 15)
+        await wait_until(stored_again, "reservation reclaimed", 60)
         assert all(await c._data.get(addr, NS, [(h, 0, out[i]) for i, h in enumerate(hashes)], 5))
         assert np.array_equal(out, data)
     finally:
@@ -298,7 +298,7 @@ async def test_read_pins_keep_looked_up_blocks_through_eviction(cluster: Cluster
     c = cluster.client(local_node="n1")
     first, d_first = blocks(8, 40)
     await c.put_blocks(NS, [(h, 0, d_first[i]) for i, h in enumerate(first)])
-    await wait_until(lambda: _hits(c, first, 8), "blocks visible", 10)
+    await wait_until(lambda: _hits(c, first, 8), "blocks visible", 60)
     res = await c.lookup(NS, first)
     pins = await c.pin_blocks(NS, [(res.blocks[i][0], h, 0) for i, h in enumerate(first)], ttl_s=30)
     assert pins == [True] * 8
@@ -332,7 +332,7 @@ async def test_tenants_cannot_touch_each_others_blocks(node_factory: list[Proc])
         ).stored == 4
         with pytest.raises(Unauthorized):
             await acme.put_blocks("globex@m", [(hashes[0], 0, data[0])])
-        await wait_until(lambda: _ns_hits(acme, "acme@m", hashes, 4), "acme's blocks visible", 10)
+        await wait_until(lambda: _ns_hits(acme, "acme@m", hashes, 4), "acme's blocks visible", 60)
         with pytest.raises(Unauthorized):
             await globex.lookup("acme@m", hashes)
         node = server.ready["node"]

@@ -87,7 +87,7 @@ def test_cluster_finds_the_node_whose_pool_it_can_open(etcd_server: Any, caplog:
     ]
     c = _client(coord.ready["address"])
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while len(c.nodes()) < 2:
             assert time.monotonic() < deadline, "nodes did not join"
             time.sleep(0.1)
@@ -98,7 +98,7 @@ def test_cluster_finds_the_node_whose_pool_it_can_open(etcd_server: Any, caplog:
         assert "same-host node here found: pool" in caplog.text
         # only the node that offers nothing left: none, and the log says what that costs
         nodes[0].kill()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while "here" in c.nodes():
             assert time.monotonic() < deadline, "the killed node's lease did not expire"
             time.sleep(0.2)
@@ -142,7 +142,7 @@ def test_scheduler_and_worker_find_the_node_at_engine_start(server: Proc, caplog
         assert f"same-host node {node} found: pool" in caplog.text
         hashes = [bytes([i]) * 32 for i in range(1, 4)]
         w.submit_saves(StepPlan(NS, saves=[SaveJob("r", [1, 2, 3], hashes)]))
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while wc.totals().get("save_blocks", 0) < 3:
             assert time.monotonic() < deadline, wc.totals()
             time.sleep(0.02)
@@ -151,7 +151,7 @@ def test_scheduler_and_worker_find_the_node_at_engine_start(server: Proc, caplog
         for t in caches.values():
             t.zero_()
         w.start_step(StepPlan(NS, loads=[LoadJob("r", [1, 2, 3], hashes, [[node]] * 3)]))
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while not (w.get_finished(set())[1] or set()):
             assert time.monotonic() < deadline
             time.sleep(0.02)

@@ -110,7 +110,7 @@ def traffic(server: Proc) -> dict[str, Any]:
 
     asyncio.run(run())
     # the node's usage gauges follow a commit within about a second
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60
     while True:
         doc = http_json(http, "/v1/dashboard")
         if doc["cluster"]["used_bytes"] >= ROUNDS * PER_ROUND * BLOCK:
@@ -120,7 +120,7 @@ def traffic(server: Proc) -> dict[str, Any]:
     return {"http": http, "t_start": t_start, "doc": doc, "first": first}
 
 
-async def wait_sample_after(http: int, t: float, timeout: float = 20.0) -> None:
+async def wait_sample_after(http: int, t: float, timeout: float = 60.0) -> None:
     """Wait until the dashboard has a history point newer than ``t``."""
     deadline = time.monotonic() + timeout
     while not (await asyncio.to_thread(http_json, http, f"/v1/dashboard?since={t}"))["history"]:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from pegaflow.client import SyncPegaClient
 from pegaflow.errors import BadRequest, Unauthorized
 from pegaflow.tools.devcluster import REPO, Proc
 from tests.support.tenant_server import client_of, tenant_server
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.ucx
 
@@ -38,14 +38,6 @@ def _put(c: SyncPegaClient, node: str, ns: str, n: int) -> tuple[list[bytes], np
     return hashes, data
 
 
-def _until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def _drop_cli(
     server: Proc, node: str, ns: str, token: str = "admin"
 ) -> subprocess.CompletedProcess:
@@ -60,7 +52,7 @@ def test_drop_removes_one_namespace_and_waits_for_its_pins(server: Proc) -> None
     try:
         gone, _ = _put(c, node, "drop-a", 4)
         kept, kept_data = _put(c, node, "drop-b", 2)
-        _until(lambda: c.lookup("drop-a", gone).hits == 4, "the blocks to be published")
+        wait_for(lambda: c.lookup("drop-a", gone).hits == 4, "the blocks to be published")
         pin, where = c.locate("drop-a", node, gone[:1], 0, 30.0)  # one block being read
         assert where.found.all()
 
@@ -70,7 +62,7 @@ def test_drop_removes_one_namespace_and_waits_for_its_pins(server: Proc) -> None
 
         session = c.node_session(node)
         assert session.check("drop-a", [(h, 0, None) for h in gone]) == [True] + [False] * 3
-        _until(
+        wait_for(
             lambda: c.lookup("drop-a", gone[1:]).hits == 0, "the dropped blocks to leave the index"
         )
         # the other namespace is untouched, byte for byte
@@ -80,10 +72,10 @@ def test_drop_removes_one_namespace_and_waits_for_its_pins(server: Proc) -> None
         assert (out == kept_data).all()
         # the pinned block goes once its pin does
         c.unpin(node, pin)
-        _until(
+        wait_for(
             lambda: not session.check("drop-a", [(gone[0], 0, None)])[0], "the pinned block to go"
         )
-        _until(lambda: c.lookup("drop-a", gone[:1]).hits == 0, "it to leave the index")
+        wait_for(lambda: c.lookup("drop-a", gone[:1]).hits == 0, "it to leave the index")
         assert c.lookup("drop-b", kept).hits == 2
         # the namespace can be written again
         again, _ = _put(c, node, "drop-a", 1)

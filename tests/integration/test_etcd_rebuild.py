@@ -100,7 +100,7 @@ async def _converge(client: RpcClient, nodes: set[str], hits: dict[range, int], 
         return seen == want
 
     try:
-        await eventually(check, timeout=20, what=what)
+        await eventually(check, timeout=60, what=what)
     except AssertionError as e:
         raise AssertionError(f"{e}: want {want}, last seen {seen}") from None
 

@@ -58,19 +58,19 @@ async def test_node_restart_serves_the_same_verified_blocks(
     node()
     c = PegaClient(ClientConfig(coordinators=[coord.address], local_node="r1", lookup_timeout_s=2))
     try:
-        await wait_until(lambda: _node_known(c, "r1"), "node r1 registered", 15)
+        await wait_until(lambda: _node_known(c, "r1"), "node r1 registered", 60)
         hashes, data = blocks(12, 11)
         assert (
             await c.put_blocks(NS, [(h, 0, data[i]) for i, h in enumerate(hashes)])
         ).stored == 12
-        await wait_until(lambda: _hits(c, hashes, 12), "blocks visible", 10)
+        await wait_until(lambda: _hits(c, hashes, 12), "blocks visible", 60)
 
         procs[-1].kill()  # kill -9: no clean shutdown, the pool file stays in shm
         # corrupt one stored block behind the node's back: it must never be served again
         _corrupt_first_block(Path(shm_dir) / "pegaflow-r1.pool")
 
         node()
-        await wait_until(lambda: _hits(c, hashes[1:], 11), "re-attached blocks republished", 20)
+        await wait_until(lambda: _hits(c, hashes[1:], 11), "re-attached blocks republished", 60)
         # the corrupted block (the first slot) is not republished: once the dead
         # process's lease expires, the prefix stops right at it
         await wait_until(
@@ -144,11 +144,11 @@ async def test_reads_fenced_by_generation_miss_once_the_slot_was_rewritten(
     c = PegaClient(ClientConfig(coordinators=[coord.address], local_node="f1", lookup_timeout_s=2))
     block = 1 << 20  # 16 slots in the pool
     try:
-        await wait_until(lambda: _node_known(c, "f1"), "node f1 registered", 15)
+        await wait_until(lambda: _node_known(c, "f1"), "node f1 registered", 60)
         target = os.urandom(32)
         data = np.frombuffer(target * (block // 32), dtype=np.uint8)
         assert (await c.put_blocks(NS, [(target, 0, data)])).stored == 1
-        await wait_until(lambda: _hits(c, [target], 1), "block indexed", 10)
+        await wait_until(lambda: _hits(c, [target], 1), "block indexed", 60)
         first = await c.lookup(NS, [target], generations=True)
         assert first.blocks == [["f1"]] and len(first.generations) == 1
         [[gen1]] = first.generations
@@ -165,7 +165,7 @@ async def test_reads_fenced_by_generation_miss_once_the_slot_was_rewritten(
             res = await c.lookup(NS, [target], generations=True)
             return res.hits == 1 and res.generations[0][0] != gen1
 
-        await wait_until(regenerated, "the new generation indexed", 10)
+        await wait_until(regenerated, "the new generation indexed", 60)
         stale_before = c._data.stale_misses
         out[:] = 0
         assert await c.get_blocks(NS, [("f1", target, 0, out)], generations=[gen1]) == [False]

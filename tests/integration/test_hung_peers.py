@@ -116,7 +116,7 @@ async def _settled_then_reusable(
     data: np.ndarray,
 ) -> None:
     """Once ``out`` is settled nothing writes it any more, and a get into it works."""
-    await wait_until(lambda: c.settled(out), "the failed get's receives finished", 30)
+    await wait_until(lambda: c.settled(out), "the failed get's receives finished", 60)
     out[:] = 0
     await asyncio.sleep(0.5)
     assert not out.any(), "bytes landed in a buffer after it was settled"

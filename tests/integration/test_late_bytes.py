@@ -78,12 +78,12 @@ def _data() -> tuple[list[bytes], np.ndarray]:
 async def _stored(c: PegaClient) -> tuple[list[bytes], np.ndarray]:
     """The test's blocks, stored on n1 and found by a lookup."""
     hashes, data = _data()
-    await wait_until(lambda: _has_node(c), "n1 in the cluster", 15)
+    await wait_until(lambda: _has_node(c), "n1 in the cluster", 60)
     for i in range(0, N_BLOCKS, 8):  # within a connection's reservation quota
         items = [(h, 0, data[i + j]) for j, h in enumerate(hashes[i : i + 8])]
         out = await c.put_blocks(NS, items, node_id="n1", timeout=60)
         assert out.stored + out.skipped == 8
-    await wait_until(lambda: _hits(c, hashes), "the blocks in the index", 15)
+    await wait_until(lambda: _hits(c, hashes), "the blocks in the index", 60)
     return hashes, data
 
 
@@ -134,8 +134,8 @@ async def test_a_get_given_up_never_writes_its_callers_buffer_afterwards(
         await asyncio.sleep(WATCH_S)  # the client's loop runs: UCX progresses meanwhile
         _check(out, seen, ok, data)
         # what the given-up receives held is reused once they finished: bytes stay exact
-        await wait_until(lambda: c._data.unsettled_bytes == 0, "the receives finished", 30)
-        await wait_until(lambda: not c.health.is_down("n1"), "n1 answering again", 10)
+        await wait_until(lambda: c._data.unsettled_bytes == 0, "the receives finished", 60)
+        await wait_until(lambda: not c.health.is_down("n1"), "n1 answering again", 60)
         out[:] = 0
         assert all(await c.get_blocks(NS, items, timeout=30.0))
         assert np.array_equal(out, data)

@@ -131,7 +131,7 @@ async def test_slots_of_writers_that_stalled_and_went_away_come_back(procs: list
             st = await node_stats(addr)
             return st["quarantined_bytes"] == 0 and st["used_bytes"] == 0
 
-        await wait_until(released, "the slots of the writers that went away to come back", 10)
+        await wait_until(released, "the slots of the writers that went away to come back", 60)
         put = items(32, MIB, 2)  # half the pool
         assert (await c.put(addr, "defects", put, 20)).stored == 32
     finally:
@@ -250,7 +250,7 @@ def test_a_stop_while_the_pool_is_prepared_leaves_no_control_socket(shm_dir: str
     p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         pool = Path(shm_dir) / "pegaflow-d10s.pool"
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while not any(Path(shm_dir).iterdir()) and time.monotonic() < deadline:
             time.sleep(0.002)
         p.send_signal(signal.SIGTERM)

@@ -123,7 +123,7 @@ async def test_the_server_keeps_its_pool_across_a_restart(shm_dir: Path) -> None
     p = server(shm_dir)
     try:
         await put(p, hashes, data)
-        await wait_until(lambda: _hits_are(p, hashes, 6), "the blocks visible", 10)
+        await wait_until(lambda: _hits_are(p, hashes, 6), "the blocks visible", 60)
     finally:
         p.terminate()  # SIGTERM: a clean stop keeps the pool ([node] keep_pool)
     assert p.popen.returncode == 0 and (shm_dir / "pegaflow-s1.pool").exists()

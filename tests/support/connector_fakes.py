@@ -411,7 +411,7 @@ def h(i: int) -> bytes:
 def finish_loads(w: WorkerSide, req: str) -> tuple[set[int], set[str] | None]:
     """Step until ``req`` is reported loaded; returns (errors reported, sending)."""
     errors: set[int] = set()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while True:
         sending, recving = w.get_finished(set())
         errors |= w.take_load_errors()
@@ -442,9 +442,12 @@ def vllm_config(extra: dict[str, Any] | None = None, policy: str = "recompute") 
     )
 
 
-def kv_cache_config(groups: int = 1) -> Any:
+def kv_cache_config(groups: int = 1, block_size: int = 32) -> Any:
+    """vLLM's KV cache config of ``groups`` groups of two layers (the facade tests' block
+    size, 32 tokens)."""
     spec = SimpleNamespace(
-        block_size=BS, num_kv_heads=2, head_size=32, dtype="torch.bfloat16", page_size_bytes=8192
+        block_size=block_size, num_kv_heads=2, head_size=32, dtype="torch.bfloat16",
+        page_size_bytes=8192,
     )
     return SimpleNamespace(
         num_blocks=64,

@@ -53,7 +53,7 @@ class FakeNode:
 
 
 async def eventually(
-    check: Callable[[], Awaitable[bool]], timeout: float = 15.0, what: str = ""
+    check: Callable[[], Awaitable[bool]], timeout: float = 60.0, what: str = ""
 ) -> None:
     deadline = time.monotonic() + timeout
     while True:

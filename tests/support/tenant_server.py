@@ -14,15 +14,20 @@ TENANT = ("acme", "a-secret")
 
 
 def tenant_server(pool: str) -> Proc:
-    """The server, with a node pool of ``pool`` bytes (e.g. ``"32MiB"``)."""
+    """The server, with a node pool of ``pool`` bytes (e.g. ``"32MiB"``); its hello
+    deadline is generous, as a loaded machine may take seconds to connect."""
     return start_server(
         token=ADMIN,
         extra=["--node-pool-bytes", pool, "--node-slab-bytes", "4MiB",
-               "--security-tenant-tokens", f"{TENANT[0]}={TENANT[1]}"],
+               "--security-tenant-tokens", f"{TENANT[0]}={TENANT[1]}",
+               "--node-hello-timeout-s", "60"],
     )  # fmt: skip
 
 
 def client_of(server: Proc, token: str = ADMIN) -> SyncPegaClient:
-    """A client of ``server`` with ``token``."""
-    cfg = ClientConfig(coordinators=[server.ready["coordinator"]], lookup_timeout_s=2)
+    """A client of ``server`` with ``token`` (deadlines that bound a hang on a loaded machine)."""
+    cfg = ClientConfig(
+        coordinators=[server.ready["coordinator"]], lookup_timeout_s=10, rpc_timeout_s=30,
+        transfer_timeout_s=60,
+    )  # fmt: skip
     return SyncPegaClient(cfg, token=token)

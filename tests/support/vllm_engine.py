@@ -28,7 +28,7 @@ class VllmEngine:
         spec: dict[str, Any],
         env: dict[str, str] | None = None,
         name: str = "engine",
-        start_timeout: float = 300.0,
+        start_timeout: float = 900.0,
         prefix: list[str] | None = None,
     ) -> None:
         """``prefix``: a command prefix the engine runs under (a host of
@@ -50,7 +50,8 @@ class VllmEngine:
             start_new_session=True,  # its own process group: EngineCore and workers die with it
         )
         self._ready = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pumping = threading.Thread(target=self._pump, daemon=True)
+        self._pumping.start()
         deadline = time.monotonic() + start_timeout
         while not self._ready.wait(0.2):
             if self.popen.poll() is not None or time.monotonic() > deadline:
@@ -104,9 +105,9 @@ class VllmEngine:
         """Per-prompt time to first token, one prompt at a time."""
         return self.call({"op": "ttft", "prompts": prompts})
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def stop(self, timeout: float = 180.0) -> None:
         """Quit gracefully (the connector drains its saves, vLLM frees its shared
-        memory), else kill."""
+        memory), else kill; returns once :attr:`log` holds all the engine wrote."""
         if self.popen.poll() is None:
             try:
                 assert self.popen.stdin is not None
@@ -123,6 +124,7 @@ class VllmEngine:
                 break
             time.sleep(0.2)
         self.kill()  # leftovers of the group, if any
+        self._pumping.join(30)  # the last lines (the final cache report) reach the log
 
     def kill(self) -> None:
         """SIGKILL the engine and every process it started (EngineCore, workers)."""
@@ -346,7 +348,7 @@ class VllmServe(ServeProcess):
         env: dict[str, str] | None = None,
         extra: list[str] | None = None,
         name: str = "vllm-serve",
-        start_timeout: float = 300.0,
+        start_timeout: float = 900.0,
     ) -> None:
         args = [
             "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",

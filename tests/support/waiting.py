@@ -22,7 +22,7 @@ def _polls(what: str, timeout: float) -> Iterator[None]:
 
 
 def wait_for(
-    cond: Callable[[], object], what: str = "the condition", timeout: float = 20.0,
+    cond: Callable[[], object], what: str = "the condition", timeout: float = 60.0,
     interval: float = 0.05,
 ) -> None:  # fmt: skip
     """Polls ``cond`` until it is true; fails with ``what`` after ``timeout`` seconds."""
@@ -33,7 +33,7 @@ def wait_for(
 
 
 async def wait_until(
-    cond: Callable[[], object], what: str = "the condition", timeout: float = 20.0,
+    cond: Callable[[], object], what: str = "the condition", timeout: float = 60.0,
     interval: float = 0.1,
 ) -> None:  # fmt: skip
     """:func:`wait_for` inside the event loop: ``cond`` may return a coroutine, and the

@@ -69,12 +69,12 @@ async def test_a_promotion_into_a_full_pool_waits_for_the_spill_queue_and_drops_
             put(i)
         for i in range(POOL_SLOTS, 2 * POOL_SLOTS):  # each evicts one: written, one at a time
             put(i)
-            await wait_until(lambda i=i: disk.contains(key(i - POOL_SLOTS)), "a spill written", 30)
+            await wait_until(lambda i=i: disk.contains(key(i - POOL_SLOTS)), "a spill written", 60)
         assert disk.spill_drops == 0
         io.open.clear()  # from here the writes wait
         # blocks 0-3 live on disk only; each promoted one evicts one of 8-15 (not on disk)
         promoting = asyncio.ensure_future(svc.promotion.promote([key(i) for i in range(4)]))
-        await wait_until(lambda: pool.get(key(0)) is not None, "the first promotion", 30)
+        await wait_until(lambda: pool.get(key(0)) is not None, "the first promotion", 60)
         await asyncio.sleep(0.3)
         assert disk.spill_drops == 0  # the second eviction would find the queue full
         assert not promoting.done()
@@ -86,7 +86,7 @@ async def test_a_promotion_into_a_full_pool_waits_for_the_spill_queue_and_drops_
             assert e is not None and np.array_equal(pool.view(e), data[i])
         # what the promotions evicted was written, not lost
         await wait_until(
-            lambda: all(disk.contains(key(i)) for i in range(8, 12)), "evictions written", 30
+            lambda: all(disk.contains(key(i)) for i in range(8, 12)), "evictions written", 60
         )
     finally:
         io.open.set()
