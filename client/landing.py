@@ -3,7 +3,7 @@
 Late bytes.  UCX cannot cancel a receive that is under way, and closing its endpoint does
 not stop it: the bytes of a get that gave up may land in its buffers long after it
 returned (at once over shared memory, or when a hung node resumes: 180-250 MiB of a
-256 MiB get did, ``tests/test_late_bytes.py``).  So a get receives into the client's own
+256 MiB get did, ``tests/integration/test_late_bytes.py``).  So a get receives into the client's own
 *landing buffers* and copies each verified block into the caller's buffer as its last
 step (:meth:`Fetched.deliver`): a caller's buffer is never a UCX target.  A landing buffer
 goes back to its pool (:data:`LANDING_KEEP_BYTES` kept) only once UCX reports its receive

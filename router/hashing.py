@@ -6,7 +6,7 @@ and ``init_none_hash``; ``H`` from ``vllm.utils.hashing``).  The seed is the eng
 ``PYTHONHASHSEED`` when set, else (vLLM >= 0.29, cryptographic algorithms only) the
 fixed ``"vllm-none-hash"``.  Requests with extra keys (LoRA, multimodal inputs, a
 ``cache_salt``) hash differently: :func:`hashable` tells the router to route those by
-load.  ``tests/test_router.py`` checks these hashes against vLLM's own functions.
+load.  ``tests/e2e/test_router.py`` checks these hashes against vLLM's own functions.
 
 Pure module: no vLLM import (the router does not need vLLM installed).
 """

@@ -66,7 +66,7 @@ def ucx_perftest(
 ) -> float:
     """GB/s of one ``ucx_perftest -t tag_bw`` run over loopback, or from a server run
     behind the command line ``server_prefix`` to a client behind ``client_prefix``
-    reaching it at ``host`` (two hosts of ``tests/netns_hosts.py``)."""
+    reaching it at ``host`` (two hosts of ``tests/support/netns_hosts.py``)."""
     exe = perftest_binary()
     # UCX's own defaults: importing ucxx in this process sets UCX_* variables
     # (e.g. UCX_MAX_RNDV_RAILS=1) that must not leak into the reference measurement

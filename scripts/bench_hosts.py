@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The data path and TTFT across two hosts (network namespaces on one bridge).
 
-Two hosts of ``tests/netns_hosts.py`` (each its own address, ``/dev/shm``, boot id and
+Two hosts of ``tests/support/netns_hosts.py`` (each its own address, ``/dev/shm``, boot id and
 host name, so UCX and PegaFlow take them for separate machines): ``h1`` runs a
 ``pegaflow-server`` (coordinator + node) bound to its address, ``h2`` the clients.
 Needs root (``ip netns``).
@@ -347,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     args = parse_args(argv)
 
-    import tests.netns_hosts as netns_hosts
+    import tests.support.netns_hosts as netns_hosts
 
     why = netns_hosts.available()
     if why:

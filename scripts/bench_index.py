@@ -60,7 +60,7 @@ from pegaflow.protocol.codec import PROTOCOL_VERSION, unpack  # noqa: E402
 from pegaflow.protocol.framing import encode_frame, parse_address  # noqa: E402
 from pegaflow.transport.rpc_client import RpcClient  # noqa: E402
 from scripts._common import proc_cpu_seconds, proc_rss_bytes  # noqa: E402
-from tests.etcd_fixture import EtcdServer, start_coordinator_async  # noqa: E402
+from tests.support.etcd_fixture import EtcdServer, start_coordinator_async  # noqa: E402
 
 NS = "bench:llama-8b:bf16:bs16:tp1"
 PREFIX = 128

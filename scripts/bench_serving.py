@@ -109,7 +109,7 @@ from pegaflow.tools.devcluster import (  # noqa: E402
     start_server,
 )
 from scripts._common import proc_cpu_seconds, proc_rss_bytes  # noqa: E402
-from tests.vllm_engine import ServeProcess  # noqa: E402
+from tests.support.vllm_engine import ServeProcess  # noqa: E402
 
 #: The README's ``--kv-transfer-config``.
 THREE_KEYS: dict[str, Any] = {
@@ -117,7 +117,7 @@ THREE_KEYS: dict[str, Any] = {
     "kv_role": "kv_both",
     "kv_connector_module_path": "pegaflow.connector",
 }
-#: ``vllm serve`` arguments of the CPU preset ``--model tiny`` (as tests/vllm_engine.py).
+#: ``vllm serve`` arguments of the CPU preset ``--model tiny`` (as tests/support/vllm_engine.py).
 TINY_ARGS = [
     "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
     "--block-size", "32", "--max-model-len", "2048",
@@ -1065,7 +1065,7 @@ def preset_model(name: str, directory: Path) -> str:
     - ``tiny``: the tests' tiny Llama (CPU);
     - ``llama-8b``: Llama-3.1-8B's public shape (GPU).
     """
-    from tests.vllm_engine import tiny_model_with_tokenizer
+    from tests.support.vllm_engine import tiny_model_with_tokenizer
 
     if name == "tiny":
         return tiny_model_with_tokenizer(directory)

@@ -49,7 +49,7 @@ The KV oracle (issue 36: dummy weights give the reference tokens even from all-z
 so equal outputs cannot catch wrong KV), after every timed pass, unless ``--tp`` > 1 or
 ``--skip-kv-oracle``: two more engines with the connector's three keys, each with its
 engine core in the script's engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, where
-``kv_digest`` of ``tests/vllm_runner.py`` reads the KV cache; the timed engines keep
+``kv_digest`` of ``tests/support/vllm_runner.py`` reads the KV cache; the timed engines keep
 vLLM's default process layout) and vLLM's prefix cache on (it keeps a finished request's
 blocks).  ``kv_oracle_cold`` computes fresh prompts (:data:`ORACLE_PROMPTS` paced, as
 many in one batch, with ``--cuda-graphs`` as many one-token hits as set E) and saves them;
@@ -82,8 +82,8 @@ sys.path.insert(0, str(REPO))
 
 from pegaflow.tools.devcluster import start_server  # noqa: E402
 from scripts._models import LLAMA_31_8B  # noqa: E402
-from tests.vllm_engine import VllmEngine, prompts, wait_saved  # noqa: E402
-from tests.vllm_engine import connector_stats as stats  # noqa: E402
+from tests.support.vllm_engine import VllmEngine, prompts, wait_saved  # noqa: E402
+from tests.support.vllm_engine import connector_stats as stats  # noqa: E402
 
 
 def pinned_h2d_gbps(nbytes: int) -> float:

@@ -42,8 +42,8 @@ sys.path.insert(0, str(REPO))
 
 from pegaflow.tools.devcluster import start_server  # noqa: E402
 from scripts._models import BENCH_MODEL  # noqa: E402
-from tests.vllm_engine import VllmEngine, prompts, wait_saved  # noqa: E402
-from tests.vllm_engine import connector_stats as stats  # noqa: E402
+from tests.support.vllm_engine import VllmEngine, prompts, wait_saved  # noqa: E402
+from tests.support.vllm_engine import connector_stats as stats  # noqa: E402
 
 
 def notes(engine: VllmEngine) -> None:

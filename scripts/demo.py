@@ -35,7 +35,7 @@ from pegaflow.tools.devcluster import EtcdServer, start_coordinator, start_node
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from scripts._models import BENCH_MODEL  # noqa: E402
-from tests.vllm_engine import VllmEngine, prompts, wait_saved  # noqa: E402
+from tests.support.vllm_engine import VllmEngine, prompts, wait_saved  # noqa: E402
 
 NS = "demo-model"
 BLOCK = 1 << 20

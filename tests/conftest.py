@@ -1,4 +1,5 @@
-"""Shared fixtures: a real etcd server (tests/etcd_fixture.py) and real service processes."""
+"""Shared fixtures: a real etcd server (tests/support/etcd_fixture.py) and real service
+processes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from pegaflow.tools.devcluster import Proc, start_server
 
-pytest_plugins = ["tests.etcd_fixture"]
+pytest_plugins = ["tests.support.etcd_fixture"]
 
 
 @pytest.fixture

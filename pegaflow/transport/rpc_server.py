@@ -8,7 +8,7 @@ has more work than ``slice_s``, tenants take turns of that long, round-robin, an
 tenant's connections share its turns.  Before, plain handlers ran as each request was read: a
 client keeping four 65,536-block lookups in flight made 33 to 36 of 40 of another
 tenant's 50 ms lookups fail, and 16 such clients 35 to 39 (0 now;
-``tests/test_lookup_fairness.py``).
+``tests/integration/test_lookup_fairness.py``).
 """
 
 from __future__ import annotations
