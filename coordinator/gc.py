@@ -25,6 +25,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from dataclasses import KW_ONLY, InitVar, dataclass
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False, repr=False)
 class IndexGC:
     """Deletes index entries whose block is gone from its node (module docstring).
 
@@ -56,29 +58,21 @@ class IndexGC:
     #: Denied entries held for one grace period at most (then deleted, mid-pass).
     MAX_PENDING = 50_000
 
-    def __init__(
-        self,
-        index: BlockIndex,
-        client: EtcdClient,
-        keys: Keyspace,
-        election: Election,
-        *,
-        interval_s: float,
-        batch: int = 1024,
-        entries_per_s: int = 100_000,
-        token: str | None = None,
-        check_timeout_s: float = 5.0,
-        grace_s: float = 1.0,
-    ) -> None:
-        self.index = index
-        self.client = client
-        self.keys = keys
-        self.election = election
-        self.interval_s = interval_s
-        self.batch = max(1, batch)
-        self.entries_per_s = max(1, entries_per_s)
-        self.check_timeout_s = check_timeout_s
-        self.grace_s = grace_s
+    index: BlockIndex
+    client: EtcdClient
+    keys: Keyspace
+    election: Election
+    _: KW_ONLY
+    interval_s: float
+    batch: int = 1024
+    entries_per_s: int = 100_000
+    token: InitVar[str | None] = None
+    check_timeout_s: float = 5.0
+    grace_s: float = 1.0
+
+    def __post_init__(self, token: str | None) -> None:
+        self.batch = max(1, self.batch)
+        self.entries_per_s = max(1, self.entries_per_s)
         self._token = token
         self._data: DataClient | None = None
         self._loop = Supervised("index-gc", self._round, on_error=self._pass_failed)

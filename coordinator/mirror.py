@@ -29,6 +29,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import KW_ONLY, InitVar, dataclass
 from typing import Any
 
 import msgpack
@@ -52,30 +53,27 @@ class _OtherEtcd(Exception):
     """The etcd answering is not the one the index was loaded from."""
 
 
+@dataclass(eq=False, repr=False)
 class EtcdMirror:
     """Feeds ``index`` from etcd until closed; never raises for an etcd outage."""
 
-    def __init__(
-        self,
-        client: EtcdClient,
-        keys: Keyspace,
-        index: BlockIndex,
-        *,
-        progress_interval_s: float = 2.0,
-        page_size: int = 10000,
-    ) -> None:
-        self.client = client
-        self.keys = keys
-        self.index = index
+    client: EtcdClient
+    keys: Keyspace
+    index: BlockIndex
+    _: KW_ONLY
+    progress_interval_s: InitVar[float] = 2.0
+    page_size: InitVar[int] = 10000
+
+    def __post_init__(self, progress_interval_s: float, page_size: int) -> None:
         self._progress_interval = progress_interval_s
         self._page_size = page_size
         self._split_over = 8 * page_size  # keys above which a range is read in slices
-        self._root = (keys.prefix + "/").encode()
-        self._bprefix = keys.blocks.encode()
+        self._root = (self.keys.prefix + "/").encode()
+        self._bprefix = self.keys.blocks.encode()
         self._blen = len(self._bprefix)
-        self._nprefix = keys.nodes.encode()
+        self._nprefix = self.keys.nodes.encode()
         self._nlen = len(self._nprefix)
-        self._epoch_key = keys.epoch_key
+        self._epoch_key = self.keys.epoch_key
         self._leases: dict[int, str] = {}
         self._ns_names: dict[bytes, str] = {}
         self._backoff = Backoff(0.1)

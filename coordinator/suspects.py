@@ -26,6 +26,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 import aiohttp
@@ -61,6 +62,7 @@ async def http_alive(rec: NodeRecord, timeout: float = CHECK_TIMEOUT_S) -> bool 
         return False
 
 
+@dataclass(eq=False, repr=False)
 class Suspects:
     """The nodes lookups leave out now (see the module docstring).
 
@@ -72,17 +74,15 @@ class Suspects:
         clock: monotonic clock.
     """
 
-    def __init__(
-        self,
-        index: BlockIndex,
-        ttl_s: float,
-        counts: dict[str, int],
-        alive: Callable[[NodeRecord], Awaitable[bool | None]] = http_alive,
-        clock: Callable[[], float] = time.monotonic,
+    index: BlockIndex
+    ttl_s: float
+    counts: dict[str, int]
+    alive: InitVar[Callable[[NodeRecord], Awaitable[bool | None]]] = http_alive
+    clock: InitVar[Callable[[], float]] = time.monotonic
+
+    def __post_init__(
+        self, alive: Callable[[NodeRecord], Awaitable[bool | None]], clock: Callable[[], float]
     ) -> None:
-        self.index = index
-        self.ttl_s = ttl_s
-        self.counts = counts
         self._alive = alive
         self._clock = clock
         self._until: dict[str, float] = {}

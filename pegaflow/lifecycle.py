@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, InitVar, dataclass
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class Backoff:
 Round = Callable[[], Awaitable[bool]]
 
 
+@dataclass(eq=False, repr=False)
 class Supervised:
     """A service's background task: runs ``run_round`` until closed (see the module
     docstring).
@@ -68,16 +70,13 @@ class Supervised:
     round that failed or returned False; None for no pause (the round paces itself).
     """
 
-    def __init__(
-        self,
-        name: str,
-        run_round: Round,
-        *,
-        on_error: Callable[[Exception], None],
-        backoff: Backoff | None = None,
-    ) -> None:
-        self.name = name
-        self.backoff = backoff
+    name: str
+    run_round: InitVar[Round]
+    _: KW_ONLY
+    on_error: InitVar[Callable[[Exception], None]]
+    backoff: Backoff | None = None
+
+    def __post_init__(self, run_round: Round, on_error: Callable[[Exception], None]) -> None:
         self._round = run_round
         self._on_error = on_error
         self._task: asyncio.Task[None] | None = None

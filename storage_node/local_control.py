@@ -36,6 +36,7 @@ import concurrent.futures
 import inspect
 import logging
 from collections.abc import Callable
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 from pegaflow.storage_node.metrics import NodeMetrics
@@ -54,22 +55,20 @@ MAX_PATH = 107
 """longest Unix socket path Linux accepts (sun_path holds 108 bytes with the NUL)"""
 
 
+@dataclass(eq=False, repr=False)
 class LocalControl:
     """Serves the ops of :data:`~.protocol.OPS` marked for :attr:`~.protocol.Site.SOCKET`
     on a Unix socket at ``path``, on a thread of its own, into ``service``; admits
     ``auth``'s cluster token only.  Start and close it on the data loop."""
 
-    def __init__(
-        self,
-        service: NodeService,
-        path: str,
-        auth: Authenticator,
-        max_frame: int,
-        metrics: NodeMetrics,
-    ) -> None:
-        self.service = service
-        self.path = path
-        self.metrics = metrics
+    service: NodeService
+    path: str
+    auth: InitVar[Authenticator]
+    max_frame: InitVar[int]
+    metrics: NodeMetrics
+
+    def __post_init__(self, auth: Authenticator, max_frame: int) -> None:
+        service = self.service
         self._pins = service.pin_table()
         self._sessions: dict[object, Session] = {}
         """by rpc session (read on the socket's thread, ended on the data loop)"""

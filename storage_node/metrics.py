@@ -118,26 +118,28 @@ class NodeMetrics:
         self.request_errors.labels(op=op_label(op), code=code).inc()
 
 
-_DISK_GAUGES = (
-    ("enabled", "1 while the disk tier is on", None),
-    ("capacity_bytes", "Disk tier capacity", "capacity_bytes"),
-    ("used_bytes", "Disk tier bytes in use", "used_bytes"),
-    ("blocks", "Blocks on the disk tier", "blocks"),
-    ("degraded", "1 while the disk tier has a fault (see /health's disk_reason)", "degraded"),
-)
-_DISK_COUNTERS = (
-    ("spills", "Blocks written to the disk tier", "spills"),
-    ("spill_drops", "Evicted blocks not written to the disk tier", "spill_drops"),
-    ("spill_copies", "Evicted blocks copied into the spill queue at eviction", "spill_copies"),
-    ("spill_ahead_blocks", "Blocks written to disk ahead of their eviction", "spill_ahead"),
-    ("evictions", "Blocks evicted from the disk tier to make room", "evictions"),
-    ("hits", "Disk tier reads that returned a verified block", "hits"),
-    ("misses", "Disk tier reads that found no valid block", "misses"),
-    ("errors", "Disk tier I/O errors and checksum failures", "errors"),
-    ("read_bytes", "Bytes read from the disk tier", "read_bytes"),
-    ("write_bytes", "Bytes written to the disk tier", "write_bytes"),
-    ("read_seconds", "Seconds spent in disk tier reads", "read_seconds"),
-    ("write_seconds", "Seconds spent in disk tier writes", "write_seconds"),
+_G, _C = GaugeMetricFamily, CounterMetricFamily
+_DISK_FIGURES: tuple[tuple[type[Any], str, str, str | None], ...] = (
+    # (family, metric name suffix, help, DiskTierStats field; None: whether a tier is on)
+    (_G, "enabled", "1 while the disk tier is on", None),
+    (_G, "capacity_bytes", "Disk tier capacity", "capacity_bytes"),
+    (_G, "used_bytes", "Disk tier bytes in use", "used_bytes"),
+    (_G, "blocks", "Blocks on the disk tier", "blocks"),
+    (_G, "degraded", "1 while the disk tier has a fault (see /health's disk_reason)", "degraded"),
+    # the write side: blocks leaving the pool for the tier, and the tier's own evictions
+    (_C, "spills", "Blocks written to the disk tier", "spills"),
+    (_C, "spill_drops", "Evicted blocks not written to the disk tier", "spill_drops"),
+    (_C, "spill_copies", "Evicted blocks copied into the spill queue at eviction", "spill_copies"),
+    (_C, "spill_ahead_blocks", "Blocks written to disk ahead of their eviction", "spill_ahead"),
+    (_C, "evictions", "Blocks evicted from the disk tier to make room", "evictions"),
+    # reads, and the I/O of both sides
+    (_C, "hits", "Disk tier reads that returned a verified block", "hits"),
+    (_C, "misses", "Disk tier reads that found no valid block", "misses"),
+    (_C, "errors", "Disk tier I/O errors and checksum failures", "errors"),
+    (_C, "read_bytes", "Bytes read from the disk tier", "read_bytes"),
+    (_C, "write_bytes", "Bytes written to the disk tier", "write_bytes"),
+    (_C, "read_seconds", "Seconds spent in disk tier reads", "read_seconds"),
+    (_C, "write_seconds", "Seconds spent in disk tier writes", "write_seconds"),
 )
 
 
@@ -157,12 +159,10 @@ class DiskCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         st = self.stats()
-        for name, doc, field in _DISK_GAUGES:
+        for kind, name, doc, field in _DISK_FIGURES:
+            # without a tier every figure is 0 (getattr(None, field, 0))
             value = int(st is not None) if field is None else getattr(st, field, 0)
-            yield _family(GaugeMetricFamily, f"pegaflow_node_disk_{name}", doc, value)
-        for name, doc, field in _DISK_COUNTERS:
-            value = getattr(st, field, 0) if st is not None else 0
-            yield _family(CounterMetricFamily, f"pegaflow_node_disk_{name}", doc, value)
+            yield _family(kind, f"pegaflow_node_disk_{name}", doc, value)
 
 
 _ETCD_FIGURES: dict[str, tuple[type[Any], str, str]] = {

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from dataclasses import KW_ONLY, InitVar, dataclass
 from typing import Any
 
 from pegaflow.storage_node.blocks import Entry
@@ -44,6 +45,7 @@ from pegaflow.protocol import node as proto
 from pegaflow.protocol.node import OPS, Key, Op
 
 
+@dataclass(eq=False, repr=False)
 class NodeService:
     """The node's ops over a :class:`~pegaflow.storage_node.pool.BlockPool`, for any
     site: :meth:`call` runs one (plain, or an awaitable of its reply).
@@ -51,25 +53,19 @@ class NodeService:
     ``start`` and ``close`` run on the data loop, where every op but ``locate`` and
     ``unpin`` must run (those two may run on another site's loop too)."""
 
-    def __init__(
-        self,
-        pool: BlockPool,
-        cfg: NodeConfig,
-        sink: InventorySink,
-        metrics: NodeMetrics,
-        *,
-        on_change: Callable[[], None] | None = None,
-        disk: DiskTier | None = None,
-    ) -> None:
-        self.pool = pool
-        self.disk = disk
-        """the disk tier under the pool (None: memory only)"""
-        self.cfg = cfg
-        self.sink = sink
-        self.metrics = metrics
+    pool: BlockPool
+    cfg: NodeConfig
+    sink: InventorySink
+    metrics: NodeMetrics
+    _: KW_ONLY
+    on_change: InitVar[Callable[[], None] | None] = None
+    disk: DiskTier | None = None
+    """the disk tier under the pool (None: memory only)"""
+
+    def __post_init__(self, on_change: Callable[[], None] | None) -> None:
         self._on_change = on_change
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.quotas = Quotas(cfg, pool, metrics)
+        self.quotas = Quotas(self.cfg, self.pool, self.metrics)
         self.promotion = Promotion(self)
         self.reads = Reads(self)
         self.puts = Puts(self)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, InitVar, dataclass
 
 from pegaflow.storage_node.blocks import Entry
 from pegaflow.storage_node.disk_tier import DiskTier
@@ -57,6 +58,7 @@ def reserve_bytes(configured: int, pool_bytes: int) -> int:
     return max(0, min(configured, pool_bytes // POOL_SHARE))
 
 
+@dataclass(eq=False, repr=False)
 class SpillAhead:
     """Keeps ``reserve`` bytes of ``pool`` free by writing its least recently used
     blocks to ``disk`` ahead of their eviction (see the module docstring).
@@ -65,18 +67,14 @@ class SpillAhead:
     calls back on its write threads, the pool on the reserving thread).
     """
 
-    def __init__(
-        self,
-        pool: BlockPool,
-        disk: DiskTier,
-        reserve: int,
-        post: Callable[..., None],
-        *,
-        max_inflight: int = 4,
-    ) -> None:
-        self.pool = pool
-        self.disk = disk
-        self.reserve = reserve
+    pool: BlockPool
+    disk: DiskTier
+    reserve: int
+    post: InitVar[Callable[..., None]]
+    _: KW_ONLY
+    max_inflight: InitVar[int] = 4
+
+    def __post_init__(self, post: Callable[..., None], max_inflight: int) -> None:
         self._post = post
         self._max_inflight = max(1, max_inflight)
         self._writing: dict[int, Entry] = {}
@@ -86,7 +84,7 @@ class SpillAhead:
         self._closed = False
         self._failed: tuple[int, float] | None = None
         """after a failed write: the tier's spill count then, and when to retry"""
-        pool.watch_free(reserve, self.kick)
+        self.pool.watch_free(self.reserve, self.kick)
 
     def kick(self) -> None:
         """Make room, soon, on the data loop (cheap; from any thread)."""

@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from functools import partial
 from typing import Any
 
@@ -109,22 +109,19 @@ def self_endpoint(w: UcxWorker) -> Any:
 _SiteHandler = Callable[[dict[str, Any], _Conn], Any]
 
 
+@dataclass(eq=False, repr=False)
 class UcxSite:
     """Serves a :class:`~pegaflow.storage_node.node_service.NodeService` over UCX."""
 
-    def __init__(
-        self,
-        service: NodeService,
-        cfg: NodeConfig,
-        metrics: NodeMetrics,
-        auth: Authenticator,
-        *,
-        control_path: str | None = None,
-    ) -> None:
-        """``control_path``: the same-host control socket, advertised in hello replies."""
-        self.service = service
-        self.cfg = cfg
-        self.metrics = metrics
+    service: NodeService
+    cfg: NodeConfig
+    metrics: NodeMetrics
+    auth: InitVar[Authenticator]
+    _: KW_ONLY
+    control_path: InitVar[str | None] = None
+    """the same-host control socket, advertised in hello replies"""
+
+    def __post_init__(self, auth: Authenticator, control_path: str | None) -> None:
         self._auth = auth
         self._control_path = control_path
         self._worker: UcxWorker | None = None
@@ -132,14 +129,14 @@ class UcxSite:
         self._conns: set[_Conn] = set()
         self._self_ep: Any = None
         """an endpoint to our own worker, for :meth:`_drain`"""
-        self._pins = service.pin_table()
+        self._pins = self.service.pin_table()
         # connections that have not said hello yet (oldest first), with their timers
         self._unauthed: dict[_Conn, asyncio.TimerHandle] = {}
         self._dropped_unauthed = 0
         self._drop_log_at = 0.0
         self._ops: dict[Op, _SiteHandler] = {Op.HELLO: self._hello, Op.GET: self._get}
         """the transport's own ops; the others are the service's"""
-        assert set(OPS) == set(self._ops) | set(service.ops)
+        assert set(OPS) == set(self._ops) | set(self.service.ops)
 
     @property
     def port(self) -> int:

@@ -285,6 +285,18 @@ def _addresses(value: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _add_cluster_args(
+    p: argparse.ArgumentParser, config_help: str, *, coordinators: str, token: str, timeout: str
+) -> None:
+    """A command's ``--config``, ``--coordinators``, ``--token`` and ``--timeout`` (with
+    these helps for the last three)."""
+    # SUPPRESS: a --config given before the command is not reset by this one's default
+    p.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=config_help)
+    p.add_argument("--coordinators", type=_addresses, metavar="HOST:PORT[,...]", help=coordinators)
+    p.add_argument("--token", metavar="SECRET", help=token)
+    p.add_argument("--timeout", type=_seconds, default=5.0, metavar="SECONDS", help=timeout)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``pegaflow``: every error is one line on stderr and exit status 2."""
     parser = ArgParser(
@@ -296,23 +308,13 @@ def main(argv: list[str] | None = None) -> None:
     p_status = sub.add_parser(
         "status", help="show nodes, health, capacity, usage, blocks and the hit rate"
     )
-    # SUPPRESS: a --config given before the command is not reset by this one's default
-    p_status.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=config_help)
-    p_status.add_argument(
-        "--coordinators",
-        type=_addresses,
-        metavar="HOST:PORT[,...]",
-        help="coordinators to ask, tried in order (default: [client] coordinators, 127.0.0.1:7700)",
-    )
-    p_status.add_argument(
-        "--token", metavar="SECRET", help="shared secret (default: [security] token)"
-    )
-    p_status.add_argument(
-        "--timeout",
-        type=_seconds,
-        default=5.0,
-        metavar="SECONDS",
-        help="deadline of the status call (default: 5.0)",
+    _add_cluster_args(
+        p_status,
+        config_help,
+        coordinators="coordinators to ask, tried in order (default: [client] coordinators, "
+        "127.0.0.1:7700)",
+        token="shared secret (default: [security] token)",
+        timeout="deadline of the status call (default: 5.0)",
     )
     p_status.add_argument("--json", action="store_true", help="print the raw status document")
     p_status.add_argument("--no-health", action="store_true", help="do not ask each node's /health")
@@ -323,18 +325,15 @@ def main(argv: list[str] | None = None) -> None:
         "that report to the coordinator are shown without it)",
     )
     p_drop = sub.add_parser("drop", help="drop one namespace's blocks from a node")
-    p_drop.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=config_help)
     p_drop.add_argument("--node", required=True, metavar="ID", help="the node's id")
     p_drop.add_argument("--namespace", required=True, metavar="NS", help="the namespace")
-    p_drop.add_argument(
-        "--coordinators",
-        type=_addresses,
-        metavar="HOST:PORT[,...]",
-        help="coordinators that know the node (default: [client] coordinators)",
+    _add_cluster_args(
+        p_drop,
+        config_help,
+        coordinators="coordinators that know the node (default: [client] coordinators)",
+        token="cluster token ([security] token)",
+        timeout="deadline of the drop (default: 5.0)",
     )
-    p_drop.add_argument("--token", metavar="SECRET", help="cluster token ([security] token)")
-    p_drop.add_argument("--timeout", type=_seconds, default=5.0, metavar="SECONDS",
-                        help="deadline of the drop (default: 5.0)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.cmd is None:
         parser.error("a command is required: status, drop")

@@ -248,6 +248,14 @@ def _temp_shm_dir() -> str:
     return d
 
 
+def _cluster_args(etcd: str | None, token: str | None) -> list[str]:
+    """The ``--etcd-endpoints`` and ``--security-token`` flags (each only when given)."""
+    return [
+        *(["--etcd-endpoints", etcd] if etcd else []),
+        *(["--security-token", token] if token else []),
+    ]
+
+
 def start_node(
     node_id: str,
     *,
@@ -278,11 +286,8 @@ def start_node(
         "--etcd-lease-ttl-s", "3",
         "--node-shm-dir", shm_dir,
         *extra,
+        *_cluster_args(etcd, token),
     ]  # fmt: skip
-    if etcd:
-        argv += ["--etcd-endpoints", etcd]
-    if token:
-        argv += ["--security-token", token]
     return start(f"node {node_id}", argv, env=env)
 
 
@@ -301,11 +306,8 @@ def start_coordinator(
         "--coordinator-http-port", "0",
         "--etcd-prefix", prefix,
         *extra,
+        *_cluster_args(etcd, token),
     ]  # fmt: skip
-    if etcd:
-        argv += ["--etcd-endpoints", etcd]
-    if token:
-        argv += ["--security-token", token]
     return start("coordinator", argv, env=env)
 
 
@@ -326,7 +328,6 @@ def start_server(
         "--node-ucx-port", "0",
         "--node-shm-dir", _temp_shm_dir(),
         *extra,
+        *_cluster_args(None, token),
     ]  # fmt: skip
-    if token:
-        argv += ["--security-token", token]
     return start("pegaflow-server", argv, env=env, prefix=prefix)

@@ -43,7 +43,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from importlib import resources
 from typing import Any
 
@@ -125,6 +125,7 @@ class _NodeState:
     put_bps: float | None = None
 
 
+@dataclass(eq=False, repr=False)
 class Dashboard:
     """The dashboard of one coordinator (see the module docstring).
 
@@ -134,21 +135,15 @@ class Dashboard:
     ``scrape_timeout_s``: deadline of one node scrape.
     """
 
-    def __init__(
-        self,
-        status: StatusFn,
-        registry: CollectorRegistry | None,
-        *,
-        interval_s: float = 2.0,
-        history: int = 900,
-        idle_stop_s: float = 120.0,
-        scrape_timeout_s: float = 1.0,
-    ) -> None:
-        self.status = status
-        self.registry = registry
-        self.interval_s = interval_s
-        self.idle_stop_s = idle_stop_s
-        self.scrape_timeout_s = scrape_timeout_s
+    status: StatusFn
+    registry: CollectorRegistry | None
+    _: KW_ONLY
+    interval_s: float = 2.0
+    history: InitVar[int] = 900
+    idle_stop_s: float = 120.0
+    scrape_timeout_s: float = 1.0
+
+    def __post_init__(self, history: int) -> None:
         self.history: deque[dict[str, Any]] = deque(maxlen=history)
         self._nodes: dict[str, _NodeState] = {}
         self._coord: dict[str, float] = {}
