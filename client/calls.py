@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import inspect
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from types import MethodType
+from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 
 from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline, Timeout
@@ -28,6 +31,9 @@ from pegaflow.observability import telemetry
 from .landing import Fetched
 
 T = TypeVar("T")
+S = TypeVar("S")
+R = TypeVar("R")
+P = ParamSpec("P")
 F = TypeVar("F", bound=Callable[..., Coroutine[Any, Any, Any]])
 
 _DEFAULT = "__pegaflow_timeout__"
@@ -57,9 +63,13 @@ def deadline_of(cfg: ClientConfig | None, op: Callable[..., Any], timeout: Timeo
 class OnLoop:
     """A blocking facade over an async object that lives on ``loop`` (a thread runs it).
 
-    Each operation of the facade is written out and goes through :meth:`_start`: its
-    deadline is made on the caller's thread, then the async operation runs on the loop
-    with it."""
+    Each operation of the facade is declared from the async one (:class:`blocking`,
+    :class:`submitted`), or written out where it does more, and goes through
+    :meth:`_start`: its deadline is made on the caller's thread, then the async
+    operation of :attr:`_target` runs on the loop with it."""
+
+    _target: Any
+    """the async object whose operations the facade runs (set by the subclass)"""
 
     def __init__(self, cfg: ClientConfig, loop: asyncio.AbstractEventLoop) -> None:
         self.cfg = cfg
@@ -92,17 +102,52 @@ class OnLoop:
         run = op if via is None else via
         return self._submit(run(*args, timeout=deadline, **kwargs)), deadline
 
-    def _call(
-        self, op: Callable[..., Coroutine[Any, Any, T]], timeout: Timeout, *args: Any, **kwargs: Any
-    ) -> T:
-        """:meth:`_start`, waited for."""
-        return self._wait(*self._start(op, timeout, *args, **kwargs))
 
-    def _later(
-        self, op: Callable[..., Coroutine[Any, Any, T]], timeout: Timeout, *args: Any, **kwargs: Any
-    ) -> concurrent.futures.Future[T]:
-        """:meth:`_start`, not waited for: the future of its answer."""
-        return self._start(op, timeout, *args, **kwargs)[0]
+class _Op(Generic[S, P, R]):
+    """An operation of a facade, declared at class level from the async method ``op``
+    (``lookup = blocking(PegaClient.lookup)``): it has ``op``'s signature, and a call
+    runs ``op`` of the facade's :attr:`OnLoop._target` through :meth:`OnLoop._start`."""
+
+    def __init__(self, op: Callable[Concatenate[S, P], Coroutine[Any, Any, R]]) -> None:
+        functools.update_wrapper(self, op)  # its name, and its signature for inspect
+        self._name = op.__name__
+        params = list(inspect.signature(op).parameters)[1:]
+        self._at = params.index("timeout")
+        self._after = params[self._at + 1 :]
+
+    @overload
+    def __get__(self, facade: None, owner: type) -> Self: ...
+    @overload
+    def __get__(self, facade: OnLoop, owner: type) -> Callable[P, Any]: ...
+    def __get__(self, facade: OnLoop | None, owner: type) -> Any:
+        return self if facade is None else MethodType(self, facade)
+
+    def _begin(
+        self, facade: OnLoop, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[concurrent.futures.Future[R], Deadline]:
+        if len(args) > self._at:  # timeout given by position: the rest by name
+            timeout = args[self._at]
+            kwargs.update(zip(self._after, args[self._at + 1 :], strict=False))
+            args = args[: self._at]
+        else:
+            timeout = kwargs.pop("timeout", None)
+        return facade._start(getattr(facade._target, self._name), timeout, *args, **kwargs)
+
+
+class blocking(_Op[S, P, R]):
+    """The blocking form of an operation: waits for its answer."""
+
+    def __call__(self, facade: OnLoop, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return facade._wait(*self._begin(facade, args, kwargs))
+
+
+class submitted(_Op[S, P, R]):
+    """The ``submit_`` form of an operation: a future of its answer, at once."""
+
+    def __call__(
+        self, facade: OnLoop, /, *args: P.args, **kwargs: P.kwargs
+    ) -> concurrent.futures.Future[R]:
+        return self._begin(facade, args, kwargs)[0]
 
 
 def delivering(fetch: concurrent.futures.Future[Fetched]) -> concurrent.futures.Future[list[bool]]:
