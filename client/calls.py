@@ -33,6 +33,7 @@ from .landing import Fetched
 T = TypeVar("T")
 S = TypeVar("S")
 R = TypeVar("R")
+A = TypeVar("A")
 P = ParamSpec("P")
 F = TypeVar("F", bound=Callable[..., Coroutine[Any, Any, Any]])
 
@@ -103,10 +104,11 @@ class OnLoop:
         return self._submit(run(*args, timeout=deadline, **kwargs)), deadline
 
 
-class _Op(Generic[S, P, R]):
+class _Op(Generic[S, P, R, A]):
     """An operation of a facade, declared at class level from the async method ``op``
     (``lookup = blocking(PegaClient.lookup)``): it has ``op``'s signature, and a call
-    runs ``op`` of the facade's :attr:`OnLoop._target` through :meth:`OnLoop._start`."""
+    runs ``op`` of the facade's :attr:`OnLoop._target` through :meth:`OnLoop._start` and
+    answers ``A`` (``op``'s answer ``R``, or a future of it)."""
 
     def __init__(self, op: Callable[Concatenate[S, P], Coroutine[Any, Any, R]]) -> None:
         functools.update_wrapper(self, op)  # its name, and its signature for inspect
@@ -118,7 +120,7 @@ class _Op(Generic[S, P, R]):
     @overload
     def __get__(self, facade: None, owner: type) -> Self: ...
     @overload
-    def __get__(self, facade: OnLoop, owner: type) -> Callable[P, Any]: ...
+    def __get__(self, facade: OnLoop, owner: type) -> Callable[P, A]: ...
     def __get__(self, facade: OnLoop | None, owner: type) -> Any:
         return self if facade is None else MethodType(self, facade)
 
@@ -134,14 +136,14 @@ class _Op(Generic[S, P, R]):
         return facade._start(getattr(facade._target, self._name), timeout, *args, **kwargs)
 
 
-class blocking(_Op[S, P, R]):
+class blocking(_Op[S, P, R, R]):
     """The blocking form of an operation: waits for its answer."""
 
     def __call__(self, facade: OnLoop, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return facade._wait(*self._begin(facade, args, kwargs))
 
 
-class submitted(_Op[S, P, R]):
+class submitted(_Op[S, P, R, concurrent.futures.Future[R]]):
     """The ``submit_`` form of an operation: a future of its answer, at once."""
 
     def __call__(
