@@ -10,6 +10,7 @@ import itertools
 import socket
 import sys
 import threading
+from dataclasses import KW_ONLY, InitVar, dataclass
 from typing import Any
 
 from pegaflow.deadline import Deadline, Timeout
@@ -25,6 +26,7 @@ from pegaflow.protocol.framing import (
 from pegaflow.transport import gil_io
 
 
+@dataclass(eq=False, repr=False)
 class BlockingRpcClient:
     """The control protocol over a blocking socket to one address, from the calling
     thread: no event loop, no thread hop.
@@ -44,17 +46,14 @@ class BlockingRpcClient:
     connection breaks, ``DeadlineExceeded``, the server's own errors.
     """
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        token: str | None = None,
-        timeout: float = 5.0,
-        connect_timeout: float = 1.0,
-        max_frame: int = DEFAULT_MAX_FRAME,
-    ) -> None:
-        self.address = address
-        self.timeout = timeout
+    address: str
+    _: KW_ONLY
+    token: InitVar[str | None] = None
+    timeout: float = 5.0
+    connect_timeout: InitVar[float] = 1.0
+    max_frame: InitVar[int] = DEFAULT_MAX_FRAME
+
+    def __post_init__(self, token: str | None, connect_timeout: float, max_frame: int) -> None:
         self._token = token
         self._connect_timeout = connect_timeout
         self._max_frame = max_frame
