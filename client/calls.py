@@ -28,6 +28,7 @@ from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import Unavailable
 from pegaflow.observability import telemetry
 
+from .data import GetOptions
 from .landing import Fetched
 
 T = TypeVar("T")
@@ -127,13 +128,18 @@ class _Op(Generic[S, P, R, A]):
     def _begin(
         self, facade: OnLoop, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[concurrent.futures.Future[R], Deadline]:
-        if len(args) > self._at:  # timeout given by position: the rest by name
-            timeout = args[self._at]
-            kwargs.update(zip(self._after, args[self._at + 1 :], strict=False))
-            args = args[: self._at]
-        else:
-            timeout = kwargs.pop("timeout", None)
+        timeout, args = self._split(args, kwargs)
         return facade._start(getattr(facade._target, self._name), timeout, *args, **kwargs)
+
+    def _split(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Timeout, tuple[Any, ...]]:
+        """The call's ``timeout``, and its arguments before it (those after it are moved
+        into ``kwargs``, by name)."""
+        if len(args) <= self._at:
+            return kwargs.pop("timeout", None), args
+        kwargs.update(zip(self._after, args[self._at + 1 :], strict=False))
+        return args[self._at], args[: self._at]
 
 
 class blocking(_Op[S, P, R, R]):
@@ -150,6 +156,50 @@ class submitted(_Op[S, P, R, concurrent.futures.Future[R]]):
         self, facade: OnLoop, /, *args: P.args, **kwargs: P.kwargs
     ) -> concurrent.futures.Future[R]:
         return self._begin(facade, args, kwargs)[0]
+
+
+class _Get(_Op[S, P, R, A]):
+    """A get of a facade, declared from the async get ``op`` and its *fetch* form
+    ``fetch`` (``op``'s arguments, but the generations and ``zero_copy`` as one
+    :class:`~.data.GetOptions`, answering a :class:`~.landing.Fetched`): the facade
+    runs the fetch and writes the caller's buffers on its side (module docstring)."""
+
+    def __init__(
+        self,
+        op: Callable[Concatenate[S, P], Coroutine[Any, Any, R]],
+        fetch: Callable[..., Coroutine[Any, Any, Fetched]],
+    ) -> None:
+        super().__init__(op)
+        self._fetch = fetch.__name__
+
+    def _fetching(
+        self, facade: OnLoop, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[concurrent.futures.Future[Fetched], Deadline]:
+        timeout, args = self._split(args, kwargs)
+        opts = GetOptions(kwargs.pop(self._after[0], None), kwargs.pop("zero_copy", False))
+        target = facade._target
+        get, fetch = getattr(target, self._name), getattr(target, self._fetch)
+        return facade._start(get, timeout, *args, opts, via=fetch)
+
+
+class blocking_get(_Get[S, P, R, R]):
+    """The blocking form of a get: the blocks are copied into the caller's buffers on
+    the caller's thread, and never once the call gave up."""
+
+    def __call__(self, facade: OnLoop, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return facade._wait(*self._fetching(facade, args, kwargs)).deliver()  # type: ignore[return-value]
+
+
+class submitted_get(_Get[S, P, R, concurrent.futures.Future[R]]):
+    """The ``submit_`` form of a get: a future of its answer, whose blocks are copied
+    into the buffers as it comes, unless the future was cancelled first
+    (:func:`delivering`).  Its deadline runs from this call; pass a Deadline as
+    ``timeout`` to wait for it with ``fut.result(deadline.hop_wait())``."""
+
+    def __call__(
+        self, facade: OnLoop, /, *args: P.args, **kwargs: P.kwargs
+    ) -> concurrent.futures.Future[R]:
+        return delivering(self._fetching(facade, args, kwargs)[0])  # type: ignore[return-value]
 
 
 def delivering(fetch: concurrent.futures.Future[Fetched]) -> concurrent.futures.Future[list[bool]]:

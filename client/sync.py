@@ -6,8 +6,8 @@ for synchronous callers (the vLLM connector, scripts).
 Each of its operations is declared here from the async one (:class:`~.calls.blocking`,
 :class:`~.calls.submitted`) and runs it on the loop through one helper
 (:class:`~.calls.OnLoop`): ``op(...)`` blocks for the answer, ``submit_op(...)``
-returns a future of it; the gets, which copy into the caller's buffers, and the
-``*_here`` calls are written out.
+returns a future of it; the gets copy into the caller's buffers on its side
+(:class:`~.calls.blocking_get`), and the ``*_here`` calls are written out.
 Deadlines are made on the caller's thread and carried across the hop to the loop
 (:func:`~.calls.deadline_of`, :mod:`pegaflow.deadline`)."""
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Coroutine, Sequence
-from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import uvloop
@@ -27,10 +26,8 @@ from pegaflow.errors import DeadlineExceeded
 from pegaflow.protocol.codec import LocatedBlocks
 from pegaflow.protocol.coordinator import LookupRequest, LookupResult, Op
 
-from .api import GetItem, PegaClient
-from .calls import OnLoop, blocking, deadline_of, delivering, submitted
-from .data import GetOptions
-from .landing import Fetched
+from .api import PegaClient
+from .calls import OnLoop, blocking, blocking_get, deadline_of, submitted, submitted_get
 from .nodehealth import NodeHealth
 from .session import NodeSession
 from .sync_session import LOOP, Here, SyncNodeSession
@@ -91,42 +88,8 @@ class SyncPegaClient(OnLoop):
     nodes = blocking(PegaClient.nodes)
     submit_nodes = submitted(PegaClient.nodes)
 
-    def get_blocks(
-        self,
-        ns: str,
-        items: Sequence[GetItem],
-        timeout: Timeout = None,
-        generations: Sequence[int | None] | None = None,
-        *,
-        zero_copy: bool = False,
-    ) -> list[bool]:
-        """Blocking :meth:`PegaClient.get_blocks`: the blocks are copied into the items'
-        buffers on this thread, and never once the call gave up."""
-        c = self._client
-        fetch, get = c._fetch_blocks, c.get_blocks
-        opts = GetOptions(generations, zero_copy)
-        got: Fetched = self._wait(*self._start(get, timeout, ns, items, opts, via=fetch))
-        return got.deliver()
-
-    def submit_get_blocks(
-        self,
-        ns: str,
-        items: Sequence[GetItem],
-        timeout: Timeout = None,
-        generations: Sequence[int | None] | None = None,
-        *,
-        zero_copy: bool = False,
-    ) -> Future[list[bool]]:
-        """:meth:`PegaClient.get_blocks` without waiting: a future of its answer, whose
-        blocks are copied into the buffers as it comes, unless the future was cancelled
-        first (:func:`~.calls.delivering`).  Its deadline runs from this call; pass a
-        Deadline as ``timeout`` to wait for it with ``fut.result(deadline.hop_wait())``."""
-        c = self._client
-        fetch, get = c._fetch_blocks, c.get_blocks
-        opts = GetOptions(generations, zero_copy)
-        fut, _deadline = self._start(get, timeout, ns, items, opts, via=fetch)
-        return delivering(fut)
-
+    get_blocks = blocking_get(PegaClient.get_blocks, PegaClient._fetch_blocks)
+    submit_get_blocks = submitted_get(PegaClient.get_blocks, PegaClient._fetch_blocks)
     pin_blocks = blocking(PegaClient.pin_blocks)
     submit_pin_blocks = submitted(PegaClient.pin_blocks)
     put_blocks = blocking(PegaClient.put_blocks)

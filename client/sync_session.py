@@ -13,9 +13,7 @@ from pegaflow.protocol import node as proto
 from pegaflow.protocol.codec import LocatedBlocks
 from pegaflow.transport.rpc_blocking import BlockingRpcClient
 
-from .calls import OnLoop, blocking, deadline_of, submitted
-from .data import GetOptions
-from .landing import Fetched
+from .calls import OnLoop, blocking, blocking_get, deadline_of, submitted
 from .session import NodeSession
 
 if TYPE_CHECKING:
@@ -40,22 +38,7 @@ class SyncNodeSession(OnLoop):
 
     forget_pool = blocking(NodeSession.forget_pool)
 
-    def get(
-        self,
-        ns: str,
-        items: Sequence[tuple[bytes, int, Any]],
-        timeout: Timeout = None,
-        gens: Sequence[int | None] | None = None,
-        *,
-        zero_copy: bool = False,
-    ) -> list[bool]:
-        """Blocking :meth:`NodeSession.get`: the blocks are copied into ``items``'
-        buffers on this thread, and never once the call gave up."""
-        s = self._session
-        opts = GetOptions(gens, zero_copy)
-        got: Fetched = self._wait(*self._start(s.get, timeout, ns, items, opts, via=s.fetch))
-        return got.deliver()
-
+    get = blocking_get(NodeSession.get, NodeSession.fetch)
     put = blocking(NodeSession.put)
     pin = blocking(NodeSession.pin)
     check = blocking(NodeSession.check)
