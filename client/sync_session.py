@@ -31,27 +31,24 @@ class SyncNodeSession(OnLoop):
         self.node_id = session.node_id
         self._here = Here(client._token)
 
-    @property
-    def over_socket(self) -> bool:
-        """See :attr:`NodeSession.over_socket`."""
-        return self._session.over_socket
-
-    forget_pool = blocking(NodeSession.forget_pool)
-
+    # the data: its blocks
     get = blocking_get(NodeSession.get, NodeSession.fetch)
     put = blocking(NodeSession.put)
     pin = blocking(NodeSession.pin)
     check = blocking(NodeSession.check)
     drop = blocking(NodeSession.drop)
+
+    @property
+    def over_socket(self) -> bool:
+        """See :attr:`NodeSession.over_socket`."""
+        return self._session.over_socket
+
+    # its pool file, read on this host
+    forget_pool = blocking(NodeSession.forget_pool)
     pool_file = blocking(NodeSession.pool_file)
     locate = blocking(NodeSession.locate)  # through the loop; see locate_here
     unpin = blocking(NodeSession.unpin)
     submit_unpin = submitted(NodeSession.unpin)
-    report_lookups = blocking(NodeSession.report_lookups)
-    reserve_local = blocking(NodeSession.reserve_local)
-    commit_local = blocking(NodeSession.commit_local)  # on_taken runs on the loop
-    submit_commit_local = submitted(NodeSession.commit_local)
-    abort_local = blocking(NodeSession.abort_local)
 
     def locate_here(
         self, ns: str, hashes: Sequence[bytes], shard: int = 0, ttl_s: float = 5.0,
@@ -75,6 +72,13 @@ class SyncNodeSession(OnLoop):
     def close_here(self) -> None:
         """Close the blocking socket of :meth:`locate_here` (a later call opens another)."""
         self._here.close()
+
+    # saves straight into its pool file from this host, and the lookup report
+    report_lookups = blocking(NodeSession.report_lookups)
+    reserve_local = blocking(NodeSession.reserve_local)
+    commit_local = blocking(NodeSession.commit_local)  # on_taken runs on the loop
+    submit_commit_local = submitted(NodeSession.commit_local)
+    abort_local = blocking(NodeSession.abort_local)
 
 
 LOOP = object()
