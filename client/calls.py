@@ -17,17 +17,25 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import inspect
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from types import MethodType
+from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 
 from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import Unavailable
 from pegaflow.observability import telemetry
 
+from .data import GetOptions
 from .landing import Fetched
 
 T = TypeVar("T")
+S = TypeVar("S")
+R = TypeVar("R")
+A = TypeVar("A")
+P = ParamSpec("P")
 F = TypeVar("F", bound=Callable[..., Coroutine[Any, Any, Any]])
 
 _DEFAULT = "__pegaflow_timeout__"
@@ -57,9 +65,13 @@ def deadline_of(cfg: ClientConfig | None, op: Callable[..., Any], timeout: Timeo
 class OnLoop:
     """A blocking facade over an async object that lives on ``loop`` (a thread runs it).
 
-    Each operation of the facade is written out and goes through :meth:`_start`: its
-    deadline is made on the caller's thread, then the async operation runs on the loop
-    with it."""
+    Each operation of the facade is declared from the async one (:class:`blocking`,
+    :class:`submitted`), or written out where it does more, and goes through
+    :meth:`_start`: its deadline is made on the caller's thread, then the async
+    operation of :attr:`_target` runs on the loop with it."""
+
+    _target: Any
+    """the async object whose operations the facade runs (set by the subclass)"""
 
     def __init__(self, cfg: ClientConfig, loop: asyncio.AbstractEventLoop) -> None:
         self.cfg = cfg
@@ -92,17 +104,102 @@ class OnLoop:
         run = op if via is None else via
         return self._submit(run(*args, timeout=deadline, **kwargs)), deadline
 
-    def _call(
-        self, op: Callable[..., Coroutine[Any, Any, T]], timeout: Timeout, *args: Any, **kwargs: Any
-    ) -> T:
-        """:meth:`_start`, waited for."""
-        return self._wait(*self._start(op, timeout, *args, **kwargs))
 
-    def _later(
-        self, op: Callable[..., Coroutine[Any, Any, T]], timeout: Timeout, *args: Any, **kwargs: Any
-    ) -> concurrent.futures.Future[T]:
-        """:meth:`_start`, not waited for: the future of its answer."""
-        return self._start(op, timeout, *args, **kwargs)[0]
+class _Op(Generic[S, P, R, A]):
+    """An operation of a facade, declared at class level from the async method ``op``
+    (``lookup = blocking(PegaClient.lookup)``): it has ``op``'s signature, and a call
+    runs ``op`` of the facade's :attr:`OnLoop._target` through :meth:`OnLoop._start` and
+    answers ``A`` (``op``'s answer ``R``, or a future of it)."""
+
+    def __init__(self, op: Callable[Concatenate[S, P], Coroutine[Any, Any, R]]) -> None:
+        functools.update_wrapper(self, op)  # its name, and its signature for inspect
+        self._name = op.__name__
+        params = list(inspect.signature(op).parameters)[1:]
+        self._at = params.index("timeout")
+        self._after = params[self._at + 1 :]
+
+    @overload
+    def __get__(self, facade: None, owner: type) -> Self: ...
+    @overload
+    def __get__(self, facade: OnLoop, owner: type) -> Callable[P, A]: ...
+    def __get__(self, facade: OnLoop | None, owner: type) -> Any:
+        return self if facade is None else MethodType(self, facade)
+
+    def _begin(
+        self, facade: OnLoop, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[concurrent.futures.Future[R], Deadline]:
+        timeout, args = self._split(args, kwargs)
+        return facade._start(getattr(facade._target, self._name), timeout, *args, **kwargs)
+
+    def _split(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Timeout, tuple[Any, ...]]:
+        """The call's ``timeout``, and its arguments before it (those after it are moved
+        into ``kwargs``, by name)."""
+        if len(args) <= self._at:
+            return kwargs.pop("timeout", None), args
+        kwargs.update(zip(self._after, args[self._at + 1 :], strict=False))
+        return args[self._at], args[: self._at]
+
+
+class blocking(_Op[S, P, R, R]):
+    """The blocking form of an operation: waits for its answer."""
+
+    def __call__(self, facade: OnLoop, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return facade._wait(*self._begin(facade, args, kwargs))
+
+
+class submitted(_Op[S, P, R, concurrent.futures.Future[R]]):
+    """The ``submit_`` form of an operation: a future of its answer, at once."""
+
+    def __call__(
+        self, facade: OnLoop, /, *args: P.args, **kwargs: P.kwargs
+    ) -> concurrent.futures.Future[R]:
+        return self._begin(facade, args, kwargs)[0]
+
+
+class _Get(_Op[S, P, R, A]):
+    """A get of a facade, declared from the async get ``op`` and its *fetch* form
+    ``fetch`` (``op``'s arguments, but the generations and ``zero_copy`` as one
+    :class:`~.data.GetOptions`, answering a :class:`~.landing.Fetched`): the facade
+    runs the fetch and writes the caller's buffers on its side (module docstring)."""
+
+    def __init__(
+        self,
+        op: Callable[Concatenate[S, P], Coroutine[Any, Any, R]],
+        fetch: Callable[..., Coroutine[Any, Any, Fetched]],
+    ) -> None:
+        super().__init__(op)
+        self._fetch = fetch.__name__
+
+    def _fetching(
+        self, facade: OnLoop, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[concurrent.futures.Future[Fetched], Deadline]:
+        timeout, args = self._split(args, kwargs)
+        opts = GetOptions(kwargs.pop(self._after[0], None), kwargs.pop("zero_copy", False))
+        target = facade._target
+        get, fetch = getattr(target, self._name), getattr(target, self._fetch)
+        return facade._start(get, timeout, *args, opts, via=fetch)
+
+
+class blocking_get(_Get[S, P, R, R]):
+    """The blocking form of a get: the blocks are copied into the caller's buffers on
+    the caller's thread, and never once the call gave up."""
+
+    def __call__(self, facade: OnLoop, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return facade._wait(*self._fetching(facade, args, kwargs)).deliver()  # type: ignore[return-value]
+
+
+class submitted_get(_Get[S, P, R, concurrent.futures.Future[R]]):
+    """The ``submit_`` form of a get: a future of its answer, whose blocks are copied
+    into the buffers as it comes, unless the future was cancelled first
+    (:func:`delivering`).  Its deadline runs from this call; pass a Deadline as
+    ``timeout`` to wait for it with ``fut.result(deadline.hop_wait())``."""
+
+    def __call__(
+        self, facade: OnLoop, /, *args: P.args, **kwargs: P.kwargs
+    ) -> concurrent.futures.Future[R]:
+        return delivering(self._fetching(facade, args, kwargs)[0])  # type: ignore[return-value]
 
 
 def delivering(fetch: concurrent.futures.Future[Fetched]) -> concurrent.futures.Future[list[bool]]:

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any
 
 from pegaflow.config import ClientConfig
@@ -55,6 +56,7 @@ Refresh = Callable[[Deadline], Awaitable[object]]
 """Learn the node's record anew (it was restarted, perhaps at another address)."""
 
 
+@dataclass(eq=False, repr=False)
 class NodeSession:
     """One node's ops (see the module docstring).
 
@@ -72,32 +74,35 @@ class NodeSession:
         refresh: learn the node's record anew (:meth:`forget_pool`).
     """
 
-    def __init__(
+    node_id: str
+    data: InitVar[DataClient]
+    address: InitVar[Address]
+    _: KW_ONLY
+    token: InitVar[str | None] = None
+    local_control: InitVar[bool] = True
+    pool: InitVar[PoolFile | None] = None
+    cfg: InitVar[ClientConfig | None] = None
+    refresh: InitVar[Refresh | None] = None
+    _socket: RpcClient | None = field(default=None, init=False)
+    _socket_of: PoolFile | None = field(default=None, init=False)
+    """the pool file whose socket :attr:`_socket` is"""
+    _refused: PoolFile | None = field(default=None, init=False)
+    """the pool file whose socket failed: its socket is not tried again"""
+
+    def __post_init__(
         self,
-        node_id: str,
         data: DataClient,
         address: Address,
-        *,
-        token: str | None = None,
-        local_control: bool = True,
-        pool: PoolFile | None = None,
-        cfg: ClientConfig | None = None,
-        refresh: Refresh | None = None,
+        token: str | None,
+        local_control: bool,
+        pool: PoolFile | None,
+        cfg: ClientConfig | None,
+        refresh: Refresh | None,
     ) -> None:
-        self.node_id = node_id
-        self._refresh = refresh
-        self._data = data
-        self._address = address
-        self._token = token
-        self._local_control = local_control
-        self._cfg = cfg
         self._given = pool
         """the pool file learned elsewhere (else the UCX hello's counts)"""
-        self._socket: RpcClient | None = None
-        self._socket_of: PoolFile | None = None
-        """the pool file whose socket :attr:`_socket` is"""
-        self._refused: PoolFile | None = None
-        """the pool file whose socket failed: its socket is not tried again"""
+        self._data, self._address, self._refresh = data, address, refresh
+        self._token, self._local_control, self._cfg = token, local_control, cfg
 
     @classmethod
     def at(cls, addr: str, data: DataClient, **kwargs: Any) -> NodeSession:

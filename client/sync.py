@@ -3,9 +3,11 @@
 :class:`SyncPegaClient` runs a :class:`~.api.PegaClient` on a private event-loop thread
 for synchronous callers (the vLLM connector, scripts).
 
-Each of its operations is written out here and runs the async one on the loop through
-one helper (:class:`~.calls.OnLoop`): ``op(...)`` blocks for the answer,
-``submit_op(...)`` returns a future of it.
+Each of its operations is declared here from the async one (:class:`~.calls.blocking`,
+:class:`~.calls.submitted`) and runs it on the loop through one helper
+(:class:`~.calls.OnLoop`): ``op(...)`` blocks for the answer, ``submit_op(...)``
+returns a future of it; the gets copy into the caller's buffers on its side
+(:class:`~.calls.blocking_get`), and the ``*_here`` calls are written out.
 Deadlines are made on the caller's thread and carried across the hop to the loop
 (:func:`~.calls.deadline_of`, :mod:`pegaflow.deadline`)."""
 
@@ -14,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Coroutine, Sequence
-from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import uvloop
@@ -22,17 +23,12 @@ import uvloop
 from pegaflow.config import ClientConfig
 from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import DeadlineExceeded
-from pegaflow.keys import NodeRecord
 from pegaflow.protocol.codec import LocatedBlocks
 from pegaflow.protocol.coordinator import LookupRequest, LookupResult, Op
-from pegaflow.protocol.node import Dropped
 
-from .api import GetItem, PegaClient, PutItem, PutResult
-from .calls import OnLoop, deadline_of, delivering
-from .data import GetOptions
-from .landing import Fetched
+from .api import PegaClient
+from .calls import OnLoop, blocking, blocking_get, deadline_of, submitted, submitted_get
 from .nodehealth import NodeHealth
-from .samehost import LocalNode, PoolFile
 from .session import NodeSession
 from .sync_session import LOOP, Here, SyncNodeSession
 
@@ -64,6 +60,7 @@ class SyncPegaClient(OnLoop):
         self._client: PegaClient = self._wait(
             self._submit(self._make(cfg, token)), Deadline.of(cfg.rpc_timeout_s)
         )
+        self._target = self._client
         self._node_sessions: dict[str, SyncNodeSession] = {}
         self._sessions_lock = threading.Lock()
         self._token = token
@@ -82,299 +79,43 @@ class SyncPegaClient(OnLoop):
 
     # ---- the operations of PegaClient, blocking (and as futures) ---------------------
 
-    def lookup(
-        self,
-        ns: str,
-        hashes: Sequence[bytes],
-        shards: Sequence[int] = (0,),
-        timeout: Timeout = None,
-        generations: bool = False,
-        warm_up: bool = False,
-    ) -> LookupResult:
-        """Blocking :meth:`PegaClient.lookup` (through the loop; see :meth:`lookup_here`)."""
-        c = self._client
-        return self._call(
-            c.lookup, timeout, ns, hashes, shards, generations=generations, warm_up=warm_up
-        )
+    lookup = blocking(PegaClient.lookup)  # through the loop; see lookup_here
+    submit_lookup = submitted(PegaClient.lookup)
+    place = blocking(PegaClient.place)
+    submit_place = submitted(PegaClient.place)
+    status = blocking(PegaClient.status)
+    submit_status = submitted(PegaClient.status)
+    nodes = blocking(PegaClient.nodes)
+    submit_nodes = submitted(PegaClient.nodes)
 
-    def submit_lookup(
-        self,
-        ns: str,
-        hashes: Sequence[bytes],
-        shards: Sequence[int] = (0,),
-        timeout: Timeout = None,
-        generations: bool = False,
-        warm_up: bool = False,
-    ) -> Future[LookupResult]:
-        """:meth:`PegaClient.lookup` without waiting: a future of its answer."""
-        c = self._client
-        return self._later(
-            c.lookup, timeout, ns, hashes, shards, generations=generations, warm_up=warm_up
-        )
-
-    def place(self, ns: str, count: int, block_bytes: int, timeout: Timeout = None) -> NodeRecord:
-        """Blocking :meth:`PegaClient.place`."""
-        return self._call(self._client.place, timeout, ns, count, block_bytes)
-
-    def submit_place(
-        self, ns: str, count: int, block_bytes: int, timeout: Timeout = None
-    ) -> Future[NodeRecord]:
-        """:meth:`PegaClient.place` without waiting: a future of its answer."""
-        return self._later(self._client.place, timeout, ns, count, block_bytes)
-
-    def status(self, timeout: Timeout = None) -> dict[str, Any]:
-        """Blocking :meth:`PegaClient.status`."""
-        return self._call(self._client.status, timeout)
-
-    def submit_status(self, timeout: Timeout = None) -> Future[dict[str, Any]]:
-        """:meth:`PegaClient.status` without waiting: a future of its answer."""
-        return self._later(self._client.status, timeout)
-
-    def nodes(self, timeout: Timeout = None) -> dict[str, NodeRecord]:
-        """Blocking :meth:`PegaClient.nodes`."""
-        return self._call(self._client.nodes, timeout)
-
-    def submit_nodes(self, timeout: Timeout = None) -> Future[dict[str, NodeRecord]]:
-        """:meth:`PegaClient.nodes` without waiting: a future of its answer."""
-        return self._later(self._client.nodes, timeout)
-
-    def get_blocks(
-        self,
-        ns: str,
-        items: Sequence[GetItem],
-        timeout: Timeout = None,
-        generations: Sequence[int | None] | None = None,
-        *,
-        zero_copy: bool = False,
-    ) -> list[bool]:
-        """Blocking :meth:`PegaClient.get_blocks`: the blocks are copied into the items'
-        buffers on this thread, and never once the call gave up."""
-        c = self._client
-        fetch, get = c._fetch_blocks, c.get_blocks
-        opts = GetOptions(generations, zero_copy)
-        got: Fetched = self._wait(*self._start(get, timeout, ns, items, opts, via=fetch))
-        return got.deliver()
-
-    def submit_get_blocks(
-        self,
-        ns: str,
-        items: Sequence[GetItem],
-        timeout: Timeout = None,
-        generations: Sequence[int | None] | None = None,
-        *,
-        zero_copy: bool = False,
-    ) -> Future[list[bool]]:
-        """:meth:`PegaClient.get_blocks` without waiting: a future of its answer, whose
-        blocks are copied into the buffers as it comes, unless the future was cancelled
-        first (:func:`~.calls.delivering`).  Its deadline runs from this call; pass a
-        Deadline as ``timeout`` to wait for it with ``fut.result(deadline.hop_wait())``."""
-        c = self._client
-        fetch, get = c._fetch_blocks, c.get_blocks
-        opts = GetOptions(generations, zero_copy)
-        fut, _deadline = self._start(get, timeout, ns, items, opts, via=fetch)
-        return delivering(fut)
-
-    def pin_blocks(
-        self,
-        ns: str,
-        items: Sequence[tuple[str, bytes, int]],
-        ttl_s: float = 5.0,
-        timeout: Timeout = None,
-    ) -> list[bool]:
-        """Blocking :meth:`PegaClient.pin_blocks`."""
-        return self._call(self._client.pin_blocks, timeout, ns, items, ttl_s)
-
-    def submit_pin_blocks(
-        self,
-        ns: str,
-        items: Sequence[tuple[str, bytes, int]],
-        ttl_s: float = 5.0,
-        timeout: Timeout = None,
-    ) -> Future[list[bool]]:
-        """:meth:`PegaClient.pin_blocks` without waiting: a future of its answer."""
-        return self._later(self._client.pin_blocks, timeout, ns, items, ttl_s)
-
-    def put_blocks(
-        self,
-        ns: str,
-        items: Sequence[PutItem],
-        node_id: str | None = None,
-        timeout: Timeout = None,
-    ) -> PutResult:
-        """Blocking :meth:`PegaClient.put_blocks`."""
-        return self._call(self._client.put_blocks, timeout, ns, items, node_id)
-
-    def submit_put_blocks(
-        self,
-        ns: str,
-        items: Sequence[PutItem],
-        node_id: str | None = None,
-        timeout: Timeout = None,
-    ) -> Future[PutResult]:
-        """:meth:`PegaClient.put_blocks` without waiting: a future of its answer."""
-        return self._later(self._client.put_blocks, timeout, ns, items, node_id)
-
-    def drop(self, node_id: str, ns: str, timeout: Timeout = None) -> Dropped:
-        """Blocking :meth:`PegaClient.drop`."""
-        return self._call(self._client.drop, timeout, node_id, ns)
-
-    def submit_drop(self, node_id: str, ns: str, timeout: Timeout = None) -> Future[Dropped]:
-        """:meth:`PegaClient.drop` without waiting: a future of its answer."""
-        return self._later(self._client.drop, timeout, node_id, ns)
-
-    def local_pool(self, node_id: str, timeout: Timeout = None) -> PoolFile | None:
-        """Blocking :meth:`PegaClient.local_pool`."""
-        return self._call(self._client.local_pool, timeout, node_id)
-
-    def submit_local_pool(self, node_id: str, timeout: Timeout = None) -> Future[PoolFile | None]:
-        """:meth:`PegaClient.local_pool` without waiting: a future of its answer."""
-        return self._later(self._client.local_pool, timeout, node_id)
-
-    def local_nodes(self, timeout: Timeout = None) -> list[LocalNode]:
-        """Blocking :meth:`PegaClient.local_nodes`."""
-        return self._call(self._client.local_nodes, timeout)
-
-    def submit_local_nodes(self, timeout: Timeout = None) -> Future[list[LocalNode]]:
-        """:meth:`PegaClient.local_nodes` without waiting: a future of its answer."""
-        return self._later(self._client.local_nodes, timeout)
-
-    def locate(
-        self,
-        ns: str,
-        node_id: str,
-        hashes: Sequence[bytes],
-        shard: int = 0,
-        ttl_s: float = 5.0,
-        timeout: Timeout = None,
-    ) -> tuple[int, LocatedBlocks]:
-        """Blocking :meth:`PegaClient.locate` (through the loop; see :meth:`locate_here`)."""
-        return self._call(self._client.locate, timeout, ns, node_id, hashes, shard, ttl_s)
-
-    def submit_locate(
-        self,
-        ns: str,
-        node_id: str,
-        hashes: Sequence[bytes],
-        shard: int = 0,
-        ttl_s: float = 5.0,
-        timeout: Timeout = None,
-    ) -> Future[tuple[int, LocatedBlocks]]:
-        """:meth:`PegaClient.locate` without waiting: a future of its answer."""
-        return self._later(self._client.locate, timeout, ns, node_id, hashes, shard, ttl_s)
-
-    def unpin(self, node_id: str, pin: int, timeout: Timeout = None) -> None:
-        """Blocking :meth:`PegaClient.unpin`."""
-        return self._call(self._client.unpin, timeout, node_id, pin)
-
-    def submit_unpin(
-        self, node_id: str, pin: int, timeout: Timeout = None
-    ) -> Future[None]:
-        """:meth:`PegaClient.unpin` without waiting: a future of its answer."""
-        return self._later(self._client.unpin, timeout, node_id, pin)
-
-    def report_lookups(
-        self,
-        node_id: str,
-        lookups: int,
-        asked_blocks: int,
-        hit_blocks: int,
-        timeout: Timeout = None,
-    ) -> None:
-        """Blocking :meth:`PegaClient.report_lookups`."""
-        c = self._client
-        return self._call(c.report_lookups, timeout, node_id, lookups, asked_blocks, hit_blocks)
-
-    def submit_report_lookups(
-        self,
-        node_id: str,
-        lookups: int,
-        asked_blocks: int,
-        hit_blocks: int,
-        timeout: Timeout = None,
-    ) -> Future[None]:
-        """:meth:`PegaClient.report_lookups` without waiting: a future of its answer."""
-        c = self._client
-        return self._later(c.report_lookups, timeout, node_id, lookups, asked_blocks, hit_blocks)
-
-    def reserve_local(
-        self,
-        ns: str,
-        node_id: str,
-        blocks: Sequence[tuple[bytes, int, int]],
-        pool: tuple[int, int],
-        timeout: Timeout = None,
-    ) -> tuple[int, list[int | None]]:
-        """Blocking :meth:`PegaClient.reserve_local`."""
-        return self._call(self._client.reserve_local, timeout, ns, node_id, blocks, pool)
-
-    def submit_reserve_local(
-        self,
-        ns: str,
-        node_id: str,
-        blocks: Sequence[tuple[bytes, int, int]],
-        pool: tuple[int, int],
-        timeout: Timeout = None,
-    ) -> Future[tuple[int, list[int | None]]]:
-        """:meth:`PegaClient.reserve_local` without waiting: a future of its answer."""
-        return self._later(self._client.reserve_local, timeout, ns, node_id, blocks, pool)
-
-    def commit_local(
-        self,
-        node_id: str,
-        seq: int,
-        accepted: Sequence[bool],
-        timeout: Timeout = None,
-        digests: Sequence[int | None] | None = None,
-        on_taken: Callable[[], None] | None = None,
-    ) -> PutResult:
-        """Blocking :meth:`PegaClient.commit_local` (``on_taken`` runs on the loop)."""
-        c = self._client
-        return self._call(
-            c.commit_local, timeout, node_id, seq, accepted, digests=digests, on_taken=on_taken
-        )
-
-    def submit_commit_local(
-        self,
-        node_id: str,
-        seq: int,
-        accepted: Sequence[bool],
-        timeout: Timeout = None,
-        digests: Sequence[int | None] | None = None,
-        on_taken: Callable[[], None] | None = None,
-    ) -> Future[PutResult]:
-        """:meth:`PegaClient.commit_local` without waiting: a future of its answer."""
-        c = self._client
-        return self._later(
-            c.commit_local, timeout, node_id, seq, accepted, digests=digests, on_taken=on_taken
-        )
-
-    def abort_local(self, node_id: str, seq: int, timeout: Timeout = None) -> None:
-        """Blocking :meth:`PegaClient.abort_local`."""
-        return self._call(self._client.abort_local, timeout, node_id, seq)
-
-    def submit_abort_local(self, node_id: str, seq: int, timeout: Timeout = None) -> Future[None]:
-        """:meth:`PegaClient.abort_local` without waiting: a future of its answer."""
-        return self._later(self._client.abort_local, timeout, node_id, seq)
-
-    def namespace_peers(
-        self, ns: str, factors: dict[str, str], timeout: Timeout = None
-    ) -> list[dict[str, Any]]:
-        """Blocking :meth:`PegaClient.namespace_peers`."""
-        return self._call(self._client.namespace_peers, timeout, ns, factors)
-
-    def submit_namespace_peers(
-        self, ns: str, factors: dict[str, str], timeout: Timeout = None
-    ) -> Future[list[dict[str, Any]]]:
-        """:meth:`PegaClient.namespace_peers` without waiting: a future of its answer."""
-        return self._later(self._client.namespace_peers, timeout, ns, factors)
-
-    def report_unreachable(self, node_id: str, timeout: Timeout = None) -> bool:
-        """Blocking :meth:`PegaClient.report_unreachable`."""
-        return self._call(self._client.report_unreachable, timeout, node_id)
-
-    def submit_report_unreachable(self, node_id: str, timeout: Timeout = None) -> Future[bool]:
-        """:meth:`PegaClient.report_unreachable` without waiting: a future of its answer."""
-        return self._later(self._client.report_unreachable, timeout, node_id)
+    get_blocks = blocking_get(PegaClient.get_blocks, PegaClient._fetch_blocks)
+    submit_get_blocks = submitted_get(PegaClient.get_blocks, PegaClient._fetch_blocks)
+    pin_blocks = blocking(PegaClient.pin_blocks)
+    submit_pin_blocks = submitted(PegaClient.pin_blocks)
+    put_blocks = blocking(PegaClient.put_blocks)
+    submit_put_blocks = submitted(PegaClient.put_blocks)
+    drop = blocking(PegaClient.drop)
+    submit_drop = submitted(PegaClient.drop)
+    local_pool = blocking(PegaClient.local_pool)
+    submit_local_pool = submitted(PegaClient.local_pool)
+    local_nodes = blocking(PegaClient.local_nodes)
+    submit_local_nodes = submitted(PegaClient.local_nodes)
+    locate = blocking(PegaClient.locate)  # through the loop; see locate_here
+    submit_locate = submitted(PegaClient.locate)
+    unpin = blocking(PegaClient.unpin)
+    submit_unpin = submitted(PegaClient.unpin)
+    report_lookups = blocking(PegaClient.report_lookups)
+    submit_report_lookups = submitted(PegaClient.report_lookups)
+    reserve_local = blocking(PegaClient.reserve_local)
+    submit_reserve_local = submitted(PegaClient.reserve_local)
+    commit_local = blocking(PegaClient.commit_local)  # on_taken runs on the loop
+    submit_commit_local = submitted(PegaClient.commit_local)
+    abort_local = blocking(PegaClient.abort_local)
+    submit_abort_local = submitted(PegaClient.abort_local)
+    namespace_peers = blocking(PegaClient.namespace_peers)
+    submit_namespace_peers = submitted(PegaClient.namespace_peers)
+    report_unreachable = blocking(PegaClient.report_unreachable)
+    submit_report_unreachable = submitted(PegaClient.report_unreachable)
 
     def node_session(self, node_id: str) -> SyncNodeSession:
         """The blocking facade of :meth:`PegaClient.session` (one per node, kept)."""

@@ -4,21 +4,16 @@ connection its ``*_here`` calls (and the client's) use from the caller's thread.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import Unavailable
 from pegaflow.protocol import node as proto
 from pegaflow.protocol.codec import LocatedBlocks
-from pegaflow.protocol.node import Dropped
 from pegaflow.transport.rpc_blocking import BlockingRpcClient
 
-from .calls import OnLoop, deadline_of
-from .data import GetOptions, PutOutcome
-from .landing import Fetched
-from .samehost import PoolFile
+from .calls import OnLoop, blocking, blocking_get, deadline_of, submitted
 from .session import NodeSession
 
 if TYPE_CHECKING:
@@ -32,131 +27,28 @@ class SyncNodeSession(OnLoop):
 
     def __init__(self, client: SyncPegaClient, session: NodeSession) -> None:
         super().__init__(client.cfg, client._loop)
-        self._session = session
+        self._session = self._target = session
         self.node_id = session.node_id
         self._here = Here(client._token)
+
+    # the data: its blocks
+    get = blocking_get(NodeSession.get, NodeSession.fetch)
+    put = blocking(NodeSession.put)
+    pin = blocking(NodeSession.pin)
+    check = blocking(NodeSession.check)
+    drop = blocking(NodeSession.drop)
 
     @property
     def over_socket(self) -> bool:
         """See :attr:`NodeSession.over_socket`."""
         return self._session.over_socket
 
-    def forget_pool(self, timeout: Timeout = None) -> None:
-        """Blocking :meth:`NodeSession.forget_pool`."""
-        return self._call(self._session.forget_pool, timeout)
-
-    def get(
-        self,
-        ns: str,
-        items: Sequence[tuple[bytes, int, Any]],
-        timeout: Timeout = None,
-        gens: Sequence[int | None] | None = None,
-        *,
-        zero_copy: bool = False,
-    ) -> list[bool]:
-        """Blocking :meth:`NodeSession.get`: the blocks are copied into ``items``'
-        buffers on this thread, and never once the call gave up."""
-        s = self._session
-        opts = GetOptions(gens, zero_copy)
-        got: Fetched = self._wait(*self._start(s.get, timeout, ns, items, opts, via=s.fetch))
-        return got.deliver()
-
-    def put(
-        self, ns: str, items: Sequence[tuple[bytes, int, Any]], timeout: Timeout = None
-    ) -> PutOutcome:
-        """Blocking :meth:`NodeSession.put`."""
-        return self._call(self._session.put, timeout, ns, items)
-
-    def pin(
-        self,
-        ns: str,
-        blocks: Sequence[tuple[bytes, int]],
-        ttl_s: float = 5.0,
-        timeout: Timeout = None,
-    ) -> list[bool]:
-        """Blocking :meth:`NodeSession.pin`."""
-        return self._call(self._session.pin, timeout, ns, blocks, ttl_s)
-
-    def check(
-        self, ns: str, blocks: Sequence[tuple[bytes, int, int | None]], timeout: Timeout = None
-    ) -> list[bool]:
-        """Blocking :meth:`NodeSession.check`."""
-        return self._call(self._session.check, timeout, ns, blocks)
-
-    def drop(self, ns: str, timeout: Timeout = None) -> Dropped:
-        """Blocking :meth:`NodeSession.drop`."""
-        return self._call(self._session.drop, timeout, ns)
-
-    def pool_file(self, timeout: Timeout = None) -> PoolFile | None:
-        """Blocking :meth:`NodeSession.pool_file`."""
-        return self._call(self._session.pool_file, timeout)
-
-    def locate(
-        self,
-        ns: str,
-        hashes: Sequence[bytes],
-        shard: int = 0,
-        ttl_s: float = 5.0,
-        timeout: Timeout = None,
-    ) -> tuple[int, LocatedBlocks]:
-        """Blocking :meth:`NodeSession.locate` (through the loop; see :meth:`locate_here`)."""
-        return self._call(self._session.locate, timeout, ns, hashes, shard, ttl_s)
-
-    def unpin(self, pin: int, timeout: Timeout = None) -> None:
-        """Blocking :meth:`NodeSession.unpin`."""
-        return self._call(self._session.unpin, timeout, pin)
-
-    def submit_unpin(self, pin: int, timeout: Timeout = None) -> Future[None]:
-        """:meth:`NodeSession.unpin` without waiting: a future of its answer."""
-        return self._later(self._session.unpin, timeout, pin)
-
-    def report_lookups(
-        self, lookups: int, asked_blocks: int, hit_blocks: int, timeout: Timeout = None
-    ) -> None:
-        """Blocking :meth:`NodeSession.report_lookups`."""
-        return self._call(
-            self._session.report_lookups, timeout, lookups, asked_blocks, hit_blocks
-        )
-
-    def reserve_local(
-        self,
-        ns: str,
-        blocks: Sequence[tuple[bytes, int, int]],
-        pool: tuple[int, int],
-        timeout: Timeout = None,
-    ) -> tuple[int, list[int | None]]:
-        """Blocking :meth:`NodeSession.reserve_local`."""
-        return self._call(self._session.reserve_local, timeout, ns, blocks, pool)
-
-    def commit_local(
-        self,
-        seq: int,
-        accepted: Sequence[bool],
-        timeout: Timeout = None,
-        digests: Sequence[int | None] | None = None,
-        on_taken: Callable[[], None] | None = None,
-    ) -> PutOutcome:
-        """Blocking :meth:`NodeSession.commit_local` (``on_taken`` runs on the loop)."""
-        return self._call(
-            self._session.commit_local, timeout, seq, accepted, digests=digests, on_taken=on_taken
-        )
-
-    def submit_commit_local(
-        self,
-        seq: int,
-        accepted: Sequence[bool],
-        timeout: Timeout = None,
-        digests: Sequence[int | None] | None = None,
-        on_taken: Callable[[], None] | None = None,
-    ) -> Future[PutOutcome]:
-        """:meth:`NodeSession.commit_local` without waiting: a future of its answer."""
-        return self._later(
-            self._session.commit_local, timeout, seq, accepted, digests=digests, on_taken=on_taken
-        )
-
-    def abort_local(self, seq: int, timeout: Timeout = None) -> None:
-        """Blocking :meth:`NodeSession.abort_local`."""
-        return self._call(self._session.abort_local, timeout, seq)
+    # its pool file, read on this host
+    forget_pool = blocking(NodeSession.forget_pool)
+    pool_file = blocking(NodeSession.pool_file)
+    locate = blocking(NodeSession.locate)  # through the loop; see locate_here
+    unpin = blocking(NodeSession.unpin)
+    submit_unpin = submitted(NodeSession.unpin)
 
     def locate_here(
         self, ns: str, hashes: Sequence[bytes], shard: int = 0, ttl_s: float = 5.0,
@@ -180,6 +72,13 @@ class SyncNodeSession(OnLoop):
     def close_here(self) -> None:
         """Close the blocking socket of :meth:`locate_here` (a later call opens another)."""
         self._here.close()
+
+    # saves straight into its pool file from this host, and the lookup report
+    report_lookups = blocking(NodeSession.report_lookups)
+    reserve_local = blocking(NodeSession.reserve_local)
+    commit_local = blocking(NodeSession.commit_local)  # on_taken runs on the loop
+    submit_commit_local = submitted(NodeSession.commit_local)
+    abort_local = blocking(NodeSession.abort_local)
 
 
 LOOP = object()

@@ -560,21 +560,6 @@ class PegaKVConnector(KVConnectorBase_V1):
         """
         return PegaConnectorStats(data=dict(data or {}))
 
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: Any,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> Any:
-        """``vllm:pegaflow_*`` counters and latency histograms on vLLM's ``/metrics``
-        (names: docs/metrics.md).
-
-        Args:
-            vllm_config: engine configuration.
-            metric_types: Prometheus metric classes vLLM wants used.
-            labelnames: label names of every series.
-            per_engine_labelvalues: label values per engine index.
-        """
-        return PegaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    build_prom_metrics = staticmethod(PegaPromMetrics)
+    """``vllm:pegaflow_*`` counters and latency histograms on vLLM's ``/metrics`` (names:
+    docs/metrics.md): vLLM calls it with :class:`~.stats.PegaPromMetrics`' arguments."""

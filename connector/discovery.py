@@ -29,6 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 from pegaflow.client.samehost import PoolFile
@@ -41,6 +42,7 @@ RETRY_S = 30.0
 """least time between two searches while no node has been found"""
 
 
+@dataclass(eq=False, repr=False)
 class LocalNodeFinder:
     """The node on this host: ``override`` when set, else the one :meth:`find` found.
 
@@ -52,18 +54,13 @@ class LocalNodeFinder:
         clock: monotonic clock (tests inject one).
     """
 
-    def __init__(
-        self,
-        override: str,
-        timeout: float,
-        announce: bool = False,
-        retry_s: float = RETRY_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.override = override
-        self.timeout = timeout
-        self.announce = announce
-        self.retry_s = retry_s
+    override: str
+    timeout: float
+    announce: bool = False
+    retry_s: float = RETRY_S
+    clock: InitVar[Callable[[], float]] = time.monotonic
+
+    def __post_init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._found = ""
         self.pool: PoolFile | None = None
@@ -74,7 +71,7 @@ class LocalNodeFinder:
         self._searching = False
         self._last = -1e18
         self._searches = 0
-        if override:
+        if self.override:
             self._done.set()
 
     @property

@@ -58,7 +58,15 @@ class PegaConnectorStats(KVConnectorStats):
 
 class PegaPromMetrics(KVConnectorPromMetrics):
     """``vllm:pegaflow_<counter>`` counters and ``vllm:pegaflow_<histogram>`` latency
-    histograms, one series per engine."""
+    histograms, one series per engine (vLLM builds it through
+    ``PegaKVConnector.build_prom_metrics``).
+
+    Args:
+        vllm_config: engine configuration.
+        metric_types: Prometheus metric classes vLLM wants used.
+        labelnames: label names of every series.
+        per_engine_labelvalues: label values per engine index.
+    """
 
     def __init__(
         self,

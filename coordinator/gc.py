@@ -98,16 +98,11 @@ class IndexGC:
 
     def status(self) -> dict[str, Any]:
         """The GC's counters for status pages."""
-        return {
-            "interval_s": self.interval_s,
-            "running": self.running,
-            "passes": self.passes,
-            "checked": self.checked,
-            "deleted": self.deleted,
-            "errors": self.errors,
-            "last_pass_s": round(self.last_pass_s, 3),
-            "last_pass_deleted": self.last_pass_deleted,
-        }
+        names = ("interval_s", "running", "passes", "checked", "deleted", "errors")
+        out: dict[str, Any] = {name: getattr(self, name) for name in names}
+        out["last_pass_s"] = round(self.last_pass_s, 3)
+        out["last_pass_deleted"] = self.last_pass_deleted
+        return out
 
     async def _round(self) -> bool:
         await self.election.wait_leader()

@@ -756,22 +756,18 @@ def main() -> None:
     p.add_argument("--queue-depth", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", type=Path, default=None, help="a directory on the disk to test")
-    p.add_argument(
-        "--node-prefix-gb", type=float, default=1.31,
-        help="prefix of the node step (default 1.31: 10k tokens of Llama-8B; 0: skip it)",
-    )  # fmt: skip
-    p.add_argument(
-        "--node-queue-mib", type=int, default=256,
-        help="the node's spill queue ([node] disk_queue_bytes, default 256 MiB)",
-    )  # fmt: skip
-    p.add_argument(
-        "--locates", type=int, default=300,
-        help="one-block locates of the control step, alone and during spills (default 300)",
-    )  # fmt: skip
-    p.add_argument(
-        "--step-timeout-s", type=float, default=300.0,
-        help="deadline of each step (default 300 s): past it the step reports an error",
-    )  # fmt: skip
+    steps: list[tuple[str, type, float, str]] = [
+        ("--node-prefix-gb", float, 1.31,
+         "prefix of the node step (default 1.31: 10k tokens of Llama-8B; 0: skip it)"),
+        ("--node-queue-mib", int, 256,
+         "the node's spill queue ([node] disk_queue_bytes, default 256 MiB)"),
+        ("--locates", int, 300,
+         "one-block locates of the control step, alone and during spills (default 300)"),
+        ("--step-timeout-s", float, 300.0,
+         "deadline of each step (default 300 s): past it the step reports an error"),
+    ]  # fmt: skip
+    for flag, kind, default, text in steps:
+        p.add_argument(flag, type=kind, default=default, help=text)
     args = p.parse_args()
     base = args.dir or Path("/var/tmp")
     base.mkdir(parents=True, exist_ok=True)

@@ -561,12 +561,8 @@ def main() -> None:
         default="lean",
         help="load generator: raw socket, pre-packed requests (lean) or RpcClient (rpc)",
     )
-    p.add_argument(
-        "--latency-load",
-        type=float,
-        default=10_000,
-        help="lookups/s of background load while latency is measured again (0: skip)",
-    )
+    load_help = "lookups/s of background load while latency is measured again (0: skip)"
+    p.add_argument("--latency-load", type=float, default=10_000, help=load_help)
     p.add_argument("--settle", type=float, default=2.0, help="pause after the ingest, s")
     p.add_argument("--reload", action="store_true", help="also time a fresh coordinator load")
     p.add_argument("--tmp", default="", help="directory for etcd's data (default: system tmp)")

@@ -1377,12 +1377,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     lo.add_argument("--route", choices=("rr", "random"), default="rr")
     lo.add_argument("--request-timeout", type=float, default=600.0)
     lo.add_argument("--slo-ms", type=float, default=1000.0, help="TTFT p99 objective")
-    lo.add_argument(
-        "--warmup-s",
-        type=float,
-        default=0.0,
-        help="latencies count requests sent this long after a point starts (steady state)",
-    )
+    steady = "latencies count requests sent this long after a point starts (steady state)"
+    lo.add_argument("--warmup-s", type=float, default=0.0, help=steady)
     lo.add_argument("--sample-s", type=float, default=0.0, help="timeline every N s (0: off)")
     lo.add_argument("--compare", type=int, default=32, help="requests per point compared")
     lo.add_argument("--plot", default="", help="PNG path")

@@ -65,12 +65,8 @@ def main() -> None:
     ap.add_argument("--local-node", default="", help="with --coordinator: the local node id")
     ap.add_argument("--pool", default="2GiB", help="pool of the started pegaflow-server")
     ap.add_argument("--pause", type=float, default=1.5, help="seconds of quiet before each request")
-    ap.add_argument(
-        "--block-size",
-        type=int,
-        default=128,
-        help="vLLM block size in tokens (128: 256 KiB blocks, nearer real models' MiB blocks)",
-    )
+    block_help = "vLLM block size in tokens (128: 256 KiB blocks, nearer real models' MiB blocks)"
+    ap.add_argument("--block-size", type=int, default=128, help=block_help)
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",") if x]
     block = args.block_size

@@ -155,14 +155,14 @@ class Fault:
 
 @dataclass
 class Rec:
-    """One client request and what came of it."""
+    """One client request and what came of it (``outcome``: ``ok``, an error kind, or
+    ``wrong:<why>``)."""
 
     t0: float
     t1: float
     endpoint: str
     stream: bool
     outcome: str
-    """``ok``, an error kind, or ``wrong:<why>``"""
     replica: str = ""
     kv_from: str = ""
     detail: str = ""

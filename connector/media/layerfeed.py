@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 import torch
@@ -224,19 +224,18 @@ class LayerFeed:
                     )  # fmt: skip
 
 
+@dataclass(eq=False, repr=False)
 class Transfer:
     """One load's copies (of a :class:`LayerFeed`, shared by the loads queued with
     it; none on the CPU, where they are done), and the digests of the copied blocks
     when they were asked for (done with the last layer's event, or the feed's tail)."""
 
-    def __init__(
-        self,
-        digests: torch.Tensor | None = None,
-        feed: LayerFeed | None = None,
-        index: int = 0,
-        checked: bool = False,
-    ) -> None:
-        self.digests = digests
+    digests: torch.Tensor | None = None
+    feed: InitVar[LayerFeed | None] = None
+    index: InitVar[int] = 0
+    checked: InitVar[bool] = False
+
+    def __post_init__(self, feed: LayerFeed | None, index: int, checked: bool) -> None:
         self._feed = feed
         self._index = index
         self._checked = checked

@@ -42,7 +42,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -387,37 +387,32 @@ def _log_unpin_failure(fut: concurrent.futures.Future[Any]) -> None:
         logger.debug("PegaFlow: unpin failed: %s", fut.exception())
 
 
+@dataclass(eq=False, repr=False)
 class PendingLoad:
-    """A local load whose copies and checks are under way.
+    """A local load whose copies and checks are under way (built by
+    :meth:`LocalPath.start_load`, its arguments in this order).
 
-    ``check`` is either ``(digests, wanted)``: a device int64 tensor of the digests of
+    ``_check`` is either ``(digests, wanted)``: a device int64 tensor of the digests of
     what landed in the KV cache (done with the transfer's last event) and a numpy
     array of the writer's; or a list of ``(wanted xxh3, future of the recomputed xxh3)``.
     """
 
-    def __init__(
-        self,
-        path: LocalPath,
-        client: Any,
-        pins: list[int],
-        n: int,
-        idx: list[int],
-        check: Any,
-        xfer: Transfer,
-    ) -> None:
-        self._path = path
-        self._client = client
-        self._pins = pins
-        self._n = n
-        self._idx = idx
-        self._check = check
-        self.transfer = xfer
-        self.on_device = isinstance(check, tuple)
-        """whether the blocks are verified on the device (digest) rather than on host"""
-        self.queued_s = 0.0
-        """CPU time it took to queue (set by the worker, for its log)"""
-        self.located_here = True
-        """whether the loader located the blocks itself (else the scheduler did)"""
+    _path: LocalPath
+    _client: Any
+    _pins: list[int]
+    _n: int
+    _idx: list[int]
+    _check: Any
+    transfer: Transfer
+    on_device: bool = field(init=False)
+    """whether the blocks are verified on the device (digest) rather than on host"""
+    queued_s: float = field(default=0.0, init=False)
+    """CPU time it took to queue (set by the worker, for its log)"""
+    located_here: bool = field(default=True, init=False)
+    """whether the loader located the blocks itself (else the scheduler did)"""
+
+    def __post_init__(self) -> None:
+        self.on_device = isinstance(self._check, tuple)
 
     def finish(self) -> list[bool]:
         """Wait for the copies and checks; per block, whether its verified bytes are in."""

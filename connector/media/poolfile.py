@@ -12,6 +12,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pegaflow.protocol.codec import LocatedBlocks
@@ -43,6 +44,7 @@ SyncLoad = tuple[LoadJob, PendingLoad | list[bool], float]
 block's outcome) and when the step's loads started"""
 
 
+@dataclass(eq=False, repr=False)
 class PoolFileMedium:
     """Loads and saves through the pool file of this host's node (module docstring).
 
@@ -54,15 +56,9 @@ class PoolFileMedium:
 
     name = "pool-file"
 
-    def __init__(
-        self,
-        path: LocalPath,
-        io: KVBlockIO,
-        shard: int,
-    ) -> None:
-        self.path = path
-        self.io = io
-        self.shard = shard
+    path: LocalPath
+    io: KVBlockIO
+    shard: int
 
     @property
     def node_id(self) -> str:

@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from typing import Any
 
 from pegaflow.deadline import HOP_MARGIN_S, Deadline
@@ -39,6 +40,7 @@ ready from the start), so a node cut off before its first load costs a request a
 second more than a recompute, not ``transfer_timeout_s``"""
 
 
+@dataclass(eq=False, repr=False)
 class RemoteMedium:
     """Loads and saves over UCX through host staging memory (see the module docstring).
 
@@ -52,19 +54,14 @@ class RemoteMedium:
 
     name = "remote"
 
-    def __init__(
-        self,
-        io: KVBlockIO,
-        finder: LocalNodeFinder,
-        shard: int,
-        settings: ConnectorSettings,
-        retry: bool = False,
-    ) -> None:
-        self.io = io
-        self.finder = finder
-        self.shard = shard
-        self.settings = settings
-        self.retry = retry
+    io: KVBlockIO
+    finder: LocalNodeFinder
+    shard: int
+    settings: ConnectorSettings
+    retry: bool = False
+
+    def __post_init__(self) -> None:
+        io, settings = self.io, self.settings
         chunk_blocks = max(1, settings.chunk_bytes // io.block_bytes)
         half = settings.max_staging_bytes // 2
         self.load_staging = Staging(io, chunk_blocks, half, min_chunks=LOAD_DEPTH)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from pegaflow.errors import BadRequest, PegaError
@@ -34,6 +35,7 @@ WARN_EVERY_S = 10.0
 """least time between two warnings of unusable handoffs"""
 
 
+@dataclass(eq=False, repr=False)
 class HandoffWait:
     """Reads, checks and waits for handoffs; builds a producer's.
 
@@ -46,22 +48,13 @@ class HandoffWait:
         finder: this host's node (named in a producer's handoff).
     """
 
-    def __init__(
-        self,
-        settings: ConnectorSettings,
-        block_size: int,
-        counters: Counters,
-        lookups: Lookups,
-        locator: Locator,
-        finder: LocalNodeFinder,
-    ) -> None:
-        self.settings = settings
-        self.block_size = block_size
-        self.counters = counters
-        self.lookups = lookups
-        self.locator = locator
-        self.finder = finder
-        self._last_warn = -1e9
+    settings: ConnectorSettings
+    block_size: int
+    counters: Counters
+    lookups: Lookups
+    locator: Locator
+    finder: LocalNodeFinder
+    _last_warn: float = field(default=-1e9, init=False)
 
     def read(self, st: ReqState, ns: str, hashes: Sequence[Any], now: float) -> Handoff | None:
         """The producer's handoff in the request's ``kv_transfer_params`` that it still

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ def on_node(nodes: list[list[str]], node: str, world_size: int) -> bool:
     return nodes.count([node] * world_size) == len(nodes)
 
 
+@dataclass(eq=False, repr=False)
 class Locator:
     """Locates, pins and unpins looked-up blocks for the scheduler side.
 
@@ -46,21 +48,16 @@ class Locator:
         clock: monotonic clock (tests inject one).
     """
 
-    def __init__(
-        self,
-        settings: ConnectorSettings,
-        world_size: int,
-        cluster: ClusterClient,
-        finder: LocalNodeFinder,
-        clock: Callable[[], float],
-    ) -> None:
-        self.settings = settings
-        self.world_size = world_size
-        self.shards = list(range(world_size))
-        self.cluster = cluster
-        self.finder = finder
+    settings: ConnectorSettings
+    world_size: int
+    cluster: ClusterClient
+    finder: LocalNodeFinder
+    clock: InitVar[Callable[[], float]]
+
+    def __post_init__(self, clock: Callable[[], float]) -> None:
+        self.shards = list(range(self.world_size))
         self._clock = clock
-        self.breaker = CircuitBreaker.of(settings, clock)
+        self.breaker = CircuitBreaker.of(self.settings, clock)
         """pauses locates while they fail"""
 
     @property

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import InitVar, dataclass, replace
 from typing import Any
 
 from pegaflow.observability import telemetry
@@ -42,6 +42,7 @@ REPORTED_DOWN_S = 2.0
 """how long a node the workers reported down has its hits declined, unless reported again"""
 
 
+@dataclass(eq=False, repr=False)
 class Lookups:
     """Looks up a request's blocks and claims what the cost model keeps of the hit.
 
@@ -60,33 +61,22 @@ class Lookups:
             namespace (None: never asks).
     """
 
-    def __init__(
-        self,
-        settings: ConnectorSettings,
-        world_size: int,
-        counters: Counters,
-        cluster: ClusterClient,
-        warm_up: WarmUp,
-        locator: Locator,
-        costs: CostModel,
-        known: KnownBlocks,
-        same_host: SameHostReport,
-        clock: Callable[[], float],
-        ns_check: NamespaceCheck | None = None,
-    ) -> None:
-        self.settings = settings
-        self.world_size = world_size
-        self.shards = list(range(world_size))
-        self.counters = counters
-        self.cluster = cluster
-        self.warm_up = warm_up
-        self.locator = locator
-        self.costs = costs
-        self.ns_check = ns_check
-        self.known = known
-        self.same_host = same_host
+    settings: ConnectorSettings
+    world_size: int
+    counters: Counters
+    cluster: ClusterClient
+    warm_up: WarmUp
+    locator: Locator
+    costs: CostModel
+    known: KnownBlocks
+    same_host: SameHostReport
+    clock: InitVar[Callable[[], float]]
+    ns_check: NamespaceCheck | None = None
+
+    def __post_init__(self, clock: Callable[[], float]) -> None:
+        self.shards = list(range(self.world_size))
         self._clock = clock
-        self.breaker = CircuitBreaker.of(settings, clock)
+        self.breaker = CircuitBreaker.of(self.settings, clock)
         """pauses lookups while they fail"""
         self._pending_probes: list[LoadJob] = []
         self._reported_down: dict[str, float] = {}

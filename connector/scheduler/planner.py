@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 from pegaflow.observability import telemetry
@@ -28,6 +29,7 @@ from .reqstate import ReqState, group0
 logger = logging.getLogger("pegaflow.connector")
 
 
+@dataclass(eq=False, repr=False)
 class Planner:
     """The requests the scheduler side tracks and the plan of each step for them.
 
@@ -41,19 +43,16 @@ class Planner:
             None: no budget, ``transfer_timeout_s``).
     """
 
-    def __init__(
-        self,
-        settings: ConnectorSettings,
-        block_size: int,
-        counters: Counters,
-        known: KnownBlocks,
-        namespace: Callable[[], str],
-        budget: Callable[[int], float] | None = None,
+    settings: ConnectorSettings
+    block_size: int
+    counters: Counters
+    known: KnownBlocks
+    namespace: InitVar[Callable[[], str]]
+    budget: InitVar[Callable[[int], float] | None] = None
+
+    def __post_init__(
+        self, namespace: Callable[[], str], budget: Callable[[int], float] | None
     ) -> None:
-        self.settings = settings
-        self.block_size = block_size
-        self.counters = counters
-        self.known = known
         self._namespace = namespace
         self._budget = budget
         self.reqs: dict[str, ReqState] = {}

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import InitVar, dataclass
 
 from ..discovery import LocalNodeFinder
 from ..policy import WARM_UP_WAIT_S
@@ -27,6 +28,7 @@ WARM_UP_NS = "pegaflow.warm-up"
 """the namespace of the lookups made at engine start (it holds nothing)"""
 
 
+@dataclass(eq=False, repr=False)
 class WarmUp:
     """The scheduler's engine-start connections and the wait of early lookups for them.
 
@@ -38,18 +40,13 @@ class WarmUp:
         clock: monotonic clock (tests inject one).
     """
 
-    def __init__(
-        self,
-        settings: ConnectorSettings,
-        shards: list[int],
-        cluster: ClusterClient,
-        finder: LocalNodeFinder,
-        clock: Callable[[], float],
-    ) -> None:
-        self.settings = settings
-        self.shards = shards
-        self.cluster = cluster
-        self.finder = finder
+    settings: ConnectorSettings
+    shards: list[int]
+    cluster: ClusterClient
+    finder: LocalNodeFinder
+    clock: InitVar[Callable[[], float]]
+
+    def __post_init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._connected = threading.Event()
         """clear while :meth:`start`'s connections are being made"""

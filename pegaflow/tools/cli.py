@@ -318,12 +318,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     p_status.add_argument("--json", action="store_true", help="print the raw status document")
     p_status.add_argument("--no-health", action="store_true", help="do not ask each node's /health")
-    p_status.add_argument(
-        "--router",
-        metavar="URL",
-        help="also ask this pegaflow-router for its replicas and their load (the routers "
-        "that report to the coordinator are shown without it)",
+    router_help = (
+        "also ask this pegaflow-router for its replicas and their load (the routers that "
+        "report to the coordinator are shown without it)"
     )
+    p_status.add_argument("--router", metavar="URL", help=router_help)
     p_drop = sub.add_parser("drop", help="drop one namespace's blocks from a node")
     p_drop.add_argument("--node", required=True, metavar="ID", help="the node's id")
     p_drop.add_argument("--namespace", required=True, metavar="NS", help="the namespace")

@@ -10,6 +10,8 @@ import itertools
 import socket
 import sys
 import threading
+from collections.abc import Iterator
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any
 
 from pegaflow.deadline import Deadline, Timeout
@@ -25,6 +27,7 @@ from pegaflow.protocol.framing import (
 from pegaflow.transport import gil_io
 
 
+@dataclass(eq=False, repr=False)
 class BlockingRpcClient:
     """The control protocol over a blocking socket to one address, from the calling
     thread: no event loop, no thread hop.
@@ -44,24 +47,21 @@ class BlockingRpcClient:
     connection breaks, ``DeadlineExceeded``, the server's own errors.
     """
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        token: str | None = None,
-        timeout: float = 5.0,
-        connect_timeout: float = 1.0,
-        max_frame: int = DEFAULT_MAX_FRAME,
-    ) -> None:
-        self.address = address
-        self.timeout = timeout
+    address: str
+    _: KW_ONLY
+    token: InitVar[str | None] = None
+    timeout: float = 5.0
+    connect_timeout: InitVar[float] = 1.0
+    max_frame: InitVar[int] = DEFAULT_MAX_FRAME
+    _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1), init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _sock: socket.socket | None = field(default=None, init=False)
+    _frames: FrameBuffer = field(default_factory=FrameBuffer, init=False)
+
+    def __post_init__(self, token: str | None, connect_timeout: float, max_frame: int) -> None:
         self._token = token
         self._connect_timeout = connect_timeout
         self._max_frame = max_frame
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self._frames = FrameBuffer()
         self._receiver = gil_io.Receiver() if gil_io.AVAILABLE else None
 
     def close(self) -> None:
