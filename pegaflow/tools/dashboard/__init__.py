@@ -1,5 +1,6 @@
-"""The coordinator's live dashboard: ``GET /`` (a self-contained page) and
-``GET /v1/dashboard`` (the JSON it polls).
+"""The coordinator's live dashboard: a self-contained page and the JSON it polls.
+
+``GET /`` serves the page, ``GET /v1/dashboard`` the JSON.
 
 The page draws the cluster as this coordinator sees it: every node with its pool usage,
 health and current transfer rates, and charts of the lookup hit rate, transfer
