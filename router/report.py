@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pegaflow.errors import PegaError, Unauthorized
+from pegaflow.protocol.coordinator import Op
 from pegaflow.transport.rpc_client import RpcClient
 
 log = logging.getLogger("pegaflow.router")
@@ -90,7 +91,7 @@ class Reporter:
 
     async def _send(self, addr: str, args: dict[str, Any], timeout: float) -> None:
         try:
-            await self._clients[addr].call("router_report", args, timeout=timeout)
+            await self._clients[addr].call(Op.ROUTER_REPORT, args, timeout=timeout)
         except PegaError as e:
             if not self._failing.get(addr):
                 fix = AUTH_HINT if isinstance(e, Unauthorized) else ""
@@ -134,7 +135,7 @@ class Reporter:
         self._task = None
         args = self.report(0)
         timeout = min(WITHDRAW_TIMEOUT_S, self.timeout_s)
-        calls = (c.call("router_report", args, timeout=timeout) for c in self._clients.values())
+        calls = (c.call(Op.ROUTER_REPORT, args, timeout=timeout) for c in self._clients.values())
         results = await asyncio.gather(*calls, return_exceptions=True)
         for addr, res in zip(self._clients, results, strict=True):
             if isinstance(res, Exception):

@@ -42,6 +42,7 @@ from typing import Any
 from pegaflow.config import ArgParser, load_config, parse_addresses
 from pegaflow.errors import PegaError
 from pegaflow.keys import node_http_url
+from pegaflow.protocol.coordinator import Op
 from pegaflow.transport.rpc_client import RpcClient
 
 HEALTH_TIMEOUT_S = 2.0
@@ -238,7 +239,7 @@ async def _status(
 ) -> tuple[dict[str, Any], dict[str, str] | None]:
     client = RpcClient(addresses, token=token, timeout=timeout)
     try:
-        st = await client.call("status", {})
+        st = await client.call(Op.STATUS, {})
     finally:
         await client.close()
     h = await node_health(st.get("nodes", []), min(timeout, HEALTH_TIMEOUT_S)) if health else None
