@@ -39,6 +39,8 @@ class PoolFile:
     size: int
     control: str | None = None
     """the node's same-host control socket (see :mod:`pegaflow.client.session`), if any"""
+    slab: int = 0
+    """the pool's slab size (no block spans two slabs; 0: not said, an older node)"""
 
     @property
     def file_id(self) -> tuple[int, int]:
@@ -57,6 +59,7 @@ class PoolFile:
                 int(d["ino"]),
                 int(d["bytes"]),
                 control if isinstance(control, str) and control else None,
+                int(d.get("slab", 0)),
             )
         except (KeyError, TypeError, ValueError):
             return None

@@ -346,6 +346,7 @@ class UcxSite:
                 "dev": dev,
                 "ino": ino,
                 "bytes": pool.capacity,
+                "slab": pool.slab_bytes,
             }
             if self._control_path is not None:
                 reply["pool"]["control"] = self._control_path

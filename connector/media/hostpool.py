@@ -10,17 +10,22 @@ the blocks while they are copied) and writes through a local ``reserve`` / ``com
 On a CUDA device the mapping is registered with the driver (``cudaHostRegister``,
 portable and mapped), so the copy engines DMA at full speed and GPU kernels can read
 and write the file's pages directly.  Registration pins every page of the pool; it runs
-in a background thread so that engine start is not delayed, and until it finishes the
-mapping is used like any pageable memory.
+in a background thread (:class:`PoolPinner`) so that engine start is not delayed, one
+small piece at a time, the pieces a load asked for first.  A copy whose blocks lie in
+pinned pieces takes the fast path at once; the others use the mapping like pageable
+memory until their pieces are pinned.  No load ever waits for pinning.
 """
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import logging
 import mmap
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,9 +35,137 @@ from pegaflow.client.samehost import PoolFile, open_pool_file
 log = logging.getLogger("pegaflow.connector")
 
 _REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
-_REGISTER_CHUNK = 1 << 30
-"""pinned a piece at a time: each call holds the CUDA driver's lock, which the engine's
-own start-up needs too (a multiple of the node's slab size: no block spans two pieces)"""
+PIN_PIECE = 64 << 20
+"""the pool is pinned this many bytes at a time (at least; a multiple of the node's slab
+size, so no block spans two pieces): each registration holds the CUDA driver's lock,
+and a load's copies queued meanwhile wait for it to end"""
+_MADV_POPULATE_WRITE = 23
+"""Linux 5.14: fault a range's pages in for writing"""
+
+
+def pin_piece(slab_bytes: int) -> int:
+    """The piece size for a pool of ``slab_bytes`` slabs (0: unknown, an older node:
+    its pool was pinned in 1 GiB pieces, a multiple of any slab size it allowed)."""
+    if slab_bytes <= 0:
+        return 1 << 30
+    return slab_bytes * max(1, -(-PIN_PIECE // slab_bytes))
+
+
+def _populate(ptr: int, size: int) -> None:
+    """Fault ``[ptr, ptr + size)`` in before it is pinned: page-table work done here,
+    outside the driver's lock (ctypes hands the GIL back meanwhile); best effort."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(size), _MADV_POPULATE_WRITE)
+    except (OSError, AttributeError):
+        pass
+
+
+class PoolPinner:
+    """Which pieces of a mapped pool are pinned, and the thread that pins them: pieces
+    a load asked for (:meth:`want`) first, then the rest in order.
+
+    ``register(offset, size)`` pins one piece and returns the CUDA error code (0: done);
+    ``unregister(offset)`` undoes one.  Pure bookkeeping around them, so it is tested
+    without a GPU.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        piece: int,
+        register: Callable[[int, int], int],
+        unregister: Callable[[int], None],
+        populate: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.size = size
+        self.piece = piece
+        self._register = register
+        self._unregister = unregister
+        self._populate = populate
+        n = -(-size // piece)
+        self._pinned = np.zeros(n, dtype=bool)
+        self._wanted: collections.deque[int] = collections.deque()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.failed = False
+        self.done = threading.Event()
+        """set when every piece is pinned or pinning gave up"""
+        self.seconds = 0.0
+
+    @property
+    def complete(self) -> bool:
+        """Whether every piece is pinned."""
+        return bool(self._pinned.all())
+
+    def pinned(self, offsets: Sequence[int]) -> bool:
+        """Whether every block at ``offsets`` lies in a pinned piece."""
+        if not len(offsets):
+            return self.complete
+        idx = np.asarray(offsets, dtype=np.int64) // self.piece
+        return bool(self._pinned[idx].all())
+
+    def want(self, offsets: Sequence[int]) -> None:
+        """Pin the pieces of ``offsets`` before the others (a load found them unpinned)."""
+        if self.done.is_set() or not len(offsets):
+            return
+        idx = np.unique(np.asarray(offsets, dtype=np.int64) // self.piece)
+        with self._lock:
+            self._wanted.extend(int(i) for i in idx if not self._pinned[i])
+
+    def _next(self, cursor: int) -> tuple[int | None, int]:
+        with self._lock:
+            while self._wanted:
+                i = self._wanted.popleft()
+                if not self._pinned[i]:
+                    return i, cursor
+        n = len(self._pinned)
+        while cursor < n and self._pinned[cursor]:
+            cursor += 1
+        return (cursor if cursor < n else None), cursor
+
+    def run(self) -> None:
+        """Pin every piece (the pinning thread's body); stops early on :meth:`stop` or
+        on a failed registration (then every piece pinned so far is unpinned)."""
+        t0 = time.monotonic()
+        cursor = 0
+        try:
+            while not self._stop.is_set():
+                i, cursor = self._next(cursor)
+                if i is None:
+                    break
+                off = i * self.piece
+                n = min(self.piece, self.size - off)
+                if self._populate is not None:
+                    self._populate(off, n)
+                code = self._register(off, n)
+                if code != 0:
+                    self.failed = True
+                    log.warning(
+                        "PegaFlow: cudaHostRegister of the node's pool failed (error %d); "
+                        "copies from it run at pageable-memory speed",
+                        code,
+                    )
+                    self.release()
+                    return
+                self._pinned[i] = True
+                time.sleep(0)  # let the engine's own threads in between
+        finally:
+            self.seconds = time.monotonic() - t0
+            self.done.set()
+
+    def stop(self) -> None:
+        """Stop after the piece being pinned (close)."""
+        self._stop.set()
+
+    def release(self) -> None:
+        """Unpin every pinned piece (pinning has stopped)."""
+        for i in np.flatnonzero(self._pinned):
+            self._pinned[i] = False
+            try:
+                self._unregister(int(i) * self.piece)
+            except Exception:
+                pass
 
 
 class MappedPool:
@@ -53,61 +186,75 @@ class MappedPool:
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.tensor = torch.from_numpy(self.array)
         self.ptr = int(self.array.ctypes.data)
-        self._registered = False
-        self._pieces: list[int] = []
-        self.piece = _REGISTER_CHUNK
+        self.piece = pin_piece(info.slab)
         """the pool is pinned in pieces of this many bytes (one registration each)"""
+        self.pinner: PoolPinner | None = None
         self._register_thread: threading.Thread | None = None
-        self.register_seconds = 0.0
         if device is not None and device.type == "cuda":
-            self._register_thread = threading.Thread(
-                target=self._register, args=(device,), name="pegaflow-pool-register", daemon=True
-            )
-            self._register_thread.start()
+            self._start_pinning(device)
 
-    def _register(self, device: torch.device) -> None:
-        t0 = time.monotonic()
-        try:
-            cudart = torch.cuda.cudart()
-            done: list[int] = []
+    def _start_pinning(self, device: torch.device) -> None:
+        def register(off: int, n: int) -> int:
             with torch.cuda.device(device):
-                for off in range(0, self.size, _REGISTER_CHUNK):
-                    n = min(_REGISTER_CHUNK, self.size - off)
-                    err = cudart.cudaHostRegister(self.ptr + off, n, _REGISTER_PORTABLE_MAPPED)
-                    code = int(getattr(err, "value", err))
-                    if code != 0:
-                        for d in done:
-                            cudart.cudaHostUnregister(self.ptr + d)
-                        log.warning(
-                            "PegaFlow: cudaHostRegister of the node's pool failed (error %d); "
-                            "copies from it run at pageable-memory speed",
-                            code,
-                        )
-                        return
-                    done.append(off)
-                    time.sleep(0)  # let the engine's own CUDA calls in between
-            self._pieces = done
-            self._registered = True
-            self.register_seconds = time.monotonic() - t0
-            log.info(
-                "PegaFlow: node pool %s (%.1f GiB) pinned for DMA in %.2f s",
-                self.info.path,
-                self.size / 2**30,
-                self.register_seconds,
-            )
-        except Exception as e:  # no CUDA runtime, or registration not allowed
-            log.warning("PegaFlow: cannot pin the node's pool for DMA: %s", e)
+                err = torch.cuda.cudart().cudaHostRegister(
+                    self.ptr + off, n, _REGISTER_PORTABLE_MAPPED
+                )
+            return int(getattr(err, "value", err))
+
+        pinner = PoolPinner(
+            self.size,
+            self.piece,
+            register,
+            lambda off: torch.cuda.cudart().cudaHostUnregister(self.ptr + off),
+            lambda off, n: _populate(self.ptr + off, n),
+        )
+
+        def pin() -> None:
+            try:
+                pinner.run()
+            except Exception as e:  # no CUDA runtime, or registration not allowed
+                log.warning("PegaFlow: cannot pin the node's pool for DMA: %s", e)
+                pinner.release()
+                return
+            if pinner.complete:
+                log.info(
+                    "PegaFlow: node pool %s (%.1f GiB) pinned for DMA in %.2f s",
+                    self.info.path,
+                    self.size / 2**30,
+                    pinner.seconds,
+                )
+
+        self.pinner = pinner
+        self._register_thread = threading.Thread(
+            target=pin, name="pegaflow-pool-register", daemon=True
+        )
+        self._register_thread.start()
 
     @property
     def registered(self) -> bool:
-        """Whether the mapping is pinned and visible to the device (DMA and kernels)."""
-        return self._registered
+        """Whether the whole mapping is pinned and visible to the device."""
+        return self.pinner is not None and self.pinner.complete
+
+    @property
+    def register_seconds(self) -> float:
+        """How long pinning the whole pool took (0 until done)."""
+        return self.pinner.seconds if self.pinner is not None and self.pinner.complete else 0.0
+
+    def pinned(self, offsets: Sequence[int]) -> bool:
+        """Whether the blocks at ``offsets`` can be copied as pinned memory now (else
+        their pieces are asked for first: the next loads of them get the fast path)."""
+        if self.pinner is None:
+            return False
+        if self.pinner.pinned(offsets):
+            return True
+        self.pinner.want(offsets)
+        return False
 
     def wait_registered(self, timeout: float | None = None) -> bool:
-        """Wait for the background registration; returns :attr:`registered`."""
+        """Wait for the background pinning; returns :attr:`registered`."""
         if self._register_thread is not None:
             self._register_thread.join(timeout)
-        return self._registered
+        return self.registered
 
     def view(self, offset: int, size: int) -> np.ndarray:
         """Bytes ``[offset, offset + size)`` of the pool (no copy)."""
@@ -117,15 +264,10 @@ class MappedPool:
 
     def close(self) -> None:
         """Unregister and unmap (the caller makes sure no copy still uses the pool)."""
-        if self._register_thread is not None:
+        if self.pinner is not None and self._register_thread is not None:
+            self.pinner.stop()
             self._register_thread.join()
-        if self._registered:
-            try:
-                for off in self._pieces:
-                    torch.cuda.cudart().cudaHostUnregister(self.ptr + off)
-            except Exception:
-                pass
-            self._registered = False
+            self.pinner.release()
         self.tensor = None  # type: ignore[assignment]
         self.array = None  # type: ignore[assignment]
         try:

@@ -221,7 +221,9 @@ class LocalPath:
                 picked.append(e)
         ready = [p for p in picked if isinstance(p, _Picked)]
         copies = [
-            CopyIn(pool.tensor, p.offsets, p.block_ids, pool.registered, p.on_device, pool.piece)
+            CopyIn(
+                pool.tensor, p.offsets, p.block_ids, pool.pinned(p.offsets), p.on_device, pool.piece
+            )
             for p in ready
         ]
         try:
@@ -354,7 +356,7 @@ class LocalPath:
                 ids,
                 pool.tensor,
                 [offsets[i] for i in idx],  # type: ignore[misc]
-                mapped=pool.registered and self.copy_mode != "dma",
+                mapped=self.copy_mode != "dma" and pool.pinned([offsets[i] for i in idx]),
                 after=after,
                 digest=self.io.can_digest,
             )

@@ -123,7 +123,7 @@ _BOTH = frozenset({Site.UCX, Site.SOCKET})
 OPS: dict[Op, OpSpec] = {
     Op.HELLO: OpSpec(
         "version (= PROTOCOL_VERSION), token", "node_id, version, pool? {path, dev, ino, "
-        "bytes, control?} (cluster-wide access only)", _UCX,
+        "bytes, slab, control?} (cluster-wide access only)", _UCX,
     ),
     Op.GET: OpSpec(
         "ns, seq <= MAX_SEQ, blocks: [[hash, shard] | [hash, shard, gen]] <= max_batch",
