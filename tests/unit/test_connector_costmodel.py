@@ -171,3 +171,34 @@ def test_empty_and_snapshot() -> None:
     assert m.choose([], layerwise=True).blocks == 0
     snap = m.snapshot()
     assert set(snap) >= {"compute_tokens_per_s", "step_s", "sources"}
+
+
+def test_a_declined_hit_is_one_the_model_predicts_slower() -> None:
+    """Whatever the measurements, a hit (or its tail) is declined only where the model
+    predicts loading it slower than computing it, and a claimed part is predicted
+    faster: every decline was right by the model's own figures (issue 38)."""
+    rng = random.Random(38)
+    sources = [LOCAL, "n2", "n3"]
+    for _ in range(200):
+        m = gpu()
+        for _ in range(rng.randint(0, 6)):
+            m.observe_compute(rng.choice((512, 4096, 16384)), rng.uniform(0.005, 0.5))
+            src = rng.choice(sources)
+            nb = rng.randint(1, 400)
+            m.observe_load(src, nb * BB, nb * BB / rng.uniform(0.1e9, 50e9))
+        hit = [rng.choice(sources) for _ in range(rng.randint(1, 60))]
+        hit.sort(key=lambda s: rng.random() if s != LOCAL else -1.0)
+        d = m.choose(hit, layerwise=True)
+        for k in range(1, len(hit) + 1):
+            counts: dict[str, int] = {}
+            for s in hit[:k]:
+                counts[s] = counts.get(s, 0) + 1
+            sync = len(counts) == 1 and LOCAL in counts
+            faster = m.load_s(counts, sync) < m.compute_s(k * BS)
+            if d.blocks == 0:
+                assert not faster, (hit[:k], m.explain())
+        if d.blocks:
+            counts = {}
+            for s in hit[: d.blocks]:
+                counts[s] = counts.get(s, 0) + 1
+            assert m.load_s(counts, d.sync) < m.compute_s(d.blocks * BS)
