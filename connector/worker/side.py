@@ -150,6 +150,8 @@ class WorkerSide:
             self._local_ready.set()
         if self._engine_running.is_set():
             self._start_background()
+        else:  # before vLLM captures its graphs: compiled now, not beside the first requests
+            self._warm_up()
         logger.info(
             "PegaFlow worker shard %d: %s; %d blocks per transfer chunk",
             self.shard,
@@ -459,10 +461,12 @@ class WorkerSide:
     def _start_background(self) -> None:
         """The worker's start-up work, off the engine's path: the search for the node on
         this host and the mapping and pinning of its pool (what a first load waits
-        for), then the tile kernel's warm-up (its compiles)."""
+        for), then, unless done before vLLM's graph capture, the tile kernel's warm-up
+        (its compiles)."""
         if self.settings.mode != "off":
             self._load_pool.submit(self._discover)
-        self._load_pool.submit(self._warm_up)
+        if not self.graph_tokens:
+            self._load_pool.submit(self._warm_up)
 
     def _warm_up(self) -> None:
         try:

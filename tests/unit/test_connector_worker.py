@@ -368,8 +368,10 @@ def test_with_cuda_graphs_the_start_up_work_waits_for_the_first_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # vLLM captures CUDA graphs after register_kv_caches: a CUDA call of our threads
-    # meanwhile would invalidate the capture, so the start-up work (the kernel warm-up;
-    # finding, mapping and pinning the node's pool) goes at the first step
+    # meanwhile would invalidate the capture, so the background start-up work (finding,
+    # mapping and pinning the node's pool) goes at the first step; the kernel's warm-up
+    # (its compiles, which hold the GIL) runs in register_kv_caches itself, before the
+    # capture, not beside the first requests
     ran: list[str] = []
     monkeypatch.setattr(WorkerSide, "_warm_up", lambda self: ran.append("warm-up"))
     monkeypatch.setattr(WorkerSide, "_discover", lambda self: ran.append("discover"))
@@ -377,11 +379,11 @@ def test_with_cuda_graphs_the_start_up_work_waits_for_the_first_step(
     w = WorkerSide(s, 0, Counters(), FakeCluster, graph_tokens=512)
     w.register_kv_caches(kv(1), NB)
     w._load_pool.submit(lambda: None).result()  # what register_kv_caches queued ran
-    assert ran == []
+    assert ran == ["warm-up"]
     w.start_step(StepPlan(NS))
     w.start_step(StepPlan(NS))
     w._load_pool.submit(lambda: None).result()
-    assert ran == ["discover", "warm-up"]
+    assert ran == ["warm-up", "discover"]
     w.shutdown()
     ran.clear()
     eager = WorkerSide(s, 0, Counters(), FakeCluster)
