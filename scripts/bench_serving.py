@@ -13,10 +13,18 @@ Workloads reuse prefixes the way serving does (all three mixed by ``--mix``):
 - long shared documents (``--docs``), each asked many different questions;
 - a share of unique prompts.
 
+With ``--conv-docs`` each conversation opens with one of the shared documents (round
+robin), so conversations over one document share its prefix.
+
 Requests go to the replicas round robin or at random (``--route``), with no affinity, so
 only the shared cache carries a prefix from one replica to another.  Arrivals are Poisson
-at each rate of ``--rates`` (requests/s), or closed-loop at ``--concurrency``.  Every rate
-point uses its own content (documents, conversations), so no point warms the next.
+at each rate of ``--rates`` (requests/s), or at most ``--concurrency`` requests in flight,
+or ``--closed-loop`` conversations in flight (conversations only: each turn sent when the
+last is answered, to the next replica after the last's; issue 38's workload).  Every
+point uses its own content (documents, conversations), so no point warms the next; so
+does every run of a point with ``--repeats`` (the replicas are not restarted between
+runs), whose measured requests are pooled for the TTFT p50 and p99, each with a 95 %
+bootstrap interval, beside each run's own.
 
 Setups compared in one run (``--setups``):
 
@@ -25,6 +33,8 @@ Setups compared in one run (``--setups``):
   ``pegaflow-server`` started empty;
 - ``warm``: the connector after the replicas are restarted (vLLM's caches empty, the
   server's pool holds what ``pegaflow`` saved; the same content is replayed);
+- ``nodecline``: as ``pegaflow`` (a fresh server) with the connector's cost model off
+  (``PEGAFLOW_CONNECTOR_COST_MODEL=0``): every hit found is loaded, none declined;
 - ``pd``: ``--prefill-n`` prefill (``kv_producer``) and ``--decode-n`` decode
   (``kv_consumer``) replicas behind ``pegaflow-router --router-mode pd``, one
   ``pegaflow-server``; also the handoff cost: TTFT of ``--handoff-requests`` fresh
@@ -40,13 +50,15 @@ Setups compared in one run (``--setups``):
 
 Reported per setup and rate: request throughput, output tokens/s, TTFT mean/p50/p99,
 inter-token p50/p99, the hit rate (cached / prompt tokens), the connector's lookups,
-loads and saves per second (the replicas' ``/metrics``, ``vllm:pegaflow_*``) and the
-node's CPU seconds per second; with the router, its counters; per setup the throughput
-at the TTFT p99 objective (``--slo-ms``: the best rate point that meets it); the outputs
-of each setup against the first (``vllm``) on the first ``--compare`` requests of each
-point (greedy); for ``pd`` the handoff cost; for ``rr-hosts`` against ``cache-hosts``
-their hit rates, TTFT p99 ratios and same-host shares; a PNG with ``--plot``.  The last
-line of the output is one JSON object.
+loads and saves per second (the replicas' ``/metrics``, ``vllm:pegaflow_*``), the hit
+blocks it declined, and the node's CPU seconds per second; with the router, its
+counters; per setup the throughput at the TTFT p99 objective (``--slo-ms``: the best
+rate point that meets it); the outputs of each setup against the first (``vllm``) on the
+first ``--compare`` requests of each point (greedy); per point each setup's TTFT p99,
+p50 and throughput over the first's (issue 38's targets: at most 1, at most 0.6, at
+least 1.5); for ``pd`` the handoff cost; for ``rr-hosts`` against ``cache-hosts`` their
+hit rates, TTFT p99 ratios and same-host shares; a PNG with ``--plot``. The last line of
+the output is one JSON object.
 
 Examples::
 
@@ -66,6 +78,13 @@ Examples::
     # (an odd --conversations: round robin then alternates each conversation's turns)
     python scripts/bench_serving.py --model tiny --setups vllm,pd,rr-hosts,cache-hosts \\
         --mix 1,0,0 --rates 1,2 --requests 28 --conversations 7 --first-tokens 256
+
+    # issue 38: 16 conversations over shared 8k-token documents in flight, each turn to
+    # the next of four replicas; the p99's interval from 5 runs; declining on and off
+    python scripts/bench_serving.py --model llama-8b --replicas-n 4 --parallel-start \\
+        --gpu-memory-utilization 0.2 --max-model-len 16384 --pool-size 40GiB \\
+        --setups vllm,pegaflow,nodecline --closed-loop 16 --conv-docs --docs 4 \\
+        --doc-tokens 8000 --first-tokens 200 --requests 288 --repeats 5 --out r.jsonl
 
     # replicas already running (one setup, labelled)
     python scripts/bench_serving.py --replicas http://h:8000,http://h:8001 --label mine
@@ -914,8 +933,8 @@ def summarize(point: dict[str, Any], block_size: int = 0, warmup_s: float = 0.0)
         t_first[r.repeat] = min(t_first.get(r.repeat, r.t_send), r.t_send)
     steady = [r for r in ok if r.t_send - t_first[r.repeat] >= warmup_s]
     ttft = [r.ttft * 1e3 for r in steady]
-    repeats = sorted(t_first)
     walls = point.get("wall_runs") or [wall]
+    repeats = list(range(len(walls))) if "wall_runs" in point else sorted(t_first)
     per_s = [
         round(sum(r.ok and r.repeat == k for r in rs) / (w or math.nan), 3)
         for k, w in zip(repeats, walls, strict=False)
@@ -1484,12 +1503,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     w.add_argument("--first-tokens", type=int, default=512)
     w.add_argument("--turn-tokens", type=int, default=64)
     w.add_argument("--docs", type=int, default=4)
-    w.add_argument(
-        "--conv-docs",
-        action="store_true",
-        help="each conversation opens with a shared document (round robin), then its own "
-        "--first-tokens",
-    )
+    over = "each conversation opens with a shared document (round robin), then --first-tokens"
+    w.add_argument("--conv-docs", action="store_true", help=over)
     w.add_argument("--doc-tokens", type=int, default=1024)
     w.add_argument("--question-tokens", type=int, default=32)
     w.add_argument("--unique-tokens", type=int, default=256)
@@ -1501,15 +1516,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     lo.add_argument(
         "--concurrency", default="", help="instead: requests of the mix in flight, comma separated"
     )
-    lo.add_argument(
-        "--closed-loop",
-        default="",
-        help="instead: conversations in flight, comma separated (conversations only, each "
-        "turn sent when the last is answered, to the next replica)",
-    )
-    lo.add_argument(
-        "--repeats", type=int, default=1, help="runs per point, each on its own content"
-    )
+    closed = ("instead: conversations in flight, comma separated (conversations only, each "
+              "turn sent when the last is answered, to the next replica)")  # fmt: skip
+    lo.add_argument("--closed-loop", default="", help=closed)
+    lo.add_argument("--repeats", type=int, default=1, help="runs per point, own content each")
     lo.add_argument("--requests", type=int, default=100, help="requests per point")
     lo.add_argument("--duration", type=float, default=0.0, help="seconds per point instead")
     lo.add_argument("--route", choices=("rr", "random"), default="rr")
@@ -1639,6 +1649,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     mix = tuple(float(x) for x in a.mix.split(","))
     if len(mix) != 3:
         raise SystemExit("--mix takes three weights: conversation,document,unique")
+    if a.repeats < 1:
+        raise SystemExit("--repeats takes 1 or more")
     if a.closed_loop:
         loads = [("closed_loop", float(x)) for x in a.closed_loop.split(",")]
     elif a.concurrency:
@@ -1845,7 +1857,7 @@ def comparison_table(setups: dict[str, dict[str, Any]]) -> list[str]:
             lines.append(
                 f"{load:>6g} {name:>10} {_ms(p.get('ttft_p50_ms')):>8} "
                 f"{_ms(p.get('ttft_p99_ms')):>8} {ci:>17} {p.get('req_per_s') or 0:>7.2f} "
-                f"{p.get('repeats', 1):>4} | {'':>{len(first) + 3}} {vs}"
+                f"{p.get('repeats', 1):>4} | {'':>{len(first) + 4}} {vs}"
             )
     return lines
 
@@ -1932,11 +1944,12 @@ def merge_repeats(
         if not r.get("error") and r["t_send"] - t_first[r["run"]] >= warmup_s:
             ttft[r["run"]].append(r["ttft"] * 1e3)
     per_s = [x for p in points for x in p.get("req_per_s_runs") or [p["req_per_s"]]]
+    wall = sum(p["wall_s"] for p in points)
     return {
         **points[0],
         "repeats": len(ttft),
-        "req_per_s": round(sum(p["req_per_s"] * p["wall_s"] for p in points)
-                           / sum(p["wall_s"] for p in points), 3),
+        "wall_s": round(wall, 2),
+        "req_per_s": round(sum(p["req_per_s"] * p["wall_s"] for p in points) / wall, 3),
         "req_per_s_runs": per_s,
         "req_per_s_mean": round(sum(per_s) / len(per_s), 3),
         "requests": sum(p["requests"] for p in points),
