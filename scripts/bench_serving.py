@@ -314,7 +314,6 @@ def conversation_turns(workload: Workload, replicas: int) -> Iterator[tuple[Item
     while True:
         conv = workload.conversation()
         for turn in range(conv.turns):
-            conv.issued = turn + 1
             item = Item(-1, "conv", f"c{conv.cid}", turn=turn, conv=conv)
             yield item, (conv.cid + turn) % replicas
 
