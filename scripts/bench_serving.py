@@ -13,10 +13,18 @@ Workloads reuse prefixes the way serving does (all three mixed by ``--mix``):
 - long shared documents (``--docs``), each asked many different questions;
 - a share of unique prompts.
 
+With ``--conv-docs`` each conversation opens with one of the shared documents (round
+robin), so conversations over one document share its prefix.
+
 Requests go to the replicas round robin or at random (``--route``), with no affinity, so
 only the shared cache carries a prefix from one replica to another.  Arrivals are Poisson
-at each rate of ``--rates`` (requests/s), or closed-loop at ``--concurrency``.  Every rate
-point uses its own content (documents, conversations), so no point warms the next.
+at each rate of ``--rates`` (requests/s), or at most ``--concurrency`` requests in flight,
+or ``--closed-loop`` conversations in flight (conversations only: each turn sent when the
+last is answered, to the next replica after the last's; issue 38's workload).  Every
+point uses its own content (documents, conversations), so no point warms the next; so
+does every run of a point with ``--repeats`` (the replicas are not restarted between
+runs), whose measured requests are pooled for the TTFT p50 and p99, each with a 95 %
+bootstrap interval, beside each run's own.
 
 Setups compared in one run (``--setups``):
 
@@ -25,6 +33,8 @@ Setups compared in one run (``--setups``):
   ``pegaflow-server`` started empty;
 - ``warm``: the connector after the replicas are restarted (vLLM's caches empty, the
   server's pool holds what ``pegaflow`` saved; the same content is replayed);
+- ``nodecline``: as ``pegaflow`` (a fresh server) with the connector's cost model off
+  (``PEGAFLOW_CONNECTOR_COST_MODEL=0``): every hit found is loaded, none declined;
 - ``pd``: ``--prefill-n`` prefill (``kv_producer``) and ``--decode-n`` decode
   (``kv_consumer``) replicas behind ``pegaflow-router --router-mode pd``, one
   ``pegaflow-server``; also the handoff cost: TTFT of ``--handoff-requests`` fresh
@@ -40,13 +50,15 @@ Setups compared in one run (``--setups``):
 
 Reported per setup and rate: request throughput, output tokens/s, TTFT mean/p50/p99,
 inter-token p50/p99, the hit rate (cached / prompt tokens), the connector's lookups,
-loads and saves per second (the replicas' ``/metrics``, ``vllm:pegaflow_*``) and the
-node's CPU seconds per second; with the router, its counters; per setup the throughput
-at the TTFT p99 objective (``--slo-ms``: the best rate point that meets it); the outputs
-of each setup against the first (``vllm``) on the first ``--compare`` requests of each
-point (greedy); for ``pd`` the handoff cost; for ``rr-hosts`` against ``cache-hosts``
-their hit rates, TTFT p99 ratios and same-host shares; a PNG with ``--plot``.  The last
-line of the output is one JSON object.
+loads and saves per second (the replicas' ``/metrics``, ``vllm:pegaflow_*``), the hit
+blocks it declined, and the node's CPU seconds per second; with the router, its
+counters; per setup the throughput at the TTFT p99 objective (``--slo-ms``: the best
+rate point that meets it); the outputs of each setup against the first (``vllm``) on the
+first ``--compare`` requests of each point (greedy); per point each setup's TTFT p99,
+p50 and throughput over the first's (issue 38's targets: at most 1, at most 0.6, at
+least 1.5); for ``pd`` the handoff cost; for ``rr-hosts`` against ``cache-hosts`` their
+hit rates, TTFT p99 ratios and same-host shares; a PNG with ``--plot``. The last line of
+the output is one JSON object.
 
 Examples::
 
@@ -67,6 +79,13 @@ Examples::
     python scripts/bench_serving.py --model tiny --setups vllm,pd,rr-hosts,cache-hosts \\
         --mix 1,0,0 --rates 1,2 --requests 28 --conversations 7 --first-tokens 256
 
+    # issue 38: 16 conversations over shared 8k-token documents in flight, each turn to
+    # the next of four replicas; the p99's interval from 5 runs; declining on and off
+    python scripts/bench_serving.py --model llama-8b --replicas-n 4 --parallel-start \\
+        --gpu-memory-utilization 0.2 --max-model-len 16384 --pool-size 40GiB \\
+        --setups vllm,pegaflow,nodecline --closed-loop 16 --conv-docs --docs 4 \\
+        --doc-tokens 8000 --first-tokens 200 --requests 288 --repeats 5 --out r.jsonl
+
     # replicas already running (one setup, labelled)
     python scripts/bench_serving.py --replicas http://h:8000,http://h:8001 --label mine
 """
@@ -75,6 +94,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hashlib
 import json
 import math
@@ -130,14 +150,17 @@ TINY_ARGS = [
 #: the replicas' save threads (and their other copies) were.
 RATE_COUNTERS = (
     "lookups", "lookups_local", "lookup_errors", "lookup_skipped", "lookup_hit_blocks",
-    "cost_declined_blocks", "load_blocks", "local_load_blocks", "save_blocks",
-    "save_dropped_blocks", "copy_seconds",
+    "cost_declined_blocks", "unreachable_declined_blocks", "load_blocks", "local_load_blocks",
+    "save_blocks", "save_dropped_blocks", "copy_seconds",
 )  # fmt: skip
 #: Of those, the ones the timeline (``--sample-s``) shows per sample.
 TIMELINE_COUNTERS = ("lookup_hit_blocks", "cost_declined_blocks", "load_blocks", "save_blocks")
+#: Of those, the hit blocks the connector found and did not load (the cost model's, which
+#: ``nodecline`` turns off, and those of an unreachable node): each point's totals.
+DECLINED = ("cost_declined_blocks", "unreachable_declined_blocks")
 _PEGA = re.compile(r"^vllm:pegaflow_(?:connector_)?(\w+?)(?:_total)?$")
 #: Setups ``--setups`` knows; those behind ``pegaflow-router`` start it themselves.
-SETUPS = ("vllm", "pegaflow", "warm", "pd", "rr-hosts", "cache-hosts")
+SETUPS = ("vllm", "pegaflow", "warm", "nodecline", "pd", "rr-hosts", "cache-hosts")
 #: Cache-aware routing's target: the share of a multi-turn workload's hits served from
 #: the same host (issue 16).
 SAME_HOST_TARGET = 0.9
@@ -173,6 +196,9 @@ class WorkloadSpec:
     else all have ``turns``, and the conversations, issued round robin over their slots,
     end together and start again together: a wave of cold first turns every ``turns``
     rounds"""
+    conv_docs: bool = False
+    """each conversation opens with one of the shared documents (round robin over them),
+    then its own ``first_tokens``: conversations over one document share its prefix"""
 
     def nwords(self, tokens: int) -> int:
         return max(1, round(tokens / self.tokens_per_word))
@@ -181,14 +207,15 @@ class WorkloadSpec:
 class Conversation:
     """One multi-turn conversation; ``history`` is the next turn's whole prompt."""
 
-    def __init__(self, cid: int, spec: WorkloadSpec) -> None:
+    def __init__(self, cid: int, spec: WorkloadSpec, prefix: str = "") -> None:
         self.cid = cid
         self._rng = random.Random(f"{spec.seed}-conv-{cid}")
         self.turns = spec.turns
         if spec.vary_turns and spec.turns > 1:
             self.turns = self._rng.randint(1, 2 * spec.turns - 1)
         self._turn_words = spec.nwords(spec.turn_tokens)
-        self.history = words(self._rng, spec.nwords(spec.first_tokens))
+        own = words(self._rng, spec.nwords(spec.first_tokens))
+        self.history = f"{prefix} {own}" if prefix else own
         self.issued = 0
         self.last_done: asyncio.Event | None = None
 
@@ -260,17 +287,35 @@ class Workload:
                     idx, "unique", f"u{idx}", prompt=words(self._rng, s.nwords(s.unique_tokens))
                 )
 
+    def conversation(self) -> Conversation:
+        """The next new conversation (with ``conv_docs``, over the next document)."""
+        cid = self._next_conv
+        self._next_conv += 1
+        doc = self._docs[cid % len(self._docs)] if self.spec.conv_docs and self._docs else ""
+        return Conversation(cid, self.spec, doc)
+
     def _conv_item(self, idx: int) -> Item:
         slot = self._conv_items % len(self._slots)
         self._conv_items += 1
         conv = self._slots[slot]
         if conv is None or conv.issued >= conv.turns:
-            conv = self._slots[slot] = Conversation(self._next_conv, self.spec)
-            self._next_conv += 1
+            conv = self._slots[slot] = self.conversation()
         item = Item(idx, "conv", f"c{conv.cid}", turn=conv.issued, conv=conv, prev=conv.last_done)
         conv.last_done = item.done
         conv.issued += 1
         return item
+
+
+def conversation_turns(workload: Workload, replicas: int) -> Iterator[tuple[Item, int]]:
+    """One closed-loop worker's requests and their replicas: conversations one after
+    another, each turn on the next replica after its previous turn's (the first turns
+    spread round robin over conversations).  Take the next only once the last is
+    answered (its prompt holds that answer)."""
+    while True:
+        conv = workload.conversation()
+        for turn in range(conv.turns):
+            item = Item(-1, "conv", f"c{conv.cid}", turn=turn, conv=conv)
+            yield item, (conv.cid + turn) % replicas
 
 
 # ---------------------------------------------------------------- client
@@ -285,6 +330,8 @@ class Result:
     stream: str
     turn: int
     replica: int
+    repeat: int = 0
+    """which run of its load point (``--repeats``)"""
     t_send: float = 0.0
     ttft: float = math.nan
     e2e: float = math.nan
@@ -445,16 +492,17 @@ def stickiness(results: Sequence[Result]) -> float | None:
     """Of the answered conversation turns after the first, the share served by the same
     replica as the turn before (the router's header, else the replica index); None
     when there are none."""
-    last: dict[str, str] = {}
+    last: dict[tuple[int, str], str] = {}
     same = total = 0
-    for r in sorted(results, key=lambda r: (r.stream, r.turn)):
+    for r in sorted(results, key=lambda r: (r.repeat, r.stream, r.turn)):
         if r.kind != "conv" or not r.ok:
             continue
         where = r.served_by or str(r.replica)
-        if r.stream in last:
+        key = (r.repeat, r.stream)
+        if key in last:
             total += 1
-            same += last[r.stream] == where
-        last[r.stream] = where
+            same += last[key] == where
+        last[key] = where
     return same / total if total else None
 
 
@@ -600,6 +648,8 @@ async def run_point(
     *,
     rate: float | None = None,
     concurrency: int | None = None,
+    closed_loop: int | None = None,
+    repeat: int = 0,
     requests: int | None = None,
     duration: float | None = None,
     route: str = "rr",
@@ -611,14 +661,17 @@ async def run_point(
     router: str | None = None,
 ) -> dict[str, Any]:
     """Drive one load point: Poisson arrivals at ``rate`` requests/s (``inf``: all at
-    once) or closed loop at ``concurrency``, until ``requests`` were sent or
-    ``duration`` seconds passed.  Returns the results, the wall time, the counters'
-    deltas and (``sample_s`` > 0) a timeline sampled every ``sample_s`` seconds.
+    once), at most ``concurrency`` of the workload's requests in flight, or
+    ``closed_loop`` conversation workers (:func:`conversation_turns`: conversations only,
+    each turn sent when the previous is answered, on the next replica), until
+    ``requests`` were sent or ``duration`` seconds passed.  Returns the results (marked
+    with ``repeat``), the wall time, the counters' deltas and (``sample_s`` > 0) a
+    timeline sampled every ``sample_s`` seconds.
 
     The connector's counters are read from ``metrics_urls`` (default: ``urls``, the
     replicas; behind a router, the replicas behind it), the router's from ``router``."""
-    if (rate is None) == (concurrency is None):
-        raise ValueError("give exactly one of rate and concurrency")
+    if sum(x is not None for x in (rate, concurrency, closed_loop)) != 1:
+        raise ValueError("give exactly one of rate, concurrency and closed_loop")
     if requests is None and duration is None:
         raise ValueError("give requests or duration")
     rng = random.Random(f"{spec.seed}-arrivals")
@@ -644,7 +697,7 @@ async def run_point(
 
         async def one(item: Item, replica: int) -> None:
             nonlocal failed
-            r = Result(item.idx, item.kind, item.stream, item.turn, replica)
+            r = Result(item.idx, item.kind, item.stream, item.turn, replica, repeat)
             try:
                 prompt = await item.ready_prompt()
                 await complete(session, urls[replica], model, prompt, spec.output_tokens,
@@ -691,28 +744,50 @@ async def run_point(
                 timeline.append(row)
 
         sampling = asyncio.create_task(sampler()) if sample_s > 0 else None
-        gen = Workload(spec).items()
-        next_at = t_start
-        for n, item in enumerate(gen):
-            now = time.perf_counter()
-            if (requests is not None and n >= requests) or (
-                duration is not None and now - t_start >= duration
-            ):
-                break
-            if concurrency is not None:
-                await sem.acquire()
-            else:
-                assert rate is not None
-                if math.isfinite(rate):
-                    next_at += rng.expovariate(rate)
-                    if next_at > now:
-                        await asyncio.sleep(next_at - now)
-            replica = n % len(urls) if route == "rr" else rng.randrange(len(urls))
-            t = asyncio.create_task(one(item, replica))
-            tasks.add(t)
-            t.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.gather(*tasks)
+
+        def more(n: int) -> bool:
+            """Whether the ``n``-th request (from 0) is still to be sent."""
+            if requests is not None and n >= requests:
+                return False
+            return duration is None or time.perf_counter() - t_start < duration
+
+        workload = Workload(spec)
+        sent = 0
+
+        async def worker() -> None:
+            nonlocal sent
+            for item, replica in conversation_turns(workload, len(urls)):
+                if not more(sent):
+                    return
+                item.idx = sent
+                sent += 1
+                await one(item, replica)
+
+        async def arrivals() -> None:
+            next_at = t_start
+            for n, item in enumerate(workload.items()):
+                if not more(n):
+                    break
+                now = time.perf_counter()
+                if concurrency is not None:
+                    await sem.acquire()
+                else:
+                    assert rate is not None
+                    if math.isfinite(rate):
+                        next_at += rng.expovariate(rate)
+                        if next_at > now:
+                            await asyncio.sleep(next_at - now)
+                replica = n % len(urls) if route == "rr" else rng.randrange(len(urls))
+                t = asyncio.create_task(one(item, replica))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.gather(*tasks)
+
+        if closed_loop is not None:
+            await asyncio.gather(*(worker() for _ in range(closed_loop)))
+        else:
+            await arrivals()
         wall = time.perf_counter() - t_start
         if sampling is not None:
             sampling.cancel()
@@ -748,6 +823,58 @@ def pct(xs: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def bootstrap_ci(
+    xs: Sequence[float], q: float, resamples: int = 2000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+    """The ``level`` confidence interval of the ``q``-th percentile (:func:`pct`) of
+    ``xs`` by the percentile bootstrap: ``resamples`` samples of ``len(xs)`` drawn with
+    replacement, from a fixed ``seed`` (the same data give the same interval); NaNs
+    when ``xs`` is empty."""
+    data = [x for x in xs if not math.isnan(x)]
+    if not data:
+        return math.nan, math.nan
+    rng = random.Random(seed)
+    stats = [pct(rng.choices(data, k=len(data)), q) for _ in range(resamples)]
+    tail = 100 * (1 - level) / 2
+    return pct(stats, tail), pct(stats, 100 - tail)
+
+
+def ttft_stats(runs: Sequence[Sequence[float]]) -> dict[str, Any]:
+    """TTFT p50 and p99 (ms) of a load point's repeats: over every run's measured
+    requests pooled, their 95 % bootstrap interval (:func:`bootstrap_ci`) and each run's
+    own (``runs``: each run's TTFTs in ms)."""
+    pooled = [x for run in runs for x in run]
+    out: dict[str, Any] = {}
+    for q in (50, 99):
+        out[f"ttft_p{q}_ms"] = round(pct(pooled, q), 1)
+        out[f"ttft_p{q}_ci95_ms"] = [round(x, 1) for x in bootstrap_ci(pooled, q)]
+        out[f"ttft_p{q}_runs_ms"] = [round(pct(run, q), 1) for run in runs]
+    return out
+
+
+def pool_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A load point's repeats (:func:`run_point`'s answers) as one point: every run's
+    requests, the wall times added up (each kept: ``wall_runs``), the counters' deltas
+    added up, the timelines one after another and the last run's node reading."""
+    return {
+        "results": [r for p in runs for r in p["results"]],
+        "wall_s": sum(p["wall_s"] for p in runs),
+        "wall_runs": [p["wall_s"] for p in runs],
+        "connector": summed([p["connector"] for p in runs]),
+        "node": summed([p["node"] for p in runs]),
+        "node_after": runs[-1]["node_after"],
+        "timeline": [row for p in runs for row in p["timeline"]],
+        "router": summed([p["router"] for p in runs]),
+    }
+
+
+def repeat_spec(spec: WorkloadSpec, repeat: int, repeats: int) -> WorkloadSpec:
+    """The workload of run ``repeat`` of ``repeats`` of a load point: its own seed, so
+    that no run replays (and warms) another's documents and conversations; the same
+    seed as ``spec`` when there is one run."""
+    return dataclasses.replace(spec, seed=spec.seed * repeats + repeat)
+
+
 def by_kind(results: Sequence[Result]) -> dict[str, dict[str, float]]:
     """TTFT (ms) and hit rate per kind of request (``conv``, ``doc``, ``unique``): the
     multi-turn and the document workloads of a mixed run, each on its own."""
@@ -775,12 +902,12 @@ def turn_misses(
     prompt from a cache (that prompt is their prefix: a miss of the cache), and how many
     of those were sent within ``soon_s`` of their previous turn's end (their prefix may
     not have been stored yet); ``results``: every answered request, for the pairing."""
-    prev: dict[tuple[str, int], Result] = {
-        (r.stream, r.turn): r for r in results if r.kind == "conv" and r.ok
+    prev: dict[tuple[int, str, int], Result] = {
+        (r.repeat, r.stream, r.turn): r for r in results if r.kind == "conv" and r.ok
     }
     later = missed = soon = 0
     for r in counted:
-        p = prev.get((r.stream, r.turn - 1)) if r.kind == "conv" else None
+        p = prev.get((r.repeat, r.stream, r.turn - 1)) if r.kind == "conv" else None
         if p is None:
             continue
         later += 1
@@ -793,14 +920,24 @@ def turn_misses(
 def summarize(point: dict[str, Any], block_size: int = 0, warmup_s: float = 0.0) -> dict[str, Any]:
     """A load point's figures (times in ms); with ``block_size``, the share of hits
     served from the same host.  Latencies and the hit rate count only the requests sent
-    ``warmup_s`` or more after the point's first (the steady state: a point starts with
-    every conversation and document cold at once); throughput counts them all."""
+    ``warmup_s`` or more after their run's first (the steady state: a run starts with
+    every conversation and document cold at once); throughput counts them all.  A point
+    of several runs (:func:`pool_runs`) pools their measured requests; its ``*_runs``
+    figures are each run's own."""
     rs: list[Result] = point["results"]
     ok = [r for r in rs if r.ok]
     wall = point["wall_s"] or math.nan
-    t_first = min((r.t_send for r in rs), default=0.0)
-    steady = [r for r in ok if r.t_send - t_first >= warmup_s]
+    t_first: dict[int, float] = {}
+    for r in rs:
+        t_first[r.repeat] = min(t_first.get(r.repeat, r.t_send), r.t_send)
+    steady = [r for r in ok if r.t_send - t_first[r.repeat] >= warmup_s]
     ttft = [r.ttft * 1e3 for r in steady]
+    walls = point.get("wall_runs") or [wall]
+    repeats = list(range(len(walls))) if "wall_runs" in point else sorted(t_first)
+    per_s = [
+        round(sum(r.ok and r.repeat == k for r in rs) / (w or math.nan), 3)
+        for k, w in zip(repeats, walls, strict=False)
+    ]
     itl = [x * 1e3 for r in steady for x in r.itl]
     prompt = sum(r.prompt_tokens for r in steady)
     out: dict[str, Any] = {
@@ -809,10 +946,11 @@ def summarize(point: dict[str, Any], block_size: int = 0, warmup_s: float = 0.0)
         "errors": sorted({r.error[:120] for r in rs if not r.ok})[:5],
         "wall_s": round(wall, 2),
         "req_per_s": round(len(ok) / wall, 3),
+        "req_per_s_runs": per_s,
+        "req_per_s_mean": round(sum(per_s) / len(per_s), 3) if per_s else math.nan,
         "output_tok_per_s": round(sum(r.output_tokens for r in ok) / wall, 1),
         "ttft_mean_ms": round(sum(ttft) / len(ttft), 1) if ttft else math.nan,
-        "ttft_p50_ms": round(pct(ttft, 50), 1),
-        "ttft_p99_ms": round(pct(ttft, 99), 1),
+        **ttft_stats([[r.ttft * 1e3 for r in steady if r.repeat == k] for k in repeats]),
         "itl_p50_ms": round(pct(itl, 50), 2),
         "itl_p99_ms": round(pct(itl, 99), 2),
         "prompt_tokens_mean": round(prompt / len(steady), 1) if steady else 0,
@@ -828,6 +966,7 @@ def summarize(point: dict[str, Any], block_size: int = 0, warmup_s: float = 0.0)
     for name in SAVE_LATENCIES:
         out[f"{name}_ms_mean"] = latency_ms({}, c, name)
     out["load_failed_blocks"] = c.get("load_failed_blocks", 0.0)
+    out["declined_blocks"] = {k: c.get(k, 0.0) for k in DECLINED}
     if block_size:
         cached = sum(r.cached_tokens for r in ok)
         out["same_host_share"] = same_host_share(
@@ -1363,6 +1502,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     w.add_argument("--first-tokens", type=int, default=512)
     w.add_argument("--turn-tokens", type=int, default=64)
     w.add_argument("--docs", type=int, default=4)
+    over = "each conversation opens with a shared document (round robin), then --first-tokens"
+    w.add_argument("--conv-docs", action="store_true", help=over)
     w.add_argument("--doc-tokens", type=int, default=1024)
     w.add_argument("--question-tokens", type=int, default=32)
     w.add_argument("--unique-tokens", type=int, default=256)
@@ -1371,7 +1512,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     w.add_argument("--seed", type=int, default=0)
     lo = ap.add_argument_group("load")
     lo.add_argument("--rates", default="2", help="Poisson rates, req/s, comma separated (inf ok)")
-    lo.add_argument("--concurrency", default="", help="closed loop instead: concurrencies")
+    lo.add_argument(
+        "--concurrency", default="", help="instead: requests of the mix in flight, comma separated"
+    )
+    closed = ("instead: conversations in flight, comma separated (conversations only, each "
+              "turn sent when the last is answered, to the next replica)")  # fmt: skip
+    lo.add_argument("--closed-loop", default="", help=closed)
+    lo.add_argument("--repeats", type=int, default=1, help="runs per point, own content each")
     lo.add_argument("--requests", type=int, default=100, help="requests per point")
     lo.add_argument("--duration", type=float, default=0.0, help="seconds per point instead")
     lo.add_argument("--route", choices=("rr", "random"), default="rr")
@@ -1443,31 +1590,39 @@ def run_setup(
     block_size: int = 0,
 ) -> tuple[list[dict[str, Any]], list[list[Result]]]:
     """Every load point of one setup on running replicas (``urls``: where requests go,
-    the router's URL for a setup behind it; see :func:`run_point` for the rest)."""
+    the router's URL for a setup behind it; see :func:`run_point` for the rest), each
+    ``--repeats`` times (:func:`repeat_spec`), their runs pooled (:func:`pool_runs`)."""
     points: list[dict[str, Any]] = []
     raw: list[list[Result]] = []
     for spec, (mode, value) in zip(specs, loads, strict=True):
-        point = asyncio.run(
-            run_point(
-                urls, model, spec,
-                rate=value if mode == "rate" else None,
-                concurrency=int(value) if mode == "concurrency" else None,
-                requests=None if a.duration else a.requests,
-                duration=a.duration or None,
-                route=a.route, timeout=a.request_timeout,
-                desc=f"{name} {mode}={value:g}", node=node, sample_s=a.sample_s,
-                metrics_urls=metrics_urls, router=router,
+        runs = [
+            asyncio.run(
+                run_point(
+                    urls, model, repeat_spec(spec, k, a.repeats),
+                    rate=value if mode == "rate" else None,
+                    concurrency=int(value) if mode == "concurrency" else None,
+                    closed_loop=int(value) if mode == "closed_loop" else None, repeat=k,
+                    requests=None if a.duration else a.requests,
+                    duration=a.duration or None,
+                    route=a.route, timeout=a.request_timeout,
+                    desc=f"{name} {mode}={value:g} run {k + 1}/{a.repeats}", node=node,
+                    sample_s=a.sample_s, metrics_urls=metrics_urls, router=router,
+                )
             )
-        )  # fmt: skip
+            for k in range(a.repeats)
+        ]  # fmt: skip
+        point = pool_runs(runs)
         figures = summarize(point, block_size, a.warmup_s)
-        s = {"setup": name, mode: value, "offered": value, **figures}
+        s = {"setup": name, mode: value, "offered": value, "repeats": a.repeats, **figures}
         points.append(s)
         raw.append(point["results"])
         print(
             f"{name:>9} {mode}={value:<6g} {s['req_per_s']:7.2f} req/s "
             f"{s['output_tok_per_s']:8.1f} tok/s  TTFT mean/p50/p99 {s['ttft_mean_ms']:.0f}/"
-            f"{s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f} ms  hit {s['hit_rate']:.2f}  "
-            f"failed {s['failed']}  connector/s {s['connector_per_s']}"
+            f"{s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f} ms (p99 95% CI "
+            f"{s['ttft_p99_ci95_ms']}, runs {s['ttft_p99_runs_ms']})  hit {s['hit_rate']:.2f}  "
+            f"failed {s['failed']}  declined {s['declined_blocks']}  "
+            f"connector/s {s['connector_per_s']}"
             + (f"  same-host {s['same_host_share']}" if "same_host_share" in s else "")
             + (
                 f"  saves after their step: started {s['save_wait_ms_mean']}, blocks "
@@ -1481,7 +1636,8 @@ def run_setup(
         if a.out:
             with open(a.out, "a") as fh:
                 for r in point["results"]:
-                    fh.write(json.dumps({"setup": name, mode: value, **asdict(r)}) + "\n")
+                    row = {"setup": name, mode: value, "offered": value, **asdict(r)}
+                    fh.write(json.dumps(row) + "\n")
     return points, raw
 
 
@@ -1492,7 +1648,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     mix = tuple(float(x) for x in a.mix.split(","))
     if len(mix) != 3:
         raise SystemExit("--mix takes three weights: conversation,document,unique")
-    if a.concurrency:
+    if a.repeats < 1:
+        raise SystemExit("--repeats takes 1 or more")
+    if a.closed_loop:
+        loads = [("closed_loop", float(x)) for x in a.closed_loop.split(",")]
+    elif a.concurrency:
         loads = [("concurrency", float(x)) for x in a.concurrency.split(",")]
     else:
         loads = [("rate", float(x)) for x in a.rates.split(",")]
@@ -1502,6 +1662,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         question_tokens=a.question_tokens, unique_tokens=a.unique_tokens,
         mix=mix,  # type: ignore[arg-type]
         output_tokens=a.output_tokens, seed=a.seed, vary_turns=not a.fixed_turns,
+        conv_docs=a.conv_docs,
     )  # fmt: skip
     results: dict[str, list[dict[str, Any]]] = {}
     raws: dict[str, list[list[Result]]] = {}
@@ -1551,8 +1712,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     continue
                 kv: dict[str, Any] | None = None
                 env = replica_env()
-                if name in ("pegaflow", "warm"):
-                    if server is None:
+                if name in ("pegaflow", "warm", "nodecline"):
+                    if server is None or name != "warm":  # warm: the pool pegaflow filled
+                        if server is not None:
+                            server.terminate()
                         extra = ["--pool-size", a.pool_size] if a.pool_size else []
                         server = start_server(extra=[*extra, *shlex.split(a.server_args)])
                         http = server.ready.get("http", "-1")
@@ -1563,6 +1726,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(f"pegaflow-server: {server.ready}", file=sys.stderr)
                     kv = THREE_KEYS
                     env["PEGAFLOW_CLIENT_COORDINATORS"] = server.ready["coordinator"]
+                    if name == "nodecline":
+                        env["PEGAFLOW_CONNECTOR_COST_MODEL"] = "0"
                 print(f"starting {a.replicas_n} replicas for {name} ...", file=sys.stderr)
                 t0 = time.monotonic()
                 replicas = start_replicas(
@@ -1600,11 +1765,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     return report(summary, a)
 
 
+#: Issue 38's targets for a setup against the first (vLLM alone), by :func:`ratios` key:
+#: TTFT p99 no higher, p50 at most 0.6 of it, throughput at least 1.5 times.
+TARGETS = {"p99_ratio": (None, 1.0), "p50_ratio": (None, 0.6), "throughput_ratio": (1.5, None)}
+
+
+def ratios(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
+    """``point``'s TTFT p99, p50 and throughput over ``base``'s (the first setup at the
+    same load), and whether they meet :data:`TARGETS` (None: a figure is missing)."""
+    out: dict[str, Any] = {"offered": point["offered"]}
+    for key, field_ in (("p99_ratio", "ttft_p99_ms"), ("p50_ratio", "ttft_p50_ms"),
+                        ("throughput_ratio", "req_per_s")):  # fmt: skip
+        b, v = base.get(field_), point.get(field_)
+        ok = b is not None and v is not None and math.isfinite(b) and math.isfinite(v) and b
+        out[key] = round(v / b, 3) if ok else None
+    got = [(out[k], lo, hi) for k, (lo, hi) in TARGETS.items()]
+    out["meets_targets"] = (
+        None
+        if any(x is None for x, _, _ in got)
+        else all((lo is None or x >= lo) and (hi is None or x <= hi) for x, lo, hi in got)
+    )
+    return out
+
+
 def against_first(setups: dict[str, dict[str, Any]], slo_ms: float) -> None:
     """Each setup's throughput at the TTFT p99 objective (the most requests/s served
     at a point that met it with no failure); every other setup against the first:
     that throughput's ratio and, at each offered load both measured, the first's TTFT
-    p99 over its own (``ttft_p99_ratio``, in its points' order)."""
+    p99 over its own (``ttft_p99_ratio``, in its points' order) and its own figures over
+    the first's (``ratios_vs_<first>``: :func:`ratios`)."""
     for entry in setups.values():
         ok = [p for p in entry["points"] if p["failed"] == 0 and p["ttft_p99_ms"] <= slo_ms]
         entry["throughput_at_slo"] = max((p["req_per_s"] for p in ok), default=0.0)
@@ -1626,6 +1815,50 @@ def against_first(setups: dict[str, dict[str, Any]], slo_ms: float) -> None:
             else None
             for p in entry["points"]
         ]
+        first = {p["offered"]: p for p in b["points"]}
+        entry["ratios_vs_" + names[0]] = [
+            ratios(first[p["offered"]], p) for p in entry["points"] if p["offered"] in first
+        ]
+
+
+def _ms(x: Any) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.0f}"
+
+
+def comparison_table(setups: dict[str, dict[str, Any]]) -> list[str]:
+    """Per load point and setup: TTFT p50, p99 with its 95 % interval, requests/s, and
+    against the first setup (after :func:`against_first`) the p99, p50 and throughput
+    ratios (the targets: <= 1, <= 0.6, >= 1.5)."""
+    names = list(setups)
+    if not names:
+        return []
+    first = names[0]
+    lines = [
+        f"{'load':>6} {'setup':>10} {'p50 ms':>8} {'p99 ms':>8} {'p99 95% CI':>17} "
+        f"{'req/s':>7} {'runs':>4} | vs {first}: {'p99':>6} {'p50':>6} {'req/s':>6}"
+    ]
+    offered = sorted({p["offered"] for e in setups.values() for p in e["points"]})
+    for load in offered:
+        for name in names:
+            entry = setups[name]
+            p = next((x for x in entry["points"] if x["offered"] == load), None)
+            if p is None:
+                continue
+            lo, hi = p.get("ttft_p99_ci95_ms") or (None, None)
+            ci = f"[{_ms(lo)}, {_ms(hi)}]"
+            r = next((x for x in entry.get("ratios_vs_" + first, []) if x["offered"] == load),
+                     None)  # fmt: skip
+            vs = (
+                " ".join(f"{'-' if r[k] is None else f'{r[k]:.2f}':>6}" for k in TARGETS)
+                if r
+                else ""
+            )
+            lines.append(
+                f"{load:>6g} {name:>10} {_ms(p.get('ttft_p50_ms')):>8} "
+                f"{_ms(p.get('ttft_p99_ms')):>8} {ci:>17} {p.get('req_per_s') or 0:>7.2f} "
+                f"{p.get('repeats', 1):>4} | {'':>{len(first) + 4}} {vs}"
+            )
+    return lines
 
 
 def report(summary: dict[str, Any], a: argparse.Namespace) -> int:
@@ -1640,6 +1873,7 @@ def report(summary: dict[str, Any], a: argparse.Namespace) -> int:
     for name, entry in setups.items():
         print(f"{name}: throughput at TTFT p99 <= {a.slo_ms:g} ms: "
               f"{entry['throughput_at_slo']:.2f} req/s", flush=True)  # fmt: skip
+    print("\n".join(comparison_table(setups)), flush=True)
     print(json.dumps(_json_safe(summary), default=str), flush=True)
     return 0
 
@@ -1651,7 +1885,9 @@ def merge(a: argparse.Namespace) -> int:
     several runs (rates split over commands) is reported with all their points, by
     offered rate.  With ``--out``
     files of those runs (``--merge-requests``), the outputs of each other setup are
-    compared with the reference's by prompt (greedy: equal engines give equal text)."""
+    compared with the reference's by prompt (greedy: equal engines give equal text),
+    and a point measured by several runs (repeats split over commands) becomes one
+    (:func:`merge_repeats`)."""
     summary: dict[str, Any] = {"setups": {}, "merged": a.merge.split(",")}
     for path in a.merge.split(","):
         lines = [x for x in Path(path).read_text().splitlines() if x.startswith("{")]
@@ -1659,15 +1895,28 @@ def merge(a: argparse.Namespace) -> int:
         summary.setdefault("config", got.get("config", {}))
         for name, entry in got["setups"].items():
             summary["setups"].setdefault(name, {"points": []})["points"].extend(entry["points"])
-    for entry in summary["setups"].values():
-        entry["points"].sort(key=lambda p: p.get("offered") or 0.0)
+    rows: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    texts: dict[str, dict[str, str]] = {}
+    for i, path in enumerate(a.merge_requests.split(",") if a.merge_requests else []):
+        for line in Path(path).read_text().splitlines():
+            r = json.loads(line)
+            r["run"] = (i, r.get("repeat", 0))
+            load = r.get("offered", r.get("rate", r.get("concurrency")))
+            rows.setdefault((r["setup"], load), []).append(r)
+            if not r.get("error") and r.get("prompt_sha"):
+                texts.setdefault(r["setup"], {})[r["prompt_sha"]] = r["text"]
+    warmup_s = float(summary.get("config", {}).get("warmup_s") or 0.0)
+    for name, entry in summary["setups"].items():
+        by_load: dict[float, list[dict[str, Any]]] = {}
+        for point in entry["points"]:
+            by_load.setdefault(point.get("offered") or 0.0, []).append(point)
+        entry["points"] = []
+        for load, ps in sorted(by_load.items()):
+            if len(ps) > 1 and (name, load) in rows:
+                entry["points"].append(merge_repeats(ps, rows[(name, load)], warmup_s))
+            else:
+                entry["points"].extend(ps)
     if a.merge_requests:
-        texts: dict[str, dict[str, str]] = {}
-        for path in a.merge_requests.split(","):
-            for line in Path(path).read_text().splitlines():
-                r = json.loads(line)
-                if not r.get("error") and r.get("prompt_sha"):
-                    texts.setdefault(r["setup"], {})[r["prompt_sha"]] = r["text"]
         first = next(iter(summary["setups"]))
         ref = texts.get(first, {})
         for name, entry in summary["setups"].items():
@@ -1677,6 +1926,36 @@ def merge(a: argparse.Namespace) -> int:
             equal = sum(ref[k] == texts[name][k] for k in common)
             entry["outputs_vs_" + first] = {"compared": len(common), "equal": equal}
     return report(summary, a)
+
+
+def merge_repeats(
+    points: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]], warmup_s: float
+) -> dict[str, Any]:
+    """One load point of one setup measured by several runs of this script, as one:
+    the first's figures, each run's throughput, and the TTFT figures (:func:`ttft_stats`)
+    of every run's requests (``rows``: their ``--out`` rows, each with its ``run``)
+    sent ``warmup_s`` or more after their run's first."""
+    t_first: dict[Any, float] = {}
+    for r in rows:
+        t_first[r["run"]] = min(t_first.get(r["run"], r["t_send"]), r["t_send"])
+    ttft: dict[Any, list[float]] = {run: [] for run in sorted(t_first)}
+    for r in rows:
+        if not r.get("error") and r["t_send"] - t_first[r["run"]] >= warmup_s:
+            ttft[r["run"]].append(r["ttft"] * 1e3)
+    per_s = [x for p in points for x in p.get("req_per_s_runs") or [p["req_per_s"]]]
+    wall = sum(p["wall_s"] for p in points)
+    return {
+        **points[0],
+        "repeats": len(ttft),
+        "wall_s": round(wall, 2),
+        "req_per_s": round(sum(p["req_per_s"] * p["wall_s"] for p in points) / wall, 3),
+        "req_per_s_runs": per_s,
+        "req_per_s_mean": round(sum(per_s) / len(per_s), 3),
+        "requests": sum(p["requests"] for p in points),
+        "failed": sum(p["failed"] for p in points),
+        **ttft_stats(list(ttft.values())),
+        "merged_points": len(points),
+    }  # fmt: skip
 
 
 def _json_safe(x: Any) -> Any:
