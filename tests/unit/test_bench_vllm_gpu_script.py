@@ -1,10 +1,11 @@
-"""Pure logic of ``scripts/bench_vllm_gpu.py``'s ``--tp N`` figures: the per-rank
-pinned-memcpy ceilings measured on every GPU at once (with a fake copy, no GPU), each
+"""Pure logic of ``scripts/bench_vllm_gpu.py``: its ``--tp N`` figures (the per-rank
+pinned-memcpy ceilings measured on every GPU at once, with a fake copy, no GPU; each
 rank's load rate from its own stats file against its own ceiling, the batch floor, the
-engines' NVLink-multicast switches and the cross-TP verdict; the KV oracle's count, its
-pass with fake engines and the per-block digests it reads (``tests/support/vllm_runner.py``'s,
-on CPU tensors).  No engine is started (the bench itself runs on the GPU machines, see
-docs/benchmarks.md "GPU (H200)")."""
+engines' NVLink-multicast switches and the cross-TP verdict); when the pool's pinning
+ended, against the restart set's requests, and the restart figures; the KV oracle's
+count, its pass with fake engines and the per-block digests it reads
+(``tests/support/vllm_runner.py``'s, on CPU tensors).  No engine is started (the bench
+itself runs on the GPU machines, see docs/benchmarks.md "GPU (H200)")."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -39,6 +41,10 @@ def test_help_lists_tp() -> None:
     assert "--tp" in r.stdout
     assert "--pool-size" in r.stdout
     assert "--skip-kv-oracle" in r.stdout
+    # vLLM's default mode is the default: eager is the opt-in
+    assert "--eager" in r.stdout
+    assert "--no-decline" in r.stdout
+    assert "--cuda-graphs" not in r.stdout
 
 
 def test_ceilings_are_measured_on_every_rank_at_once(bench: ModuleType) -> None:
@@ -191,6 +197,71 @@ def test_each_ranks_pinned_line_counts_once(bench: ModuleType) -> None:
     assert bench.pinned_ranks(log) == {"11", "12"}
 
 
+PINNED = "(Worker_TP{r} pid=1{r}) INFO pegaflow.connector: node pool x pinned for DMA in 3.8 s"
+
+
+def test_pin_watch_keeps_when_the_last_rank_s_line_came(bench: ModuleType) -> None:
+    """The defaults engine is timed from its first request: whether the pinning still ran
+    when its restart set and batch ended is read from when the line reached the script."""
+    log = ["(EngineCore pid=10) INFO starting"]
+    started = time.monotonic()
+    watch = bench.PinWatch(log, 2, started)
+    log.append(PINNED.format(r=0))
+    restart_end = time.monotonic()
+    time.sleep(5 * bench.PIN_POLL_S)  # one rank of two: not pinned yet
+    assert watch.at is None
+    log.append(PINNED.format(r=1))
+    seconds = watch.wait(10.0)
+    batch_end = time.monotonic()
+    assert watch.at is not None and restart_end < watch.at <= batch_end
+    assert seconds == round(watch.at - started, 1)
+    assert watch.during(restart_end)  # the restart set ended while it still pinned
+    assert not watch.during(batch_end)
+
+
+def test_pin_watch_gives_up_at_its_timeout(bench: ModuleType) -> None:
+    watch = bench.PinWatch([], 1, time.monotonic())
+    assert watch.wait(0.05) is None
+    assert watch.during(time.monotonic())  # never pinned: still running at every time
+    # a line already there when the watch starts counts at once
+    assert bench.PinWatch([PINNED.format(r=0)], 1, time.monotonic()).wait(10.0) is not None
+
+
+def test_restart_figures_set_the_slowest_restart_request_against_the_steady_mean(
+    bench: ModuleType,
+) -> None:
+    # the issue's pattern right after a restart: every second request slower
+    got = bench.restart_figures([62.0, 42.0, 58.0, 41.0], [40.0, 42.0, 41.0])
+    assert got == {
+        "restart_mean_ms": 50.8,
+        "steady_mean_ms": 41.0,
+        "restart_max_over_steady": 1.51,
+    }
+
+
+class _ResetEngine:
+    """Answers ``reset_prefix_cache`` as vLLM does: false while blocks are in use."""
+
+    name = "defaults"
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.calls = 0
+
+    def call(self, cmd: dict[str, object]) -> dict[str, object]:
+        assert cmd == {"op": "reset_prefix_cache"}
+        self.calls += 1
+        return {"ok": self.calls > self.refusals}
+
+
+def test_gpu_cache_emptied_once_vllm_agrees(bench: ModuleType) -> None:
+    e = _ResetEngine(refusals=2)
+    bench.empty_gpu_cache(e, timeout=10.0)
+    assert e.calls == 3
+    with pytest.raises(RuntimeError, match="did not empty"):
+        bench.empty_gpu_cache(_ResetEngine(refusals=10**6), timeout=0.3)
+
+
 def test_a_batch_splits_at_vllm_s_own_marks(bench: ModuleType) -> None:
     """``--batch-phases``: before the first request is queued, then to its scheduling,
     to the last first token, and after it; requests of one step share its mark."""
@@ -264,13 +335,13 @@ class _OracleEngine:
 
 
 def _oracle(
-    bench: ModuleType, tmp_path: Path, load: Callable[[str], str], cuda_graphs: bool = False,
+    bench: ModuleType, tmp_path: Path, load: Callable[[str], str], eager: bool = True,
     on_start: Callable[[str, Node], None] = lambda name, node: None,
 ) -> tuple[dict[str, object], list[tuple[str, dict[str, str], dict[str, object]]],
            list[_OracleEngine]]:  # fmt: skip
     """The KV oracle's pass with fake engines on a fake node; ``on_start(name, node)``
     before each engine starts."""
-    args = argparse.Namespace(tokens=64, pause=0.0, cuda_graphs=cuda_graphs)
+    args = argparse.Namespace(tokens=64, pause=0.0, eager=eager)
     node: Node = {}
     started: list[tuple[str, dict[str, str], dict[str, object]]] = []
     engines: list[_OracleEngine] = []
@@ -316,7 +387,7 @@ def test_kv_oracle_pass_catches_wrong_kv(bench: ModuleType, tmp_path: Path) -> N
 def test_kv_oracle_pass_with_cuda_graphs_has_one_token_hits(
     bench: ModuleType, tmp_path: Path
 ) -> None:
-    out, _, engines = _oracle(bench, tmp_path, load=lambda kv: kv, cuda_graphs=True)
+    out, _, engines = _oracle(bench, tmp_path, load=lambda kv: kv, eager=False)
     # the one-token batch: 65 tokens, its 4 full blocks hit, one token left to compute
     assert out["kv_oracle_cached_tokens"] == [48, 48, 48, 48, 64, 64]
     assert out["kv_oracle_blocks"] == 20  # 4 x 3 and 2 x 4
@@ -340,7 +411,7 @@ def test_kv_oracle_fails_when_its_cold_engine_hits(bench: ModuleType, tmp_path: 
 
     def saved_before(name: str, node: Node) -> None:
         if name == "kv_oracle_cold":
-            p = bench.oracle_sets(argparse.Namespace(tokens=64, cuda_graphs=False))[0][0]
+            p = bench.oracle_sets(argparse.Namespace(tokens=64, eager=True))[0][0]
             node[tuple(p[:16])] = "someone else's"
 
     out, _, _ = _oracle(bench, tmp_path, load=lambda kv: kv, on_start=saved_before)
