@@ -233,7 +233,7 @@ class WorkerSide:
         ``idle``: the step runs no forward pass (vLLM only polls for transfers).
         """
         self._idle = idle
-        self._note_engine_running()
+        self.engine_started()
         if self._local_ready.is_set() and not self.finder.node:
             self.finder.maybe_retry(self._discover)
         for job in plan.loads:
@@ -266,7 +266,7 @@ class WorkerSide:
 
     def prestart(self, plan: StepPlan) -> None:
         """Queue a planned step's layer-wise loads early (:meth:`LayerwiseLoads.prestart`)."""
-        self._note_engine_running()
+        self.engine_started()
         self.layerwise.prestart(plan)
 
     def follow_steps(self) -> None:
@@ -450,9 +450,11 @@ class WorkerSide:
             return
         self.books.collect(remote.probe(client, ns, job))
 
-    def _note_engine_running(self) -> None:
-        """The engine runs steps: vLLM's start (and its CUDA graph capture) is over, so
-        the deferred warm-up and pinning may go (see ``graph_tokens``)."""
+    def engine_started(self) -> None:
+        """vLLM's start (and its CUDA graph capture) is over, so the deferred start-up
+        work (finding, mapping and pinning the node's pool) may go (see
+        ``graph_tokens``): at the engine's first step, or sooner where the scheduler
+        shares this process and is built (vLLM builds it after the capture)."""
         if not self._engine_running.is_set():
             self._engine_running.set()
             if self.io is not None:

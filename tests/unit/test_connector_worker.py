@@ -393,6 +393,28 @@ def test_with_cuda_graphs_the_start_up_work_waits_for_the_first_step(
     eager.shutdown()
 
 
+def test_with_cuda_graphs_the_scheduler_built_in_its_process_starts_the_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # vLLM builds its scheduler after the capture: where it shares the worker's process,
+    # its connector starts the worker's deferred start-up work then, seconds before the
+    # first request can come, so the pool is pinned sooner
+    ran: list[str] = []
+    monkeypatch.setattr(WorkerSide, "_warm_up", lambda self: ran.append("warm-up"))
+    monkeypatch.setattr(WorkerSide, "_discover", lambda self: ran.append("discover"))
+    s = ConnectorSettings.load({}, env={})
+    w = WorkerSide(s, 0, Counters(), FakeCluster, graph_tokens=512)
+    w.register_kv_caches(kv(1), NB)
+    w.engine_started()
+    w.engine_started()
+    w._load_pool.submit(lambda: None).result()
+    assert ran == ["warm-up", "discover"]
+    w.start_step(StepPlan(NS))  # the first step starts nothing more
+    w._load_pool.submit(lambda: None).result()
+    assert ran == ["warm-up", "discover"]
+    w.shutdown()
+
+
 def test_steps_that_replay_a_cuda_graph_queue_every_layer_at_once() -> None:
     # a new step size may load new kernels (which wait for the copies in flight), but
     # not a size vLLM captured a graph for: its loads are not held back
