@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -493,3 +494,36 @@ def test_saves_queued_behind_a_busy_save_thread_go_out_together() -> None:
         assert torch.equal(dst[name][[1, 2, 3, 5]], src[name][[1, 2, 3, 5]])
     w.shutdown()
     w2.shutdown()
+
+
+def test_a_save_stuck_on_the_node_delays_no_load_and_no_step() -> None:
+    """A save whose put hangs (a slow node, a full link) holds only the save thread: a
+    step started meanwhile returns, and a load in it lands and checks out while the
+    save is still stuck (issue 38: no save delays a load or a step)."""
+    cluster = FakeCluster()
+    src = kv(3)
+    w, _ = worker(cluster, src)
+    save(w, cluster, [1, 2, 3], [h(i) for i in range(3)])
+    stuck = threading.Event()
+    put = cluster.put_blocks
+
+    def stuck_put(*args: Any, **kw: Any) -> Any:
+        stuck.set()
+        return put(*args, **kw)
+
+    cluster.put_blocks = stuck_put  # type: ignore[method-assign]
+    cluster.put_gate = threading.Event()
+    try:
+        w.submit_saves(StepPlan(NS, saves=[SaveJob("s2", [4, 5], [h(10), h(11)])]))
+        assert stuck.wait(10)
+        job = LoadJob("r", [7, 8, 9], [h(i) for i in range(3)], [["n1"]] * 3)
+        w.start_step(StepPlan(NS, loads=[job]))
+        errors, _ = finish_loads(w, "r")
+        assert errors == set()
+        assert (NS, h(10), 0) not in cluster.blocks  # the save is still stuck
+        for name in src:
+            assert torch.equal(src[name][7:10], src[name][1:4])
+    finally:
+        cluster.put_gate.set()
+    wait_for(lambda: (NS, h(10), 0) in cluster.blocks)
+    w.shutdown()
