@@ -333,7 +333,7 @@ class LayerwiseLoads:
                     t2 = time.monotonic()
                     res.count("layerwise_wait_seconds", t2 - t1)
                     res.count("local_load_blocks", sum(ok))
-                    if w.io is not None and any(ok):
+                    if w.io is not None and any(ok) and pending.learn:
                         # what the load costs: its copies' time on the device where
                         # known, not the wait, which holds the step's other work too
                         busy = pending.transfer.busy_s()

@@ -226,6 +226,8 @@ class LocalPath:
             )
             for p in ready
         ]
+        # a copy from pieces not pinned yet is slower than the same load will be
+        learn = iter([pool.pinner is None or c.mapped for c in copies])
         try:
             xfers = iter(self.io.copy_in_many(copies, mode=self.copy_mode, ahead=ahead))
         except BaseException:
@@ -239,9 +241,9 @@ class LocalPath:
                 continue
             xfer = next(xfers)
             try:
-                out.append(
-                    PendingLoad(self, client, p.pins, p.n, p.idx, self._check(p, xfer), xfer)
-                )
+                pending = PendingLoad(self, client, p.pins, p.n, p.idx, self._check(p, xfer), xfer)
+                pending.learn = next(learn)
+                out.append(pending)
             except Exception as e:
                 self._unpin(client, p.pins)
                 out.append(e)
@@ -412,6 +414,9 @@ class PendingLoad:
     """CPU time it took to queue (set by the worker, for its log)"""
     located_here: bool = field(default=True, init=False)
     """whether the loader located the blocks itself (else the scheduler did)"""
+    learn: bool = field(default=True, init=False)
+    """whether its time teaches the cost model: not while pieces of the pool it read
+    were still being pinned (their copies ran at pageable-memory speed)"""
 
     def __post_init__(self) -> None:
         self.on_device = isinstance(self._check, tuple)

@@ -90,7 +90,7 @@ class PoolFileMedium:
             res.ok = {i for i, good in zip(idx, pending.finish(), strict=True) if good}
             loaded = len(res.ok)
             res.count("local_load_blocks", loaded)
-            if loaded:
+            if loaded and pending.learn:
                 src = disk_source(LOCAL) if job.mostly_on_disk(idx) else LOCAL
                 res.samples.append((src, loaded * self.io.block_bytes, time.monotonic() - t0))
         except Exception as e:
