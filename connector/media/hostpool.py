@@ -19,13 +19,14 @@ memory until their pieces are pinned.  No load ever waits for pinning.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import logging
 import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,9 @@ size, so no block spans two pieces): each registration holds the CUDA driver's l
 and a load's copies queued meanwhile wait for it to end"""
 _MADV_POPULATE_WRITE = 23
 """Linux 5.14: fault a range's pages in for writing"""
+HOLD_OFF_S = 0.05
+"""longest a piece's registration waits for copies being queued (:meth:`PoolPinner.hold_off`)
+to be queued: pinning goes on under steady load"""
 
 
 def pin_piece(slab_bytes: int) -> int:
@@ -63,7 +67,8 @@ def _populate(ptr: int, size: int) -> None:
 
 class PoolPinner:
     """Which pieces of a mapped pool are pinned, and the thread that pins them: pieces
-    a load asked for (:meth:`want`) first, then the rest in order.
+    a load asked for (:meth:`want`) first, then the rest in order, each once no copy is
+    being queued (:meth:`hold_off`; ``hold_off_s`` at most).
 
     ``register(offset, size)`` pins one piece and returns the CUDA error code (0: done);
     ``unregister(offset)`` undoes one.  Pure bookkeeping around them, so it is tested
@@ -77,8 +82,10 @@ class PoolPinner:
         register: Callable[[int, int], int],
         unregister: Callable[[int], None],
         populate: Callable[[int, int], None] | None = None,
+        hold_off_s: float = HOLD_OFF_S,
     ) -> None:
         self.size = size
+        self.hold_off_s = hold_off_s
         self.piece = piece
         self._register = register
         self._unregister = unregister
@@ -87,6 +94,9 @@ class PoolPinner:
         self._pinned = np.zeros(n, dtype=bool)
         self._wanted: collections.deque[int] = collections.deque()
         self._lock = threading.Lock()
+        self._quiet = threading.Condition(self._lock)
+        self._queueing = 0
+        """copies being queued now (:meth:`hold_off`)"""
         self._stop = threading.Event()
         self.failed = False
         self.done = threading.Event()
@@ -113,6 +123,24 @@ class PoolPinner:
         with self._lock:
             self._wanted.extend(int(i) for i in idx if not self._pinned[i])
 
+    @contextlib.contextmanager
+    def hold_off(self) -> Iterator[None]:
+        """While a load or save queues its copies: no registration starts meanwhile (a
+        registration holds the driver's lock, which each copy call needs)."""
+        with self._lock:
+            self._queueing += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._queueing -= 1
+                if not self._queueing:
+                    self._quiet.notify_all()
+
+    def _wait_quiet(self) -> None:
+        with self._lock:
+            self._quiet.wait_for(lambda: not self._queueing, self.hold_off_s)
+
     def _next(self, cursor: int) -> tuple[int | None, int]:
         with self._lock:
             while self._wanted:
@@ -138,6 +166,7 @@ class PoolPinner:
                 n = min(self.piece, self.size - off)
                 if self._populate is not None:
                     self._populate(off, n)
+                self._wait_quiet()
                 code = self._register(off, n)
                 if code != 0:
                     self.failed = True
@@ -249,6 +278,10 @@ class MappedPool:
             return True
         self.pinner.want(offsets)
         return False
+
+    def hold_off_pinning(self) -> contextlib.AbstractContextManager[None]:
+        """Around queueing copies from or to the pool: no piece is pinned meanwhile."""
+        return self.pinner.hold_off() if self.pinner is not None else contextlib.nullcontext()
 
     def wait_registered(self, timeout: float | None = None) -> bool:
         """Wait for the background pinning; returns :attr:`registered`."""

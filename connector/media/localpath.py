@@ -229,7 +229,8 @@ class LocalPath:
         # a copy from pieces not pinned yet is slower than the same load will be
         learn = iter([pool.pinner is None or c.mapped for c in copies])
         try:
-            xfers = iter(self.io.copy_in_many(copies, mode=self.copy_mode, ahead=ahead))
+            with pool.hold_off_pinning():
+                xfers = iter(self.io.copy_in_many(copies, mode=self.copy_mode, ahead=ahead))
         except BaseException:
             for p in ready:
                 self._unpin(client, p.pins)
@@ -354,14 +355,15 @@ class LocalPath:
         idx = [i for i, o in enumerate(offsets) if o is not None]
         ids = [block_ids[i] for i in idx]
         try:
-            digests = self.io.copy_out(
-                ids,
-                pool.tensor,
-                [offsets[i] for i in idx],  # type: ignore[misc]
-                mapped=self.copy_mode != "dma" and pool.pinned([offsets[i] for i in idx]),
-                after=after,
-                digest=self.io.can_digest,
-            )
+            with pool.hold_off_pinning():
+                digests = self.io.copy_out(
+                    ids,
+                    pool.tensor,
+                    [offsets[i] for i in idx],  # type: ignore[misc]
+                    mapped=self.copy_mode != "dma" and pool.pinned([offsets[i] for i in idx]),
+                    after=after,
+                    digest=self.io.can_digest,
+                )
         except BaseException:
             try:
                 node.abort_local(seq, self.timeout)

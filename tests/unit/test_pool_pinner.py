@@ -92,3 +92,26 @@ def test_stop_ends_pinning_and_release_unpins() -> None:
     assert not t.is_alive() and len(order) < 16
     p.release()
     assert len(unpinned) == len(order) and not p.pinned([0])
+
+
+def test_no_piece_is_pinned_while_a_copy_is_being_queued() -> None:
+    """A registration holds the driver's lock every copy call needs: while a load queues
+    its copies (``hold_off``), the pinner waits (up to its bound) and goes on after."""
+    started = threading.Event()
+    p, order, _ = _pinner(2, entered=started)
+    p.hold_off_s = 30.0
+    with p.hold_off():
+        t = threading.Thread(target=p.run)
+        t.start()
+        assert not started.wait(0.3)  # nothing registered while the copies are queued
+    t.join(10)
+    assert order == [0, 1] and p.complete
+
+
+def test_pinning_goes_on_under_steady_copies() -> None:
+    """Copies queued back to back hold each piece off for ``hold_off_s`` at most."""
+    p, order, _ = _pinner(3)
+    p.hold_off_s = 0.01
+    with p.hold_off():
+        p.run()
+    assert order == [0, 1, 2] and p.complete
