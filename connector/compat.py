@@ -17,6 +17,9 @@ in CI).  What differs, and how it is handled here:
 Everything else the connector uses (the three-argument constructor, ``block_hashes``,
 ``KVConnectorWorkerMetadata``, ``kv_load_failure_policy``, ``handle_preemptions``,
 ``update_connector_output``, ``KVConnectorStats``) is the same in both.
+
+What vLLM built for the engine is read here too (:func:`engine_geometry`), and
+:func:`model_support` decides from it which support applies (the start line).
 """
 
 from __future__ import annotations
@@ -111,6 +114,10 @@ class EngineGeometry:
     dynamic_kv_scales: bool = False
     """fp8 scales computed from the engine's first batch (``calculate_kv_scales``, older
     vLLM), not read from the checkpoint"""
+    window: int = 0
+    """the sliding window (or local-attention chunk) of the first group's spec, 0: none;
+    set on a ``FullAttentionSpec`` where vLLM's hybrid KV cache manager is off (it is
+    with this connector, no ``SupportsHMA``) and made full attention of windowed layers"""
 
     @property
     def groups(self) -> int:
@@ -147,6 +154,10 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
         specs=tuple(type(g.kv_cache_spec).__name__ for g in groups),
         cache_dtype=str(getattr(cache, "cache_dtype", "auto") or "auto"),
         dynamic_kv_scales=bool(getattr(cache, "calculate_kv_scales", False)),
+        window=int(
+            getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+            or 0
+        ),
     )
 
 
@@ -186,13 +197,16 @@ def model_support(geometry: EngineGeometry, tp_size: int = 1, pp_size: int = 1) 
         off.append("Mamba / linear-attention state is no per-block KV: connector off")
     elif kinds <= {"FullAttentionSpec"}:
         facts.append(f"full attention, {geometry.num_kv_heads} KV heads per rank")
+        if geometry.window:
+            partial.append(
+                f"windowed layers (window {geometry.window}) kept whole, as vLLM does "
+                "without its hybrid KV cache manager: every block stored and loaded "
+                "(untested)"
+            )
     elif "MLAAttentionSpec" in kinds:
         partial.append("MLA: the latent KV is stored by every TP rank, not once (untested)")
     elif "SlidingWindowSpec" in kinds:
-        partial.append(
-            "sliding window on every layer: all blocks are stored and loaded, also "
-            "those out of the window (untested)"
-        )
+        partial.append("sliding window on every layer (untested)")
     else:
         partial.append(f"{', '.join(geometry.specs)} (untested)")
     dtype = geometry.cache_dtype

@@ -48,6 +48,9 @@ def test_what_is_not_done_says_what_happens_today() -> None:
     level, line = support(specs=("MLAAttentionSpec",))
     assert level == "partial" and "MLA: the latent KV is stored by every TP rank" in line
     assert support(specs=("SlidingWindowSpec",))[0] == "partial"
+    # gpt-oss, Gemma 3 under this connector: vLLM keeps sliding layers as full attention
+    level, line = support(window=128)
+    assert level == "partial" and "windowed layers (window 128) kept whole" in line
     assert support(specs=("ChunkedLocalAttentionSpec",))[0] == "partial"
     assert support(pp=2)[0] == "partial"
     level, line = support(cache_dtype="nvfp4", kv_dtype="uint8")
