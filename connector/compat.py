@@ -17,6 +17,9 @@ in CI).  What differs, and how it is handled here:
 Everything else the connector uses (the three-argument constructor, ``block_hashes``,
 ``KVConnectorWorkerMetadata``, ``kv_load_failure_policy``, ``handle_preemptions``,
 ``update_connector_output``, ``KVConnectorStats``) is the same in both.
+
+What vLLM built for the engine is read here too (:func:`engine_geometry`), and
+:func:`model_support` decides from it which support applies (the start line).
 """
 
 from __future__ import annotations
@@ -61,9 +64,11 @@ __all__ = [
     "KVConnectorWorkerMetadata",
     "PegaConnectorMetadata",
     "PegaWorkerMetadata",
+    "Support",
     "engine_geometry",
     "hash_info",
     "kv_load_failure_policy",
+    "model_support",
     "parallel_ranks",
     "recompute_load_failures",
 ]
@@ -99,9 +104,25 @@ class EngineGeometry:
     num_kv_heads: int
     head_size: int
     kv_dtype: str
+    """the KV cache tensors' torch dtype (``bfloat16``; ``uint8`` for fp8 on the CPU)"""
     page_bytes: int
     layout: str
-    groups: int
+    specs: tuple[str, ...]
+    """the class name of each KV cache group's spec (``FullAttentionSpec`` ...)"""
+    cache_dtype: str = "auto"
+    """vLLM's ``--kv-cache-dtype`` (``auto``, ``fp8``, ``fp8_e4m3`` ...)"""
+    dynamic_kv_scales: bool = False
+    """fp8 scales computed from the engine's first batch (``calculate_kv_scales``, older
+    vLLM), not read from the checkpoint"""
+    window: int = 0
+    """the sliding window (or local-attention chunk) of the first group's spec, 0: none;
+    set on a ``FullAttentionSpec`` where vLLM's hybrid KV cache manager is off (it is
+    with this connector, no ``SupportsHMA``) and made full attention of windowed layers"""
+
+    @property
+    def groups(self) -> int:
+        """KV cache groups: one per kind of layer (more than one: a hybrid model)."""
+        return len(self.specs)
 
 
 def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
@@ -120,6 +141,7 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
             layout = get_kv_cache_layout()
         except Exception:
             layout = "default"
+    cache = getattr(vllm_config, "cache_config", None)
     return EngineGeometry(
         block_size=block_size,
         num_blocks=int(getattr(kv_cache_config, "num_blocks", 0) or 0),
@@ -129,8 +151,86 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
         kv_dtype=str(getattr(spec, "dtype", "")).replace("torch.", ""),
         page_bytes=int(getattr(spec, "page_size_bytes", 0) or 0),
         layout=str(getattr(layout, "name", layout)),
-        groups=len(groups),
+        specs=tuple(type(g.kv_cache_spec).__name__ for g in groups),
+        cache_dtype=str(getattr(cache, "cache_dtype", "auto") or "auto"),
+        dynamic_kv_scales=bool(getattr(cache, "calculate_kv_scales", False)),
+        window=int(
+            getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+            or 0
+        ),
     )
+
+
+#: ``--kv-cache-dtype`` values whose pages were stored and loaded byte-exact by the CPU
+#: end-to-end tests (``tests/e2e/test_kv_dtypes_block_sizes.py``)
+TESTED_KV_DTYPES = frozenset({"auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"})
+_SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@dataclass(frozen=True)
+class Support:
+    """What the connector does for this engine's model and options (the start line)."""
+
+    level: str
+    """``full``, ``partial`` (runs; some of it untested or not yet efficient) or ``off``"""
+    facts: tuple[str, ...]
+
+    def line(self) -> str:
+        """The engine log's start line."""
+        return f"PegaFlow: {self.level} support: " + "; ".join(self.facts)
+
+
+def model_support(geometry: EngineGeometry, tp_size: int = 1, pp_size: int = 1) -> Support:
+    """Decide, from the KV cache vLLM built, what the connector supports for it: the one
+    place that decides (the facade turns the connector off on ``off``, and logs the
+    line).  ``docs/connector.md``'s table "Models and options" says the same in words."""
+    off: list[str] = []
+    partial: list[str] = []
+    facts: list[str] = []
+    kinds = set(geometry.specs)
+    if geometry.groups > 1:
+        off.append(
+            f"{geometry.groups} KV cache groups ({', '.join(geometry.specs)}: a hybrid "
+            "model); only single-group models are supported: connector off"
+        )
+    elif kinds & {"MambaSpec"}:
+        off.append("Mamba / linear-attention state is no per-block KV: connector off")
+    elif kinds <= {"FullAttentionSpec"}:
+        facts.append(f"full attention, {geometry.num_kv_heads} KV heads per rank")
+        if geometry.window:
+            partial.append(
+                f"windowed layers (window {geometry.window}) kept whole, as vLLM does "
+                "without its hybrid KV cache manager: every block stored and loaded "
+                "(untested)"
+            )
+    elif "MLAAttentionSpec" in kinds:
+        partial.append("MLA: the latent KV is stored by every TP rank, not once (untested)")
+    elif "SlidingWindowSpec" in kinds:
+        partial.append("sliding window on every layer (untested)")
+    else:
+        partial.append(f"{', '.join(geometry.specs)} (untested)")
+    dtype = geometry.cache_dtype
+    if dtype == "auto":
+        facts.append(f"{_SHORT_DTYPES.get(geometry.kv_dtype, geometry.kv_dtype)} KV")
+    elif dtype.startswith("fp8") and geometry.dynamic_kv_scales:
+        off.append(
+            f"{dtype} KV with scales computed from the engine's first batch "
+            "(calculate_kv_scales): engines write different bytes: connector off"
+        )
+    elif dtype in TESTED_KV_DTYPES and dtype.startswith("fp8"):
+        facts.append(f"fp8 KV ({dtype}, per-layer scales from the checkpoint)")
+    elif dtype in TESTED_KV_DTYPES:
+        facts.append(f"{_SHORT_DTYPES.get(dtype, dtype)} KV")
+    else:
+        partial.append(f"{dtype} KV: vLLM's pages copied as bytes (untested)")
+    facts.append(f"block size {geometry.block_size}")
+    if tp_size > 1:
+        facts.append(f"TP {tp_size}: one shard per rank")
+    if pp_size > 1:
+        partial.append(f"PP {pp_size}: one shard per rank (untested)")
+    if off:
+        return Support("off", tuple(off + facts))
+    return Support("partial" if partial else "full", tuple(facts + partial))
 
 
 def parallel_ranks(vllm_config: Any, role_is_worker: bool) -> tuple[int, int, int, int]:

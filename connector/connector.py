@@ -43,6 +43,7 @@ from .compat import (
     first_steps_min_tokens,
     hash_info,
     kv_load_failure_policy,
+    model_support,
     parallel_ranks,
     recompute_load_failures,
 )
@@ -53,6 +54,7 @@ from .metrics import Counters
 from .namespace import (
     NamespaceFactors,
     hash_stability,
+    kv_scales_digest,
     make_namespace,
     model_identity,
     shard_of,
@@ -102,16 +104,15 @@ class PegaKVConnector(KVConnectorBase_V1):
         settings = ConnectorSettings.load(extra, kv_role=kv_role)
         setup_logging(settings.log_level)
         self.geometry = engine_geometry(vllm_config, kv_cache_config)
-        if self.geometry.groups != 1 and settings.mode != "off":
-            logger.error(
-                "PegaFlow: %d KV cache groups (hybrid model); only single-group models are "
-                "supported: connector off",
-                self.geometry.groups,
-            )
-            settings = replace(settings, mode="off")
-        self.settings = settings
         is_worker = role == KVConnectorRole.WORKER
         tp_rank, tp_size, pp_rank, pp_size = parallel_ranks(vllm_config, is_worker)
+        self.support = model_support(self.geometry, tp_size, pp_size)
+        if self.support.level == "off" and settings.mode != "off":
+            logger.error("%s", self.support.line())
+            settings = replace(settings, mode="off")
+        elif not is_worker:
+            logger.info("%s", self.support.line())
+        self.settings = settings
         self.tp_size, self.pp_size = tp_size, pp_size
         self.shard = shard_of(tp_rank, pp_rank, tp_size)
         self.counters = Counters(
@@ -236,11 +237,18 @@ class PegaKVConnector(KVConnectorBase_V1):
             served = served[0] if served else ""
         ident = model_identity(str(mc.model), self.settings.model_id, str(served), dummy)
         g = self.geometry
-        cache_dtype = str(getattr(vc.cache_config, "cache_dtype", "auto"))
+        kv_dtype = f"{g.kv_dtype}/{g.cache_dtype}"
+        if g.cache_dtype != "auto" and not dummy:
+            try:
+                scales = kv_scales_digest(str(mc.model))
+            except OSError:  # unreadable: the model's identity says so in the log
+                scales = ""
+            if scales:  # changes no namespace of a cache without checkpoint scales
+                kv_dtype += f"/scales:{scales}"
         f = NamespaceFactors(
             model=ident.identity,
             dtype=str(getattr(mc, "dtype", "")).replace("torch.", ""),
-            kv_dtype=f"{g.kv_dtype}/{cache_dtype}",
+            kv_dtype=kv_dtype,
             device=device_type(),
             layout=g.layout,
             block_size=g.block_size,

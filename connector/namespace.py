@@ -34,6 +34,14 @@ hashes cover anyway as different token ids).  Set ``model_id`` (one name per dis
 model) to override it in such a case, or when the same model is served from copies that
 differ in their files (e.g. safetensors on one host, ``.bin`` on another).
 
+**fp8 KV caches** store ``K / k_scale`` and ``V / v_scale``, with one scale per layer
+that vLLM reads from the checkpoint (1.0 where it has none) and keeps constant: the
+scales are no per-block data, but two checkpoints that differ only in their calibrated
+scales write different bytes for the same tokens.  The KV dtype factor therefore names
+vLLM's ``kv_cache_dtype`` (``fp8_e4m3`` and ``fp8_e5m2`` never share) and, for a local
+directory, :func:`kv_scales_digest`: every scale tensor, read in full.  A hub repo id is
+covered by its revision in the weights factor, like the weights themselves.
+
 Pure module: no vLLM import.
 """
 
@@ -242,21 +250,35 @@ def sample_offsets(size: int) -> list[int]:
 def _tensor_samples(fh: BinaryIO, size: int, h: xxhash.xxh3_128) -> list[tuple[int, int]]:
     """A safetensors file's header fed to ``h``, and the ``(offset, length)`` of the
     tensor starts to sample; nothing when the file is no safetensors file."""
+    found = _safetensors_header(fh, size)
+    if found is None:
+        return []
+    raw, spans = found
+    h.update(raw)
+    picked = [(off, min(n, TENSOR_SAMPLE_BYTES)) for _, off, n in spans]
+    if len(picked) > TENSOR_SAMPLES:
+        step = len(picked) / TENSOR_SAMPLES
+        picked = [picked[int(i * step)] for i in range(TENSOR_SAMPLES)]
+    return picked
+
+
+def _safetensors_header(fh: BinaryIO, size: int) -> tuple[bytes, list[tuple[str, int, int]]] | None:
+    """``(raw header, [(tensor name, file offset, bytes)...] sorted by name)`` of a
+    safetensors file; None when the file is no safetensors file."""
     fh.seek(0)
     head = fh.read(8)
     if len(head) < 8:
-        return []
+        return None
     n = int.from_bytes(head, "little")
     if not 2 <= n <= min(MAX_HEADER_BYTES, size - 8):
-        return []
+        return None
     raw = fh.read(n)
     try:
         header = json.loads(raw)
     except ValueError:
-        return []
+        return None
     if not isinstance(header, dict):
-        return []
-    h.update(raw)
+        return None
     spans = []
     for name in sorted(k for k in header if k != "__metadata__"):
         t = header[name]
@@ -264,11 +286,38 @@ def _tensor_samples(fh: BinaryIO, size: int, h: xxhash.xxh3_128) -> list[tuple[i
         if isinstance(offs, list) and len(offs) == 2 and all(isinstance(x, int) for x in offs):
             begin, end = offs
             if 0 <= begin < end:
-                spans.append((8 + n + begin, min(end - begin, TENSOR_SAMPLE_BYTES)))
-    if len(spans) > TENSOR_SAMPLES:
-        step = len(spans) / TENSOR_SAMPLES
-        spans = [spans[int(i * step)] for i in range(TENSOR_SAMPLES)]
-    return spans
+                spans.append((name, 8 + n + begin, end - begin))
+    return raw, spans
+
+
+KV_SCALE_RE = re.compile(r"(?:^|\.)(?:k|v|kv)_scale$|(?:^|\.)[kv]_proj\.output_scale$")
+"""checkpoint tensors holding a layer's fp8 KV cache scales (vLLM's names, and the
+``k_proj``/``v_proj`` output scales of compressed-tensors checkpoints it maps onto them)"""
+
+
+def kv_scales_digest(path: str) -> str:
+    """xxh3 of the KV cache scales (:data:`KV_SCALE_RE`) a model directory's safetensors
+    weights hold: names and bytes, all of them (each is a scalar or one per head, unlike
+    the weights, which are only sampled).  An fp8 KV cache stores ``K / k_scale``, so two
+    checkpoints that differ only in their calibrated scales write different bytes for
+    the same tokens.  Empty: ``path`` is no directory, or no such tensor was found.
+    Raises OSError when a file cannot be read."""
+    if not os.path.isdir(path):
+        return ""
+    h = xxhash.xxh3_128()
+    found = False
+    for name in weight_files(path):
+        if not name.endswith(".safetensors"):
+            continue
+        fpath = os.path.join(path, name)
+        with open(fpath, "rb") as fh:
+            header = _safetensors_header(fh, os.fstat(fh.fileno()).st_size)
+            for tensor, off, n in header[1] if header else []:
+                if KV_SCALE_RE.search(tensor):
+                    fh.seek(off)
+                    h.update(tensor.encode() + b"\0" + fh.read(n))
+                    found = True
+    return h.hexdigest() if found else ""
 
 
 def _basename(model: str) -> str:

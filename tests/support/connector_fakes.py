@@ -442,10 +442,14 @@ def vllm_config(extra: dict[str, Any] | None = None, policy: str = "recompute") 
     )
 
 
+class FullAttentionSpec(SimpleNamespace):
+    """vLLM's spec of a full-attention layer, as the connector reads it (by its name)."""
+
+
 def kv_cache_config(groups: int = 1, block_size: int = 32) -> Any:
     """vLLM's KV cache config of ``groups`` groups of two layers (the facade tests' block
     size, 32 tokens)."""
-    spec = SimpleNamespace(
+    spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=2, head_size=32, dtype="torch.bfloat16",
         page_size_bytes=8192,
     )

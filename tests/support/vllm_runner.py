@@ -14,7 +14,8 @@ its settings then come from ``PEGAFLOW_*`` variables only),
 ``kv_both``), ``profile_dir`` (vLLM's torch profiler writes its traces there),
 ``log_stats`` (vLLM's request stats: timings in ``generate``'s answer),
 ``failure_policy`` (with ``connector``: ``kv_load_failure_policy``, default
-``recompute``; null: left to vLLM's default).
+``recompute``; null: left to vLLM's default), ``kv_cache_dtype`` (vLLM's
+``--kv-cache-dtype``, default ``auto``).
 
 Prints ``READY`` once the engine is up, then answers each command line with one JSON
 line:
@@ -78,6 +79,7 @@ def _engine(spec: dict[str, Any]) -> Any:
         skip_tokenizer_init=True,
         enforce_eager=not spec.get("cuda_graphs"),  # vLLM's default compiles, with graphs
         dtype=spec.get("dtype", "bfloat16"),
+        kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
         block_size=int(spec.get("block_size", 32)),
         max_model_len=int(spec.get("max_model_len", 2048)),
         kv_cache_memory_bytes=int(spec.get("kv_cache_bytes", 128 << 20)),

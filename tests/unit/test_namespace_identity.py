@@ -22,6 +22,7 @@ from pegaflow.connector.namespace import (
     SAMPLE_CHUNKS,
     NamespaceFactors,
     dir_identity,
+    kv_scales_digest,
     make_namespace,
     model_identity,
     sample_offsets,
@@ -215,8 +216,15 @@ def test_the_label_names_the_namespace_but_is_no_factor() -> None:
 # ---- through the connector -----------------------------------------------------------
 
 
-def connector_namespace(model: str, caplog: pytest.LogCaptureFixture, **mc: Any) -> str:
-    """The namespace a scheduler-side connector computes for ``model`` (dummy weights)."""
+def connector_namespace(
+    model: str,
+    caplog: pytest.LogCaptureFixture,
+    cache_dtype: str = "auto",
+    load_format: str = "dummy",
+    **mc: Any,
+) -> str:
+    """The namespace a scheduler-side connector computes for ``model`` (dummy weights
+    unless ``load_format`` says otherwise)."""
     pytest.importorskip("vllm")
     from pegaflow.connector import PegaKVConnector
     from pegaflow.connector.compat import KVConnectorRole
@@ -228,6 +236,8 @@ def connector_namespace(model: str, caplog: pytest.LogCaptureFixture, **mc: Any)
     init_none_hash(get_hash_fn_by_name("sha256"))
     vc = vllm_config()
     vc.model_config = SimpleNamespace(model=model, dtype="bfloat16", seed=0, **mc)
+    vc.cache_config.cache_dtype = cache_dtype
+    vc.load_config.load_format = load_format
     cluster = FakeCluster()
     with mock.patch.object(PegaKVConnector, "_make_client", lambda self: cluster):
         conn = PegaKVConnector(vc, KVConnectorRole.SCHEDULER, kv_cache_config())
@@ -267,3 +277,49 @@ def test_engines_with_the_model_at_other_paths_share_a_namespace(
     assert served != a and served == connector_namespace(
         dirs[1], caplog, served_model_name="llama-3"
     )
+
+
+def fp8_checkpoint(root: Path, k_scale: float, extra: dict[str, bytes] | None = None) -> Path:
+    """A model directory whose layers carry fp8 KV cache scales (and ``extra`` tensors)."""
+    import struct
+
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps(CONFIG))
+    tensors = {"layers.0.q": bytes(range(200)) * 3000, **(extra or {})}
+    for i in range(2):
+        tensors[f"model.layers.{i}.self_attn.attn.k_scale"] = struct.pack("<f", k_scale)
+        tensors[f"model.layers.{i}.self_attn.attn.v_scale"] = struct.pack("<f", 0.5)
+    write_safetensors(root / "model.safetensors", tensors)
+    return root
+
+
+def test_kv_scales_digest_reads_every_scale_and_nothing_else(tmp_path: Path) -> None:
+    """The fp8 scales are read in full (they fall between the weights' samples): a
+    checkpoint recalibrated to other scales gets another digest; a path, other weights
+    of the same names or a directory without scales do not change it or have none."""
+    a = kv_scales_digest(str(fp8_checkpoint(tmp_path / "a", 0.25)))
+    assert a and a == kv_scales_digest(str(fp8_checkpoint(tmp_path / "mnt" / "a", 0.25)))
+    assert kv_scales_digest(str(fp8_checkpoint(tmp_path / "b", 0.125))) != a
+    other = fp8_checkpoint(tmp_path / "c", 0.25, {"layers.1.o": b"x" * 100})
+    assert kv_scales_digest(str(other)) == a
+    assert kv_scales_digest(str(model_dir(tmp_path / "plain"))) == ""
+    assert kv_scales_digest(str(tmp_path / "missing")) == ""
+
+
+def test_fp8_caches_of_other_scales_or_dtypes_never_share(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two checkpoints differing only in a k_scale, served under one name (so their
+    identity is that name: no weights read), write other fp8 bytes: their namespaces
+    differ; so do fp8_e4m3 and fp8_e5m2 of one checkpoint; a bf16 cache of it is keyed
+    as before (no scale factor)."""
+    a = str(fp8_checkpoint(tmp_path / "a", 0.25))
+    b = str(fp8_checkpoint(tmp_path / "b", 0.125))
+    real = {"load_format": "safetensors", "served_model_name": "llama-fp8"}
+    e4m3 = connector_namespace(a, caplog, "fp8_e4m3", **real)
+    assert "kv_dtype='bfloat16/fp8_e4m3/scales:" in caplog.text
+    assert connector_namespace(b, caplog, "fp8_e4m3", **real) != e4m3
+    assert connector_namespace(a, caplog, "fp8_e5m2", **real) != e4m3
+    assert "/scales:" not in connector_namespace(a, caplog, **real)
+    line = next(r.getMessage() for r in reversed(caplog.records) if "namespace" in r.getMessage())
+    assert "kv_dtype='bfloat16/auto'" in line

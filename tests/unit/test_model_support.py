@@ -1,0 +1,98 @@
+"""The start line: which support applies to an engine's model and options, decided in
+one place (:func:`pegaflow.connector.compat.model_support`) from its KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from pegaflow.connector.compat import EngineGeometry, model_support
+
+DENSE = EngineGeometry(
+    block_size=16, num_blocks=64, num_layers=2, num_kv_heads=8, head_size=128,
+    kv_dtype="bfloat16", page_bytes=65536, layout="NHD", specs=("FullAttentionSpec",),
+)  # fmt: skip
+
+
+def support(**changes: Any) -> tuple[str, str]:
+    tp = changes.pop("tp", 1)
+    pp = changes.pop("pp", 1)
+    s = model_support(replace(DENSE, **changes), tp, pp)
+    return s.level, s.line()
+
+
+def test_dense_models_with_tested_dtypes_and_block_sizes_have_full_support() -> None:
+    assert support() == (
+        "full",
+        "PegaFlow: full support: full attention, 8 KV heads per rank; bf16 KV; block size 16",
+    )
+    for dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        level, line = support(cache_dtype=dtype, kv_dtype="uint8", block_size=128)
+        assert level == "full"
+        assert f"fp8 KV ({dtype}, per-layer scales from the checkpoint); block size 128" in line
+    level, line = support(tp=2)
+    assert level == "full" and line.endswith("; TP 2: one shard per rank")
+
+
+def test_what_is_not_done_says_what_happens_today() -> None:
+    level, line = support(specs=("FullAttentionSpec", "SlidingWindowSpec"))
+    assert level == "off"
+    assert line.startswith("PegaFlow: off support: 2 KV cache groups (FullAttentionSpec, ")
+    assert "connector off" in line
+    assert support(specs=("FullAttentionSpec", "MambaSpec"))[0] == "off"
+    assert support(specs=("MambaSpec",))[0] == "off"
+    level, line = support(specs=("MLAAttentionSpec",))
+    assert level == "partial" and "MLA: the latent KV is stored by every TP rank" in line
+    assert support(specs=("SlidingWindowSpec",))[0] == "partial"
+    # gpt-oss, Gemma 3 under this connector: vLLM keeps sliding layers as full attention
+    level, line = support(window=128)
+    assert level == "partial" and "windowed layers (window 128) kept whole" in line
+    assert support(specs=("ChunkedLocalAttentionSpec",))[0] == "partial"
+    assert support(pp=2)[0] == "partial"
+    level, line = support(cache_dtype="nvfp4", kv_dtype="uint8")
+    assert level == "partial" and "nvfp4 KV: vLLM's pages copied as bytes (untested)" in line
+
+
+def test_fp8_scales_computed_at_run_time_turn_the_connector_off() -> None:
+    """Scales taken from each engine's first batch differ between engines: the same
+    tokens' fp8 bytes would too."""
+    level, line = support(cache_dtype="fp8", kv_dtype="uint8", dynamic_kv_scales=True)
+    assert level == "off" and "calculate_kv_scales" in line
+    assert support(dynamic_kv_scales=True)[0] == "full"  # bf16: no scales at all
+
+
+def test_the_facade_logs_the_line_and_follows_it(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+    from unittest import mock
+
+    from pegaflow.connector import PegaKVConnector
+    from pegaflow.connector.compat import KVConnectorRole
+
+    from tests.support.connector_fakes import FakeCluster, kv_cache_config, vllm_config
+
+    log = logging.getLogger("pegaflow.connector")  # it does not propagate (vLLM's handler)
+    log.addHandler(caplog.handler)
+    try:
+        with (
+            caplog.at_level(logging.INFO, "pegaflow.connector"),
+            mock.patch.object(PegaKVConnector, "_make_client", lambda self: FakeCluster()),
+        ):
+            conn = PegaKVConnector(vllm_config(), KVConnectorRole.SCHEDULER, kv_cache_config())
+            conn.shutdown()
+            off = PegaKVConnector(
+                vllm_config(), KVConnectorRole.SCHEDULER, kv_cache_config(groups=2)
+            )
+            off.shutdown()
+    finally:
+        log.removeHandler(caplog.handler)
+    assert conn.support.level == "full" and conn.settings.mode != "off"
+    assert off.support.level == "off" and off.settings.mode == "off"
+    lines = [r.getMessage() for r in caplog.records if "support:" in r.getMessage()]
+    assert lines[0] == (
+        "PegaFlow: full support: full attention, 2 KV heads per rank; bf16 KV; block size 32"
+    )
+    assert lines[1].startswith("PegaFlow: off support: 2 KV cache groups")
