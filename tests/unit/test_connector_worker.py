@@ -365,14 +365,16 @@ def test_a_staging_buffer_that_a_failed_get_may_still_write_is_not_handed_out() 
     assert staging.acquire(wait=False) is a
 
 
-def test_with_cuda_graphs_the_start_up_work_waits_for_the_first_step(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("trigger", ["first_step", "scheduler_built"])
+def test_with_cuda_graphs_the_start_up_work_waits_for_the_capture_to_end(
+    monkeypatch: pytest.MonkeyPatch, trigger: str
 ) -> None:
     # vLLM captures CUDA graphs after register_kv_caches: a CUDA call of our threads
     # meanwhile would invalidate the capture, so the background start-up work (finding,
-    # mapping and pinning the node's pool) goes at the first step; the kernel's warm-up
-    # (its compiles, which hold the GIL) runs in register_kv_caches itself, before the
-    # capture, not beside the first requests
+    # mapping and pinning the node's pool) waits for the engine's first step, or for
+    # vLLM to build its scheduler where it shares this process (after the capture,
+    # seconds before a first request can come); the kernel's warm-up (its compiles,
+    # which hold the GIL) runs in register_kv_caches itself, before the capture
     ran: list[str] = []
     monkeypatch.setattr(WorkerSide, "_warm_up", lambda self: ran.append("warm-up"))
     monkeypatch.setattr(WorkerSide, "_discover", lambda self: ran.append("discover"))
@@ -381,8 +383,12 @@ def test_with_cuda_graphs_the_start_up_work_waits_for_the_first_step(
     w.register_kv_caches(kv(1), NB)
     w._load_pool.submit(lambda: None).result()  # what register_kv_caches queued ran
     assert ran == ["warm-up"]
-    w.start_step(StepPlan(NS))
-    w.start_step(StepPlan(NS))
+    for _ in range(2):
+        if trigger == "first_step":
+            w.start_step(StepPlan(NS))
+        else:
+            w.engine_started()
+    w.start_step(StepPlan(NS))  # nothing more
     w._load_pool.submit(lambda: None).result()
     assert ran == ["warm-up", "discover"]
     w.shutdown()
@@ -392,28 +398,6 @@ def test_with_cuda_graphs_the_start_up_work_waits_for_the_first_step(
     eager._load_pool.submit(lambda: None).result()
     assert ran == ["discover", "warm-up"]  # without graphs: at once, as before
     eager.shutdown()
-
-
-def test_with_cuda_graphs_the_scheduler_built_in_its_process_starts_the_work(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # vLLM builds its scheduler after the capture: where it shares the worker's process,
-    # its connector starts the worker's deferred start-up work then, seconds before the
-    # first request can come, so the pool is pinned sooner
-    ran: list[str] = []
-    monkeypatch.setattr(WorkerSide, "_warm_up", lambda self: ran.append("warm-up"))
-    monkeypatch.setattr(WorkerSide, "_discover", lambda self: ran.append("discover"))
-    s = ConnectorSettings.load({}, env={})
-    w = WorkerSide(s, 0, Counters(), FakeCluster, graph_tokens=512)
-    w.register_kv_caches(kv(1), NB)
-    w.engine_started()
-    w.engine_started()
-    w._load_pool.submit(lambda: None).result()
-    assert ran == ["warm-up", "discover"]
-    w.start_step(StepPlan(NS))  # the first step starts nothing more
-    w._load_pool.submit(lambda: None).result()
-    assert ran == ["warm-up", "discover"]
-    w.shutdown()
 
 
 def test_steps_that_replay_a_cuda_graph_queue_every_layer_at_once() -> None:
