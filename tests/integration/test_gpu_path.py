@@ -148,3 +148,35 @@ def test_gpu_checks_do_not_wait_for_work_queued_after_them(server: Proc) -> None
         for name in src_kv:
             got = dst_kv[name][40:56].view(torch.int16)
             assert torch.equal(got, src_kv[name][:16].view(torch.int16)), name
+
+
+def test_gpu_loads_while_the_pool_is_partly_pinned_are_exact(server: Proc) -> None:
+    """Loads whose blocks lie in pinned and in not yet pinned pieces (an engine's first
+    requests while its pool is being pinned): the pinned pieces' blocks take the fast
+    path, the others the pageable one, every block byte-identical and checked; and the
+    pieces a load found unpinned are asked for first."""
+    with _pair(server, "per_layer", 7) as (client, src_kv, dst_kv, writer, reader):
+        ns = "gpu-partly-pinned"
+        hashes = [bytes([i, 7]) * 8 for i in range(70)]
+        ids = list(range(5, 75))
+        assert writer.save(client, ns, hashes, 0, ids).result(30).stored == 70
+        pool = reader.pool
+        assert pool is not None and pool.pinner is not None
+        pinner = pool.pinner
+        pieces = len(pinner._pinned)
+        for only in [None, *range(pieces)]:  # none pinned, then each piece alone
+            pinner.release()
+            if only is not None:
+                size = min(pool.piece, pool.size - only * pool.piece)
+                assert pinner._register(only * pool.piece, size) == 0
+                pinner._pinned[only] = True
+            for t in dst_kv.values():
+                t.zero_()
+            pending = reader.start_load(client, ns, hashes, 0, list(range(10, 80)))
+            assert pending.finish() == [True] * 70
+            assert not pending.learn or only is not None  # pageable loads teach nothing
+            for name in src_kv:
+                got = dst_kv[name][10:80].view(torch.int16)
+                assert torch.equal(got, src_kv[name][ids].view(torch.int16)), (name, only)
+        assert pinner._wanted  # the pieces the loads found unpinned go next
+        pinner.release()
