@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -57,12 +58,17 @@ def pin_piece(slab_bytes: int) -> int:
 
 def _populate(ptr: int, size: int) -> None:
     """Fault ``[ptr, ptr + size)`` in before it is pinned: page-table work done here,
-    outside the driver's lock (ctypes hands the GIL back meanwhile); best effort."""
+    outside the driver's lock (ctypes hands the GIL back meanwhile); best effort (an
+    older kernel refuses it, and registration faults the pages in itself)."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(size), _MADV_POPULATE_WRITE)
+        _libc().madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(size), _MADV_POPULATE_WRITE)
     except (OSError, AttributeError):
         pass
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 class PoolPinner:
@@ -93,6 +99,8 @@ class PoolPinner:
         n = -(-size // piece)
         self._pinned = np.zeros(n, dtype=bool)
         self._wanted: collections.deque[int] = collections.deque()
+        self._asked: set[int] = set()
+        """the pieces in ``_wanted``"""
         self._lock = threading.Lock()
         self._quiet = threading.Condition(self._lock)
         self._queueing = 0
@@ -121,7 +129,10 @@ class PoolPinner:
             return
         idx = np.unique(np.asarray(offsets, dtype=np.int64) // self.piece)
         with self._lock:
-            self._wanted.extend(int(i) for i in idx if not self._pinned[i])
+            for i in idx.tolist():
+                if not self._pinned[i] and i not in self._asked:
+                    self._asked.add(i)
+                    self._wanted.append(i)
 
     @contextlib.contextmanager
     def hold_off(self) -> Iterator[None]:
@@ -145,6 +156,7 @@ class PoolPinner:
         with self._lock:
             while self._wanted:
                 i = self._wanted.popleft()
+                self._asked.discard(i)
                 if not self._pinned[i]:
                     return i, cursor
         n = len(self._pinned)

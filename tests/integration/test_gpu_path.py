@@ -163,6 +163,7 @@ def test_gpu_loads_while_the_pool_is_partly_pinned_are_exact(server: Proc) -> No
         pool = reader.pool
         assert pool is not None and pool.pinner is not None
         pinner = pool.pinner
+        pinner.done.clear()  # as while the pinning thread still runs
         pieces = len(pinner._pinned)
         for only in [None, *range(pieces)]:  # none pinned, then each piece alone
             pinner.release()
