@@ -124,6 +124,12 @@ class EngineGeometry:
         """KV cache groups: one per kind of layer (more than one: a hybrid model)."""
         return len(self.specs)
 
+    @property
+    def mla(self) -> bool:
+        """Every layer is MLA: each TP rank holds the same latent KV, stored once
+        (:class:`~pegaflow.connector.namespace.ShardLayout`)."""
+        return bool(self.specs) and all(s == "MLAAttentionSpec" for s in self.specs)
+
 
 def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
     """Read block size, heads, dtype, layout ... from vLLM's KV cache config."""
@@ -203,8 +209,8 @@ def model_support(geometry: EngineGeometry, tp_size: int = 1, pp_size: int = 1) 
                 "without its hybrid KV cache manager: every block stored and loaded "
                 "(untested)"
             )
-    elif "MLAAttentionSpec" in kinds:
-        partial.append("MLA: the latent KV is stored by every TP rank, not once (untested)")
+    elif geometry.mla:
+        facts.append("MLA: the latent KV stored once, by TP rank 0, loaded by every rank")
     elif "SlidingWindowSpec" in kinds:
         partial.append("sliding window on every layer (untested)")
     else:
@@ -224,10 +230,11 @@ def model_support(geometry: EngineGeometry, tp_size: int = 1, pp_size: int = 1) 
     else:
         partial.append(f"{dtype} KV: vLLM's pages copied as bytes (untested)")
     facts.append(f"block size {geometry.block_size}")
+    per = "stage" if geometry.mla else "rank"
     if tp_size > 1:
-        facts.append(f"TP {tp_size}: one shard per rank")
+        facts.append(f"TP {tp_size}: one shard per {per}")
     if pp_size > 1:
-        partial.append(f"PP {pp_size}: one shard per rank (untested)")
+        partial.append(f"PP {pp_size}: one shard per {per} (untested)")
     if off:
         return Support("off", tuple(off + facts))
     return Support("partial" if partial else "full", tuple(facts + partial))

@@ -53,11 +53,11 @@ from .metadata import StepPlan
 from .metrics import Counters
 from .namespace import (
     NamespaceFactors,
+    ShardLayout,
     hash_stability,
     kv_scales_digest,
     make_namespace,
     model_identity,
-    shard_of,
 )
 from .report import WORKER_COUNTERS, CacheReport, format_line
 from .scheduler.nsdiag import factor_strings
@@ -113,10 +113,11 @@ class PegaKVConnector(KVConnectorBase_V1):
         elif not is_worker:
             logger.info("%s", self.support.line())
         self.settings = settings
-        self.tp_size, self.pp_size = tp_size, pp_size
-        self.shard = shard_of(tp_rank, pp_rank, tp_size)
+        self.layout = ShardLayout(tp_size, pp_size, replicated=self.geometry.mla)
+        self.rank = self.layout.rank(tp_rank, pp_rank)
+        self.shard = self.layout.shard(tp_rank, pp_rank)
         self.counters = Counters(
-            "worker" if is_worker else "scheduler", self.shard, self.settings.stats_path
+            "worker" if is_worker else "scheduler", self.rank, self.settings.stats_path
         )
         self.policy = kv_load_failure_policy(vllm_config)
         # the same decision in every process: a worker of its own process must not retry
@@ -142,6 +143,7 @@ class PegaKVConnector(KVConnectorBase_V1):
                 self.shard,
                 self.counters,
                 self._make_client,
+                saves=self.layout.saves(tp_rank),
                 retry_failed_loads=self.policy == "fail",
                 defer_checks=defer_possible(vllm_config),
                 graph_tokens=cuda_graph_tokens(vllm_config) if device_type() == "cuda" else 0,
@@ -151,7 +153,7 @@ class PegaKVConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 self.settings,
                 self.geometry.block_size,
-                tp_size * pp_size,
+                self.layout.shards,
                 namespace=self._compute_namespace,
                 counters=self.counters,
                 client_factory=self._make_client,
@@ -255,8 +257,8 @@ class PegaKVConnector(KVConnectorBase_V1):
             num_layers=g.num_layers,
             num_kv_heads=g.num_kv_heads,
             head_size=g.head_size,
-            tp_size=self.tp_size,
-            pp_size=self.pp_size,
+            tp_size=self.layout.tp_factor,
+            pp_size=self.layout.pp_size,
             page_bytes=g.page_bytes,
             hash_algo=hi.algo,
             hash_seed_fingerprint=hi.root_fingerprint,
@@ -443,7 +445,7 @@ class PegaKVConnector(KVConnectorBase_V1):
         line only with a step's output, so what no step carried (saves that finished
         after the engine's last step) is logged here, in a line of its own."""
         untold = {k: v for k, v in self.counters.take_delta().items() if k in WORKER_COUNTERS}
-        title = f"PegaFlow cache (rank {self.shard}, after the last step)"
+        title = f"PegaFlow cache (rank {self.rank}, after the last step)"
         line = format_line(untold, 0.0, title=title)
         if line is not None:
             logger.info("%s", line)

@@ -6,7 +6,13 @@ namespaced by everything that changes the bytes of a block: model identity, weig
 (dummy weights count with their seed), KV dtype, attention backend / device and KV
 layout, block size, layer count, KV heads, head size, TP and PP sizes, and the
 fingerprint of the hash seed (``NONE_HASH``), so engines whose hashes cannot agree can
-never read each other's blocks.  The rank of the worker is the key's *shard*.
+never read each other's blocks.  Where a worker's part of a block goes is the key's
+*shard* (:class:`ShardLayout`).
+
+**MLA is stored once** (:class:`ShardLayout`).  With multi-head latent attention every
+TP rank holds the same latent KV, so a block has one shard per PP stage: TP rank 0 of
+each stage stores it and every rank of the stage loads it.  Its bytes do not depend on
+the TP size either, so the TP factor is left out (0): engines of any TP size share them.
 
 **Model identity, not model path** (:func:`model_identity`).  Hosts mount one model at
 different paths (``/models/llama``, ``/mnt/llama``), so a path in the namespace would
@@ -76,6 +82,7 @@ class NamespaceFactors:
     num_kv_heads: int
     head_size: int
     tp_size: int
+    """TP size; 0 where the KV does not depend on it (MLA: :attr:`ShardLayout.tp_factor`)"""
     pp_size: int
     page_bytes: int
     """bytes of one block of one layer of one rank, as vLLM sizes it"""
@@ -88,11 +95,6 @@ class NamespaceFactors:
     label: str = ""
     """readable name for the namespace's slug (:attr:`ModelIdentity.name`; never a path);
     not part of the digest"""
-
-    @property
-    def world_size(self) -> int:
-        """Ranks (shards) that each hold a part of every block."""
-        return self.tp_size * self.pp_size
 
 
 def make_namespace(f: NamespaceFactors) -> str:
@@ -324,9 +326,38 @@ def _basename(model: str) -> str:
     return model.rstrip("/").rsplit("/", 1)[-1] or "model"
 
 
-def shard_of(tp_rank: int, pp_rank: int, tp_size: int) -> int:
-    """The shard number of a worker: its global rank within the engine (PP-major)."""
-    return pp_rank * tp_size + tp_rank
+@dataclass(frozen=True)
+class ShardLayout:
+    """How an engine's ranks divide each block into shards: the one place that decides
+    which rank stores and loads which shard."""
+
+    tp_size: int = 1
+    pp_size: int = 1
+    replicated: bool = False
+    """every TP rank holds the same KV (MLA's latent KV): one shard per PP stage"""
+
+    @property
+    def shards(self) -> int:
+        """Shards per block: a block is a hit only where all of them are stored."""
+        return self.pp_size if self.replicated else self.tp_size * self.pp_size
+
+    @property
+    def tp_factor(self) -> int:
+        """The namespace's TP factor: 0 where the KV does not depend on the TP size."""
+        return 0 if self.replicated else self.tp_size
+
+    def rank(self, tp_rank: int, pp_rank: int) -> int:
+        """A worker's global rank within the engine (PP-major)."""
+        return pp_rank * self.tp_size + tp_rank
+
+    def shard(self, tp_rank: int, pp_rank: int) -> int:
+        """The shard a worker stores and loads: its rank, or its PP stage where replicated."""
+        return pp_rank if self.replicated else self.rank(tp_rank, pp_rank)
+
+    def saves(self, tp_rank: int) -> bool:
+        """Whether a worker stores its shard: where replicated, TP rank 0 only (the others
+        hold the same bytes)."""
+        return not self.replicated or tp_rank == 0
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,9 @@ class PoolFileMedium:
         path: the mapped pool of the node on this host.
         io: the worker's KV block copier.
         shard: this worker's shard.
+        takes_pins: this worker takes over (and releases) the scheduler's pins of its
+            shard's located blocks; False: another rank of the same shard does (MLA),
+            and this one locates them itself.
     """
 
     name = "pool-file"
@@ -59,6 +62,7 @@ class PoolFileMedium:
     path: LocalPath
     io: KVBlockIO
     shard: int
+    takes_pins: bool = True
 
     @property
     def node_id(self) -> str:
@@ -140,6 +144,8 @@ class PoolFileMedium:
     def _located(self, job: LoadJob) -> tuple[list[int], LocatedBlocks] | None:
         """The scheduler's locations of this shard's blocks, if they are still pinned
         for long enough (else None: the worker locates them itself)."""
+        if not self.takes_pins:
+            return None
         where = job.located[self.shard] if self.shard < len(job.located) else None
         if where is None or len(where) != len(job.block_ids) or self.shard >= len(job.pins):
             return None

@@ -61,7 +61,7 @@ class WorkerSide:
 
     Args:
         settings: connector settings.
-        shard: this worker's shard (its rank within the engine).
+        shard: this worker's shard (:meth:`~pegaflow.connector.namespace.ShardLayout.shard`).
         counters: the counters to update.
         client_factory: builds the cluster client (lazily, on first transfer).
         retry_failed_loads: retry blocks that failed once more before reporting them
@@ -76,6 +76,7 @@ class WorkerSide:
             vLLM gives to new requests (a vLLM that does not defer frees,
             :func:`~pegaflow.connector.compat.defers_block_frees`): loads then wait for the GPU work
             queued before them.
+        saves: this worker stores its shard (False, MLA: another rank does, counts them).
     """
 
     def __init__(
@@ -88,9 +89,11 @@ class WorkerSide:
         defer_checks: bool = False,
         graph_tokens: int = 0,
         new_blocks_may_be_busy: bool = True,
+        saves: bool = True,
     ) -> None:
         self.settings = settings
         self.shard = shard
+        self.saves = saves
         self.counters = counters
         self._client_factory = client_factory
         self._client: Any = None
@@ -312,7 +315,7 @@ class WorkerSide:
 
     def submit_saves(self, plan: StepPlan) -> None:
         """Queue the copy-out of this step's newly full blocks (returns at once)."""
-        if not plan.saves:
+        if not plan.saves or not self.saves:
             return
         if self.io is None or not self.settings.can_save or not plan.namespace:
             self.books.drop(plan.saves, "the connector is inert (see the error logged at start)")
@@ -481,7 +484,7 @@ class WorkerSide:
         assert self.io is not None
         s = self.settings
         path = LocalPath(self.io, node, s.transfer_timeout_s, s.verify_threads)
-        return PoolFileMedium(path, self.io, self.shard)
+        return PoolFileMedium(path, self.io, self.shard, takes_pins=self.saves)
 
     def _discover(self) -> None:
         """Find the node on this host (unless ``local_node`` names it) and, with the

@@ -9,10 +9,10 @@ import pytest
 from pegaflow.connector import settings as settings_mod
 from pegaflow.connector.namespace import (
     NamespaceFactors,
+    ShardLayout,
     block_hash_bytes,
     hash_stability,
     make_namespace,
-    shard_of,
 )
 from pegaflow.connector.settings import ConnectorSettings
 
@@ -186,8 +186,21 @@ def test_every_factor_changes_the_namespace(change: dict[str, object]) -> None:
 
 
 def test_shards_and_world_size() -> None:
-    assert factors(tp_size=2, pp_size=2).world_size == 4
-    assert [shard_of(t, p, 2) for p in range(2) for t in range(2)] == [0, 1, 2, 3]
+    dense = ShardLayout(tp_size=2, pp_size=2)
+    assert dense.shards == 4 and dense.tp_factor == 2
+    assert [dense.shard(t, p) for p in range(2) for t in range(2)] == [0, 1, 2, 3]
+    assert all(dense.saves(t) for t in range(2))
+
+
+def test_mla_has_one_shard_per_stage_saved_by_tp_rank_0() -> None:
+    """Every TP rank holds the same latent KV: one shard per PP stage, stored by its TP
+    rank 0 and loaded by every rank, under a namespace without the TP size."""
+    mla = ShardLayout(tp_size=2, pp_size=2, replicated=True)
+    assert mla.shards == 2 and mla.tp_factor == 0
+    assert [mla.shard(t, p) for p in range(2) for t in range(2)] == [0, 0, 1, 1]
+    assert [mla.rank(t, p) for p in range(2) for t in range(2)] == [0, 1, 2, 3]
+    assert [mla.saves(t) for t in range(2)] == [True, False]
+    assert ShardLayout(1, 2, replicated=True).tp_factor == mla.tp_factor
 
 
 def test_hash_stability() -> None:

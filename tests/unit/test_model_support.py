@@ -45,8 +45,6 @@ def test_what_is_not_done_says_what_happens_today() -> None:
     assert "connector off" in line
     assert support(specs=("FullAttentionSpec", "MambaSpec"))[0] == "off"
     assert support(specs=("MambaSpec",))[0] == "off"
-    level, line = support(specs=("MLAAttentionSpec",))
-    assert level == "partial" and "MLA: the latent KV is stored by every TP rank" in line
     assert support(specs=("SlidingWindowSpec",))[0] == "partial"
     # gpt-oss, Gemma 3 under this connector: vLLM keeps sliding layers as full attention
     level, line = support(window=128)
@@ -55,6 +53,14 @@ def test_what_is_not_done_says_what_happens_today() -> None:
     assert support(pp=2)[0] == "partial"
     level, line = support(cache_dtype="nvfp4", kv_dtype="uint8")
     assert level == "partial" and "nvfp4 KV: vLLM's pages copied as bytes (untested)" in line
+
+
+def test_mla_is_stored_once_at_every_tp() -> None:
+    level, line = support(specs=("MLAAttentionSpec",), num_kv_heads=1, head_size=576, tp=2)
+    assert level == "full"
+    assert "MLA: the latent KV stored once, by TP rank 0, loaded by every rank" in line
+    assert line.endswith("; TP 2: one shard per stage")
+    assert not replace(DENSE, specs=("MLAAttentionSpec", "FullAttentionSpec")).mla
 
 
 def test_fp8_scales_computed_at_run_time_turn_the_connector_off() -> None:
