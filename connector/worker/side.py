@@ -93,7 +93,6 @@ class WorkerSide:
     ) -> None:
         self.settings = settings
         self.shard = shard
-        self.saves = saves
         self.counters = counters
         self._client_factory = client_factory
         self._client: Any = None
@@ -112,6 +111,7 @@ class WorkerSide:
         """set once the first search for the node on this host and the mapping of its
         pool (when it has one) are done"""
         self._retry = retry_failed_loads
+        self.saves = saves
         self.io: KVBlockIO | None = None
         self._remote: RemoteMedium | None = None
         """UCX through host staging (set once the KV cache is registered)"""
