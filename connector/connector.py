@@ -257,7 +257,7 @@ class PegaKVConnector(KVConnectorBase_V1):
             num_layers=g.num_layers,
             num_kv_heads=g.num_kv_heads,
             head_size=g.head_size,
-            tp_size=self.layout.tp_factor,
+            tp_size=self.layout.tp_factor(dummy),
             pp_size=self.layout.pp_size,
             page_bytes=g.page_bytes,
             hash_algo=hi.algo,

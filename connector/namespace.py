@@ -12,7 +12,8 @@ never read each other's blocks.  Where a worker's part of a block goes is the ke
 **MLA is stored once** (:class:`ShardLayout`).  With multi-head latent attention every
 TP rank holds the same latent KV, so a block has one shard per PP stage: TP rank 0 of
 each stage stores it and every rank of the stage loads it.  Its bytes do not depend on
-the TP size either, so the TP factor is left out (0): engines of any TP size share them.
+the TP size either, so the TP factor is left out (0): engines of any TP size share them
+(unless their weights are dummy: drawn per rank's slice, they differ by TP size).
 
 **Model identity, not model path** (:func:`model_identity`).  Hosts mount one model at
 different paths (``/models/llama``, ``/mnt/llama``), so a path in the namespace would
@@ -82,7 +83,7 @@ class NamespaceFactors:
     num_kv_heads: int
     head_size: int
     tp_size: int
-    """TP size; 0 where the KV does not depend on it (MLA: :attr:`ShardLayout.tp_factor`)"""
+    """TP size; 0 where the KV does not depend on it (MLA: :meth:`ShardLayout.tp_factor`)"""
     pp_size: int
     page_bytes: int
     """bytes of one block of one layer of one rank, as vLLM sizes it"""
@@ -341,10 +342,11 @@ class ShardLayout:
         """Shards per block: a block is a hit only where all of them are stored."""
         return self.pp_size if self.replicated else self.tp_size * self.pp_size
 
-    @property
-    def tp_factor(self) -> int:
-        """The namespace's TP factor: 0 where the KV does not depend on the TP size."""
-        return 0 if self.replicated else self.tp_size
+    def tp_factor(self, dummy_weights: bool = False) -> int:
+        """The namespace's TP factor: 0 where the KV does not depend on the TP size
+        (replicated, with the weights read from files: dummy weights are drawn per rank's
+        slice, so at another TP size they are another model)."""
+        return 0 if self.replicated and not dummy_weights else self.tp_size
 
     def rank(self, tp_rank: int, pp_rank: int) -> int:
         """A worker's global rank within the engine (PP-major)."""

@@ -144,7 +144,8 @@ def mla_cache_config() -> Any:
 
 @pytest.fixture()
 def facade() -> Any:
-    """``facade(cluster, tp, mla)``: the scheduler-side connector of such an engine."""
+    """``facade(cluster, tp, mla, dummy=False)``: the scheduler-side connector of such an
+    engine (weights from files, else dummy ones)."""
     pytest.importorskip("vllm")
     from pegaflow.connector import PegaKVConnector
     from pegaflow.connector.compat import KVConnectorRole
@@ -154,9 +155,10 @@ def facade() -> Any:
     init_none_hash(get_hash_fn_by_name("sha256"))
     made: list[Any] = []
 
-    def build(cluster: FakeCluster, tp: int, mla: bool) -> Any:
+    def build(cluster: FakeCluster, tp: int, mla: bool, dummy: bool = False) -> Any:
         cfg = vllm_config({"cost_model": False})
         cfg.parallel_config.tensor_parallel_size = tp
+        cfg.load_config.load_format = "dummy" if dummy else "auto"
         kvc = mla_cache_config() if mla else kv_cache_config()
         with mock.patch.object(PegaKVConnector, "_make_client", lambda self: cluster):
             c = PegaKVConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
@@ -179,6 +181,13 @@ def test_a_tp2_mla_engine_hits_what_a_tp1_mla_engine_stored(facade: Any) -> None
     for bh in req.block_hashes:
         cluster.blocks[(ns, bh, 0)] = ("n1", b"x")  # what TP=1's one rank stored
     assert tp2.get_num_new_matched_tokens(req, 0)[0] == 96
+
+
+def test_mla_engines_of_dummy_weights_share_only_at_one_tp_size(facade: Any) -> None:
+    """Dummy weights are drawn per rank's slice: at another TP size another model."""
+    cluster = FakeCluster()
+    ns = [facade(cluster, tp, True, dummy=True)._scheduler.namespace for tp in (1, 2, 2)]
+    assert ns[0] != ns[1] == ns[2]
 
 
 def test_dense_engines_of_other_tp_sizes_still_never_share(facade: Any) -> None:

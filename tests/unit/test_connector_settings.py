@@ -187,7 +187,7 @@ def test_every_factor_changes_the_namespace(change: dict[str, object]) -> None:
 
 def test_shards_and_world_size() -> None:
     dense = ShardLayout(tp_size=2, pp_size=2)
-    assert dense.shards == 4 and dense.tp_factor == 2
+    assert dense.shards == 4 and dense.tp_factor() == 2
     assert [dense.shard(t, p) for p in range(2) for t in range(2)] == [0, 1, 2, 3]
     assert all(dense.saves(t) for t in range(2))
 
@@ -196,11 +196,13 @@ def test_mla_has_one_shard_per_stage_saved_by_tp_rank_0() -> None:
     """Every TP rank holds the same latent KV: one shard per PP stage, stored by its TP
     rank 0 and loaded by every rank, under a namespace without the TP size."""
     mla = ShardLayout(tp_size=2, pp_size=2, replicated=True)
-    assert mla.shards == 2 and mla.tp_factor == 0
+    assert mla.shards == 2 and mla.tp_factor() == 0
     assert [mla.shard(t, p) for p in range(2) for t in range(2)] == [0, 0, 1, 1]
     assert [mla.rank(t, p) for p in range(2) for t in range(2)] == [0, 1, 2, 3]
     assert [mla.saves(t) for t in range(2)] == [True, False]
-    assert ShardLayout(1, 2, replicated=True).tp_factor == mla.tp_factor
+    assert ShardLayout(1, 2, replicated=True).tp_factor() == mla.tp_factor()
+    # dummy weights are drawn per rank's slice: another TP size is another model
+    assert mla.tp_factor(dummy_weights=True) == 2
 
 
 def test_hash_stability() -> None:
