@@ -4,12 +4,13 @@ A real vLLM engine (CPU, its ``CPU_MLA`` backend) of a DeepSeek-V2-like model sc
 down (2 dense layers, hidden 128, vLLM's one MLA head size: 512 latent + 64 rope dims),
 dummy weights, against one real ``pegaflow-server``.  A cold engine finds nothing and
 saves; a restarted one (a new process) must load every full block, each one rank's
-``(16 tokens, 576)`` tile per layer, and give the cold outputs.  vLLM turns its own
+``(16 tokens, 576)`` tile per layer, and give the cold outputs.  At TP=2 the same, with
+one copy stored (by rank 0) and loaded by both ranks.  vLLM turns its own
 prefix caching off for MLA on the CPU, so the engine's KV bytes cannot be read back per
 block hash here (``kv_digest``): the byte-exact check of MLA blocks, at TP=2, is
 ``tests/unit/test_connector_mla.py``'s.
 
-Slow (two engine starts): ``pytest -m slow tests/e2e/test_mla_restart.py``.
+Slow (four engine starts): ``pytest -m slow tests/e2e/test_mla_restart.py``.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ CONFIG = {
 }  # fmt: skip
 
 
-def engine(server: Proc, model: str, stats_path: str, name: str) -> VllmEngine:
+def engine(server: Proc, model: str, stats_path: str, name: str, tp: int = 1) -> VllmEngine:
+    """An engine of the tiny MLA model; TP=1 runs in the test runner's process, TP=2 has
+    its ranks pinned to a core each (a CI machine has two)."""
     connector = {
         "coordinators": server.ready["coordinator"],
         "local_node": server.ready["node"],
@@ -60,8 +63,10 @@ def engine(server: Proc, model: str, stats_path: str, name: str) -> VllmEngine:
         "transfer_timeout_s": 10.0,
         "cost_model": False,
     }
-    spec = {"model": model, "connector": connector, "block_size": BLOCK}
-    return VllmEngine(spec, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, name=name)
+    spec = {"model": model, "connector": connector, "block_size": BLOCK, "tp": tp}
+    one_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = one_process if tp == 1 else {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    return VllmEngine(spec, env=env, name=name)
 
 
 def test_a_restarted_mla_engine_loads_the_latent_kv_the_cold_one_computed(
@@ -96,5 +101,46 @@ def test_a_restarted_mla_engine_loads_the_latent_kv_the_cold_one_computed(
         st = stats(s_warm)
         assert st.get("load_failed_blocks", 0) == 0
         assert st["load_bytes"] == st["load_blocks"] * BLOCK_BYTES
+    finally:
+        warm.stop()
+
+
+
+def test_tp2_mla_engines_store_one_copy_and_both_ranks_load_it(
+    server: Proc, tmp_path: Path
+) -> None:
+    """At TP=2 the cold engine's rank 0 alone saves (one copy of one rank's bytes); a
+    restarted TP=2 engine's two ranks both load it and give the cold outputs.  (Dummy
+    weights are another model at another TP size, so these engines share nothing with
+    the TP=1 ones: ``tests/unit/test_connector_mla.py`` tests the sharing.)"""
+    model = tmp_path / "tiny-mla"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(CONFIG))
+    blocks = LENGTH // BLOCK
+    s_cold, s_warm = (str(tmp_path / k) for k in ("cold", "warm"))
+
+    def rank(prefix: str, r: int) -> dict[str, float]:
+        return json.loads(Path(f"{prefix}.worker{r}.json").read_text())
+
+    cold = engine(server, str(model), s_cold, "cold-mla-tp2", tp=2)
+    try:
+        r = cold.generate(P, 8)
+        assert r["cached"] == [0, 0]
+        wait_for(lambda: stats(s_cold).get("save_blocks", 0) >= 2 * blocks, "cold saves", 120)
+        assert rank(s_cold, 0)["save_bytes"] == 2 * blocks * BLOCK_BYTES
+        assert not {k: v for k, v in rank(s_cold, 1).items() if k.startswith("save_") and v}
+    finally:
+        cold.stop()
+
+    warm = engine(server, str(model), s_warm, "warm-mla-tp2", tp=2)
+    try:
+        w = warm.generate(P, 8)
+        assert w["outputs"] == r["outputs"]
+        assert w["cached"] == [blocks * BLOCK] * 2
+        wait_for(lambda: stats(s_warm).get("load_blocks", 0) >= 2 * 2 * blocks, "loads", 120)
+        for i in range(2):
+            st = rank(s_warm, i)
+            assert st["load_blocks"] == 2 * blocks and st.get("load_failed_blocks", 0) == 0
+            assert st["load_bytes"] == 2 * blocks * BLOCK_BYTES
     finally:
         warm.stop()
