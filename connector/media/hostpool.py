@@ -276,11 +276,6 @@ class MappedPool:
         """Whether the whole mapping is pinned and visible to the device."""
         return self.pinner is not None and self.pinner.complete
 
-    @property
-    def register_seconds(self) -> float:
-        """How long pinning the whole pool took (0 until done)."""
-        return self.pinner.seconds if self.pinner is not None and self.pinner.complete else 0.0
-
     def pinned(self, offsets: Sequence[int]) -> bool:
         """Whether the blocks at ``offsets`` can be copied as pinned memory now (else
         their pieces are asked for first: the next loads of them get the fast path)."""
