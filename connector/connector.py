@@ -163,9 +163,6 @@ class PegaKVConnector(KVConnectorBase_V1):
                 factors=lambda: self._ns_factors,
             )
             self._scheduler.start_warm_up()
-            worker = sameprocess.worker()
-            if worker is not None:  # vLLM builds its scheduler once its graphs are captured
-                worker.engine_started()
             if self.settings.report_interval_s > 0 and self.settings.mode != "off":
                 self._report = CacheReport(
                     self.counters,

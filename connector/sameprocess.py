@@ -30,10 +30,6 @@ class SameProcessWorker(Protocol):
         """The worker's cluster client (None before it is made)."""
         ...
 
-    def engine_started(self) -> None:
-        """vLLM's start (its CUDA graph capture) is over: start-up work may go now."""
-        ...
-
     def prestart(self, plan: StepPlan) -> None:
         """Queue a planned step's layer-wise loads early."""
         ...

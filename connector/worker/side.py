@@ -68,10 +68,9 @@ class WorkerSide:
             (used with ``kv_load_failure_policy="fail"``, where a report fails requests).
         defer_checks: answer a step's load errors deferred (:mod:`~pegaflow.connector.loadcheck`).
         graph_tokens: vLLM captures CUDA graphs for steps of up to this many tokens (0:
-            none, eager).  It captures them after :meth:`register_kv_caches`, so the
-            worker's start-up work (the tile kernel's warm-up; finding, mapping and
-            pinning the node's pool, whose client may touch CUDA) waits for the
-            engine's first step (:func:`~pegaflow.connector.compat.cuda_graph_tokens`).
+            none, eager).  It captures them right after :meth:`register_kv_caches`,
+            which then does the worker's start-up work itself (:meth:`_start_up`;
+            :func:`~pegaflow.connector.compat.cuda_graph_tokens`).
         new_blocks_may_be_busy: a step still in flight on the GPU may touch the blocks
             vLLM gives to new requests (a vLLM that does not defer frees,
             :func:`~pegaflow.connector.compat.defers_block_frees`): loads then wait for the GPU work
@@ -100,13 +99,8 @@ class WorkerSide:
         self._client_lock = threading.Lock()
         self.finder = LocalNodeFinder(settings.local_node, settings.rpc_timeout_s)
         """the storage node on this host (``local_node``, else found at start)"""
-        self._engine_running = threading.Event()
-        """set once background CUDA calls are safe (at once, or at the first step where
-        vLLM captures CUDA graphs)"""
         self.graph_tokens = graph_tokens
         self.new_blocks_may_be_busy = new_blocks_may_be_busy
-        if not graph_tokens:
-            self._engine_running.set()
         self._local_ready = threading.Event()
         """set once the first search for the node on this host and the mapping of its
         pool (when it has one) are done"""
@@ -151,10 +145,7 @@ class WorkerSide:
             self._pool = self._pool_file(self.settings.local_node)
         if self.settings.mode == "off":
             self._local_ready.set()
-        if self._engine_running.is_set():
-            self._start_background()
-        else:  # before vLLM captures its graphs: compiled now, not beside the first requests
-            self._warm_up()
+        self._start_up(at_once=bool(self.graph_tokens))
         logger.info(
             "PegaFlow worker shard %d: %s; %d blocks per transfer chunk",
             self.shard,
@@ -236,7 +227,6 @@ class WorkerSide:
         ``idle``: the step runs no forward pass (vLLM only polls for transfers).
         """
         self._idle = idle
-        self.engine_started()
         if self._local_ready.is_set() and not self.finder.node:
             self.finder.maybe_retry(self._discover)
         for job in plan.loads:
@@ -269,7 +259,6 @@ class WorkerSide:
 
     def prestart(self, plan: StepPlan) -> None:
         """Queue a planned step's layer-wise loads early (:meth:`LayerwiseLoads.prestart`)."""
-        self.engine_started()
         self.layerwise.prestart(plan)
 
     def follow_steps(self) -> None:
@@ -453,25 +442,21 @@ class WorkerSide:
             return
         self.books.collect(remote.probe(client, ns, job))
 
-    def engine_started(self) -> None:
-        """vLLM's start (and its CUDA graph capture) is over, so the deferred start-up
-        work (finding, mapping and pinning the node's pool) may go (see
-        ``graph_tokens``): at the engine's first step, or sooner where the scheduler
-        shares this process and is built (vLLM builds it after the capture)."""
-        if not self._engine_running.is_set():
-            self._engine_running.set()
-            if self.io is not None:
-                self._start_background()
-
-    def _start_background(self) -> None:
-        """The worker's start-up work, off the engine's path: the search for the node on
-        this host and the mapping and pinning of its pool (what a first load waits
-        for), then, unless done before vLLM's graph capture, the tile kernel's warm-up
-        (its compiles)."""
-        if self.settings.mode != "off":
-            self._load_pool.submit(self._discover)
-        if not self.graph_tokens:
-            self._load_pool.submit(self._warm_up)
+    def _start_up(self, at_once: bool) -> None:
+        """The worker's start-up work: the search for the node on this host and the
+        mapping of its pool (what a first load waits for; the pool's pinning then goes
+        on in a thread of its own), then the tile kernel's warm-up (its compiles).  In
+        the background, or ``at_once`` where vLLM captures CUDA graphs (it does right
+        after :meth:`register_kv_caches`): no CUDA call of ours may run beside the
+        capture, which it would invalidate, but the pinning's (its thread is in CUDA's
+        relaxed capture mode), and compiles beside the first requests would hold the
+        GIL their lookups need."""
+        steps = [self._discover] if self.settings.mode != "off" else []
+        for step in [*steps, self._warm_up]:
+            if at_once:
+                step()
+            else:
+                self._load_pool.submit(step)
 
     def _warm_up(self) -> None:
         try:

@@ -365,39 +365,31 @@ def test_a_staging_buffer_that_a_failed_get_may_still_write_is_not_handed_out() 
     assert staging.acquire(wait=False) is a
 
 
-@pytest.mark.parametrize("trigger", ["first_step", "scheduler_built"])
-def test_with_cuda_graphs_the_start_up_work_waits_for_the_capture_to_end(
-    monkeypatch: pytest.MonkeyPatch, trigger: str
+@pytest.mark.parametrize("graph_tokens", [512, 0])
+def test_with_cuda_graphs_the_start_up_work_is_done_before_the_capture(
+    monkeypatch: pytest.MonkeyPatch, graph_tokens: int
 ) -> None:
-    # vLLM captures CUDA graphs after register_kv_caches: a CUDA call of our threads
-    # meanwhile would invalidate the capture, so the background start-up work (finding,
-    # mapping and pinning the node's pool) waits for the engine's first step, or for
-    # vLLM to build its scheduler where it shares this process (after the capture,
-    # seconds before a first request can come); the kernel's warm-up (its compiles,
-    # which hold the GIL) runs in register_kv_caches itself, before the capture
+    # vLLM captures CUDA graphs right after register_kv_caches: a CUDA call of our
+    # threads beside the capture would invalidate it, and compiles beside the first
+    # requests would hold the GIL their lookups need.  So where it captures graphs,
+    # register_kv_caches itself finds and maps the node's pool (the pinning then goes on
+    # in its own thread, in CUDA's relaxed capture mode) and warms the kernel up; in an
+    # eager engine that work runs in the background
     ran: list[str] = []
     monkeypatch.setattr(WorkerSide, "_warm_up", lambda self: ran.append("warm-up"))
     monkeypatch.setattr(WorkerSide, "_discover", lambda self: ran.append("discover"))
     s = ConnectorSettings.load({}, env={})
-    w = WorkerSide(s, 0, Counters(), FakeCluster, graph_tokens=512)
+    gate = threading.Event()
+    w = WorkerSide(s, 0, Counters(), FakeCluster, graph_tokens=graph_tokens)
+    w._load_pool.submit(gate.wait)  # the background thread is busy
     w.register_kv_caches(kv(1), NB)
-    w._load_pool.submit(lambda: None).result()  # what register_kv_caches queued ran
-    assert ran == ["warm-up"]
-    for _ in range(2):
-        if trigger == "first_step":
-            w.start_step(StepPlan(NS))
-        else:
-            w.engine_started()
+    assert ran == (["discover", "warm-up"] if graph_tokens else [])
+    gate.set()
+    w._load_pool.submit(lambda: None).result()
     w.start_step(StepPlan(NS))  # nothing more
     w._load_pool.submit(lambda: None).result()
-    assert ran == ["warm-up", "discover"]
+    assert ran == ["discover", "warm-up"]
     w.shutdown()
-    ran.clear()
-    eager = WorkerSide(s, 0, Counters(), FakeCluster)
-    eager.register_kv_caches(kv(1), NB)
-    eager._load_pool.submit(lambda: None).result()
-    assert ran == ["discover", "warm-up"]  # without graphs: at once, as before
-    eager.shutdown()
 
 
 def test_steps_that_replay_a_cuda_graph_queue_every_layer_at_once() -> None:
