@@ -11,14 +11,15 @@ On a CUDA device the mapping is registered with the driver (``cudaHostRegister``
 portable and mapped), so the copy engines DMA at full speed and GPU kernels can read
 and write the file's pages directly.  Registration pins every page of the pool; it runs
 in a background thread (:class:`PoolPinner`) so that engine start is not delayed, one
-small piece at a time, the pieces a load asked for first.  A copy whose blocks lie in
+small piece at a time, the pieces a load asked for first, from the moment the engine
+registers its KV cache: beside vLLM's CUDA graph capture too (:func:`relax_capture_mode`),
+so that the pool is pinned by the engine's first request.  A copy whose blocks lie in
 pinned pieces takes the fast path at once; the others use the mapping like pageable
 memory until their pieces are pinned.  No load ever waits for pinning.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 import functools
@@ -71,10 +72,27 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
+_CAPTURE_MODE_RELAXED = 2
+"""``CU_STREAM_CAPTURE_MODE_RELAXED``"""
+
+
+def relax_capture_mode() -> bool:
+    """Let this thread's CUDA calls run while another thread captures a CUDA graph
+    (vLLM's start): in the default (global) mode a registration beside a capture would
+    invalidate it.  PyTorch does the same around its own pinned host allocations.
+    Returns whether the driver took it (False: no CUDA driver)."""
+    try:
+        mode = ctypes.c_int(_CAPTURE_MODE_RELAXED)
+        cuda = ctypes.CDLL("libcuda.so.1")
+        return cuda.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 class PoolPinner:
-    """Which pieces of a mapped pool are pinned, and the thread that pins them: pieces
-    a load asked for (:meth:`want`) first, then the rest in order, each once no copy is
-    being queued (:meth:`hold_off`; ``hold_off_s`` at most).
+    """Which pieces of a mapped pool are pinned, and the thread that pins them in order,
+    each once no copy is being queued (:meth:`hold_off`; ``hold_off_s`` at most); a
+    load or save pins the pieces it needs itself, at once (:meth:`pin_now`).
 
     ``register(offset, size)`` pins one piece and returns the CUDA error code (0: done);
     ``unregister(offset)`` undoes one.  Pure bookkeeping around them, so it is tested
@@ -98,11 +116,12 @@ class PoolPinner:
         self._populate = populate
         n = -(-size // piece)
         self._pinned = np.zeros(n, dtype=bool)
-        self._wanted: collections.deque[int] = collections.deque()
-        self._asked: set[int] = set()
-        """the pieces in ``_wanted``"""
+        self._busy: set[int] = set()
+        """pieces being pinned now (by the pinning thread or by :meth:`pin_now`)"""
         self._lock = threading.Lock()
         self._quiet = threading.Condition(self._lock)
+        self._settled = threading.Condition(self._lock)
+        """notified when a piece's registration ends"""
         self._queueing = 0
         """copies being queued now (:meth:`hold_off`)"""
         self._stop = threading.Event()
@@ -123,16 +142,48 @@ class PoolPinner:
         idx = np.asarray(offsets, dtype=np.int64) // self.piece
         return bool(self._pinned[idx].all())
 
-    def want(self, offsets: Sequence[int]) -> None:
-        """Pin the pieces of ``offsets`` before the others (a load found them unpinned)."""
-        if self.done.is_set() or not len(offsets):
-            return
-        idx = np.unique(np.asarray(offsets, dtype=np.int64) // self.piece)
-        with self._lock:
-            for i in idx.tolist():
-                if not self._pinned[i] and i not in self._asked:
-                    self._asked.add(i)
-                    self._wanted.append(i)
+    def pin_now(self, offsets: Sequence[int]) -> bool:
+        """Pin the pieces of the blocks at ``offsets`` on this thread, those not pinned
+        yet (an engine's first loads while the pool is being pinned: copying from
+        unpinned pages is several times slower than pinning them first, about 10 ms a
+        64 MiB piece); returns whether all of them are pinned (False: pinning failed or
+        was stopped, the copies go the pageable way)."""
+        if self.pinned(offsets):
+            return True
+        if self.done.is_set() or self._stop.is_set() or self.failed:
+            return False
+        for i in np.unique(np.asarray(offsets, dtype=np.int64) // self.piece).tolist():
+            with self._lock:
+                self._settled.wait_for(lambda i=i: i not in self._busy)
+                if self._pinned[i]:
+                    continue
+                self._busy.add(i)
+            if not self._pin(i):
+                return False
+        return self.pinned(offsets)
+
+    def _pin(self, i: int) -> bool:
+        """Pin piece ``i`` (marked busy by the caller)."""
+        off = i * self.piece
+        n = min(self.piece, self.size - off)
+        code = -1
+        try:
+            if self._populate is not None:
+                self._populate(off, n)
+            code = self._register(off, n)
+        finally:
+            with self._lock:
+                self._busy.discard(i)
+                self._pinned[i] = code == 0
+                self._settled.notify_all()
+        if code != 0:
+            self.failed = True
+            log.warning(
+                "PegaFlow: cudaHostRegister of the node's pool failed (error %d); "
+                "copies from it run at pageable-memory speed",
+                code,
+            )
+        return code == 0
 
     @contextlib.contextmanager
     def hold_off(self) -> Iterator[None]:
@@ -153,15 +204,13 @@ class PoolPinner:
             self._quiet.wait_for(lambda: not self._queueing, self.hold_off_s)
 
     def _next(self, cursor: int) -> tuple[int | None, int]:
-        with self._lock:
-            while self._wanted:
-                i = self._wanted.popleft()
-                self._asked.discard(i)
-                if not self._pinned[i]:
-                    return i, cursor
+        """The next piece in order neither pinned nor being pinned (marked busy)."""
         n = len(self._pinned)
-        while cursor < n and self._pinned[cursor]:
-            cursor += 1
+        with self._lock:
+            while cursor < n and (self._pinned[cursor] or cursor in self._busy):
+                cursor += 1
+            if cursor < n:
+                self._busy.add(cursor)
         return (cursor if cursor < n else None), cursor
 
     def run(self) -> None:
@@ -170,27 +219,17 @@ class PoolPinner:
         t0 = time.monotonic()
         cursor = 0
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and not self.failed:
+                self._wait_quiet()
                 i, cursor = self._next(cursor)
                 if i is None:
                     break
-                off = i * self.piece
-                n = min(self.piece, self.size - off)
-                if self._populate is not None:
-                    self._populate(off, n)
-                self._wait_quiet()
-                code = self._register(off, n)
-                if code != 0:
-                    self.failed = True
-                    log.warning(
-                        "PegaFlow: cudaHostRegister of the node's pool failed (error %d); "
-                        "copies from it run at pageable-memory speed",
-                        code,
-                    )
-                    self.release()
-                    return
-                self._pinned[i] = True
+                self._pin(i)
                 time.sleep(0)  # let the engine's own threads in between
+            with self._lock:  # the pieces loads are pinning
+                self._settled.wait_for(lambda: not self._busy)
+            if self.failed:
+                self.release()
         finally:
             self.seconds = time.monotonic() - t0
             self.done.set()
@@ -251,6 +290,7 @@ class MappedPool:
         )
 
         def pin() -> None:
+            relax_capture_mode()
             try:
                 pinner.run()
             except Exception as e:  # no CUDA runtime, or registration not allowed
@@ -277,14 +317,9 @@ class MappedPool:
         return self.pinner is not None and self.pinner.complete
 
     def pinned(self, offsets: Sequence[int]) -> bool:
-        """Whether the blocks at ``offsets`` can be copied as pinned memory now (else
-        their pieces are asked for first: the next loads of them get the fast path)."""
-        if self.pinner is None:
-            return False
-        if self.pinner.pinned(offsets):
-            return True
-        self.pinner.want(offsets)
-        return False
+        """Whether the blocks at ``offsets`` can be copied as pinned memory (their
+        pieces not pinned yet are pinned now: :meth:`PoolPinner.pin_now`)."""
+        return self.pinner is not None and self.pinner.pin_now(offsets)
 
     def hold_off_pinning(self) -> contextlib.AbstractContextManager[None]:
         """Around queueing copies from or to the pool: no piece is pinned meanwhile."""

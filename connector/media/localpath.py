@@ -220,14 +220,14 @@ class LocalPath:
             except Exception as e:
                 picked.append(e)
         ready = [p for p in picked if isinstance(p, _Picked)]
+        # a load that pins pieces of the pool first takes longer than the same load will
+        learn = iter([pool.pinner is None or pool.pinner.pinned(p.offsets) for p in ready])
         copies = [
             CopyIn(
                 pool.tensor, p.offsets, p.block_ids, pool.pinned(p.offsets), p.on_device, pool.piece
             )
             for p in ready
         ]
-        # a copy from pieces not pinned yet is slower than the same load will be
-        learn = iter([pool.pinner is None or c.mapped for c in copies])
         try:
             with pool.hold_off_pinning():
                 xfers = iter(self.io.copy_in_many(copies, mode=self.copy_mode, ahead=ahead))
@@ -417,8 +417,8 @@ class PendingLoad:
     located_here: bool = field(default=True, init=False)
     """whether the loader located the blocks itself (else the scheduler did)"""
     learn: bool = field(default=True, init=False)
-    """whether its time teaches the cost model: not while pieces of the pool it read
-    were still being pinned (their copies ran at pageable-memory speed)"""
+    """whether its time teaches the cost model: not where it pinned pieces of the pool
+    first (an engine's first loads while the pool is being pinned)"""
 
     def __post_init__(self) -> None:
         self.on_device = isinstance(self._check, tuple)

@@ -9,11 +9,15 @@ pool and with the copy-engine (DMA) path; per-layer and cross-layer layouts.
 from __future__ import annotations
 
 import contextlib
+import mmap
+import threading
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 from pegaflow.client import SyncPegaClient
+from pegaflow.connector.media.hostpool import relax_capture_mode
 from pegaflow.connector.media.kvio import KVBlockIO
 from pegaflow.connector.media.localpath import LoadRequest, LocalPath, PendingLoad
 
@@ -152,9 +156,10 @@ def test_gpu_checks_do_not_wait_for_work_queued_after_them(server: Proc) -> None
 
 def test_gpu_loads_while_the_pool_is_partly_pinned_are_exact(server: Proc) -> None:
     """Loads whose blocks lie in pinned and in not yet pinned pieces (an engine's first
-    requests while its pool is being pinned): the pinned pieces' blocks take the fast
-    path, the others the pageable one, every block byte-identical and checked; and the
-    pieces a load found unpinned are asked for first."""
+    requests while its pool is being pinned): the load pins the pieces it needs, then
+    takes the fast path; every block byte-identical and checked; a load that pinned
+    teaches the cost model nothing.  Then, pinning given up (a failed registration),
+    loads copy the pageable way, exact too."""
     with _pair(server, "per_layer", 7) as (client, src_kv, dst_kv, writer, reader):
         ns = "gpu-partly-pinned"
         hashes = [bytes([i, 7]) * 8 for i in range(70)]
@@ -163,21 +168,70 @@ def test_gpu_loads_while_the_pool_is_partly_pinned_are_exact(server: Proc) -> No
         pool = reader.pool
         assert pool is not None and pool.pinner is not None
         pinner = pool.pinner
-        pinner.done.clear()  # as while the pinning thread still runs
         pieces = len(pinner._pinned)
+
+        def load_exact(tag: object) -> PendingLoad:
+            for t in dst_kv.values():
+                t.zero_()
+            pending = reader.start_load(client, ns, hashes, 0, list(range(10, 80)))
+            assert pending.finish() == [True] * 70
+            for name in src_kv:
+                got = dst_kv[name][10:80].view(torch.int16)
+                assert torch.equal(got, src_kv[name][ids].view(torch.int16)), (name, tag)
+            return pending
+
+        pinner.done.clear()  # as while the pinning thread still runs
         for only in [None, *range(pieces)]:  # none pinned, then each piece alone
             pinner.release()
             if only is not None:
                 size = min(pool.piece, pool.size - only * pool.piece)
                 assert pinner._register(only * pool.piece, size) == 0
                 pinner._pinned[only] = True
-            for t in dst_kv.values():
-                t.zero_()
-            pending = reader.start_load(client, ns, hashes, 0, list(range(10, 80)))
-            assert pending.finish() == [True] * 70
-            assert not pending.learn or only is not None  # pageable loads teach nothing
-            for name in src_kv:
-                got = dst_kv[name][10:80].view(torch.int16)
-                assert torch.equal(got, src_kv[name][ids].view(torch.int16)), (name, only)
-        assert pinner._wanted  # the pieces the loads found unpinned go next
+            pending = load_exact(only)
+            assert only is not None or not pending.learn  # it pinned its pieces first
+        assert load_exact("pinned").learn  # its pieces are pinned now
         pinner.release()
+        pinner.failed = True  # as after a failed registration: the pageable way
+        assert load_exact("pageable").learn
+        assert not pinner._pinned.any()
+
+
+def test_gpu_the_pool_is_pinned_beside_a_cuda_graph_capture() -> None:
+    """vLLM captures its CUDA graphs (global capture mode) right after the connector
+    starts pinning the node's pool: registrations on the pinning thread, in CUDA's
+    relaxed capture mode, neither fail nor invalidate the capture, and the graph
+    replays right."""
+    size, piece = 256 << 20, 16 << 20
+    buf = mmap.mmap(-1, size)
+    ptr = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+    errors: list[int] = []
+    capturing, pinned = threading.Event(), threading.Event()
+
+    def pin() -> None:
+        assert relax_capture_mode()
+        capturing.wait(30)
+        for off in range(0, size, piece):
+            err = torch.cuda.cudart().cudaHostRegister(ptr + off, piece, 0x03)
+            errors.append(int(getattr(err, "value", err)))
+        pinned.set()
+
+    x = torch.ones(1 << 16, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    thread = threading.Thread(target=pin)
+    thread.start()
+    with torch.cuda.graph(graph):
+        capturing.set()
+        y = x
+        for _ in range(8):
+            y = y * 2.0 - 1.0
+        assert pinned.wait(60)  # every registration ran while this capture was open
+        y = y + 1.0
+    thread.join()
+    assert errors == [0] * (size // piece)
+    x.fill_(3.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(y, 2.0 * 2**8 + 2.0))  # (3 - 1) * 2^8 + 1, + 1
+    for off in range(0, size, piece):
+        torch.cuda.cudart().cudaHostUnregister(ptr + off)

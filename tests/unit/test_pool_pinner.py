@@ -1,7 +1,8 @@
-"""The same-host pool's pinning (``connector/media/hostpool.py``): the pieces a load asks
-for are pinned first, a load never waits for pinning, and a failed registration leaves
-nothing pinned.  Pure bookkeeping: registration is a recorded callable here; the real
-``cudaHostRegister`` runs in ``tests/integration/test_gpu_path.py`` on a GPU."""
+"""The same-host pool's pinning (``connector/media/hostpool.py``): a load pins the pieces
+it needs itself, never waits for another piece's registration, no piece is registered
+twice, and a failed registration leaves nothing pinned.  Pure bookkeeping: registration
+is a recorded callable here; the real ``cudaHostRegister`` runs in
+``tests/integration/test_gpu_path.py`` on a GPU."""
 
 from __future__ import annotations
 
@@ -39,38 +40,51 @@ def test_piece_is_a_multiple_of_the_slab_and_old_nodes_keep_1_gib() -> None:
     assert pin_piece(0) == 1 << 30
 
 
-def test_every_piece_is_pinned_wanted_ones_first() -> None:
+def test_a_load_pins_the_pieces_it_needs_itself() -> None:
     p, order, _ = _pinner(8)
-    assert not p.pinned([5 * MIB])
-    p.want([5 * MIB + 10, 6 * MIB, 5 * MIB])
+    assert p.pin_now([5 * MIB + 10, 6 * MIB, 5 * MIB])
+    assert order == [5, 6] and p.pinned([5 * MIB, 6 * MIB]) and not p.pinned([0])
+    assert p.pin_now([6 * MIB + 1]) and order == [5, 6]  # pinned already: nothing to do
     p.run()
-    assert order[:2] == [5, 6] and sorted(order) == list(range(8))
+    assert sorted(order) == list(range(8))  # the thread pins the rest, each piece once
     assert p.complete and p.done.is_set() and p.pinned([0, 7 * MIB + 1])
 
 
-def test_a_load_never_waits_for_pinning() -> None:
-    """While a registration is stuck in the driver, asking whether blocks are pinned
-    (what every load does) answers at once: their copies go the pageable way."""
+def test_a_load_waits_for_no_registration_but_of_its_own_pieces() -> None:
+    """While the pinning thread's registration of piece 0 is stuck in the driver, a
+    load whose blocks lie in piece 3 pins it and goes on; one whose blocks lie in piece
+    0 too waits for that registration (and does not repeat it)."""
     gate, entered = threading.Event(), threading.Event()
-    p, order, _ = _pinner(4, gate, entered=entered)
+    order: list[int] = []
+
+    def register(off: int, n: int) -> int:
+        if off == 0:
+            entered.set()
+            assert gate.wait(10)
+        order.append(off // MIB)
+        return 0
+
+    p = PoolPinner(4 * MIB, MIB, register, lambda off: None)
     t = threading.Thread(target=p.run)
     t.start()
+    other, same = threading.Event(), threading.Event()
     try:
         assert entered.wait(5)
-        answered = threading.Event()
-
-        def load() -> None:
-            assert not p.pinned([2 * MIB])
-            p.want([2 * MIB])
-            answered.set()
-
-        threading.Thread(target=load).start()
-        assert answered.wait(5), "a load waited for the pool's pinning"
+        loads = [
+            threading.Thread(target=lambda: p.pin_now([3 * MIB]) and other.set()),
+            threading.Thread(target=lambda: p.pin_now([0, 3 * MIB]) and same.set()),
+        ]
+        for load in loads:
+            load.start()
+        assert other.wait(5), "a load waited for another piece's registration"
+        assert not same.wait(0.2) and order == [3]
     finally:
         gate.set()
         t.join(10)
-    assert order[:2] == [0, 2]  # the piece being pinned, then the one the load wanted
-    assert p.pinned([2 * MIB])
+    for load in loads:
+        load.join(10)
+    assert same.is_set() and sorted(order) == [0, 1, 2, 3]  # every piece once
+    assert p.complete
 
 
 def test_a_failed_registration_unpins_everything() -> None:
@@ -79,6 +93,15 @@ def test_a_failed_registration_unpins_everything() -> None:
     assert p.failed and p.done.is_set() and not p.complete
     assert sorted(unpinned) == [0, 1 * MIB]
     assert not p.pinned([0]) and not p.pinned([1 * MIB])
+    assert not p.pin_now([3 * MIB])  # loads copy the pageable way from then on
+
+
+def test_a_load_whose_piece_fails_to_pin_copies_the_pageable_way() -> None:
+    p, _, unpinned = _pinner(4, fail_at=2)
+    assert p.pin_now([1 * MIB])
+    assert not p.pin_now([2 * MIB]) and p.failed
+    p.run()  # the thread stops at once and unpins what was pinned
+    assert unpinned == [1 * MIB] and not p.pinned([1 * MIB])
 
 
 def test_stop_ends_pinning_and_release_unpins() -> None:
