@@ -133,14 +133,14 @@ def main() -> None:
         fill(path, size)
         reg: dict[str, float] = {}
         for piece in pieces:
-            for populate in (False, True):
+            for populated in (False, True):
                 m, arr, ptr = mapped(path, size)
-                if populate:
+                if populated:
                     t0 = time.perf_counter()
                     out["populate_by"] = populate(m, arr)
                     out["populate_s"] = round(time.perf_counter() - t0, 3)
                 secs, done = register(ptr, size, piece)
-                reg[f"{piece // MIB}MiB{'_populated' if populate else ''}"] = round(
+                reg[f"{piece // MIB}MiB{'_populated' if populated else ''}"] = round(
                     size / secs / 1e9, 2
                 )
                 unregister(ptr, done)

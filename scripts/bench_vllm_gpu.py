@@ -42,8 +42,9 @@ compared with the cold engine's (dummy weights are seeded: equal engines, equal 
   ``batch_after_start_ms``: the batch right after it;
 - ``pinned_defaults_s``: seconds from the defaults engine's start until the last rank's
   "pinned for DMA" line reached the script (null: not within 60 s of the batch);
-  ``restart_during_pinning``, ``batch_during_pinning``: it had not when the restart set,
-  the batch, ended;
+  ``pinning_after_first_request_s``: how long it went on after the first request was
+  sent (0: it was over by then); ``restart_during_pinning``, ``batch_during_pinning``: it
+  had not when the restart set, the batch, ended;
 - ``steady_ms``, ``steady_mean_ms`` (= ``ttft_warm_back_to_back_ms``),
   ``steady_cached_tokens``: set A in the steady state; ``restart_max_over_steady``:
   max(``restart_ms``) / ``steady_mean_ms`` (issue 38's targets: <= 1.2; mean <= 45 ms);
@@ -197,6 +198,11 @@ class PinWatch:
         if not self._done.wait(timeout):
             self._stop.set()
         return None if self.at is None else round(self.at - self.started, 1)
+
+    def after(self, t: float) -> float | None:
+        """Seconds the pinning went on after ``t`` (``time.monotonic()``; 0: it was over
+        by then; None: not seen to end)."""
+        return None if self.at is None else round(max(0.0, self.at - t), 1)
 
     def during(self, t: float) -> bool:
         """Whether the pinning still ran at ``t`` (``time.monotonic()``), as far as this
@@ -779,12 +785,14 @@ def main() -> None:
             # from its first request, as users meet a restarted engine: no warm-up, no
             # wait for the pinning
             r_start = rank_stats(s2, args.tp) if args.tp > 1 else []
+            first_request = time.monotonic()
             restart = [timed(e, p, 0.0) for p in set_a]  # back to back
             restart_end = time.monotonic()
             after_c_ms, after_c_out = batch(e, set_c)
             c_cached = batch_cached[e.name]  # later batches write theirs there
             batch_end = time.monotonic()
             out["pinned_defaults_s"] = pins["defaults"].wait(PIN_WAIT_S)
+            out["pinning_after_first_request_s"] = pins["defaults"].after(first_request)
             out["restart_during_pinning"] = pins["defaults"].during(restart_end)
             out["batch_during_pinning"] = pins["defaults"].during(batch_end)
             r_pinned = settled(s2, time.monotonic() - batch_end) if args.tp > 1 else []

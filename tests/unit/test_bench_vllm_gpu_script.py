@@ -217,12 +217,15 @@ def test_pin_watch_keeps_when_the_last_rank_s_line_came(bench: ModuleType) -> No
     assert seconds == round(watch.at - started, 1)
     assert watch.during(restart_end)  # the restart set ended while it still pinned
     assert not watch.during(batch_end)
+    assert watch.after(started) == round(watch.at - started, 1)
+    assert watch.after(batch_end) == 0.0
 
 
 def test_pin_watch_gives_up_at_its_timeout(bench: ModuleType) -> None:
     watch = bench.PinWatch([], 1, time.monotonic())
     assert watch.wait(0.05) is None
     assert watch.during(time.monotonic())  # never pinned: still running at every time
+    assert watch.after(time.monotonic()) is None
     # a line already there when the watch starts counts at once
     assert bench.PinWatch([PINNED.format(r=0)], 1, time.monotonic()).wait(10.0) is not None
 
