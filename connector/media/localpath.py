@@ -221,7 +221,8 @@ class LocalPath:
                 picked.append(e)
         ready = [p for p in picked if isinstance(p, _Picked)]
         # a load that pins pieces of the pool first takes longer than the same load will
-        learn = iter([pool.pinner is None or pool.pinner.pinned(p.offsets) for p in ready])
+        pinner = pool.pinner
+        learn = iter([pinner is None or pinner.failed or pinner.pinned(p.offsets) for p in ready])
         copies = [
             CopyIn(
                 pool.tensor, p.offsets, p.block_ids, pool.pinned(p.offsets), p.on_device, pool.piece
