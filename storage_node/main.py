@@ -11,12 +11,14 @@ why in one line and exits with status 2, leaving no file it created behind.
 from __future__ import annotations
 
 import logging
-
-from pegaflow.storage_node.node import NullSink, StorageNode
+from typing import TYPE_CHECKING
 
 from pegaflow.config import ClusterConfig
 from pegaflow.inventory import InventorySink, NodeIdInUse
 from pegaflow.runner import Runner, run_service
+
+if TYPE_CHECKING:
+    from pegaflow.storage_node.node import StorageNode
 
 log = logging.getLogger("pegaflow.node")
 
@@ -24,6 +26,8 @@ log = logging.getLogger("pegaflow.node")
 def make_sink(cfg: ClusterConfig, node: StorageNode) -> InventorySink:
     """etcd publishing when etcd is configured, else nothing (standalone)."""
     if not cfg.etcd.endpoints:
+        from pegaflow.storage_node.node import NullSink
+
         log.warning(
             "no [etcd] endpoints: serving standalone, no coordinator will find these blocks"
         )
@@ -35,6 +39,10 @@ def make_sink(cfg: ClusterConfig, node: StorageNode) -> InventorySink:
 
 async def start(cfg: ClusterConfig, run: Runner) -> str:
     """Start the node and its HTTP site; its READY line."""
+    # imported here, not at the top: without ucxx, --help works and a start fails in one
+    # line naming the extra to install (UcxNotInstalled)
+    from pegaflow.storage_node.node import StorageNode
+
     node = StorageNode(
         cfg.node, token=cfg.security.token or None, tenant_tokens=cfg.security.tenant_tokens
     )
