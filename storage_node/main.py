@@ -5,8 +5,8 @@ etcd under its lease); without, it serves standalone (useful for benchmarks) and
 Prints ``READY node=<id> ucx=<host:port> http=<port>`` once serving.  A start that
 fails (a pool larger than the memory or ``shm_dir`` left for it, a port taken, a bad
 address, a node id held by another live node, an unknown ``[node] access_group``, no
-``ucxx``: the ``cu12`` or ``cu13`` extra) logs
-why in one line and exits with status 2, leaving no file it created behind.
+``ucxx``: the ``cu12`` or ``cu13`` extra) logs why in one line and exits with status 2,
+leaving no file it created behind.
 """
 
 from __future__ import annotations
