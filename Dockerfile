@@ -7,7 +7,10 @@
 # Build, from the repository root (BuildKit, the default since Docker 23; podman and
 # buildah build it too):
 #   docker build -t registry.example.com/pegaflow-cluster:0.1.0 .
-#   docker build --build-arg EXTRAS=otlp -t ... .     # with OpenTelemetry (OTLP) export
+#   docker build --build-arg EXTRAS=cu13 -t ... .      # UCX of CUDA 13 (default: cu12)
+#   docker build --build-arg EXTRAS=cu12,otlp -t ... . # with OpenTelemetry (OTLP) export
+# EXTRAS: the extras installed with the wheel; a UCX one (cu12 or cu13) for the node and
+# pegaflow-server, none needed for an image that runs only the coordinator or router.
 #
 # Run (host networking: the UCX data plane must be reachable at the host's address;
 # every option is also a PEGAFLOW_<TABLE>_<OPTION> variable or a --config FILE entry):
@@ -32,8 +35,8 @@
 # none of that: the user `pegaflow` (uid/gid 10001) exists for them, and the coordinator
 # Deployment runs as it (runAsUser: 10001).
 #
-# UCX: the libucx wheel (a dependency of ucxx-cu12) brings TCP, shared memory, CMA and
-# CUDA transports, built without verbs/rdmacm. For RDMA, install a UCX built with
+# UCX: the libucx wheel (a dependency of ucxx-cu12 or ucxx-cu13) brings TCP, shared
+# memory, CMA and CUDA transports, built without verbs/rdmacm. For RDMA, install a UCX built with
 # rdma-core in a derived image and set RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true.
 
 ARG PYTHON_IMAGE=python:3.11-slim
@@ -41,7 +44,7 @@ ARG PYTHON_IMAGE=python:3.11-slim
 # ---- build: the project's wheel, from the sources only ----
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY pegaflow/ pegaflow/
 COPY coordinator/ coordinator/
 COPY storage_node/ storage_node/
@@ -52,7 +55,7 @@ RUN pip wheel --no-cache-dir --disable-pip-version-check --no-deps -w /dist .
 
 # ---- the image: the wheel and its dependencies, no sources, no build tools ----
 FROM ${PYTHON_IMAGE}
-ARG EXTRAS=""
+ARG EXTRAS="cu12"
 ARG VERSION=0.1.0
 LABEL org.opencontainers.image.title="pegaflow-cluster" \
       org.opencontainers.image.description="PegaFlow cluster: external KV cache for vLLM (coordinator, storage node, all-in-one server, router)" \

@@ -101,6 +101,22 @@ class Internal(PegaError, code="internal"):
     """An unexpected failure inside the serving process (a bug: please report)."""
 
 
+class UcxNotInstalled(ImportError):
+    """``ucxx`` cannot be imported: the data plane (``pegaflow-node``, ``pegaflow-server``,
+    the connector's client) needs the extra of the host's CUDA, ``cu12`` or ``cu13``.
+    Raised at import, never carried on the wire."""
+
+    def __init__(self, cause: ImportError) -> None:
+        super().__init__(
+            f"cannot import ucxx ({cause}): the storage node, pegaflow-server and the "
+            "connector move blocks over UCX; install pegaflow-cluster with the extra of "
+            "this host's CUDA, 'pegaflow-cluster[cu12]' (CUDA 12) or "
+            "'pegaflow-cluster[cu13]' (CUDA 13), e.g. "
+            "pip install '/opt/pegaflow-cluster[cu12]' from a checkout or wheel",
+            name="ucxx",
+        )
+
+
 def error_from_wire(obj: Any) -> PegaError:
     """Rebuild a typed error from its wire map; anything unexpected is :class:`Internal`."""
     if isinstance(obj, dict):

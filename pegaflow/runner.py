@@ -10,7 +10,8 @@ until SIGINT or SIGTERM, and takes everything down in the reverse order of its s
 Exit status: 0 after a stop by signal; 1 when stopped while starting; 2 for a bad
 command line or configuration (an unknown flag, a bad value, a config file missing or
 malformed) and for a start that fails (:meth:`Runner.fail`, or ``OSError`` /
-``ValueError``: one line on stderr, ``--log-level DEBUG`` adds the traceback).
+``ValueError`` / :class:`~pegaflow.errors.UcxNotInstalled`: one line on stderr,
+``--log-level DEBUG`` adds the traceback).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import uvloop
 
 from pegaflow.addresses import settle
 from pegaflow.config import ArgParser, ClusterConfig, add_arguments, config_from_args
+from pegaflow.errors import UcxNotInstalled
 from pegaflow.observability import telemetry
 
 if TYPE_CHECKING:  # aiohttp's import takes most of a second: only a service with a site
@@ -101,7 +103,7 @@ def run_service(
     )
     try:
         uvloop.run(Runner(prog, cfg).serve(start))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, UcxNotInstalled) as e:
         logging.getLogger(prog).debug("%s failed", prog, exc_info=True)
         hint = "" if args.log_level == "DEBUG" else " (--log-level DEBUG shows where)"
         parser.exit(2, f"{prog}: error: {e}{hint}\n")

@@ -42,7 +42,6 @@ from pegaflow.coordinator.service import Coordinator
 from pegaflow.inventory import InventorySink
 from pegaflow.observability.http import new_registry
 from pegaflow.runner import Runner, run_service
-from pegaflow.storage_node.node import StorageNode
 from pegaflow.storage_node.shm_file import PoolDoesNotFit, PoolInUse, memory_available
 from pegaflow.transport.loopthread import LoopThread
 from pegaflow.units import human_bytes
@@ -155,6 +154,10 @@ class AllInOne:
     to that loop."""
 
     def __init__(self, cfg: ClusterConfig) -> None:
+        # imported here, not at the top: without ucxx, --help works and a start fails in
+        # one line naming the extra to install (UcxNotInstalled)
+        from pegaflow.storage_node.node import StorageNode
+
         self.cfg = cfg
         self.registry = new_registry()
         self._use_etcd = bool(cfg.etcd.endpoints)

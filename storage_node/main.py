@@ -4,19 +4,22 @@ With ``[etcd] endpoints`` set, the node joins the cluster (membership and invent
 etcd under its lease); without, it serves standalone (useful for benchmarks) and says so.
 Prints ``READY node=<id> ucx=<host:port> http=<port>`` once serving.  A start that
 fails (a pool larger than the memory or ``shm_dir`` left for it, a port taken, a bad
-address, a node id held by another live node, an unknown ``[node] access_group``) logs
-why in one line and exits with status 2, leaving no file it created behind.
+address, a node id held by another live node, an unknown ``[node] access_group``, no
+``ucxx``: the ``cu12`` or ``cu13`` extra) logs why in one line and exits with status 2,
+leaving no file it created behind.
 """
 
 from __future__ import annotations
 
 import logging
-
-from pegaflow.storage_node.node import NullSink, StorageNode
+from typing import TYPE_CHECKING
 
 from pegaflow.config import ClusterConfig
 from pegaflow.inventory import InventorySink, NodeIdInUse
 from pegaflow.runner import Runner, run_service
+
+if TYPE_CHECKING:
+    from pegaflow.storage_node.node import StorageNode
 
 log = logging.getLogger("pegaflow.node")
 
@@ -24,6 +27,8 @@ log = logging.getLogger("pegaflow.node")
 def make_sink(cfg: ClusterConfig, node: StorageNode) -> InventorySink:
     """etcd publishing when etcd is configured, else nothing (standalone)."""
     if not cfg.etcd.endpoints:
+        from pegaflow.storage_node.node import NullSink
+
         log.warning(
             "no [etcd] endpoints: serving standalone, no coordinator will find these blocks"
         )
@@ -35,6 +40,10 @@ def make_sink(cfg: ClusterConfig, node: StorageNode) -> InventorySink:
 
 async def start(cfg: ClusterConfig, run: Runner) -> str:
     """Start the node and its HTTP site; its READY line."""
+    # imported here, not at the top: without ucxx, --help works and a start fails in one
+    # line naming the extra to install (UcxNotInstalled)
+    from pegaflow.storage_node.node import StorageNode
+
     node = StorageNode(
         cfg.node, token=cfg.security.token or None, tenant_tokens=cfg.security.tenant_tokens
     )

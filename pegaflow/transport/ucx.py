@@ -83,11 +83,21 @@ def configure_ucx_env() -> None:
 configure_ucx_env()
 
 import numpy as np  # noqa: E402
-import ucxx._lib.libucxx as ucx_api  # noqa: E402
-from ucxx._lib.arr import Array  # noqa: E402
+
+from pegaflow.errors import (  # noqa: E402
+    DeadlineExceeded,
+    HandshakeRefused,
+    UcxNotInstalled,
+    Unavailable,
+)
+
+try:
+    import ucxx._lib.libucxx as ucx_api
+    from ucxx._lib.arr import Array
+except ImportError as e:  # a coordinator or router host installs no UCX: the cu12/cu13 extra
+    raise UcxNotInstalled(e) from e
 
 from pegaflow.deadline import Deadline  # noqa: E402
-from pegaflow.errors import DeadlineExceeded, HandshakeRefused, Unavailable  # noqa: E402
 from pegaflow.protocol.codec import pack, unpack  # noqa: E402
 from pegaflow.transport.ucx_address import (  # noqa: E402
     MAX_ADDRESS_BYTES,

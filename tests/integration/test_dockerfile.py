@@ -86,8 +86,9 @@ def test_the_build_stage_copies_the_sources_and_nothing_it_ignores(path: Path) -
 def test_the_wheel_built_from_the_copied_context_alone_installs_and_runs(
     tmp_path: Path,
 ) -> None:
-    """The build stage's ``pip wheel`` on exactly what it copies, then the image's
-    install into a fresh environment: every command runs from outside the sources."""
+    """The build stage's ``pip wheel`` on exactly what it copies (the license file
+    among them), then the image's install into a fresh environment: every command runs
+    from outside the sources."""
     ctx = tmp_path / "src"
     for src in copied(REPO / "Dockerfile"):
         if (REPO / src).is_dir():
@@ -99,9 +100,11 @@ def test_the_wheel_built_from_the_copied_context_alone_installs_and_runs(
     sh(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
        "-w", dist, ctx, cwd=tmp_path)  # fmt: skip
     (wheel,) = dist.glob("pegaflow_cluster-*.whl")  # the name the install step globs
-    assert "pegaflow/tools/dashboard/index.html" in zipfile.ZipFile(wheel).namelist()
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "pegaflow/tools/dashboard/index.html" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     bindir = fresh_venv(tmp_path / "venv")
-    pip(bindir, "install", "--no-deps", wheel, cwd=tmp_path)
+    pip(bindir, "install", f"{wheel}[cu12]", cwd=tmp_path)  # the image's default EXTRAS
     check_installed(bindir, tmp_path)
 
 

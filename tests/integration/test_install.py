@@ -1,25 +1,36 @@
-"""Installation as an operator does it: a built wheel and ``pip install <checkout>``, each
-into a fresh virtual environment, give working ``pegaflow*`` commands and importable
-packages, run from outside the source tree (so the checkout cannot shadow the install).
+"""Installation as an operator does it: the wheel that CI builds and ``pip install
+<checkout>``, each into a fresh virtual environment, give working ``pegaflow*`` commands
+and importable packages, run from outside the source tree (so the checkout cannot shadow
+the install).
 
-Offline: the wheel is built without build isolation (the setuptools of this
-environment), and the fresh environments take their dependencies from this one's
-site-packages (a ``.pth`` line) instead of an index.  The docs and configs name only
-what really installs.
+The wheel and the sdist are ``scripts/build.sh``'s: ``scripts/test.sh`` builds them
+into ``dist/`` and names that folder in ``PEGAFLOW_DIST``; without it (pytest run alone)
+they are built here from a copy of the checkout.  The wheel is built from the sdist, so
+a package the sdist lacks is missing from the wheel too.
+
+Offline: no build isolation (the setuptools of this environment), and the fresh
+environments take their dependencies from this one's site-packages (a ``.pth`` line)
+instead of an index.  The docs and configs name only what really installs.
 """
 
 from __future__ import annotations
 
+import email
+import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from tests.support.install import REPO, check_installed, fresh_venv, pip, sh
+
+SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +52,48 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dst
 
 
-def test_wheel_installs_into_a_fresh_venv(source: Path, tmp_path: Path) -> None:
-    dist = tmp_path / "dist"
-    sh(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-       "-w", dist, source, cwd=tmp_path)  # fmt: skip
+@pytest.fixture(scope="module")
+def dist(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of the sdist and the wheel: CI's build, else one of ``source``."""
+    if os.environ.get("PEGAFLOW_DIST"):
+        return Path(os.environ["PEGAFLOW_DIST"])
+    out = tmp_path_factory.mktemp("dist")
+    sh(source / "scripts" / "build.sh", out, cwd=source, env={"PYTHON": sys.executable})
+    return out
+
+
+def test_the_sdist_holds_every_package_and_the_license(dist: Path) -> None:
+    (sdist,) = dist.glob("pegaflow_cluster-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    dirs = SETUPTOOLS["package-dir"]
+    for package in SETUPTOOLS["packages"]:
+        top = max((p for p in dirs if f"{package}.".startswith(f"{p}.")), key=len)
+        folder = dirs[top] + package[len(top) :].replace(".", "/")
+        assert f"{folder}/__init__.py" in names, package
+    assert {"LICENSE", "pyproject.toml", "README.md"} <= names
+
+
+def test_the_wheel_installs_into_a_fresh_venv_with_its_extras(dist: Path, tmp_path: Path) -> None:
+    """UCX comes only with an extra: a coordinator or router host installs none."""
     (wheel,) = dist.glob("pegaflow_cluster-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+    with zipfile.ZipFile(wheel) as whl:
+        names = whl.namelist()
+        (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        metadata = email.message_from_bytes(whl.read(meta))
+    for package in SETUPTOOLS["packages"]:
+        assert f"{package.replace('.', '/')}/__init__.py" in names, package
     for module in ("pegaflow/tools/cli.py", "pegaflow/connector/connector.py",
                    "pegaflow/coordinator/main.py", "pegaflow/storage_node/main.py"):  # fmt: skip
         assert module in names, module
     assert not [n for n in names if n.startswith(("tests/", "scripts/"))]
+    assert metadata["License-Expression"] == "Apache-2.0"
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    ucx = [r for r in metadata.get_all("Requires-Dist") if r.startswith("ucxx")]
+    assert sorted(ucx) == ['ucxx-cu12>=0.45; extra == "cu12"', 'ucxx-cu13>=0.46; extra == "cu13"']
+    assert {"cu12", "cu13", "vllm", "router"} <= set(metadata.get_all("Provides-Extra"))
     bindir = fresh_venv(tmp_path / "venv")
-    pip(bindir, "install", "--no-deps", wheel, cwd=tmp_path)
+    pip(bindir, "install", f"{wheel}[cu12,router]", cwd=tmp_path)
     check_installed(bindir, tmp_path)
 
 

@@ -22,8 +22,14 @@ IMPORTS = (
 )
 
 
-def sh(*argv: str | Path, cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PEGAFLOW_CONFIG")}
+def sh(
+    *argv: str | Path, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``argv`` offline (no index), with ``env`` added to the environment; it must
+    succeed."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PEGAFLOW_CONFIG")} | (
+        env or {}
+    )
     env["PIP_NO_INDEX"] = "1"  # nothing from an index: all of it is here
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     p = subprocess.run(
