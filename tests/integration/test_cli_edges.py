@@ -107,3 +107,25 @@ def test_status_into_a_closed_pipe_ends_quietly(coordinator: Proc, json_flag: li
         os.close(w)
     assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
     assert p.returncode == 0, p.stderr
+
+
+@pytest.mark.parametrize(
+    "where,words",
+    [
+        ("missing", "no such directory"),
+        ("file", "not a directory"),
+        ("empty", "holds no tokenizer: none of tokenizer.json"),
+    ],
+)
+def test_a_tokenizer_path_that_is_none_is_said_so(tmp_path: Path, where: str, words: str) -> None:
+    path = {"missing": tmp_path / "nonexistent", "file": tmp_path / "f", "empty": tmp_path}[where]
+    if where == "file":
+        path.write_text("x")
+    p = run(
+        "pegaflow-router", "--router-tokenizer", str(path), "--router-mode", "cache",
+        "--router-port", "0", "--router-replicas", "http://127.0.0.1:1", capture_output=True,
+    )  # fmt: skip
+    err = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2, p.stderr
+    assert f"--router-tokenizer {path}: {words}" in err
+    assert "Repo id" not in p.stderr and "Traceback" not in p.stderr
