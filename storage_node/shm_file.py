@@ -1,6 +1,7 @@
-"""The shared-memory file behind a node's block pool: whether it fits, who may open
-it, and creating, locking, naming, preparing and mapping it (:func:`open_pool`), and
-whether its path still names it (:func:`replaced`).
+"""The shared-memory file behind a node's block pool, from its room check to its mapping.
+
+Whether it fits, who may open it, and creating, locking, naming, preparing and mapping
+it (:func:`open_pool`), and whether its path still names it (:func:`replaced`).
 
 The pool file (``<shm_dir>/pegaflow-<node_id>.pool``) is allocated whole when the pool
 opens (``posix_fallocate``, then every page is touched), after a check that it fits the
@@ -8,9 +9,10 @@ memory left (``MemAvailable``, or the cgroup's limit when lower) and the free sp
 ``shm_dir`` (:func:`check_room`): a pool that does not fit is refused with the sizes
 (:class:`PoolDoesNotFit`) instead of getting the process OOM-killed or dying of SIGBUS
 later.  Preparing a large pool takes seconds (about 0.5 s a GiB): it is logged, with its
-progress (:func:`prepare`).  A new pool file is prepared unnamed (``O_TMPFILE``) and
-linked at its path only once it is whole (:func:`open_locked`, :func:`link_prepared`), so
-a process killed while preparing it leaves nothing.  One process holds a pool file at a
+progress (:func:`prepare`), and a stop asked for meanwhile ends it at the next chunk.  A
+new pool file is prepared unnamed (``O_TMPFILE``) and linked at its path only once it is
+whole (:func:`open_locked`, :func:`link_prepared`), so a process killed while preparing
+it leaves nothing.  One process holds a pool file at a
 time (an ``flock``; :class:`PoolInUse`).
 
 Access: the pool file is owner-only (0600), or readable and writable by one group
