@@ -55,7 +55,10 @@ KV_ROLES: tuple[str, ...] = ("kv_both", "kv_producer", "kv_consumer")
 
 DEFAULT_COORDINATOR_PORT = 7700
 """the port of a ``pegaflow.host`` given without ``pegaflow.port`` (PegaFlow's own
-default, 50055, is its server's, not a coordinator's)"""
+default, :data:`PEGAFLOW_SERVER_PORT`, is its server's, not a coordinator's)"""
+PEGAFLOW_SERVER_PORT = 50055
+"""PegaFlow's server port: a config written for PegaFlow names it, and nothing of this
+cluster listens there unless told to (a warning says so)"""
 
 PEGAFLOW_KEYS: dict[str, str] = {
     "pegaflow.host": "coordinators",
@@ -94,19 +97,31 @@ def _pegaflow_coordinator(host: Any, port: Any, where: str) -> str:
         if h.lower().startswith(scheme):
             h = h[len(scheme) :]
     h = h.rstrip("/")
-    _, sep, tail = h.rpartition(":")
+    head, sep, tail = h.rpartition(":")
     try:
         if port is None and sep and tail.isdigit() and "]" not in tail:
-            return check_address(h)  # host:port already
+            h, port = head, tail  # host:port already
         if port is None:
             port = DEFAULT_COORDINATOR_PORT
         if isinstance(port, bool) or not str(port).strip().isdigit():
             raise ValueError(f"not a port: {port!r}")
         if ":" in h and not h.startswith("["):
             h = f"[{h}]"
-        return check_address(f"{h}:{int(port)}")
+        addr = check_address(f"{h}:{int(port)}")
     except ValueError as e:
         raise ConfigError(f"{_WHERE}{where}", str(e)) from None
+    if int(port) == PEGAFLOW_SERVER_PORT:
+        _notice_once(
+            f"port {where}",
+            logging.WARNING,
+            "PegaFlow's %s names port %d, PegaFlow's server port, read as coordinator %s: "
+            "no PegaFlow cluster service listens on %d unless started with it (a coordinator "
+            "and pegaflow-server listen on %d); point it at a coordinator instead, e.g. "
+            '"coordinators": "%s:%d"',
+            where, PEGAFLOW_SERVER_PORT, addr, PEGAFLOW_SERVER_PORT,
+            DEFAULT_COORDINATOR_PORT, h, DEFAULT_COORDINATOR_PORT,
+        )  # fmt: skip
+    return addr
 
 def _translate_pegaflow(
     extra: dict[str, Any], env: Mapping[str, str]

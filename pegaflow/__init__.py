@@ -6,4 +6,10 @@ Subpackages: :mod:`pegaflow.coordinator` (global index service),
 Shared code here: wire protocol, config, keys, errors.
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("pegaflow-cluster")
+    """the installed distribution's version: pyproject.toml's ``version``, its one source"""
+except PackageNotFoundError:  # a checkout on sys.path that was never installed
+    __version__ = "0+unknown"

@@ -32,10 +32,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NoReturn
 
-from pegaflow.config import ClusterConfig
+from pegaflow.config import ArgParser, ClusterConfig, parse_bool, parse_size
 from pegaflow.coordinator.index import BlockIndex
 from pegaflow.coordinator.inprocess_sink import InProcessSink
 from pegaflow.coordinator.service import Coordinator
@@ -51,6 +52,7 @@ log = logging.getLogger("pegaflow.server")
 AUTO_POOL_CAP = 64 << 30
 """the largest pool pegaflow-server picks by itself"""
 AUTO = "auto"
+PROG = "pegaflow-server"
 
 
 @dataclass(frozen=True)
@@ -129,20 +131,39 @@ def _size_pool(cfg: ClusterConfig) -> ClusterConfig:
 
 def _aliases(argv: list[str]) -> list[str]:
     """PegaFlow's own spelling ``--pool-size SIZE`` for ``--node-pool-bytes`` (and
-    ``auto`` for the default); ``--fresh-pool`` for ``--node-fresh-pool true``."""
+    ``auto`` for the default); ``--fresh-pool[=BOOL]`` for ``--node-fresh-pool``.  A bad
+    value is an error naming the flag as given."""
     out: list[str] = []
     it = iter(argv)
     for a in it:
         flag, eq, value = a.partition("=")
         if flag in ("--pool-size", "--node-pool-bytes"):
             if not eq:
-                value = next(it, "")
-            out += ["--node-pool-bytes", "0" if value.strip().lower() == AUTO else value]
-        elif a == "--fresh-pool":
-            out += ["--node-fresh-pool", "true"]
+                value = next(it, None) or _bad_alias(flag, "expected one argument")
+            auto = value.strip().lower() == AUTO
+            _check_alias(flag, value, parse_size, auto)
+            out += ["--node-pool-bytes", "0" if auto else value]
+        elif flag == "--fresh-pool":
+            value = value if eq else "true"
+            _check_alias(flag, value, parse_bool)
+            out += ["--node-fresh-pool", value]
         else:
             out.append(a)
     return out
+
+
+def _check_alias(flag: str, value: str, parse: Callable[[str], Any], ok: bool = False) -> None:
+    """Exit with status 2 naming ``flag`` unless ``value`` parses (or ``ok``)."""
+    if ok:
+        return
+    try:
+        parse(value)
+    except ValueError as e:
+        _bad_alias(flag, str(e))
+
+
+def _bad_alias(flag: str, problem: str) -> NoReturn:
+    ArgParser(prog=PROG).error(f"argument {flag}: {problem}")
 
 
 class AllInOne:
@@ -234,7 +255,7 @@ async def start(cfg: ClusterConfig, run: Runner) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``pegaflow-server``."""
     run_service(
-        "pegaflow-server",
+        PROG,
         __doc__,
         ["etcd", "security", "coordinator", "node", "telemetry"],
         start,

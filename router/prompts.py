@@ -21,6 +21,25 @@ from typing import Any
 log = logging.getLogger("pegaflow.router")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""files of which a tokenizer directory holds at least one"""
+
+
+def _not_a_tokenizer_dir(path: str) -> str:
+    """Why ``path`` is no tokenizer directory ('' when it may be one; a name that is no
+    path, such as a Hugging Face repo id, is left to transformers' local cache)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        if p.is_absolute() or path.startswith((".", "~")):
+            return "no such directory (give the model's or its tokenizer's directory)"
+        return ""
+    if not p.is_dir():
+        return "not a directory (give the directory that holds tokenizer.json)"
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        return f"holds no tokenizer: none of {', '.join(TOKENIZER_FILES)}"
+    return ""
+
+
 class PromptTokenizer:
     """Token ids of request bodies; ``None`` where they cannot be known."""
 
@@ -32,6 +51,9 @@ class PromptTokenizer:
         self._fast: Any = None
         if not path:
             return
+        problem = _not_a_tokenizer_dir(path)
+        if problem:
+            raise ValueError(f"--router-tokenizer {path}: {problem}")
         try:
             from transformers import AutoTokenizer
         except ImportError:

@@ -25,6 +25,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,6 +53,22 @@ DEFAULT_FILE_BYTES = 64 << 30
 """largest slab file; a bigger tier is split over several"""
 _SCAN_RECORDS = (8 << 20) // RECORD_BYTES
 """index records read at once by :meth:`DiskFiles.scan_records`"""
+PROGRESS_S = 3.0
+"""seconds between two progress lines while the tier's files are made or its index read"""
+
+
+class _Progress:
+    """A progress line at most every :data:`PROGRESS_S` of a long step of the start."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.shown = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.shown >= PROGRESS_S:
+            self.shown = now
+            log.info("%s: %d%%", self.what, done * 100 // max(1, total))
 
 
 class DiskInUse(OSError):
@@ -172,7 +189,9 @@ class DiskFiles:
         found: dict[BlockKey, SlotRecord] = {}
         empty: list[int] = []
         bad: list[int] = []
+        progress = _Progress(f"disk tier {self.path}: index records read")
         for first in range(0, h.slot_count, _SCAN_RECORDS):
+            progress(first, h.slot_count)
             count = min(_SCAN_RECORDS, h.slot_count - first)
             chunk = os.pread(
                 self.index_fd, count * RECORD_BYTES, HEADER_BYTES + first * RECORD_BYTES
@@ -238,7 +257,9 @@ class DiskFiles:
             self.header = want
             self._check_room(want, prealloc)
         fresh = self.index_fd < 0
+        progress = _Progress(f"disk tier {self.path}: slab files opened")
         for n in range(self.header.file_count):
+            progress(n, self.header.file_count)
             self.fds.append(self._open_slab(n, prealloc, fresh))
         if self.index_fd < 0:
             self.index_fd = self._create_index(index_path, prealloc)

@@ -63,6 +63,7 @@ from pegaflow.storage_node.disk_spills import DiskSlot, DiskSpills
 
 from pegaflow.checksum import checksum
 from pegaflow.errors import BadRequest
+from pegaflow.units import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,10 @@ class DiskTier(DiskSpills):
         self._last_log = 0.0
         self._last_error: tuple[float, str] | None = None
         """when the last error was counted, and what it was"""
+        log.info(
+            "disk tier %s: opening %s in %d slots of %d bytes",
+            self.path, human_bytes(slot_count * self.stride), slot_count, self.stride,
+        )  # fmt: skip
         self._files = DiskFiles(
             self.path,
             slot_count,
@@ -196,6 +201,7 @@ class DiskTier(DiskSpills):
         if self._recovered:
             raise RuntimeError("DiskTier.recover() was already called")
         t0 = time.perf_counter()
+        log.info("disk tier %s: reading the records of %d slots", self.path, self.slot_count)
         found, empty, bad = self._files.scan_records()
         with self._lock:
             for slot in bad:

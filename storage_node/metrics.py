@@ -58,7 +58,9 @@ class NodeMetrics:
         )
         self.connections = Gauge("pegaflow_node_connections", "Open data connections", registry=r)
         self.get_blocks = counter("pegaflow_node_get_blocks", "Blocks asked for by get", ["result"])
-        self.get_bytes = counter("pegaflow_node_get_bytes", "Bytes sent by get")
+        self.get_bytes = counter(
+            "pegaflow_node_get_bytes", "Bytes served: sent by get, or located for a same-host read"
+        )
         self.put_blocks = counter("pegaflow_node_put_blocks", "Blocks committed by put")
         self.put_bytes = counter("pegaflow_node_put_bytes", "Bytes committed by put")
         self.request_seconds = FastHistogram(

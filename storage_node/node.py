@@ -392,7 +392,7 @@ class StorageNode:
         gid = resolve_group(cfg.access_group)
         path = Path(cfg.shm_dir) / f"pegaflow-{self.node_id}.pool"
         self._on_close("the pool", self._close_pool)
-        self.pool = BlockPool(
+        self.pool = await BlockPool.opened(
             path,
             cfg.pool_bytes,
             cfg.slab_bytes,

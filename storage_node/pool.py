@@ -35,6 +35,7 @@ already under way can still hit that transfer.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -51,6 +52,7 @@ import numpy as np
 from pegaflow.storage_node.blocks import ALIGN, BlockKey, Entry, align_up
 from pegaflow.storage_node.journal import Journal, SlotRecord
 from pegaflow.storage_node.shm_file import (
+    PreparationStopped,
     open_pool,
     remove_unused,
     replaced,
@@ -110,7 +112,7 @@ class BlockPool(SlabAllocator):
     ``created`` says whether this pool made its file (so a failed start knows what to
     remove).  ``access_gid``: the group given read/write access (see
     :mod:`~pegaflow.storage_node.shm_file`); ``size_flag``: the option named when the
-    pool does not fit.
+    pool does not fit; ``stop``: set, it ends the file's preparation (:meth:`opened`).
     ``on_spill``: offered each block evicted, before its slot is reused (the disk tier
     copies it at once); when it returns True the block is kept there and not reported
     to ``on_evict``.  :meth:`watch_free`, :meth:`take_for_spill` and :meth:`end_spill`
@@ -130,6 +132,7 @@ class BlockPool(SlabAllocator):
         fresh: bool = False,
         access_gid: int | None = None,
         size_flag: str = "--node-pool-bytes",
+        stop: threading.Event | None = None,
     ) -> None:
         if slab_bytes % ALIGN or slab_bytes <= 0:
             raise ValueError(f"slab_bytes must be a positive multiple of {ALIGN}")
@@ -150,7 +153,7 @@ class BlockPool(SlabAllocator):
                 old.unlink(missing_ok=True)
             log.info("removed the pool file %s and its journal: starting empty", self.path)
         self._fd, self._mmap, self.created = open_pool(
-            self.path, self.capacity, access_gid, size_flag
+            self.path, self.capacity, access_gid, size_flag, stop
         )
         st = os.fstat(self._fd)
         self.file_id = (st.st_dev, st.st_ino)
@@ -182,6 +185,28 @@ class BlockPool(SlabAllocator):
             self.recovered = self._recover(self.journal.replay())
             self.pool_id = self.journal.pool_id
             self.journal.rewrite(self._record(e) for e in self.recovered)
+
+    @classmethod
+    async def opened(cls, *args: Any, **kwargs: Any) -> BlockPool:
+        """A pool made (``BlockPool(*args, **kwargs)``) on a thread, so that the event
+        loop, and its stop signals, run while a large pool file is prepared (minutes for
+        tens of GiB).  Cancelled, it stops the preparation at its next chunk, removes a
+        file it created, and raises ``CancelledError``."""
+        stop = threading.Event()
+        made = asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(cls, *args, stop=stop, **kwargs)
+        )
+        try:
+            return await asyncio.shield(made)
+        except asyncio.CancelledError:
+            stop.set()
+            try:
+                pool = await made
+            except PreparationStopped as e:
+                log.info("%s", e)
+            else:  # done before it saw the stop
+                pool.close(unlink=pool.created)
+            raise
 
     def _recover(self, records: list[SlotRecord]) -> list[Entry]:
         """Adopt the journaled blocks whose bytes still match their checksum (the

@@ -247,15 +247,19 @@ class Reads:
     ) -> dict[str, Any]:
         found = self.find(ns, hashes, shard)
         pin = self._hold(found, ttl_ms, s)
-        hits = self.metrics.get_blocks.labels(result="hit")
-        n = len(found) - found.count(None)
+        held = [e for e in found if e is not None]
         if self._svc.on_data_loop():
-            hits.inc(n)
-        else:
-            self._svc.loop.call_soon_threadsafe(hits.inc, n)  # the metrics are the data loop's
+            self._count_located(held)
+        else:  # the metrics are the data loop's
+            self._svc.loop.call_soon_threadsafe(self._count_located, held)
         memo = self._located
         rows = [None if e is None else (memo.get(e) or self._row(e)) for e in found]
         return proto.encode_locate_reply(pin, rows, self.pool.file_id)
+
+    def _count_located(self, held: list[Entry]) -> None:
+        """Blocks a same-host reader was shown: hits and bytes served, as a get's are."""
+        self.metrics.get_blocks.labels(result="hit").inc(len(held))
+        self.metrics.get_bytes.inc(sum(e.size for e in held))
 
     def _row(self, e: Entry) -> tuple[int, bytes]:
         """A committed entry's ``locate`` row, computed once (it never changes)."""

@@ -1,6 +1,7 @@
-"""The shared-memory file behind a node's block pool: whether it fits, who may open
-it, and creating, locking, naming, preparing and mapping it (:func:`open_pool`), and
-whether its path still names it (:func:`replaced`).
+"""The shared-memory file behind a node's block pool, from its room check to its mapping.
+
+Whether it fits, who may open it, and creating, locking, naming, preparing and mapping
+it (:func:`open_pool`), and whether its path still names it (:func:`replaced`).
 
 The pool file (``<shm_dir>/pegaflow-<node_id>.pool``) is allocated whole when the pool
 opens (``posix_fallocate``, then every page is touched), after a check that it fits the
@@ -8,9 +9,10 @@ memory left (``MemAvailable``, or the cgroup's limit when lower) and the free sp
 ``shm_dir`` (:func:`check_room`): a pool that does not fit is refused with the sizes
 (:class:`PoolDoesNotFit`) instead of getting the process OOM-killed or dying of SIGBUS
 later.  Preparing a large pool takes seconds (about 0.5 s a GiB): it is logged, with its
-progress (:func:`prepare`).  A new pool file is prepared unnamed (``O_TMPFILE``) and
-linked at its path only once it is whole (:func:`open_locked`, :func:`link_prepared`), so
-a process killed while preparing it leaves nothing.  One process holds a pool file at a
+progress (:func:`prepare`), and a stop asked for meanwhile ends it at the next chunk.  A
+new pool file is prepared unnamed (``O_TMPFILE``) and linked at its path only once it is
+whole (:func:`open_locked`, :func:`link_prepared`), so a process killed while preparing
+it leaves nothing.  One process holds a pool file at a
 time (an ``flock``; :class:`PoolInUse`).
 
 Access: the pool file is owner-only (0600), or readable and writable by one group
@@ -28,6 +30,7 @@ import grp
 import logging
 import mmap
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -49,6 +52,10 @@ _NO_LIMIT = 1 << 60
 
 class PoolInUse(OSError):
     """Another live process holds this pool file."""
+
+
+class PreparationStopped(Exception):
+    """A stop asked for while the pool was being prepared (:func:`prepare`)."""
 
 
 class PoolDoesNotFit(OSError):
@@ -224,18 +231,29 @@ def apply_access(target: int | str | Path, gid: int | None) -> None:
 
 
 def prepare(
-    fd: int, mm: mmap.mmap, path: Path, capacity: int, *, created: bool, size_flag: str
+    fd: int,
+    mm: mmap.mmap,
+    path: Path,
+    capacity: int,
+    *,
+    created: bool,
+    size_flag: str,
+    stop: threading.Event | None = None,
 ) -> None:
     """Allocate and touch all ``capacity`` bytes of the mapped pool file ``fd`` (``mm``),
     a chunk at a time (logged: a start line, progress every :data:`PROGRESS_S`, the time
     it took).  ``created``: a new file (else one re-attached); ``size_flag``: the option
-    named when it does not fit."""
+    named when it does not fit; ``stop`` set: :class:`PreparationStopped` before the
+    next chunk (a stop signal is not kept waiting for a large pool's minutes)."""
     size = human_bytes(capacity)
     what = "preparing" if created else "re-attaching"
     log.info("%s pool of %s in %s", what, size, path.parent)
     t0 = shown = time.monotonic()
     allocate = touch = True
     for off in range(0, capacity, PREPARE_CHUNK):
+        if stop is not None and stop.is_set():
+            done = off * 100 // capacity
+            raise PreparationStopped(f"stopped while preparing pool {path} ({done}% done)")
         n = min(PREPARE_CHUNK, capacity - off)
         allocate = allocate and _allocate(fd, path, capacity, size_flag, off, n)
         touch = touch and _prefault(mm, off, n)
@@ -356,11 +374,16 @@ def link_prepared(fd: int, path: Path) -> None:
 
 
 def open_pool(
-    path: Path, capacity: int, access_gid: int | None, size_flag: str
+    path: Path,
+    capacity: int,
+    access_gid: int | None,
+    size_flag: str,
+    stop: threading.Event | None = None,
 ) -> tuple[int, mmap.mmap, bool]:
     """The pool file at ``path`` opened (or re-attached), locked, sized to ``capacity``,
     mapped and prepared: its fd, its mapping, and whether this call made it.  Checks
-    first that it fits (:func:`check_room`); a failure removes a file this call made."""
+    first that it fits (:func:`check_room`); a failure (or ``stop``: see :func:`prepare`)
+    removes a file this call made."""
     check_room(path, capacity, size_flag)
     fd, created, unnamed = open_locked(path)
     mm: mmap.mmap | None = None
@@ -368,7 +391,7 @@ def open_pool(
         apply_access(fd, access_gid)
         os.ftruncate(fd, capacity)
         mm = mmap.mmap(fd, capacity, mmap.MAP_SHARED)
-        prepare(fd, mm, path, capacity, created=created, size_flag=size_flag)
+        prepare(fd, mm, path, capacity, created=created, size_flag=size_flag, stop=stop)
         if unnamed:
             link_prepared(fd, path)
             unnamed = False

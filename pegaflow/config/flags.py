@@ -12,7 +12,19 @@ from .values import SIZE_RULE, convert, format_size
 
 
 class ArgParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line on stderr and exit status 2."""
+    """An argument parser whose errors are one line on stderr and exit status 2, with
+    ``--version`` (prints ``<prog> <version>``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.description:  # a module docstring: its RST ``literals`` read as `literals`
+            self.description = self.description.replace("``", "`")
+        from pegaflow import __version__
+
+        self.add_argument(
+            "--version", action="version", version=f"%(prog)s {__version__}",
+            help="print the program's name and version, and exit",
+        )  # fmt: skip
 
     def error(self, message: str) -> NoReturn:
         """Print ``<prog>: error: <message>`` and exit with status 2 (no usage dump)."""
@@ -30,6 +42,7 @@ _METAVARS = {
     "otlp_endpoint": "URL",
     "otlp_protocol": "PROTOCOL",
     "ucx_net_devices": "DEVICES",
+    "disk_path": "DIR",
 }
 
 
@@ -44,6 +57,8 @@ def _metavar(f: dataclasses.Field[Any], typ: Any) -> str:
         return "BOOL"
     if f.metadata.get("addresses"):
         return "HOST:PORT[,...]"
+    if f.name.endswith("_per_s") and typ in (int, float):
+        return "N"  # a rate: its help says per what
     if f.name.endswith("_s") and typ in (int, float):
         return "SECONDS"
     if f.name.endswith("_ms") and typ in (int, float):

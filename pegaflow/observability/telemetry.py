@@ -56,6 +56,8 @@ _tracer: Any = None
 _provider: Any = None
 _ids: _RequestIds | None = None
 _bridge: PrometheusBridge | None = None
+_exporters: list[Any] = []
+"""the span and metric exporters of :func:`setup` (:func:`shutdown` may cut them short)"""
 _lock = threading.Lock()
 
 TRACEPARENT_KEY = "tp"
@@ -398,7 +400,7 @@ def setup(
 
     Returns whether export is on.  Never raises for a missing package or a bad
     endpoint: it logs and leaves the process without export."""
-    global tracing, _tracer, _provider, _ids, _bridge
+    global tracing, _tracer, _provider, _ids, _bridge, _exporters
     if cfg is None:
         from pegaflow.config import load_config
 
@@ -440,6 +442,7 @@ def setup(
             id_generator=_ids,  # type: ignore[arg-type]
         )
         _provider.add_span_processor(BatchSpanProcessor(span_exporter))
+        _exporters = [span_exporter, metric_exporter]
         _tracer = _provider.get_tracer("pegaflow", __version__)
         if registry is None:
             from prometheus_client import REGISTRY
@@ -493,14 +496,42 @@ def flush(timeout_s: float = 10.0) -> None:
         _bridge.export_once()
 
 
-def shutdown() -> None:
-    """Flush and stop export (safe to call when it never started)."""
-    global tracing, _tracer, _provider, _ids, _bridge
+SHUTDOWN_S = 2.0
+"""how long a stop waits for the last spans and metrics to reach the collector; a
+collector that is down is not waited for longer (its exporters retry for 10 s)"""
+
+
+def shutdown(timeout_s: float = SHUTDOWN_S) -> None:
+    """Flush and stop export (safe to call when it never started), waiting at most
+    ``timeout_s`` for the collector: past it, the exporters are stopped mid-retry and
+    what was not sent is dropped."""
+    global tracing, _tracer, _provider, _ids, _bridge, _exporters
     with _lock:
         tracing = False
-        _tracer = None
-        if _provider is not None:
-            _provider.shutdown()
-        if _bridge is not None:
-            _bridge.shutdown()
-        _provider = _ids = _bridge = None
+        provider, bridge, exporters = _provider, _bridge, _exporters
+        _tracer = _provider = _ids = _bridge = None
+        _exporters = []
+
+    def flush_and_stop() -> None:
+        if provider is not None:
+            provider.shutdown()
+        if bridge is not None:
+            bridge.shutdown()
+
+    if provider is None and bridge is None:
+        return
+    last = threading.Thread(target=flush_and_stop, name="pegaflow-otlp-stop", daemon=True)
+    last.start()
+    last.join(timeout_s)
+    if not last.is_alive():
+        return
+    log.warning(
+        "telemetry: the OTLP collector did not take the last export in %.0f s; stopping "
+        "without it",
+        timeout_s,
+    )
+    for exporter in exporters:
+        try:  # ends the exporter's retries: the thread above then finishes at once
+            exporter.shutdown()
+        except Exception:
+            pass

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -298,6 +299,16 @@ def _add_cluster_args(
     p.add_argument("--timeout", type=_seconds, default=5.0, metavar="SECONDS", help=timeout)
 
 
+def _emit(text: str) -> None:
+    """Print ``text``; a reader that went away (``pegaflow status | head -3``) ends the
+    output quietly, and the exit status stays the status's."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # the interpreter's flush of stdout at exit would fail again: point it nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``pegaflow``: every error is one line on stderr and exit status 2."""
     parser = ArgParser(
@@ -367,11 +378,9 @@ def main(argv: list[str] | None = None) -> None:
             st = {**st, "health": health}
         if router is not None:
             st = {**st, "router": router}
-        print(json.dumps(st, indent=2, default=str))
+        _emit(json.dumps(st, indent=2, default=str))
     else:
-        print(render_status(st, health))
-        for r in shown:
-            print(render_router(r))
+        _emit("\n".join([render_status(st, health), *(render_router(r) for r in shown)]))
     if health and not all(health_ok(v) for v in health.values()):
         sys.exit(1)
     if not all(router_healthy(r) for r in shown):

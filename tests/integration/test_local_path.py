@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -345,3 +346,34 @@ def test_runs_of_consecutive_blocks_for_2d_copies() -> None:
     far = [0, 1 << 30]  # a step too large for a 2-D copy's pitch
     assert KVBlockIO._runs(far, [1, 2]) == [(0, 1, 0), (1, 1, 0)]
     assert KVBlockIO._runs([], []) == []
+
+
+def _served_bytes(server: Proc) -> float:
+    """The server's ``pegaflow_node_get_bytes_total``, from its ``/metrics``."""
+    import urllib.request
+
+    url = f"http://127.0.0.1:{server.ready['http']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    line = next(x for x in text.splitlines() if x.startswith("pegaflow_node_get_bytes_total"))
+    return float(line.split()[-1])
+
+
+def test_located_bytes_count_as_served(server: Proc) -> None:
+    """A same-host hit serves its bytes as a get does (the dashboard read 0 B served)."""
+    node = server.ready["node"]
+    c = client_of(server)
+    try:
+        hashes = _stored(server, c, 9)
+        before = _served_bytes(server)
+        pin, where = c.locate(NS, node, hashes, 0, 5.0)
+        c.unpin(node, pin)
+    finally:
+        c.close()
+    located = int(where.cols[:, 1].sum())
+    assert located > 0
+    for _ in range(50):  # counted on the node's data loop, a moment later
+        if _served_bytes(server) - before == located:
+            return
+        time.sleep(0.1)
+    assert _served_bytes(server) - before == located

@@ -110,7 +110,30 @@ def peer() -> tuple[int, int, int]:
         if r.returncode not in (0, 9):  # 9: it exists already
             pytest.skip(f"cannot make the test user: {r.stderr.strip()}")
     pw = pwd.getpwnam(USER)
+    problem = _cannot_import_as(pw.pw_uid, pw.pw_gid)
+    if problem:
+        pytest.skip(
+            f"user {USER} cannot import pegaflow from this checkout ({problem}): a folder "
+            "above it, or above the virtual environment, is owner-only (mode 0700, as home "
+            "directories often are); run from a checkout other users can read"
+        )
     return pw.pw_uid, pw.pw_gid, grp.getgrnam(GROUP).gr_gid
+
+
+def _cannot_import_as(uid: int, gid: int) -> str:
+    """Why the second user cannot import the client from this checkout ('' if it can)."""
+    python = _python_for_others()
+    if python is None:
+        return "no Python that another user may run"
+    probe = "import site, sys; site.addsitedir(sys.argv[1]); import pegaflow.client.data"
+    r = subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", python, "-c", probe,
+         sysconfig.get_paths()["purelib"]],
+        capture_output=True, text=True, timeout=60, cwd="/",
+        env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"},
+    )  # fmt: skip
+    lines = r.stderr.strip().splitlines()
+    return "" if r.returncode == 0 else (lines[-1] if lines else f"exit status {r.returncode}")
 
 
 @pytest.fixture

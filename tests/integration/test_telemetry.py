@@ -6,6 +6,7 @@ OTLP/HTTP receiver (a loopback stand-in for a collector)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -335,3 +336,60 @@ def test_connector_lookup_is_a_span_of_the_request_trace() -> None:
     (root,) = [s for s in spans.get_finished_spans() if s.name == "pegaflow.request"]
     assert (root.context.trace_id, root.context.span_id) == (trace_id, root_id)
     assert root.attributes["pegaflow.hit_blocks"] == 3
+
+
+class DownCollector:
+    """A span and metric exporter whose collector is down: every export retries until
+    the exporter is shut down, as the OTLP exporters do for 10 s."""
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+
+    def export(self, data: Any, timeout_millis: float = 0, **_kw: Any) -> Any:
+        from opentelemetry.sdk.metrics.export import MetricExportResult
+
+        self.stopped.wait()
+        return MetricExportResult.FAILURE
+
+    def shutdown(self, **_kw: Any) -> None:
+        self.stopped.set()
+
+    def force_flush(self, timeout_millis: int = 0) -> bool:
+        return False
+
+
+def test_a_collector_that_is_down_does_not_hold_the_stop() -> None:
+    spans, metrics = DownCollector(), DownCollector()
+    reg, _, _ = registry()
+    assert telemetry.setup(
+        TelemetryConfig(export_interval_s=3600), service="t", registry=reg,
+        span_exporter=spans, metric_exporter=metrics,
+    )  # fmt: skip
+    with telemetry.span("pegaflow.test.pending"):
+        pass
+    stop = threading.Thread(target=telemetry.shutdown, kwargs={"timeout_s": 0.2}, daemon=True)
+    stop.start()
+    stop.join(30)  # without a bound, it waits for the collector forever
+    stopped = not stop.is_alive() and spans.stopped.is_set() and metrics.stopped.is_set()
+    spans.shutdown()
+    metrics.shutdown()
+    assert stopped
+
+
+def test_a_service_stops_without_an_unreachable_collector() -> None:
+    """A real coordinator exporting to a closed port: SIGTERM stops it, and the log says
+    the last export was given up."""
+    from pegaflow.tools.devcluster import free_port, start_coordinator
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    p = start_coordinator(extra=["--telemetry-otlp-endpoint", closed])
+    try:
+        p.popen.terminate()
+        assert p.popen.wait(60) == 0
+    finally:
+        p.kill()
+    for _ in range(100):  # the log's last lines may still be on their way from the pipe
+        if any("did not take the last export" in line for line in p.log):
+            return
+        time.sleep(0.1)
+    raise AssertionError(p.log[-20:])

@@ -251,3 +251,36 @@ def test_a_connector_log_level_prints_each_line_once(capsys: pytest.CaptureFixtu
     finally:
         root.removeHandler(root_handler)
         log.handlers[:], log.level, log.propagate = saved[0], saved[1], saved[2]
+
+
+@pytest.mark.parametrize(
+    "extra,env",
+    [
+        ({"pegaflow.host": "http://10.0.0.1", "pegaflow.port": 50055}, {}),
+        ({"pegaflow.host": "http://10.0.0.1:50055"}, {}),
+        ({}, {"PEGAFLOW_HOST": "10.0.0.1", "PEGAFLOW_PORT": "50055"}),
+    ],
+)
+def test_pegaflows_server_port_is_said_to_have_no_listener(
+    extra: dict[str, object],
+    env: dict[str, str],
+    caplog: pytest.LogCaptureFixture,
+    fresh_notices: None,
+) -> None:
+    """PegaFlow's 50055 is kept as given, and a warning says nothing listens there and
+    what to write instead."""
+    with caplog.at_level(logging.WARNING, logger="pegaflow.connector"):
+        s = ConnectorSettings.load(extra, env=env)
+    assert s.coordinators == ["10.0.0.1:50055"]
+    warned = [r.getMessage() for r in caplog.records if "50055" in r.getMessage()]
+    assert len(warned) == 1, caplog.text
+    assert "no PegaFlow cluster service listens on 50055" in warned[0]
+    assert '"coordinators": "10.0.0.1:7700"' in warned[0]
+
+
+def test_a_coordinator_port_is_not_warned_about(
+    caplog: pytest.LogCaptureFixture, fresh_notices: None
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="pegaflow.connector"):
+        ConnectorSettings.load({"pegaflow.host": "10.0.0.1", "pegaflow.port": 7700}, env={})
+    assert not caplog.records
