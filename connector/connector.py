@@ -204,11 +204,15 @@ class PegaKVConnector(KVConnectorBase_V1):
     def _make_client(self) -> Any:
         from pegaflow.client import SyncPegaClient
 
+        from pegaflow.auth import cluster_token
         from pegaflow.observability import telemetry
+        from pegaflow.tls import client_context
 
         telemetry.setup(service="pegaflow-connector")  # exports only if configured
-        s = self.settings
-        return SyncPegaClient(s.client_config(), token=s.token or None)
+        sec = self.settings.security()
+        return SyncPegaClient(
+            self.settings.client_config(), token=cluster_token(sec), tls=client_context(sec)
+        )
 
     def _compute_namespace(self) -> str | None:
         hi = hash_info(self._vllm_config)

@@ -35,6 +35,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pegaflow.auth import cluster_token, tenant_tokens
 from pegaflow.config import ClusterConfig
 from pegaflow.coordinator.index import BlockIndex
 from pegaflow.coordinator.inprocess_sink import InProcessSink
@@ -162,8 +163,8 @@ class AllInOne:
         self.coordinator: Coordinator | None = None
         self.node = StorageNode(
             cfg.node,
-            token=cfg.security.token or None,
-            tenant_tokens=cfg.security.tenant_tokens,
+            token=cluster_token(cfg.security),
+            tenant_tokens=tenant_tokens(cfg.security),
             registry=self.registry,
             size_flag="--pool-size",
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +32,7 @@ WITHDRAW_TIMEOUT_S = 1.0
 #: What to do when a coordinator refuses the router's token or its report.
 AUTH_HINT = (
     " (give the router the coordinators' cluster token or one of their tenant tokens, "
-    "--security-token / PEGAFLOW_SECURITY_TOKEN; a tenant's router may not replace a URL "
+    "--security-token-file / PEGAFLOW_SECURITY_TOKEN; a tenant's router may not replace a URL "
     "another tenant's router reports)"
 )
 
@@ -60,6 +61,7 @@ class Reporter:
         interval_s: float,
         timeout_s: float,
         token: str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.url = url
         self.interval_s = interval_s
@@ -67,7 +69,8 @@ class Reporter:
         self._status = status
         self._started_at = time.time()
         self._clients = {
-            addr: RpcClient([addr], token=token, timeout=self.timeout_s) for addr in coordinators
+            addr: RpcClient([addr], token=token, timeout=self.timeout_s, tls=tls)
+            for addr in coordinators
         }
         self._failing: dict[str, bool] = {}
         self._task: asyncio.Task[None] | None = None

@@ -14,6 +14,7 @@ import logging
 
 from pegaflow.storage_node.node import NullSink, StorageNode
 
+from pegaflow.auth import cluster_token, tenant_tokens
 from pegaflow.config import ClusterConfig
 from pegaflow.inventory import InventorySink, NodeIdInUse
 from pegaflow.runner import Runner, run_service
@@ -36,7 +37,7 @@ def make_sink(cfg: ClusterConfig, node: StorageNode) -> InventorySink:
 async def start(cfg: ClusterConfig, run: Runner) -> str:
     """Start the node and its HTTP site; its READY line."""
     node = StorageNode(
-        cfg.node, token=cfg.security.token or None, tenant_tokens=cfg.security.tenant_tokens
+        cfg.node, token=cluster_token(cfg.security), tenant_tokens=tenant_tokens(cfg.security)
     )
     node.sink = make_sink(cfg, node)
     run.telemetry(node.registry)
