@@ -24,6 +24,9 @@ import logging
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
+from pegaflow.auth import cluster_token
+from pegaflow.tls import client_context, describe
+
 from . import sameprocess
 from .compat import (
     HIT_SOURCE,
@@ -189,6 +192,7 @@ class PegaKVConnector(KVConnectorBase_V1):
                 self.settings.local_node or "(the node on this host, found by itself)",
                 fate,
             )
+            logger.info("PegaFlow connector %s", describe(self.settings.security()))
             if self.settings.can_load and self.policy != "recompute":
                 logger.warning(
                     "PegaFlow: kv_load_failure_policy=%r: a block that cannot be loaded from "
@@ -204,9 +208,7 @@ class PegaKVConnector(KVConnectorBase_V1):
     def _make_client(self) -> Any:
         from pegaflow.client import SyncPegaClient
 
-        from pegaflow.auth import cluster_token
         from pegaflow.observability import telemetry
-        from pegaflow.tls import client_context
 
         telemetry.setup(service="pegaflow-connector")  # exports only if configured
         sec = self.settings.security()
