@@ -216,18 +216,8 @@ class ConnectorSettings:
         "first coordinator on another host, else 127.0.0.1)",
     )
     token: str = opt("", "shared secret of the cluster (also PEGAFLOW_SECURITY_TOKEN)")
-    token_file: str = same_option(
-        SecurityConfig,
-        "token_file",
-        "file holding the shared secret, read at start (also PEGAFLOW_SECURITY_TOKEN_FILE); "
-        "excludes token",
-    )
-    tls_ca: str = same_option(
-        SecurityConfig,
-        "tls_ca",
-        "CA file (PEM) the coordinators' certificates are verified by: set, the connector "
-        "calls them over TLS (also PEGAFLOW_SECURITY_TLS_CA; empty: plain)",
-    )
+    token_file: str = same_option(SecurityConfig, "token_file")
+    tls_ca: str = same_option(SecurityConfig, "tls_ca")
     mode: str = opt("read_write", "read_write, save_only, load_only or off")
     namespace_extra: str = opt(
         "", "extra text folded into the namespace (e.g. weights revision) to keep caches apart"
