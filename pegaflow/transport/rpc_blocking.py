@@ -47,8 +47,10 @@ class BlockingRpcClient:
     new one.  Errors are typed: ``Unavailable`` when the address cannot be reached or the
     connection breaks, ``DeadlineExceeded``, the server's own errors.
 
-    ``tls``: a TCP address is dialled over TLS with this context; the GIL-keeping I/O
-    above reads the socket's raw bytes, so such a connection waits the ordinary way.
+    ``tls``: a TCP address is dialled over TLS with this context.  Such a connection
+    waits the ordinary way: the GIL-keeping I/O above moves raw socket bytes, and
+    Python's ``ssl`` releases the GIL around every record it encrypts or decrypts
+    anyway, so over TLS this client keeps no GIL advantage over the loop's.
     """
 
     address: str
