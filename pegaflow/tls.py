@@ -48,6 +48,13 @@ def client_context(sec: SecurityConfig) -> ssl.SSLContext | None:
         raise ConfigError("[security] tls_ca", f"cannot load {sec.tls_ca}: {e}") from None
 
 
+NOT_ANSWERED = (
+    "closed before answering the hello (a TLS server? a client needs [security] tls_ca)"
+)
+"""why a plain client's connection closed at its hello may be: a TLS server reads
+the hello as a broken handshake and closes without a word"""
+
+
 def http_scheme(client: ssl.SSLContext | None) -> str:
     """The scheme of our HTTP endpoints for a client with context ``client``."""
     return "http" if client is None else "https"

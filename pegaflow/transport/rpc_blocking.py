@@ -25,6 +25,7 @@ from pegaflow.protocol.framing import (
     encode_frame,
     parse_address,
 )
+from pegaflow.tls import NOT_ANSWERED
 from pegaflow.transport import gil_io
 
 
@@ -129,7 +130,12 @@ class BlockingRpcClient:
                 sock = self.tls.wrap_socket(sock, server_hostname=where[0])
             hello = {"op": "hello", "version": PROTOCOL_VERSION, "token": self._token}
             sock.sendall(encode_frame(hello))
-            reply = req_map(self._next(sock, deadline))
+            try:
+                reply = req_map(self._next(sock, deadline))
+            except ConnectionResetError:
+                if self.tls is not None:
+                    raise
+                raise ConnectionResetError(NOT_ANSWERED) from None
             if not reply.get("ok"):
                 raise error_from_wire(reply.get("error"))
         except BaseException:

@@ -43,6 +43,7 @@ from pegaflow.protocol.framing import (
     encode_frame,
     parse_address,
 )
+from pegaflow.tls import NOT_ANSWERED
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +317,12 @@ class RpcClient:
             try:
                 hello = {"op": "hello", "version": PROTOCOL_VERSION, "token": self._token}
                 conn.send(encode_frame(hello))
-                reply = req_map(await conn.hello)
+                try:
+                    reply = req_map(await conn.hello)
+                except Unavailable:
+                    if self._tls is not None:
+                        raise
+                    raise Unavailable(f"{addr} {NOT_ANSWERED}") from None
             except BaseException:
                 if conn.transport is not None:
                     conn.transport.abort()

@@ -89,8 +89,10 @@ def test_the_start_line_says_tls_is_on(cluster: Cluster) -> None:
 
 async def test_a_client_without_the_ca_is_refused(cluster: Cluster) -> None:
     """Plain TCP, or TLS verified by another CA: the connection never gets to a call."""
-    with pytest.raises(Unavailable):
+    with pytest.raises(Unavailable, match="a TLS server"):
         await _status(cluster.address, TOKEN, None)
+    with pytest.raises(Unavailable, match="a TLS server"):
+        BlockingRpcClient(cluster.address, token=TOKEN).call("status", {}, timeout=5)
     with pytest.raises(Unavailable, match="CERTIFICATE_VERIFY_FAILED"):
         await _status(cluster.address, TOKEN, cluster.tls(cluster.other_ca))
     blocking = BlockingRpcClient(cluster.address, token=TOKEN, tls=cluster.tls(cluster.other_ca))
