@@ -21,9 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pegaflow.client import SyncPegaClient
+from pegaflow.coordinator.suspects import http_alive
 
 from pegaflow.config import ClientConfig, SecurityConfig
 from pegaflow.errors import Unauthorized, Unavailable
+from pegaflow.keys import NodeRecord
 from pegaflow.tls import client_context
 from pegaflow.tools.devcluster import REPO, Proc, start_server
 from pegaflow.transport.rpc_blocking import BlockingRpcClient
@@ -139,6 +141,14 @@ def test_the_http_endpoints_are_https(cluster: Cluster) -> None:
         _get(f"https://{cluster.http}/metrics", cluster.tls(cluster.other_ca))
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         _get(f"http://{cluster.http}/metrics", None)
+
+
+async def test_the_coordinators_check_of_a_node_goes_over_https(cluster: Cluster) -> None:
+    """A reported node's /health, as the coordinator asks it (verified by its CA)."""
+    rec = NodeRecord("n", "127.0.0.1", 0, http=cluster.http)
+    assert await http_alive(rec, 5, cluster.tls()) is True
+    assert await http_alive(rec, 5, cluster.tls(cluster.other_ca)) is False
+    assert await http_alive(rec, 5, None) is False
 
 
 def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
