@@ -41,7 +41,8 @@ class EtcdConfig:
 
 @dataclass(frozen=True)
 class SecurityConfig:
-    """Shared-secret authentication of the control and data planes."""
+    """Shared-secret authentication of the control and data planes; TLS of the control
+    protocol and the HTTP endpoints (docs/operations.md, "Security")."""
 
     token: str = opt(
         "",
