@@ -2,7 +2,8 @@
 token is refused, one with both saves, looks up and reads the HTTP endpoints.
 
 One server for the module, started with ``[security] tls_cert``/``tls_key``/``tls_ca``
-and ``token_file`` (certificates made by ``openssl`` in a temporary directory).
+and ``token_file`` (certificates made by ``openssl`` in a temporary directory), and one
+standalone ``pegaflow-node`` for its own HTTP endpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pegaflow.config import ClientConfig, SecurityConfig
 from pegaflow.errors import Unauthorized, Unavailable
 from pegaflow.keys import NodeRecord
 from pegaflow.tls import client_context
-from pegaflow.tools.devcluster import REPO, Proc, start_server
+from pegaflow.tools.devcluster import REPO, Proc, start_node, start_server
 from pegaflow.transport.rpc_blocking import BlockingRpcClient
 from pegaflow.transport.rpc_client import RpcClient
 from tests.support.etcd_fixture import make_test_certs
@@ -149,6 +150,22 @@ async def test_the_coordinators_check_of_a_node_goes_over_https(cluster: Cluster
     assert await http_alive(rec, 5, cluster.tls()) is True
     assert await http_alive(rec, 5, cluster.tls(cluster.other_ca)) is False
     assert await http_alive(rec, 5, None) is False
+
+
+def test_a_nodes_own_endpoint_is_https(cluster: Cluster) -> None:
+    """A ``pegaflow-node`` (no etcd: standalone) serves its HTTP endpoint over TLS too."""
+    certs = Path(cluster.ca).parent
+    node = start_node("tls-node", pool="32MiB", slab="4MiB", extra=[
+        "--security-tls-cert", str(certs / "server.crt"),
+        "--security-tls-key", str(certs / "server.key"),
+    ])  # fmt: skip
+    try:
+        url = f"https://127.0.0.1:{node.ready['http']}"
+        assert json.loads(_get(f"{url}/health", cluster.tls()))["node_id"] == "tls-node"
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            _get(url.replace("https", "http") + "/health", None)
+    finally:
+        node.terminate()
 
 
 def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
