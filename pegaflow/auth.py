@@ -26,20 +26,28 @@ log = logging.getLogger(__name__)
 TENANT_SEP = "@"
 
 
-def _read_secrets(path: str, option: str) -> list[str]:
-    """The lines of a secrets file (blank and ``#`` lines left out); a warning when others
-    than its owner may read it."""
+def warn_if_shared(path: str, option: str) -> None:
+    """Warn when others than its owner may read the secret file ``path`` (``[security]
+    option``); say nothing of a file that cannot be stat'ed (its reader fails)."""
     try:
-        mode = os.stat(path).st_mode
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return
+    if mode & 0o077:
+        log.warning(
+            "[security] %s: %s has mode %o: others than its owner may read the secret "
+            "(chmod 600 %s)", option, path, mode, path,
+        )  # fmt: skip
+
+
+def _read_secrets(path: str, option: str) -> list[str]:
+    """The lines of a secrets file (blank and ``#`` lines left out)."""
+    try:
         with open(path, encoding="utf-8") as fh:
             lines = [ln.strip() for ln in fh]
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"[security] {option}", f"cannot read {path}: {e}") from None
-    if stat.S_IMODE(mode) & 0o077:
-        log.warning(
-            "[security] %s: %s has mode %o: others than its owner may read the secret "
-            "(chmod 600 %s)", option, path, stat.S_IMODE(mode), path,
-        )  # fmt: skip
+    warn_if_shared(path, option)
     return [ln for ln in lines if ln and not ln.startswith("#")]
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -84,6 +86,22 @@ def test_tls_contexts(tmp_path: Path) -> None:
         server_context(SecurityConfig(tls_cert=str(tmp_path / "c"), tls_key=str(tmp_path / "k")))
     with pytest.raises(ConfigError, match="cannot load"):
         client_context(SecurityConfig(tls_ca=str(tmp_path / "ca")))
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+def test_a_tls_key_others_may_read_is_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "k.pem",
+         "-out", "c.pem", "-days", "1", "-subj", "/CN=t"],
+        cwd=tmp_path, check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    (tmp_path / "k.pem").chmod(0o644)
+    sec = SecurityConfig(tls_cert=str(tmp_path / "c.pem"), tls_key=str(tmp_path / "k.pem"))
+    with caplog.at_level(logging.WARNING):
+        assert server_context(sec) is not None
+    assert "tls_key" in caplog.text and "chmod 600" in caplog.text
 
 
 def test_the_start_line_names_tls_and_the_tokens() -> None:
