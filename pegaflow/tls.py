@@ -16,6 +16,12 @@ import ssl
 from pegaflow.auth import warn_if_shared
 from pegaflow.config import ConfigError, SecurityConfig
 
+NOT_ANSWERED = (
+    "closed before answering the hello (a TLS server? a client needs [security] tls_ca)"
+)
+"""why a plain client's connection closed at its hello may be: a TLS server reads
+the hello as a broken handshake and closes without a word"""
+
 
 def _context(purpose: ssl.Purpose, cafile: str | None = None) -> ssl.SSLContext:
     ctx = ssl.create_default_context(purpose, cafile=cafile)
@@ -48,13 +54,6 @@ def client_context(sec: SecurityConfig) -> ssl.SSLContext | None:
         return _context(ssl.Purpose.SERVER_AUTH, sec.tls_ca)
     except (OSError, ssl.SSLError) as e:
         raise ConfigError("[security] tls_ca", f"cannot load {sec.tls_ca}: {e}") from None
-
-
-NOT_ANSWERED = (
-    "closed before answering the hello (a TLS server? a client needs [security] tls_ca)"
-)
-"""why a plain client's connection closed at its hello may be: a TLS server reads
-the hello as a broken handshake and closes without a word"""
 
 
 def http_scheme(client: ssl.SSLContext | None) -> str:
