@@ -131,6 +131,12 @@ class Coordinator:
         self._tls = server_context(security)
         self._client_tls = client_context(security)
         """verifies the nodes' HTTPS endpoints (the suspects' checks, the dashboard)"""
+        if self._tls is not None and self._client_tls is None:
+            log.warning(
+                "[security] tls_cert without tls_ca: this coordinator asks nodes' /health "
+                "(reported nodes) and the dashboard scrapes them over plain HTTP, which "
+                "nodes serving TLS refuse; give it tls_ca too"
+            )
         use_etcd = index is None and etcd is not None and bool(etcd.endpoints)
         self.index = index if index is not None else BlockIndex()
         self.registry = registry if registry is not None else new_registry()
