@@ -56,9 +56,9 @@ def client_context(sec: SecurityConfig) -> ssl.SSLContext | None:
         raise ConfigError("[security] tls_ca", f"cannot load {sec.tls_ca}: {e}") from None
 
 
-def http_scheme(client: ssl.SSLContext | None) -> str:
-    """The scheme of our HTTP endpoints for a client with context ``client``."""
-    return "http" if client is None else "https"
+def http_scheme(tls: ssl.SSLContext | None) -> str:
+    """The scheme of our HTTP endpoints for a client, or a server, with context ``tls``."""
+    return "http" if tls is None else "https"
 
 
 def describe(sec: SecurityConfig) -> str:

@@ -37,14 +37,14 @@ AUTH_HINT = (
 )
 
 
-def advertised_url(host: str, port: int) -> str:
-    """The router's URL as the coordinators list it: ``http://host:port``, with the
+def advertised_url(host: str, port: int, scheme: str = "http") -> str:
+    """The router's URL as the coordinators list it: ``<scheme>://host:port``, with the
     machine's host name for a wildcard bind address."""
     if host in ("", "0.0.0.0", "::"):
         host = socket.gethostname()
     if ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{port}"
+    return f"{scheme}://{host}:{port}"
 
 
 class Reporter:

@@ -38,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pegaflow.auth import cluster_token
 from pegaflow.config import ClientConfig, RouterConfig, SecurityConfig
 from pegaflow.errors import Unauthorized
-from pegaflow.tls import client_context
+from pegaflow.tls import client_context, http_scheme, server_context
 
 from .backends import NET_ERRORS, Backends, describe
 from .hashing import BlockHasher, hashable
@@ -76,6 +76,8 @@ class Router(Proxy):
         security = security or SecurityConfig()
         self._token = cluster_token(security)
         self._tls = client_context(security)
+        self._server_tls = server_context(security)
+        """the router's own HTTP server speaks TLS with it (``[security] tls_cert``)"""
         self.hasher: BlockHasher | None = None
         self.tokenizer = PromptTokenizer()
         self._pega: Any = None
@@ -151,14 +153,15 @@ class Router(Proxy):
         await self._runner.setup()
         stack.push_async_callback(self._runner.cleanup)
         listener = await asyncio.get_running_loop().create_server(
-            self._accept, self.cfg.host, self.cfg.port, reuse_address=True, backlog=1024
-        )
+            self._accept, self.cfg.host, self.cfg.port, reuse_address=True, backlog=1024,
+            ssl=self._server_tls,
+        )  # fmt: skip
         stack.callback(listener.close)
         self.port = listener.sockets[0].getsockname()[1]
         coordinators = self._client_cfg.coordinators
         if self.cfg.report_interval_s > 0 and coordinators:
             self.reporter = Reporter(
-                advertised_url(self.cfg.host, self.port),
+                advertised_url(self.cfg.host, self.port, http_scheme(self._server_tls)),
                 list(coordinators),
                 self.status,
                 interval_s=self.cfg.report_interval_s,

@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
 
     router: dict[str, Any] | None = None
     if args.router:
-        router = asyncio.run(fetch_router_status(args.router, args.timeout))
+        router = asyncio.run(fetch_router_status(args.router, args.timeout, cred[1]))
     reported = [r for r in st.get("routers") or [] if isinstance(r, dict)]
     shown = [r for r in reported if router is None or r.get("url") != router["url"]]
     if router is not None:

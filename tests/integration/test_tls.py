@@ -3,7 +3,7 @@ token is refused, one with both saves, looks up and reads the HTTP endpoints.
 
 One server for the module, started with ``[security] tls_cert``/``tls_key``/``tls_ca``
 and ``token_file`` (certificates made by ``openssl`` in a temporary directory), and one
-standalone ``pegaflow-node`` for its own HTTP endpoint.
+standalone ``pegaflow-node`` and one ``pegaflow-router`` for their own HTTP servers.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pegaflow.config import ClientConfig, SecurityConfig
 from pegaflow.errors import Unauthorized, Unavailable
 from pegaflow.keys import NodeRecord
 from pegaflow.tls import client_context
-from pegaflow.tools.devcluster import REPO, Proc, start_node, start_server
+from pegaflow.tools.devcluster import REPO, Proc, start, start_node, start_server
 from pegaflow.transport.rpc_blocking import BlockingRpcClient
 from pegaflow.transport.rpc_client import RpcClient
 from tests.support.etcd_fixture import make_test_certs
@@ -188,3 +188,33 @@ def test_pegaflow_status_over_tls_with_a_token_file(cluster: Cluster) -> None:
     unverified = _cli("status", "--coordinators", cluster.address, "--token-file",
                       str(cluster.token_file))  # fmt: skip
     assert unverified.returncode == 2, unverified.stdout
+
+
+def test_a_router_reports_over_tls_and_serves_https(cluster: Cluster) -> None:
+    """A router with the CA and the token file reports to the TLS coordinator; its own
+    server speaks TLS, and ``pegaflow status --router`` reads it with the CA."""
+    certs = Path(cluster.ca).parent
+    router = start("pegaflow-router", [
+        "pegaflow.router.main", "--router-port", "0",
+        "--router-replicas", "http://127.0.0.1:1",
+        "--client-coordinators", cluster.address, "--router-report-interval-s", "0.3",
+        "--security-tls-cert", str(certs / "server.crt"),
+        "--security-tls-key", str(certs / "server.key"),
+        "--security-tls-ca", cluster.ca, "--security-token-file", str(cluster.token_file),
+    ])  # fmt: skip
+    try:
+        url = "https://" + router.ready["address"]
+
+        def listed() -> list[str]:
+            status = json.loads(_get(f"https://{cluster.http}/v1/status", cluster.tls()))
+            return [r["url"] for r in status["routers"]]
+
+        wait_for(lambda: listed() == [url], "the router's report")
+        ca = {"PEGAFLOW_SECURITY_TLS_CA": cluster.ca}
+        out = _cli("status", "--coordinators", cluster.address, "--token-file",
+                   str(cluster.token_file), "--router", url, env=ca)  # fmt: skip
+        assert f"router {url}: mode rr" in out.stdout and "unreachable" not in out.stdout, (
+            out.stdout + out.stderr
+        )
+    finally:
+        router.terminate()
