@@ -215,7 +215,11 @@ class ConnectorSettings:
         "this host's address, sent to placement ('auto': the address on the route to the "
         "first coordinator on another host, else 127.0.0.1)",
     )
-    token: str = opt("", "shared secret of the cluster (also PEGAFLOW_SECURITY_TOKEN)")
+    token: str = opt(
+        "",
+        "shared secret of the cluster (also PEGAFLOW_SECURITY_TOKEN); in --kv-transfer-config "
+        "every user sees it in ps: prefer token_file or the environment",
+    )
     token_file: str = same_option(SecurityConfig, "token_file")
     tls_ca: str = same_option(SecurityConfig, "tls_ca")
     mode: str = opt("read_write", "read_write, save_only, load_only or off")
