@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Sequence
@@ -84,13 +85,19 @@ async def _per_node(
 
 
 class PegaClient:
-    """Async client of a PegaFlow cluster (one per event loop)."""
+    """Async client of a PegaFlow cluster (one per event loop); ``token``: the cluster's
+    or a tenant's; ``tls``: the coordinators are called over TLS verified by this
+    context (:func:`pegaflow.tls.client_context`)."""
 
-    def __init__(self, cfg: ClientConfig, token: str | None = None) -> None:
+    def __init__(
+        self, cfg: ClientConfig, token: str | None = None, *, tls: ssl.SSLContext | None = None
+    ) -> None:
         if cfg.host == AUTO:  # decided once: a routing lookup (see pegaflow.addresses)
             cfg = replace(cfg, host=client_host(cfg.coordinators))
         self.cfg = cfg
-        self._rpc = RpcClient(cfg.coordinators, token=token or None, timeout=cfg.rpc_timeout_s)
+        self._rpc = RpcClient(
+            cfg.coordinators, token=token or None, timeout=cfg.rpc_timeout_s, tls=tls
+        )
         self._token = token or None
         self._data = DataClient(token=self._token)
         self._sessions: dict[str, NodeSession] = {}

@@ -14,6 +14,7 @@ Deadlines are made on the caller's thread and carried across the hop to the loop
 from __future__ import annotations
 
 import asyncio
+import ssl
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -48,7 +49,9 @@ class SyncPegaClient(OnLoop):
     same for one node's ops.
     """
 
-    def __init__(self, cfg: ClientConfig, token: str | None = None) -> None:
+    def __init__(
+        self, cfg: ClientConfig, token: str | None = None, *, tls: ssl.SSLContext | None = None
+    ) -> None:
         # uvloop: a call from another thread reaches the loop and comes back faster than
         # on asyncio's own loop (52 / 264 us p50 / p90 against 84 / 774 us, one-off probe;
         # docs/benchmarks.md, "Same-host control")
@@ -58,19 +61,21 @@ class SyncPegaClient(OnLoop):
         )
         self._thread.start()
         self._client: PegaClient = self._wait(
-            self._submit(self._make(cfg, token)), Deadline.of(cfg.rpc_timeout_s)
+            self._submit(self._make(cfg, token, tls)), Deadline.of(cfg.rpc_timeout_s)
         )
         self._target = self._client
         self._node_sessions: dict[str, SyncNodeSession] = {}
         self._sessions_lock = threading.Lock()
         self._token = token
-        self._lookup_here = Here(token)
+        self._lookup_here = Here(token, tls)
         self._lookup_failed = False
         """the last :meth:`lookup_here` passed its deadline: the next goes through the loop"""
 
     @staticmethod
-    async def _make(cfg: ClientConfig, token: str | None) -> PegaClient:
-        return PegaClient(cfg, token)
+    async def _make(
+        cfg: ClientConfig, token: str | None, tls: ssl.SSLContext | None
+    ) -> PegaClient:
+        return PegaClient(cfg, token, tls=tls)
 
     def _on_loop(self, fn: Callable[[PegaClient], Coroutine[Any, Any, T]], timeout: float) -> T:
         """``fn(async_client)`` on the loop, waited for: only for tests that reach into

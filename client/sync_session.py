@@ -3,6 +3,7 @@ connection its ``*_here`` calls (and the client's) use from the caller's thread.
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -92,9 +93,10 @@ class Here:
     at a time: a call made while another thread asks, to no address, or whose
     connection fails is answered :data:`LOOP` (ask through the loop instead)."""
 
-    def __init__(self, token: str | None) -> None:
+    def __init__(self, token: str | None, tls: ssl.SSLContext | None = None) -> None:
         self.client: BlockingRpcClient | None = None
         self._token = token
+        self._tls = tls
         self._lock = threading.Lock()
 
     def call(self, address: str | None, op: str, args: dict[str, Any], deadline: Deadline) -> Any:
@@ -105,7 +107,7 @@ class Here:
             c = self.client
             if c is None or c.address != address:
                 self.close()
-                c = self.client = BlockingRpcClient(address, token=self._token)
+                c = self.client = BlockingRpcClient(address, token=self._token, tls=self._tls)
             return c.call(op, args, deadline)
         except Unavailable:
             self.close()

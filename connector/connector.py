@@ -24,6 +24,9 @@ import logging
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
+from pegaflow.auth import cluster_token
+from pegaflow.tls import client_context, describe
+
 from . import sameprocess
 from .compat import (
     HIT_SOURCE,
@@ -186,6 +189,7 @@ class PegaKVConnector(KVConnectorBase_V1):
                 self.settings.local_node or "(the node on this host, found by itself)",
                 fate,
             )
+            logger.info("PegaFlow connector %s", describe(self.settings.security()))
             if self.settings.can_load and self.policy != "recompute":
                 logger.warning(
                     "PegaFlow: kv_load_failure_policy=%r: a block that cannot be loaded from "
@@ -204,8 +208,10 @@ class PegaKVConnector(KVConnectorBase_V1):
         from pegaflow.observability import telemetry
 
         telemetry.setup(service="pegaflow-connector")  # exports only if configured
-        s = self.settings
-        return SyncPegaClient(s.client_config(), token=s.token or None)
+        sec = self.settings.security()
+        return SyncPegaClient(
+            self.settings.client_config(), token=cluster_token(sec), tls=client_context(sec)
+        )
 
     def _compute_namespace(self) -> str | None:
         hi = hash_info(self._vllm_config)

@@ -10,7 +10,8 @@ JSON::
 
 Every key may instead come from the environment as ``PEGAFLOW_CONNECTOR_<KEY>``
 (upper case).  The shared client variables ``PEGAFLOW_CLIENT_COORDINATORS``,
-``PEGAFLOW_CLIENT_LOCAL_NODE`` and ``PEGAFLOW_SECURITY_TOKEN`` of
+``PEGAFLOW_CLIENT_LOCAL_NODE``, ``PEGAFLOW_SECURITY_TOKEN``,
+``PEGAFLOW_SECURITY_TOKEN_FILE`` and ``PEGAFLOW_SECURITY_TLS_CA`` of
 :mod:`pegaflow.config` are honoured too, so one environment configures every
 PegaFlow process on a host.  Precedence: extra config > ``PEGAFLOW_CONNECTOR_*`` >
 ``PEGAFLOW_CLIENT_*`` / ``PEGAFLOW_SECURITY_*`` > defaults.
@@ -37,6 +38,7 @@ from typing import Any, Literal
 from pegaflow.config import (
     ClientConfig,
     ConfigError,
+    SecurityConfig,
     Source,
     build,
     check_address,
@@ -202,6 +204,10 @@ _CLIENT_KEYS = (
 """settings that are also ``[client]`` options (``PEGAFLOW_CLIENT_<KEY>``)"""
 
 
+_SECURITY_KEYS = ("token", "token_file", "tls_ca")
+"""settings that are also ``[security]`` options (``PEGAFLOW_SECURITY_<KEY>``)"""
+
+
 def client_option(name: str, help: str = "") -> Any:
     """A setting declared as ``[client] name`` is (see :func:`same_option`)."""
     return same_option(ClientConfig, name, help)
@@ -224,7 +230,13 @@ class ConnectorSettings:
         "this host's address, sent to placement ('auto': the address on the route to the "
         "first coordinator on another host, else 127.0.0.1)",
     )
-    token: str = opt("", "shared secret of the cluster (also PEGAFLOW_SECURITY_TOKEN)")
+    token: str = opt(
+        "",
+        "shared secret of the cluster (also PEGAFLOW_SECURITY_TOKEN); in --kv-transfer-config "
+        "every user sees it in ps: prefer token_file or the environment",
+    )
+    token_file: str = same_option(SecurityConfig, "token_file")
+    tls_ca: str = same_option(SecurityConfig, "tls_ca")
     mode: str = opt("read_write", "read_write, save_only, load_only or off")
     namespace_extra: str = opt(
         "", "extra text folded into the namespace (e.g. weights revision) to keep caches apart"
@@ -410,7 +422,7 @@ class ConnectorSettings:
         sources: list[Source] = [  # lowest precedence first
             (f"{_WHERE}env PEGAFLOW_HOST/PEGAFLOW_PORT", from_pegaflow_env),
             *env_sources(env, "client", _CLIENT_KEYS, _WHERE),
-            *env_sources(env, "security", ["token"], _WHERE),
+            *env_sources(env, "security", _SECURITY_KEYS, _WHERE),
             *env_sources(env, "connector", keys, _WHERE),
             (f"{_WHERE}kv_connector_extra_config (PegaFlow's keys)", from_pegaflow),
             (f"{_WHERE}kv_connector_extra_config", extra),
@@ -442,6 +454,10 @@ class ConnectorSettings:
         """The ``[client]`` options of these settings, for the connector's client."""
         values = {k: getattr(self, k) for k in _CLIENT_KEYS}
         return ClientConfig(**{**values, "coordinators": list(self.coordinators)})
+
+    def security(self) -> SecurityConfig:
+        """The ``[security]`` options of these settings, for the connector's client."""
+        return SecurityConfig(**{k: getattr(self, k) for k in _SECURITY_KEYS})
 
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict with the token hidden (for logs)."""

@@ -19,6 +19,7 @@ connector that finds nothing of its own which namespaces of its model hold block
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -32,7 +33,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from pegaflow.addresses import settle_coordinator
-from pegaflow.auth import Authenticator
+from pegaflow.auth import authenticator, cluster_token
 from pegaflow.config import CoordinatorConfig, EtcdConfig, SecurityConfig
 from pegaflow.errors import NoSpace, Unauthorized, Unavailable
 from pegaflow.etcd import EtcdClient
@@ -47,6 +48,7 @@ from pegaflow.protocol.coordinator import (
     encode_nodes_reply,
     encode_place_reply,
 )
+from pegaflow.tls import client_context, server_context
 from pegaflow.transport.rpc_server import (
     Handler,
     Packed,
@@ -62,7 +64,7 @@ from .metrics import CoordinatorCollector, CoordinatorMetrics
 from .mirror import EtcdMirror
 from .namespaces import NamespacePeers
 from .routers import RouterTable
-from .suspects import Suspects
+from .suspects import Suspects, http_alive
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +125,18 @@ class Coordinator:
     ) -> None:
         self.config = settle_coordinator(config, etcd.endpoints if etcd is not None else ())
         self.etcd_config = etcd
-        self.token = (security.token if security else "") or None
-        self._security = security
+        security = security or SecurityConfig()
+        self.token = cluster_token(security)
+        self._auth = authenticator(security)
+        self._tls = server_context(security)
+        self._client_tls = client_context(security)
+        """verifies the nodes' HTTPS endpoints (the suspects' checks, the dashboard)"""
+        if self._tls is not None and self._client_tls is None:
+            log.warning(
+                "[security] tls_cert without tls_ca: this coordinator asks nodes' /health "
+                "(reported nodes) and the dashboard scrapes them over plain HTTP, which "
+                "nodes serving TLS refuse; give it tls_ca too"
+            )
         use_etcd = index is None and etcd is not None and bool(etcd.endpoints)
         self.index = index if index is not None else BlockIndex()
         self.registry = registry if registry is not None else new_registry()
@@ -158,8 +170,9 @@ class Coordinator:
         self._ns_ok: set[str] = set()
         self.routers = RouterTable()
         self.suspects = Suspects(
-            self.index, self.config.suspect_ttl_s, self.metrics.unreachable_reports
-        )
+            self.index, self.config.suspect_ttl_s, self.metrics.unreachable_reports,
+            alive=functools.partial(http_alive, tls=self._client_tls),
+        )  # fmt: skip
         """nodes clients reported unreachable, left out of lookups for a while"""
         self.namespace_peers = NamespacePeers(self.index)
         """the factors of the namespaces connectors use, to tell one why it gets no hit"""
@@ -211,7 +224,8 @@ class Coordinator:
         self._rpc = RpcServer(
             "pegaflow-coordinator",
             self.handlers,
-            auth=Authenticator(self.token, self._security.tenant_tokens if self._security else ()),
+            auth=self._auth,
+            tls=self._tls,
             max_frame=cfg.max_frame_bytes,
             on_request=self.metrics.on_request,
             slice_s=cfg.fair_slice_ms / 1000,
@@ -225,7 +239,9 @@ class Coordinator:
             if hook is None and self._dashboard:
                 from pegaflow.tools import dashboard
 
-                hook = dashboard.app_hook(status=self.op_status_async, registry=self.registry)
+                hook = dashboard.app_hook(
+                    status=self.op_status_async, registry=self.registry, tls=self._client_tls
+                )
             self._http = await start_http(
                 cfg.http_host,
                 cfg.http_port,
@@ -233,6 +249,7 @@ class Coordinator:
                 health=self.health,
                 registry=self.registry,
                 app_hook=hook,
+                tls=self._tls,
             )
             self.http_port = self._http.port
 

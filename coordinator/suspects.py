@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import InitVar, dataclass
@@ -31,8 +32,9 @@ from typing import Any
 
 import aiohttp
 
-from pegaflow.keys import NodeRecord
+from pegaflow.keys import NodeRecord, node_http_url
 from pegaflow.protocol.coordinator import decode_report_unreachable
+from pegaflow.tls import http_scheme
 
 from .index import BlockIndex
 
@@ -44,18 +46,18 @@ CHECK_EVERY_S = 1.0
 """how often a suspected node is checked again"""
 
 
-async def http_alive(rec: NodeRecord, timeout: float = CHECK_TIMEOUT_S) -> bool | None:
+async def http_alive(
+    rec: NodeRecord, timeout: float = CHECK_TIMEOUT_S, tls: ssl.SSLContext | None = None
+) -> bool | None:
     """Whether the node answers its HTTP ``/health`` within ``timeout`` (None: it has
-    no HTTP endpoint to ask)."""
-    host, sep, port = rec.http.rpartition(":")
-    if not sep or not port.isdigit():
+    no HTTP endpoint to ask); ``tls``: over HTTPS, verified by this context."""
+    base = node_http_url(rec, http_scheme(tls))
+    if base is None:
         return None
-    if host in ("", "0.0.0.0", "::", "[::]"):
-        host = rec.host
-    url = f"http://{host}:{port}/health"
     try:
         t = aiohttp.ClientTimeout(total=timeout)
-        async with aiohttp.ClientSession(timeout=t) as s, s.get(url) as r:
+        url = base + "/health"
+        async with aiohttp.ClientSession(timeout=t) as s, s.get(url, ssl=tls or True) as r:
             await r.read()
             return True  # it answered (even 503, not ready): the process runs
     except (TimeoutError, aiohttp.ClientError, OSError):

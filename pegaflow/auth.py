@@ -4,18 +4,75 @@
 namespace.  ``[security] tenant_tokens`` (``"tenant=secret"`` items) admits tenants: a
 connection presenting a tenant's secret may only use namespaces that start with
 ``"<tenant>@"``, so one tenant can neither read nor write another's blocks.  With
-neither set, connections are not authenticated (a single trusted host).
+neither set, connections are not authenticated (a single trusted host).  Both may come
+from files instead (``token_file``, ``tenant_tokens_file``): :func:`cluster_token` and
+:func:`tenant_tokens` are where they are read.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
+import os
+import stat
 from collections.abc import Sequence
 from typing import Any
 
+from pegaflow.config import ConfigError, SecurityConfig
 from pegaflow.errors import Unauthorized
 
+log = logging.getLogger(__name__)
+
 TENANT_SEP = "@"
+
+
+def warn_if_shared(path: str, option: str) -> None:
+    """Warn when others than its owner may read the secret file ``path`` (``[security]
+    option``); say nothing of a file that cannot be stat'ed (its reader fails)."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return
+    if mode & 0o077:
+        log.warning(
+            "[security] %s: %s has mode %o: others than its owner may read the secret "
+            "(chmod 600 %s)", option, path, mode, path,
+        )  # fmt: skip
+
+
+def _read_secrets(path: str, option: str) -> list[str]:
+    """The lines of a secrets file (blank and ``#`` lines left out)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = [ln.strip() for ln in fh]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"[security] {option}", f"cannot read {path}: {e}") from None
+    warn_if_shared(path, option)
+    return [ln for ln in lines if ln and not ln.startswith("#")]
+
+
+def cluster_token(sec: SecurityConfig) -> str | None:
+    """The cluster token: ``token``, or the first line of ``token_file`` (None: none)."""
+    if not sec.token_file:
+        return sec.token or None
+    if sec.token:
+        raise ConfigError("[security] token/token_file", "set one of them, not both")
+    lines = _read_secrets(sec.token_file, "token_file")
+    if not lines:
+        raise ConfigError("[security] token_file", f"{sec.token_file} holds no token")
+    return lines[0]
+
+
+def tenant_tokens(sec: SecurityConfig) -> list[str]:
+    """The ``tenant=secret`` items: ``tenant_tokens``, or the lines of
+    ``tenant_tokens_file``."""
+    if not sec.tenant_tokens_file:
+        return list(sec.tenant_tokens)
+    if sec.tenant_tokens:
+        raise ConfigError(
+            "[security] tenant_tokens/tenant_tokens_file", "set one of them, not both"
+        )
+    return _read_secrets(sec.tenant_tokens_file, "tenant_tokens_file")
 
 
 class Authenticator:
@@ -56,3 +113,8 @@ def check_access(ns: Any, tenant: str | None) -> None:
     """Refuse a namespace outside the connection's tenant."""
     if tenant is not None and (not isinstance(ns, str) or not ns.startswith(tenant + TENANT_SEP)):
         raise Unauthorized(f"tenant {tenant!r} may only use namespaces '{tenant}{TENANT_SEP}...'")
+
+
+def authenticator(sec: SecurityConfig) -> Authenticator:
+    """The check of the tokens ``sec`` names (read from their files, if any)."""
+    return Authenticator(cluster_token(sec), tenant_tokens(sec))

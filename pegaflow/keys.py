@@ -136,18 +136,20 @@ def new_cluster_epoch() -> bytes:
     return secrets.token_hex(16).encode()
 
 
-def node_http_url(rec: dict[str, Any]) -> str | None:
-    """``http://host:port`` of a node's endpoint, or None.  A wildcard bind address
-    (``0.0.0.0``) is replaced by the node's data-plane host."""
-    http = str(rec.get("http") or "")
-    if not http:
-        return None
+def node_http_url(rec: dict[str, Any] | NodeRecord, scheme: str = "http") -> str | None:
+    """``<scheme>://host:port`` of a node's endpoint, or None.  A wildcard bind address
+    (``0.0.0.0``) is replaced by the node's data-plane host.  ``rec``: a node record or
+    its status dict; ``scheme``: :func:`pegaflow.tls.http_scheme`."""
+    if isinstance(rec, NodeRecord):
+        http, data_host = rec.http, rec.host
+    else:
+        http, data_host = str(rec.get("http") or ""), str(rec.get("host") or "")
     host, sep, port = http.rpartition(":")
-    if not sep:
+    if not sep or not port.isdigit():
         return None
     host = host.strip("[]")
     if host in ("0.0.0.0", "::", ""):
-        host = str(rec.get("host") or "127.0.0.1")
+        host = data_host or "127.0.0.1"
     if ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{port}"
+    return f"{scheme}://{host}:{port}"

@@ -34,6 +34,7 @@ from pegaflow.addresses import settle
 from pegaflow.config import ArgParser, ClusterConfig, add_arguments, config_from_args
 from pegaflow.errors import UcxNotInstalled
 from pegaflow.observability import telemetry
+from pegaflow.tls import describe, server_context
 
 if TYPE_CHECKING:  # aiohttp's import takes most of a second: only a service with a site
     from prometheus_client import CollectorRegistry
@@ -131,6 +132,7 @@ class Runner:
         stop = asyncio.Event()
         async with self.stack:
             self._on_signal(loop, starting.cancel)
+            self.log.info("%s", describe(self.cfg.security))
             try:
                 ready = await start(self.cfg, self)
             except asyncio.CancelledError:
@@ -178,7 +180,10 @@ class Runner:
         """The HTTP site: ``/health``, ``/metrics``, ``/v1/status`` on ``host:port``."""
         from pegaflow.observability.http import start_http
 
-        handle = await start_http(host, port, status=status, health=health, registry=registry)
+        handle = await start_http(
+            host, port, status=status, health=health, registry=registry,
+            tls=server_context(self.cfg.security),
+        )  # fmt: skip
         self.stack.push_async_callback(handle.close)
         return handle
 

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
+from pegaflow.auth import cluster_token, tenant_tokens
 from pegaflow.config import ArgParser, ClusterConfig, parse_bool, parse_size
 from pegaflow.coordinator.index import BlockIndex
 from pegaflow.coordinator.inprocess_sink import InProcessSink
@@ -186,8 +187,8 @@ class AllInOne:
         self.coordinator: Coordinator | None = None
         self.node = StorageNode(
             cfg.node,
-            token=cfg.security.token or None,
-            tenant_tokens=cfg.security.tenant_tokens,
+            token=cluster_token(cfg.security),
+            tenant_tokens=tenant_tokens(cfg.security),
             registry=self.registry,
             size_flag="--pool-size",
         )

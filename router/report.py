@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,19 +32,19 @@ WITHDRAW_TIMEOUT_S = 1.0
 #: What to do when a coordinator refuses the router's token or its report.
 AUTH_HINT = (
     " (give the router the coordinators' cluster token or one of their tenant tokens, "
-    "--security-token / PEGAFLOW_SECURITY_TOKEN; a tenant's router may not replace a URL "
+    "--security-token-file / PEGAFLOW_SECURITY_TOKEN; a tenant's router may not replace a URL "
     "another tenant's router reports)"
 )
 
 
-def advertised_url(host: str, port: int) -> str:
-    """The router's URL as the coordinators list it: ``http://host:port``, with the
+def advertised_url(host: str, port: int, scheme: str = "http") -> str:
+    """The router's URL as the coordinators list it: ``<scheme>://host:port``, with the
     machine's host name for a wildcard bind address."""
     if host in ("", "0.0.0.0", "::"):
         host = socket.gethostname()
     if ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{port}"
+    return f"{scheme}://{host}:{port}"
 
 
 class Reporter:
@@ -60,6 +61,7 @@ class Reporter:
         interval_s: float,
         timeout_s: float,
         token: str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.url = url
         self.interval_s = interval_s
@@ -67,7 +69,8 @@ class Reporter:
         self._status = status
         self._started_at = time.time()
         self._clients = {
-            addr: RpcClient([addr], token=token, timeout=self.timeout_s) for addr in coordinators
+            addr: RpcClient([addr], token=token, timeout=self.timeout_s, tls=tls)
+            for addr in coordinators
         }
         self._failing: dict[str, bool] = {}
         self._task: asyncio.Task[None] | None = None

@@ -35,8 +35,10 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pegaflow.auth import cluster_token
 from pegaflow.config import ClientConfig, RouterConfig, SecurityConfig
 from pegaflow.errors import Unauthorized
+from pegaflow.tls import client_context, http_scheme, server_context
 
 from .backends import NET_ERRORS, Backends, describe
 from .hashing import BlockHasher, hashable
@@ -71,7 +73,11 @@ class Router(Proxy):
         self.counters: dict[str, int] = {}
         self.recent = RecentRoutes(cfg.affinity_memory)
         self._client_cfg = client_cfg or ClientConfig()
-        self._token = (security or SecurityConfig()).token
+        security = security or SecurityConfig()
+        self._token = cluster_token(security)
+        self._tls = client_context(security)
+        self._server_tls = server_context(security)
+        """the router's own HTTP server speaks TLS with it (``[security] tls_cert``)"""
         self.hasher: BlockHasher | None = None
         self.tokenizer = PromptTokenizer()
         self._pega: Any = None
@@ -110,7 +116,7 @@ class Router(Proxy):
             if self.cfg.namespace:
                 from pegaflow.client import PegaClient
 
-                self._pega = PegaClient(self._client_cfg, token=self._token or None)
+                self._pega = PegaClient(self._client_cfg, token=self._token, tls=self._tls)
                 stack.push_async_callback(self._pega.close)
                 try:  # connect now, not within the first request's lookup deadline
                     await self._pega.lookup(
@@ -147,19 +153,21 @@ class Router(Proxy):
         await self._runner.setup()
         stack.push_async_callback(self._runner.cleanup)
         listener = await asyncio.get_running_loop().create_server(
-            self._accept, self.cfg.host, self.cfg.port, reuse_address=True, backlog=1024
-        )
+            self._accept, self.cfg.host, self.cfg.port, reuse_address=True, backlog=1024,
+            ssl=self._server_tls,
+        )  # fmt: skip
         stack.callback(listener.close)
         self.port = listener.sockets[0].getsockname()[1]
         coordinators = self._client_cfg.coordinators
         if self.cfg.report_interval_s > 0 and coordinators:
             self.reporter = Reporter(
-                advertised_url(self.cfg.host, self.port),
+                advertised_url(self.cfg.host, self.port, http_scheme(self._server_tls)),
                 list(coordinators),
                 self.status,
                 interval_s=self.cfg.report_interval_s,
                 timeout_s=self._client_cfg.rpc_timeout_s,
-                token=self._token or None,
+                token=self._token,
+                tls=self._tls,
             )
             self.reporter.start()
             stack.push_async_callback(self.reporter.close)
@@ -414,7 +422,7 @@ class Router(Proxy):
                 log.warning(
                     "coordinator %s refuses this router's lookups (%s): requests are "
                     "routed by load. Give the router the engines' token "
-                    "(--security-token) and namespace (--router-namespace; a tenant's "
+                    "(--security-token-file) and namespace (--router-namespace; a tenant's "
                     "token only admits namespaces 'tenant@...')",
                     where, e,
                 )  # fmt: skip

@@ -4,12 +4,15 @@ the coordinator's status document (the routers that report to it) or, with
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 
-async def fetch_router_status(url: str, timeout: float) -> dict[str, Any]:
-    """``GET <url>/v1/status`` of a router within ``timeout`` seconds; on failure a
-    document ``{"url": url, "error": why}``."""
+async def fetch_router_status(
+    url: str, timeout: float, tls: ssl.SSLContext | None = None
+) -> dict[str, Any]:
+    """``GET <url>/v1/status`` of a router within ``timeout`` seconds (an ``https://``
+    URL verified by ``tls``); on failure a document ``{"url": url, "error": why}``."""
     import aiohttp
 
     base = url.rstrip("/")
@@ -18,7 +21,7 @@ async def fetch_router_status(url: str, timeout: float) -> dict[str, Any]:
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s,
-            s.get(base + "/v1/status") as r,
+            s.get(base + "/v1/status", ssl=tls or True) as r,
         ):
             if r.status != 200:
                 return {"url": base, "error": f"/v1/status answered {r.status}"}

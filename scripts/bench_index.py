@@ -11,7 +11,12 @@ Starts its own etcd (temporary data dir) and a ``pegaflow-coordinator`` process,
    ``--inflight`` lookups outstanding on one connection, and the coordinator's CPU;
 5. measures lookup latency again while the load generator keeps a moderate load of
    ``--latency-load`` lookups/s on the coordinator (p50/p99);
-6. optionally (``--reload``) times a second coordinator loading the whole index.
+6. optionally (``--reload``) times a second coordinator loading the whole index;
+7. optionally (``--tls``) starts a second coordinator on the same index serving TLS
+   (``[security] tls_cert``, a throw-away CA made by ``openssl``) and measures the
+   sequential lookup latency of both coordinators in alternating rounds, through the
+   library's :class:`RpcClient` and its :class:`BlockingRpcClient` (the connector's
+   ``lookup_here``): p50/p99 each, and TLS's as a ratio to plain.
 
 The load generator is as cheap per request as Python gets, so that on a small machine
 the coordinator, not its clients, is what is measured: one blocking socket per
@@ -38,6 +43,7 @@ import os
 import select
 import shutil
 import socket
+import ssl
 import statistics
 import struct
 import sys
@@ -54,13 +60,19 @@ sys.path.insert(0, str(REPO))
 
 from pegaflow.storage_node.publisher import EtcdPublisher  # noqa: E402
 
-from pegaflow.config import EtcdConfig  # noqa: E402
+from pegaflow.config import EtcdConfig, SecurityConfig  # noqa: E402
 from pegaflow.keys import BlockLocation, NodeRecord  # noqa: E402
 from pegaflow.protocol.codec import PROTOCOL_VERSION, unpack  # noqa: E402
 from pegaflow.protocol.framing import encode_frame, parse_address  # noqa: E402
+from pegaflow.tls import client_context  # noqa: E402
+from pegaflow.transport.rpc_blocking import BlockingRpcClient  # noqa: E402
 from pegaflow.transport.rpc_client import RpcClient  # noqa: E402
 from scripts._common import proc_cpu_seconds, proc_rss_bytes  # noqa: E402
-from tests.support.etcd_fixture import EtcdServer, start_coordinator_async  # noqa: E402
+from tests.support.etcd_fixture import (  # noqa: E402
+    EtcdServer,
+    make_test_certs,
+    start_coordinator_async,
+)
 
 NS = "bench:llama-8b:bf16:bs16:tp1"
 PREFIX = 128
@@ -97,8 +109,10 @@ async def ingest(cfg: EtcdConfig, n: int, concurrency: int) -> tuple[float, dict
     return dt, stats
 
 
-async def wait_indexed(address: str, n: int, timeout: float) -> tuple[float, dict[str, Any]]:
-    client = RpcClient([address], timeout=5)
+async def wait_indexed(
+    address: str, n: int, timeout: float, tls: ssl.SSLContext | None = None
+) -> tuple[float, dict[str, Any]]:
+    client = RpcClient([address], timeout=5, tls=tls)
     t0 = time.perf_counter()
     try:
         while True:
@@ -116,10 +130,16 @@ def lookup_args(i: int) -> dict[str, Any]:
     return {"ns": NS, "hashes": [block_hash(i + j) for j in range(PREFIX)], "shards": [0]}
 
 
-async def latency(address: str, n: int, count: int) -> list[float]:
-    client = RpcClient([address], timeout=5)
+def _argsets(n: int, count: int) -> list[dict[str, Any]]:
     starts = [(i * 7919 * PREFIX) % max(PREFIX, n - PREFIX) for i in range(count)]
-    argsets = [lookup_args(s) for s in starts[:256]]
+    return [lookup_args(s) for s in starts[:256]]
+
+
+async def latency(
+    address: str, n: int, count: int, tls: ssl.SSLContext | None = None
+) -> list[float]:
+    client = RpcClient([address], timeout=5, tls=tls)
+    argsets = _argsets(n, count)
     out: list[float] = []
     try:
         for k in range(count + 200):
@@ -133,6 +153,75 @@ async def latency(address: str, n: int, count: int) -> list[float]:
                 out.append(dt)
     finally:
         await client.close()
+    return out
+
+
+def blocking_latency(
+    address: str, n: int, count: int, tls: ssl.SSLContext | None = None
+) -> list[float]:
+    """:func:`latency` through a :class:`BlockingRpcClient` (no event loop)."""
+    client = BlockingRpcClient(address, timeout=5, tls=tls)
+    argsets = _argsets(n, count)
+    out: list[float] = []
+    try:
+        for k in range(count + 200):
+            t0 = time.perf_counter()
+            r = client.call("lookup", argsets[k % len(argsets)])
+            dt = time.perf_counter() - t0
+            if r["hits"] != PREFIX:
+                raise RuntimeError(f"lookup hit {r['hits']} of {PREFIX}")
+            if k >= 200:
+                out.append(dt)
+    finally:
+        client.close()
+    return out
+
+
+def _pcts(lat: list[float]) -> tuple[float, float]:
+    """p50 and p99 in ms."""
+    lat = sorted(lat)
+    return statistics.median(lat) * 1000, lat[int(len(lat) * 0.99) - 1] * 1000
+
+
+async def tls_latency(
+    cfg: EtcdConfig, base: Path, plain: str, n: int, count: int, coords: list[Any]
+) -> dict[str, Any]:
+    """Lookup latency of a TLS coordinator beside the plain one at ``plain``, in
+    alternating rounds (so that both see the same machine), and TLS's ratio to plain."""
+    certs = make_test_certs(base / "certs")
+    coord = await start_coordinator_async(cfg, extra_args=[
+        "--security-tls-cert", str(certs / "server.crt"),
+        "--security-tls-key", str(certs / "server.key"),
+    ])  # fmt: skip
+    coords.append(coord)
+    tls = client_context(SecurityConfig(tls_ca=str(certs / "ca.crt")))
+    await wait_indexed(coord.address, n, timeout=600, tls=tls)
+    lat: dict[str, list[float]] = {}
+    rounds = 4
+    for _ in range(rounds):
+        for name, addr, ctx in (("plain", plain, None), ("tls", coord.address, tls)):
+            lat.setdefault(name, []).extend(await latency(addr, n, count // rounds, ctx))
+            lat.setdefault(f"blocking_{name}", []).extend(
+                await asyncio.to_thread(blocking_latency, addr, n, count // rounds, ctx)
+            )
+    out: dict[str, Any] = {}
+    for client in ("", "blocking_"):
+        p50, p99 = _pcts(lat[client + "plain"])
+        t50, t99 = _pcts(lat[client + "tls"])
+        out.update({
+            f"{client}plain_lookup_p50_ms": round(p50, 4),
+            f"{client}plain_lookup_p99_ms": round(p99, 4),
+            f"{client}tls_lookup_p50_ms": round(t50, 4),
+            f"{client}tls_lookup_p99_ms": round(t99, 4),
+            f"{client}tls_p50_ratio": round(t50 / p50, 3),
+            f"{client}tls_p99_ratio": round(t99 / p99, 3),
+        })  # fmt: skip
+        say(
+            f"lookup latency, {'BlockingRpcClient' if client else 'RpcClient'}, TLS against "
+            f"plain ({len(lat[client + 'tls'])} calls each, alternating rounds): p50 "
+            f"{t50:.3f} / {p50:.3f} ms = {t50 / p50:.2f}x, p99 {t99:.3f} / {p99:.3f} ms = "
+            f"{t99 / p99:.2f}x"
+        )
     return out
 
 
@@ -432,12 +521,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
         await asyncio.sleep(args.settle)  # etcd snapshots/compacts after a big ingest
         lat = await latency(coord.address, args.blocks, args.lookups)
-        lat.sort()
-        p50 = statistics.median(lat) * 1000
-        p99 = lat[int(len(lat) * 0.99) - 1] * 1000
+        p50, p99 = _pcts(lat)
         say(
             f"lookup latency ({PREFIX}-block prefix, 1 client, sequential, {len(lat)} calls): "
-            f"p50 {p50:.3f} ms, p99 {p99:.3f} ms, max {lat[-1] * 1000:.3f} ms"
+            f"p50 {p50:.3f} ms, p99 {p99:.3f} ms, max {max(lat) * 1000:.3f} ms"
         )
         lean = args.client == "lean"
         runs = []
@@ -537,6 +624,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             say(f"reload: a new coordinator served all {args.blocks} blocks after "
                 f"{result['reload_s']:.2f} s (process start included)")  # fmt: skip
             del load
+        if args.tls:
+            result.update(
+                await tls_latency(cfg, base, coord.address, args.blocks, args.lookups, coords)
+            )
         return result
     finally:
         for c in coords:
@@ -565,6 +656,8 @@ def main() -> None:
     p.add_argument("--latency-load", type=float, default=10_000, help=load_help)
     p.add_argument("--settle", type=float, default=2.0, help="pause after the ingest, s")
     p.add_argument("--reload", action="store_true", help="also time a fresh coordinator load")
+    tls_help = "also measure lookup latency with TLS, against plain, in the same run"
+    p.add_argument("--tls", action="store_true", help=tls_help)
     p.add_argument("--tmp", default="", help="directory for etcd's data (default: system tmp)")
     args = p.parse_args()
     result = uvloop.run(main_async(args))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from pegaflow.auth import cluster_token, tenant_tokens
 from pegaflow.config import ClusterConfig
 from pegaflow.inventory import InventorySink, NodeIdInUse
 from pegaflow.runner import Runner, run_service
@@ -45,7 +46,7 @@ async def start(cfg: ClusterConfig, run: Runner) -> str:
     from pegaflow.storage_node.node import StorageNode
 
     node = StorageNode(
-        cfg.node, token=cfg.security.token or None, tenant_tokens=cfg.security.tenant_tokens
+        cfg.node, token=cluster_token(cfg.security), tenant_tokens=tenant_tokens(cfg.security)
     )
     node.sink = make_sink(cfg, node)
     run.telemetry(node.registry)

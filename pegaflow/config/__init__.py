@@ -18,6 +18,7 @@ from .flags import (
     config_from_args,
     flag_name,
     reference_markdown,
+    refuse_secret,
 )
 from .loader import Source, build, env_sources, load_config
 from .schema import (
@@ -72,5 +73,6 @@ __all__ = [
     "parse_bool",
     "parse_size",
     "reference_markdown",
+    "refuse_secret",
     "same_option",
 ]

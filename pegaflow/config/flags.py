@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NoReturn, get_type_hints
 
 from .loader import load_config
@@ -35,9 +36,7 @@ _METAVARS = {
     "node_id": "NAME",
     "username": "NAME",
     "service_name": "NAME",
-    "token": "SECRET",
     "password": "SECRET",
-    "tenant_tokens": "TENANT=SECRET[,...]",
     "prefix": "PREFIX",
     "otlp_endpoint": "URL",
     "otlp_protocol": "PROTOCOL",
@@ -73,7 +72,7 @@ def _metavar(f: dataclasses.Field[Any], typ: Any) -> str:
         return "HOST"
     if f.name.endswith("_dir"):
         return "DIR"
-    if "cert" in f.name or f.name.endswith("_key") or f.name.endswith("_path"):
+    if "cert" in f.name or f.name.endswith(("_key", "_path", "_file", "_ca")):
         return "FILE"
     return "TEXT"
 
@@ -125,6 +124,9 @@ def add_arguments(
                 except (TypeError, ValueError) as e:
                     raise argparse.ArgumentTypeError(str(e)) from None
 
+            if f.metadata.get("secret"):
+                _refuse_secret(group, name, f.name)
+                continue
             default = (defaults or {}).get(name, {}).get(f.name, _field_default(f))
             help_text = f"{f.metadata['help']} (default: {_show(f, typ, default)})"
             kw: dict[str, Any] = {
@@ -140,6 +142,26 @@ def add_arguments(
             long = f"--{name}-{f.name}".replace("_", "-")
             if long != flag:  # the old spelling, kept working, not shown
                 group.add_argument(long, help=argparse.SUPPRESS, **kw)
+
+
+def refuse_secret(file_flag: str, env: str) -> Callable[[str], NoReturn]:
+    """An argparse ``type`` that refuses a secret given as a flag (other users see it in
+    ``ps``), pointing to ``file_flag`` and the environment variable ``env`` instead."""
+
+    def refuse(_value: str) -> NoReturn:
+        raise argparse.ArgumentTypeError(
+            f"a secret is not taken on the command line (other users see it in ps): use "
+            f"{file_flag} FILE, the environment ({env}) or the config file"
+        )
+
+    return refuse
+
+
+def _refuse_secret(group: Any, section: str, name: str) -> None:
+    """Make ``--<section>-<name>`` (a secret) an error pointing to its file option."""
+    flag = flag_name(section, name)
+    refuse = refuse_secret(f"{flag}-file", f"PEGAFLOW_{section.upper()}_{name.upper()}")
+    group.add_argument(flag, dest=f"{section}__{name}", type=refuse, help=argparse.SUPPRESS)
 
 
 def config_from_args(
@@ -178,6 +200,8 @@ def reference_markdown() -> str:
             default = _show(f, hints[f.name], _field_default(f))
             env = f"PEGAFLOW_{name.upper()}_{f.name.upper()}"
             flag = f"{flag_name(name, f.name)} {_metavar(f, hints[f.name])}"
+            if f.metadata.get("secret"):
+                flag = f"(none: {flag_name(name, f.name)}-file FILE)"
             out.append(f"| `{f.name}` | `{default}` | `{flag}` | `{env}` | {f.metadata['help']} |")
         out.append("")
     return "\n".join(out)

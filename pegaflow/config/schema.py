@@ -41,12 +41,40 @@ class EtcdConfig:
 
 @dataclass(frozen=True)
 class SecurityConfig:
-    """Shared-secret authentication of the control and data planes."""
+    """Shared-secret authentication of the control and data planes; TLS of the control
+    protocol and the HTTP endpoints (docs/operations.md, "Security")."""
 
-    token: str = opt("", "shared secret required on every connection (empty: none)")
+    token: str = opt(
+        "",
+        "shared secret required on every connection (empty: none); from the config file or "
+        "the environment only, never a flag (use token_file)",
+        secret=True,
+    )
+    token_file: str = opt(
+        "", "file holding the shared secret (its first line; keep it mode 0600); excludes token"
+    )
     tenant_tokens: list[str] = opt(
         [],
-        "tenant secrets, 'tenant=secret': such a connection may only use namespaces 'tenant@...'",
+        "tenant secrets, 'tenant=secret': such a connection may only use namespaces "
+        "'tenant@...'; from the config file or the environment only (use tenant_tokens_file)",
+        secret=True,
+    )
+    tenant_tokens_file: str = opt(
+        "",
+        "file of tenant secrets, one 'tenant=secret' a line ('#' comments); excludes "
+        "tenant_tokens",
+    )
+    tls_cert: str = opt(
+        "",
+        "certificate (PEM, chain first) this process's servers present: the control "
+        "protocol's TCP port and the HTTP endpoint turn to TLS (with tls_key; empty: plain)",
+    )
+    tls_key: str = opt("", "private key (PEM) of tls_cert")
+    tls_ca: str = opt(
+        "",
+        "CA certificates (PEM) a client verifies servers by: set, every connection to a "
+        "coordinator and every HTTP request to a node is TLS, the server's name or address "
+        "checked against its certificate (empty: plain)",
     )
 
 

@@ -121,11 +121,21 @@ def parse_addresses(v: str | list[str] | tuple[str, ...]) -> list[str]:
 
 
 def opt(
-    default: Any, help: str, *, size: bool = False, addresses: bool = False, metavar: str = ""
+    default: Any,
+    help: str,
+    *,
+    size: bool = False,
+    addresses: bool = False,
+    metavar: str = "",
+    secret: bool = False,
 ) -> Any:
     """A documented config field (``size=True``: accepts ``"8GiB"`` style values;
-    ``addresses=True``: a list of ``host:port``; ``metavar``: its name in ``--help``)."""
-    meta = {"help": help, "size": size, "addresses": addresses, "metavar": metavar}
+    ``addresses=True``: a list of ``host:port``; ``metavar``: its name in ``--help``;
+    ``secret=True``: refused as a command-line flag, where ``ps`` shows it: its
+    ``<name>_file`` sibling is the flag)."""
+    meta = {
+        "help": help, "size": size, "addresses": addresses, "metavar": metavar, "secret": secret
+    }  # fmt: skip
     if isinstance(default, list):
         return field(default_factory=lambda d=default: list(d), metadata=meta)
     return field(default=default, metadata=meta)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -73,11 +74,13 @@ async def start_http(
     health: HealthFn,
     registry: CollectorRegistry | None = None,
     app_hook: Callable[[web.Application], None] | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> HttpHandle:
     """Serve ``/health``, ``/metrics`` and ``/v1/status`` on ``host:port`` (port 0: any
     free one).  ``registry`` defaults to a fresh :func:`new_registry`.  ``app_hook``, if
     given, is called with the application before it starts, to add routes or startup and
-    cleanup callbacks (the coordinator's dashboard uses it)."""
+    cleanup callbacks (the coordinator's dashboard uses it).  ``tls``: serve HTTPS with
+    this context (:func:`pegaflow.tls.server_context`)."""
     reg = registry if registry is not None else new_registry()
 
     async def health_handler(_req: web.Request) -> web.Response:
@@ -108,7 +111,7 @@ async def start_http(
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, ssl_context=tls).start()
     except OSError:
         await runner.cleanup()
         raise

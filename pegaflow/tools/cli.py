@@ -23,7 +23,7 @@ some node is not, or a router shown has a replica out of rotation
 (or, with ``--router``, cannot be reached), 2 when no coordinator answered or the command
 line or configuration is wrong (one line on stderr says why).
 
-    pegaflow [--config FILE] drop --node ID --namespace NS [--coordinators ...] [--token ...]
+    pegaflow [--config FILE] drop --node ID --namespace NS [--coordinators ...] [--token-file FILE]
 
 drops every block of namespace ``NS`` from node ``ID`` (the cluster token is needed):
 they leave the index and the node's pool, blocks being read once their reads end.
@@ -34,17 +34,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
+import ssl
 import sys
 import time
 from typing import Any
 
-from pegaflow.config import ArgParser, load_config, parse_addresses
+from pegaflow.auth import cluster_token
+from pegaflow.config import ArgParser, load_config, parse_addresses, refuse_secret
 from pegaflow.errors import PegaError
 from pegaflow.keys import node_http_url
 from pegaflow.protocol.coordinator import Op
+from pegaflow.tls import client_context, http_scheme
 from pegaflow.transport.rpc_client import RpcClient
+
+_Credentials = tuple[str | None, ssl.SSLContext | None]
+"""the cluster token and the TLS context of the commands' calls"""
 
 HEALTH_TIMEOUT_S = 2.0
 
@@ -207,20 +214,23 @@ def answering_node(body: Any) -> str:
 
 
 async def node_health(
-    nodes: list[dict[str, Any]], timeout: float = HEALTH_TIMEOUT_S
+    nodes: list[dict[str, Any]],
+    timeout: float = HEALTH_TIMEOUT_S,
+    tls: ssl.SSLContext | None = None,
 ) -> dict[str, str]:
-    """Ask every node's ``/health`` (concurrently); ``{node_id: health}``.  A node whose
-    ``/health`` names another node id is ``wrong-node:<that id>`` whatever its status."""
+    """Ask every node's ``/health`` (concurrently; over HTTPS verified by ``tls`` if
+    given); ``{node_id: health}``.  A node whose ``/health`` names another node id is
+    ``wrong-node:<that id>`` whatever its status."""
     import aiohttp
 
     async def one(session: aiohttp.ClientSession, rec: dict[str, Any]) -> tuple[str, str]:
         nid = str(rec.get("node_id"))
-        base = node_http_url(rec)
+        base = node_http_url(rec, http_scheme(tls))
         if base is None:
             return nid, "-"
         url = base + "/health"
         try:
-            async with session.get(url) as r:
+            async with session.get(url, ssl=tls or True) as r:
                 try:
                     other = answering_node(await r.json(content_type=None))
                 except ValueError:
@@ -236,24 +246,27 @@ async def node_health(
 
 
 async def _status(
-    addresses: list[str], token: str | None, timeout: float, health: bool
+    addresses: list[str], cred: _Credentials, timeout: float, health: bool
 ) -> tuple[dict[str, Any], dict[str, str] | None]:
-    client = RpcClient(addresses, token=token, timeout=timeout)
+    token, tls = cred
+    client = RpcClient(addresses, token=token, timeout=timeout, tls=tls)
     try:
         st = await client.call(Op.STATUS, {})
     finally:
         await client.close()
-    h = await node_health(st.get("nodes", []), min(timeout, HEALTH_TIMEOUT_S)) if health else None
-    return st, h
+    if not health:
+        return st, None
+    return st, await node_health(st.get("nodes", []), min(timeout, HEALTH_TIMEOUT_S), tls)
 
 
-def _drop(addresses: list[str], token: str | None, timeout: float, node: str, ns: str) -> int:
+def _drop(addresses: list[str], cred: _Credentials, timeout: float, node: str, ns: str) -> int:
     """``pegaflow drop``: its exit status."""
     from pegaflow.client import PegaClient
     from pegaflow.config import ClientConfig
 
     async def run() -> str:
-        client = PegaClient(ClientConfig(coordinators=addresses, rpc_timeout_s=timeout), token)
+        cfg = ClientConfig(coordinators=addresses, rpc_timeout_s=timeout)
+        client = PegaClient(cfg, cred[0], tls=cred[1])
         try:
             out = await client.drop(node, ns)
         finally:
@@ -290,12 +303,14 @@ def _addresses(value: str) -> list[str]:
 def _add_cluster_args(
     p: argparse.ArgumentParser, config_help: str, *, coordinators: str, token: str, timeout: str
 ) -> None:
-    """A command's ``--config``, ``--coordinators``, ``--token`` and ``--timeout`` (with
-    these helps for the last three)."""
+    """A command's ``--config``, ``--coordinators``, ``--token-file`` and ``--timeout``
+    (with these helps for the last three); ``--token`` is refused (a secret in ``ps``)."""
     # SUPPRESS: a --config given before the command is not reset by this one's default
     p.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=config_help)
     p.add_argument("--coordinators", type=_addresses, metavar="HOST:PORT[,...]", help=coordinators)
-    p.add_argument("--token", metavar="SECRET", help=token)
+    p.add_argument("--token-file", metavar="FILE", help=token)
+    refuse = refuse_secret("--token-file", "PEGAFLOW_SECURITY_TOKEN")
+    p.add_argument("--token", type=refuse, help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=_seconds, default=5.0, metavar="SECONDS", help=timeout)
 
 
@@ -325,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         config_help,
         coordinators="coordinators to ask, tried in order (default: [client] coordinators, "
         "127.0.0.1:7700)",
-        token="shared secret (default: [security] token)",
+        token="file holding the shared secret (default: [security] token_file or token)",
         timeout="deadline of the status call (default: 5.0)",
     )
     p_status.add_argument("--json", action="store_true", help="print the raw status document")
@@ -342,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         p_drop,
         config_help,
         coordinators="coordinators that know the node (default: [client] coordinators)",
-        token="cluster token ([security] token)",
+        token="file holding the cluster token (default: [security] token_file or token)",
         timeout="deadline of the drop (default: 5.0)",
     )
     args = parser.parse_args(argv)
@@ -353,11 +368,17 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         parser.exit(2, f"pegaflow: error: {e}\n")
     addresses = args.coordinators or cfg.client.coordinators
-    token = args.token or cfg.security.token or None
-    if args.cmd == "drop":
-        sys.exit(_drop(addresses, token, args.timeout, args.node, args.namespace))
+    sec = cfg.security
+    if args.token_file:
+        sec = dataclasses.replace(sec, token="", token_file=args.token_file)
     try:
-        st, health = asyncio.run(_status(addresses, token, args.timeout, not args.no_health))
+        cred = (cluster_token(sec), client_context(sec))
+    except ValueError as e:
+        parser.exit(2, f"pegaflow: error: {e}\n")
+    if args.cmd == "drop":
+        sys.exit(_drop(addresses, cred, args.timeout, args.node, args.namespace))
+    try:
+        st, health = asyncio.run(_status(addresses, cred, args.timeout, not args.no_health))
     except PegaError as e:
         print(
             f"pegaflow: cannot get status from {', '.join(addresses)}: {e.code}: {e}",
@@ -368,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
 
     router: dict[str, Any] | None = None
     if args.router:
-        router = asyncio.run(fetch_router_status(args.router, args.timeout))
+        router = asyncio.run(fetch_router_status(args.router, args.timeout, cred[1]))
     reported = [r for r in st.get("routers") or [] if isinstance(r, dict)]
     shown = [r for r in reported if router is None or r.get("url") != router["url"]]
     if router is not None:

@@ -248,12 +248,22 @@ def _temp_shm_dir() -> str:
     return d
 
 
-def _cluster_args(etcd: str | None, token: str | None) -> list[str]:
-    """The ``--etcd-endpoints`` and ``--security-token`` flags (each only when given)."""
-    return [
-        *(["--etcd-endpoints", etcd] if etcd else []),
-        *(["--security-token", token] if token else []),
-    ]
+def _etcd_args(etcd: str | None) -> list[str]:
+    """The ``--etcd-endpoints`` flag (when given)."""
+    return ["--etcd-endpoints", etcd] if etcd else []
+
+
+def token_env(
+    token: str | None, env: dict[str, str] | None = None, tenants: str = ""
+) -> dict[str, str]:
+    """``env`` with the cluster token and the tenant tokens (``"tenant=secret,..."``): a
+    secret goes in the environment, where ``ps`` does not show it, never in a flag."""
+    out = dict(env or {})
+    if token:
+        out["PEGAFLOW_SECURITY_TOKEN"] = token
+    if tenants:
+        out["PEGAFLOW_SECURITY_TENANT_TOKENS"] = tenants
+    return out
 
 
 def start_node(
@@ -264,6 +274,7 @@ def start_node(
     pool: str = "256MiB",
     slab: str = "16MiB",
     token: str | None = None,
+    tenants: str = "",
     extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
     shm_dir: str | None = None,
@@ -286,9 +297,9 @@ def start_node(
         "--etcd-lease-ttl-s", "3",
         "--node-shm-dir", shm_dir,
         *extra,
-        *_cluster_args(etcd, token),
+        *_etcd_args(etcd),
     ]  # fmt: skip
-    return start(f"node {node_id}", argv, env=env)
+    return start(f"node {node_id}", argv, env=token_env(token, env, tenants))
 
 
 def start_coordinator(
@@ -296,6 +307,7 @@ def start_coordinator(
     etcd: str | None = None,
     prefix: str = "/pegaflow/test",
     token: str | None = None,
+    tenants: str = "",
     extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
 ) -> Proc:
@@ -306,14 +318,15 @@ def start_coordinator(
         "--coordinator-http-port", "0",
         "--etcd-prefix", prefix,
         *extra,
-        *_cluster_args(etcd, token),
+        *_etcd_args(etcd),
     ]  # fmt: skip
-    return start("coordinator", argv, env=env)
+    return start("coordinator", argv, env=token_env(token, env, tenants))
 
 
 def start_server(
     *,
     token: str | None = None,
+    tenants: str = "",
     extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
     prefix: Sequence[str] = (),
@@ -328,6 +341,5 @@ def start_server(
         "--node-ucx-port", "0",
         "--node-shm-dir", _temp_shm_dir(),
         *extra,
-        *_cluster_args(None, token),
     ]  # fmt: skip
-    return start("pegaflow-server", argv, env=env, prefix=prefix)
+    return start("pegaflow-server", argv, env=token_env(token, env, tenants), prefix=prefix)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import ssl
 import sys
 import threading
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from pegaflow.protocol.framing import (
     encode_frame,
     parse_address,
 )
+from pegaflow.tls import NOT_ANSWERED
 from pegaflow.transport import gil_io
 
 
@@ -45,6 +47,11 @@ class BlockingRpcClient:
     closed (a late reply cannot be told from the next one's) and the next call opens a
     new one.  Errors are typed: ``Unavailable`` when the address cannot be reached or the
     connection breaks, ``DeadlineExceeded``, the server's own errors.
+
+    ``tls``: a TCP address is dialled over TLS with this context.  Such a connection
+    waits the ordinary way: the GIL-keeping I/O above moves raw socket bytes, and
+    Python's ``ssl`` releases the GIL around every record it encrypts or decrypts
+    anyway, so over TLS this client keeps no GIL advantage over the loop's.
     """
 
     address: str
@@ -53,6 +60,7 @@ class BlockingRpcClient:
     timeout: float = 5.0
     connect_timeout: InitVar[float] = 1.0
     max_frame: InitVar[int] = DEFAULT_MAX_FRAME
+    tls: ssl.SSLContext | None = None
     _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1), init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     _sock: socket.socket | None = field(default=None, init=False)
@@ -62,7 +70,10 @@ class BlockingRpcClient:
         self._token = token
         self._connect_timeout = connect_timeout
         self._max_frame = max_frame
-        self._receiver = gil_io.Receiver() if gil_io.AVAILABLE else None
+        self._raw_io = gil_io.AVAILABLE and (
+            self.tls is None or self.address.startswith(UNIX_PREFIX)
+        )
+        self._receiver = gil_io.Receiver() if self._raw_io else None
 
     def close(self) -> None:
         """Close the connection (the next call opens a new one)."""
@@ -85,7 +96,7 @@ class BlockingRpcClient:
                     "deadline_ms": max(1, int(deadline.remaining() * 1000)),
                 }  # fmt: skip
                 data = encode_frame(frame)
-                sent = gil_io.send(sock.fileno(), data) if gil_io.AVAILABLE else 0
+                sent = gil_io.send(sock.fileno(), data) if self._raw_io else 0
                 if sent < len(data):
                     sock.settimeout(deadline.left())
                     sock.sendall(data[sent:])
@@ -115,9 +126,16 @@ class BlockingRpcClient:
         try:
             sock.settimeout(min(deadline.left(), self._connect_timeout))
             sock.connect(where)
+            if self.tls is not None and not isinstance(where, str):
+                sock = self.tls.wrap_socket(sock, server_hostname=where[0])
             hello = {"op": "hello", "version": PROTOCOL_VERSION, "token": self._token}
             sock.sendall(encode_frame(hello))
-            reply = req_map(self._next(sock, deadline))
+            try:
+                reply = req_map(self._next(sock, deadline))
+            except ConnectionResetError:
+                if self.tls is not None:
+                    raise
+                raise ConnectionResetError(NOT_ANSWERED) from None
             if not reply.get("ok"):
                 raise error_from_wire(reply.get("error"))
         except BaseException:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import ssl
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -42,6 +43,7 @@ from pegaflow.protocol.framing import (
     encode_frame,
     parse_address,
 )
+from pegaflow.tls import NOT_ANSWERED
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +225,10 @@ class RpcClient:
     that failed.  A call never hangs: it returns, or raises a typed :class:`PegaError`
     (``Unavailable`` when no address answers, ``DeadlineExceeded`` when the deadline
     passes; ``Unauthorized`` and ``ProtocolError`` from a hello at once).
+
+    ``tls``: TCP addresses are dialled over TLS with this context
+    (:func:`pegaflow.tls.client_context`); a handshake that fails (a certificate not
+    signed by its CA, a name it does not carry) is an ``Unavailable`` naming the cause.
     """
 
     def __init__(
@@ -233,11 +239,13 @@ class RpcClient:
         timeout: float = 5.0,
         connect_timeout: float = 1.0,
         max_frame: int = DEFAULT_MAX_FRAME,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("RpcClient needs at least one address")
         self.addresses = list(addresses)
         self._token = token
+        self._tls = tls
         self.timeout = timeout
         self._connect_timeout = connect_timeout
         self._max_frame = max_frame
@@ -305,11 +313,16 @@ class RpcClient:
                 await loop.create_unix_connection(lambda: conn, addr[len(UNIX_PREFIX) :])
             else:
                 host, port = parse_address(addr)
-                await loop.create_connection(lambda: conn, host, port)
+                await loop.create_connection(lambda: conn, host, port, ssl=self._tls)
             try:
                 hello = {"op": "hello", "version": PROTOCOL_VERSION, "token": self._token}
                 conn.send(encode_frame(hello))
-                reply = req_map(await conn.hello)
+                try:
+                    reply = req_map(await conn.hello)
+                except Unavailable:
+                    if self._tls is not None:
+                        raise
+                    raise Unavailable(f"{addr} {NOT_ANSWERED}") from None
             except BaseException:
                 if conn.transport is not None:
                     conn.transport.abort()

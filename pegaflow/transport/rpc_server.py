@@ -19,6 +19,7 @@ import contextvars
 import inspect
 import logging
 import os
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from types import GeneratorType
@@ -102,6 +103,9 @@ class RpcServer:
     ``slice_s``: how long a turn on the event loop lasts (:class:`Turns`); a request
     that runs past it is not cut short, but a turn ends after the step of a generator
     that does.
+
+    ``tls``: the TCP port speaks TLS with this context (:func:`pegaflow.tls.server_context`);
+    the Unix socket stays plain.
     """
 
     def __init__(
@@ -116,8 +120,10 @@ class RpcServer:
         auth: Authenticator | None = None,
         on_disconnect: Callable[[object], None] | None = None,
         slice_s: float = SLICE_S,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.name = name
+        self._tls = tls
         self._auth = auth if auth is not None else Authenticator(token)
         self._handlers = handlers
         self._sync_ops = frozenset(
@@ -136,7 +142,10 @@ class RpcServer:
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (port 0 picks a free one); returns the bound port."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _ServerConnection(self), host, port)
+        self._server = await loop.create_server(
+            lambda: _ServerConnection(self), host, port, ssl=self._tls,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if self._tls else None,
+        )  # fmt: skip
         return self._server.sockets[0].getsockname()[1]
 
     async def start_unix(self, path: str) -> None:

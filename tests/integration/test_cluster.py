@@ -315,8 +315,8 @@ async def test_tenants_cannot_touch_each_others_blocks(node_factory: list[Proc])
 
     server = start_server(
         token="admin",
-        extra=["--node-pool-bytes", "32MiB", "--node-slab-bytes", "4MiB",
-               "--security-tenant-tokens", "acme=a-secret,globex=g-secret"],
+        tenants="acme=a-secret,globex=g-secret",
+        extra=["--node-pool-bytes", "32MiB", "--node-slab-bytes", "4MiB"],
     )  # fmt: skip
     node_factory.append(server)
     addr = server.ready["coordinator"]

@@ -12,7 +12,7 @@ import pytest
 from pegaflow.client import SyncPegaClient
 
 from pegaflow.errors import BadRequest, Unauthorized
-from pegaflow.tools.devcluster import REPO, Proc
+from pegaflow.tools.devcluster import REPO, Proc, token_env
 from tests.support.tenant_server import client_of, tenant_server
 from tests.support.waiting import wait_for
 
@@ -42,8 +42,9 @@ def _drop_cli(
     server: Proc, node: str, ns: str, token: str = "admin"
 ) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "pegaflow.tools.cli", "drop", "--node", node, "--namespace", ns,
-            "--coordinators", server.ready["coordinator"], "--token", token]  # fmt: skip
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)
+            "--coordinators", server.ready["coordinator"]]  # fmt: skip
+    env = {**os.environ, **token_env(token)}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
 
 
 def test_drop_removes_one_namespace_and_waits_for_its_pins(server: Proc) -> None:

@@ -106,7 +106,7 @@ async def test_small_lookups_meet_their_deadline_beside_another_clients_big_ones
         node.put(range(SMALL), ns=NS)
         await node.flush()
         coord = await coordinators.start(
-            etcd_config, token="admin", extra_args=["--security-tenant-tokens", TENANTS]
+            etcd_config, token="admin", tenants=TENANTS
         )
         client = RpcClient([coord.address], token=token, timeout=5)
         args = {"ns": NS, "hashes": [h(i) for i in range(SMALL)], "shards": [0]}

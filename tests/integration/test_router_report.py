@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -25,7 +26,7 @@ from pegaflow.coordinator.routers import RouterTable
 
 from pegaflow.errors import BadRequest, TooLarge, Unauthorized
 from pegaflow.protocol.coordinator import parse_report
-from pegaflow.tools.devcluster import Proc, free_port, start, start_coordinator
+from pegaflow.tools.devcluster import Proc, free_port, start, start_coordinator, token_env
 from pegaflow.transport.rpc_client import RpcClient
 from tests.support.chromium import CHROMIUM, chromium
 
@@ -154,12 +155,15 @@ def coordinator(etcd_server: Any, etcd_prefix: str) -> Iterator[Proc]:
     proc.terminate()
 
 
-def _router(coord: Proc, replicas: str, interval: float, *extra: str) -> tuple[Proc, str]:
+def _router(
+    coord: Proc, replicas: str, interval: float, *extra: str, token: str = ""
+) -> tuple[Proc, str]:
     proc = start(
         "pegaflow-router",
         ["pegaflow.router.main", "--router-port", "0", "--router-health-interval-s", "0.5",
          "--router-replicas", replicas, "--client-coordinators", coord.ready["address"],
          "--router-report-interval-s", str(interval), *extra],
+        env=token_env(token),
     )  # fmt: skip
     return proc, "http://" + proc.ready["address"]
 
@@ -202,8 +206,9 @@ def _router_rows(dom: str) -> dict[str, dict[str, str]]:
 def _pegaflow_status(coord: Proc, token: str = "") -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "pegaflow.tools.cli", "status", "--no-health",
-         "--coordinators", coord.ready["address"], *(["--token", token] if token else [])],
+         "--coordinators", coord.ready["address"]],
         capture_output=True, text=True, timeout=60, cwd=REPO,
+        env={**os.environ, **token_env(token)},
     )  # fmt: skip
 
 
@@ -296,7 +301,7 @@ def tenant_coordinator(etcd_server: Any, etcd_prefix: str) -> Iterator[Proc]:
         etcd=etcd_server.endpoint,
         prefix=etcd_prefix,
         token=ADMIN,
-        extra=["--security-tenant-tokens", tokens],
+        tenants=tokens,
     )
     yield proc
     proc.terminate()
@@ -309,7 +314,7 @@ def test_a_tenant_router_reports_its_own_entry_only(
     tenant's; another tenant can neither replace nor withdraw its entry, the cluster
     token can; the router's own withdrawal at SIGTERM works."""
     coord = tenant_coordinator
-    proc, url = _router(coord, stub_replica, 0.3, "--security-token", TENANTS["acme"])
+    proc, url = _router(coord, stub_replica, 0.3, token=TENANTS["acme"])
     try:
         (r,) = _wait_routers(coord, lambda rs: [r["url"] for r in rs] == [url], "no report")
         assert r["tenant"] == "acme" and r["replicas"][0]["url"] == stub_replica
@@ -348,7 +353,7 @@ def test_a_router_with_a_bad_token_warns_once_and_keeps_routing(
     however many reports fail; the router serves requests all along and the coordinator
     lists nothing and serves on."""
     coord = tenant_coordinator
-    proc, url = _router(coord, stub_replica, 0.2, "--security-token", "wrong")
+    proc, url = _router(coord, stub_replica, 0.2, token="wrong")
     try:
         deadline = time.monotonic() + WAIT_S
         while not [line for line in proc.log if "unauthorized" in line]:
@@ -379,9 +384,9 @@ def test_a_cache_router_refused_its_lookups_warns_once_and_routes_by_load(
     each request by load."""
     coord = tenant_coordinator
     proc, url = _router(
-        coord, stub_replica, 0.3, "--security-token", TENANTS["acme"],
+        coord, stub_replica, 0.3,
         "--router-mode", "cache", "--router-namespace", "beta@model",
-        "--router-block-size", "4",
+        "--router-block-size", "4", token=TENANTS["acme"],
     )  # fmt: skip
     try:
         for i in range(4):

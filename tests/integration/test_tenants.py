@@ -54,8 +54,8 @@ async def flood(raw: RawConn, frames: list[bytes]) -> list[dict[str, Any]]:
 async def test_garbage_op_names_never_become_metric_labels(procs: list[Proc]) -> None:
     server = start_server(
         token="admin",
-        extra=["--node-pool-bytes", "32MiB", "--node-slab-bytes", "4MiB",
-               "--security-tenant-tokens", TENANTS],
+        tenants=TENANTS,
+        extra=["--node-pool-bytes", "32MiB", "--node-slab-bytes", "4MiB"],
     )  # fmt: skip
     procs.append(server)
     addr, http = server.ready["ucx"], server.ready["http"]

@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from pegaflow.config import EtcdConfig
-from pegaflow.tools.devcluster import ETCD_BINARY, EtcdServer
+from pegaflow.tools.devcluster import ETCD_BINARY, EtcdServer, token_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -161,7 +161,6 @@ class CoordinatorProcess:
 def coordinator_argv(
     etcd: EtcdConfig | None,
     *,
-    token: str | None = None,
     port: int = 0,
     http_port: int = 0,
     extra_args: Sequence[str] = (),
@@ -180,21 +179,21 @@ def coordinator_argv(
             "--etcd-prefix", etcd.prefix,
             "--etcd-timeout-s", str(etcd.timeout_s),
         ]  # fmt: skip
-    if token:
-        argv += ["--security-token", token]
     return argv + list(extra_args)
 
 
 def start_coordinator(etcd: EtcdConfig | None, **kw: object) -> CoordinatorProcess:
     """Start a coordinator subprocess and block until it is READY."""
     timeout = float(kw.pop("timeout", 30.0))  # type: ignore[arg-type]
-    return CoordinatorProcess(coordinator_argv(etcd, **kw)).wait_ready(timeout)  # type: ignore[arg-type]
+    env = token_env(kw.pop("token", None))  # type: ignore[arg-type]
+    return CoordinatorProcess(coordinator_argv(etcd, **kw), env).wait_ready(timeout)  # type: ignore[arg-type]
 
 
 async def start_coordinator_async(etcd: EtcdConfig | None, **kw: object) -> CoordinatorProcess:
     """Start a coordinator subprocess and wait (without blocking the loop) for READY."""
     timeout = float(kw.pop("timeout", 30.0))  # type: ignore[arg-type]
-    proc = CoordinatorProcess(coordinator_argv(etcd, **kw))  # type: ignore[arg-type]
+    env = token_env(kw.pop("token", None))  # type: ignore[arg-type]
+    proc = CoordinatorProcess(coordinator_argv(etcd, **kw), env)  # type: ignore[arg-type]
     return await proc.wait_ready_async(timeout)
 
 
@@ -209,12 +208,14 @@ class CoordinatorFactory:
         etcd: EtcdConfig | None,
         *,
         token: str | None = None,
+        tenants: str = "",
         port: int = 0,
         extra_args: Sequence[str] = (),
     ) -> CoordinatorProcess:
         """A READY coordinator on loopback."""
         proc = CoordinatorProcess(
-            coordinator_argv(etcd, token=token, port=port, extra_args=extra_args)
+            coordinator_argv(etcd, port=port, extra_args=extra_args),
+            token_env(token, tenants=tenants),
         )
         self.procs.append(proc)
         return await proc.wait_ready_async()

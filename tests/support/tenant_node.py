@@ -18,8 +18,7 @@ POOL = 32 << 20  # 128 blocks of BLOCK
 def tenant_node(procs: list[Proc], name: str, *extra: str, pool: int = POOL) -> Proc:
     """A node with the cluster token ``admin`` and the tenants acme and globex."""
     node = start_node(
-        name, pool=str(pool), slab="4MiB", token="admin",
-        extra=["--security-tenant-tokens", TENANTS, *extra],
+        name, pool=str(pool), slab="4MiB", token="admin", tenants=TENANTS, extra=extra,
     )  # fmt: skip
     procs.append(node)
     return node

@@ -18,8 +18,8 @@ def tenant_server(pool: str) -> Proc:
     deadline is generous, as a loaded machine may take seconds to connect."""
     return start_server(
         token=ADMIN,
+        tenants=f"{TENANT[0]}={TENANT[1]}",
         extra=["--node-pool-bytes", pool, "--node-slab-bytes", "4MiB",
-               "--security-tenant-tokens", f"{TENANT[0]}={TENANT[1]}",
                "--node-hello-timeout-s", "60"],
     )  # fmt: skip
 

@@ -41,6 +41,7 @@ import contextlib
 import ipaddress
 import logging
 import math
+import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -54,6 +55,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from pegaflow.keys import node_http_url
+from pegaflow.tls import http_scheme
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +135,8 @@ class Dashboard:
     ``status`` is the coordinator's status function, ``registry`` its metrics registry.
     ``interval_s``: seconds between samples; ``history``: samples kept (default 30 min
     at 2 s); ``idle_stop_s``: the sampler stops this long after the last poll;
-    ``scrape_timeout_s``: deadline of one node scrape.
+    ``scrape_timeout_s``: deadline of one node scrape; ``tls``: nodes are scraped over
+    HTTPS, verified by this context.
     """
 
     status: StatusFn
@@ -143,6 +146,7 @@ class Dashboard:
     history: InitVar[int] = 900
     idle_stop_s: float = 120.0
     scrape_timeout_s: float = 1.0
+    tls: ssl.SSLContext | None = None
 
     def __post_init__(self, history: int) -> None:
         self.history: deque[dict[str, Any]] = deque(maxlen=history)
@@ -287,7 +291,7 @@ class Dashboard:
     ) -> tuple[dict[str, float], str, bool]:
         """A node's metrics, why there are none, and whether another node answers at
         its address."""
-        url = node_http_url(rec)
+        url = node_http_url(rec, http_scheme(self.tls))
         if url is None:
             return {}, "no HTTP endpoint published", False
         host_port = url.split("//", 1)[1]
@@ -296,7 +300,8 @@ class Dashboard:
             return local, "", False
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.scrape_timeout_s)
+                timeout=aiohttp.ClientTimeout(total=self.scrape_timeout_s),
+                connector=aiohttp.TCPConnector(ssl=self.tls or True),
             )
         session = self._session
         nid = str(rec.get("node_id"))
