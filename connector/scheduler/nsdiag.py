@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from pegaflow.protocol.misses import differences
+
 logger = logging.getLogger("pegaflow.connector")
 
 CHECK_EVERY_S = 60.0
@@ -33,16 +35,6 @@ NOT_FACTORS = frozenset({"label"})
 def factor_strings(factors: Mapping[str, Any]) -> dict[str, str]:
     """The factors that key blocks, as strings (what is sent to the coordinator)."""
     return {k: str(v) for k, v in factors.items() if k not in NOT_FACTORS}
-
-
-def differences(mine: Mapping[str, str], theirs: Mapping[str, str]) -> list[str]:
-    """``name (mine here, theirs there)`` for every factor whose values differ."""
-    out = []
-    for k in sorted(set(mine) | set(theirs)):
-        a, b = mine.get(k, "?"), theirs.get(k, "?")
-        if a != b:
-            out.append(f"{k} ({a} here, {b} there)")
-    return out
 
 
 def mismatch_line(ns: str, mine: Mapping[str, str], peers: list[dict[str, Any]]) -> str:
