@@ -1,0 +1,235 @@
+"""Every miss gets a cause (issue 40, "Why did it miss?"), with real processes.
+
+A real ``pegaflow-server`` (or etcd, a coordinator and a node) stores blocks put by a
+real client; a scheduler side (:class:`~pegaflow.connector.scheduler.side.SchedulerSide`)
+looks requests up and counts each lookup's misses by the cause of its first missing
+block: never stored, evicted (tier, seconds after its save), namespace mismatch (the
+factor), node unreachable, declined by the cost model.  The engine's counters, the
+``PegaFlow cache:`` line and ``pegaflow status`` say it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from pegaflow.client import SyncPegaClient
+from pegaflow.connector.metrics import Counters
+from pegaflow.connector.report import CacheReport
+from pegaflow.connector.scheduler.side import SchedulerSide
+from pegaflow.connector.settings import ConnectorSettings
+
+from pegaflow.config import ClientConfig, EtcdConfig
+from pegaflow.tools.cli import render_status
+from pegaflow.tools.devcluster import Proc, start_node, start_server
+from tests.support.connector_fakes import FakeRequest
+from tests.support.etcd_fixture import CoordinatorFactory
+from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.ucx
+
+BS = 4
+BLOCK = 1 << 20  # 16 of them fill the 16 MiB pool
+FACTORS = {"model": "config:abc", "dtype": "bfloat16", "block_size": "4", "tp_size": "1"}
+
+
+@pytest.fixture(scope="module")
+def small() -> Iterator[Proc]:
+    """A ``pegaflow-server`` whose pool holds 16 blocks of 1 MiB."""
+    p = start_server(extra=["--node-pool-bytes", "16MiB", "--node-slab-bytes", "4MiB"])
+    try:
+        yield p
+    finally:
+        p.terminate()
+
+
+def _client(coordinator: str) -> SyncPegaClient:
+    return SyncPegaClient(ClientConfig(coordinators=[coordinator], lookup_timeout_s=2.0))
+
+
+def _side(
+    coordinator: str, ns: str, factors: dict[str, str] | None = None, **settings: object
+) -> SchedulerSide:
+    s = ConnectorSettings.load({"coordinators": coordinator, **settings}, env={})
+    return SchedulerSide(
+        s, BS, 1, namespace=lambda: ns, counters=Counters(),
+        client_factory=lambda: _client(coordinator), factors=lambda: factors or FACTORS,
+    )  # fmt: skip
+
+
+def _put(c: SyncPegaClient, ns: str, hashes: list[bytes]) -> None:
+    data = np.full(BLOCK, 7, np.uint8)
+    assert c.put_blocks(ns, [(h, 0, data) for h in hashes]).stored == len(hashes)
+
+
+def _prompt(rid: str, base: int, blocks: int = 4) -> FakeRequest:
+    """A request of ``blocks`` full blocks and one token more."""
+    return FakeRequest(rid, list(range(base, base + blocks * BS + 1)), BS)
+
+
+def _missed(side: SchedulerSide) -> dict[str, float]:
+    return {
+        k.split(".", 1)[1]: v
+        for k, v in side.counters.totals().items()
+        if k.startswith("miss_blocks.")
+    }
+
+
+def _line(side: SchedulerSide) -> str:
+    report = CacheReport(Counters(), 10, miss_details=side.lookups.misses.details)
+    report._seen = {}  # everything the side counted is news to this line
+    report._counters = side.counters
+    return report.take() or ""
+
+
+def test_a_fresh_prompt_was_never_stored(small: Proc) -> None:
+    side = _side(small.ready["coordinator"], "fresh.00aa")
+    try:
+        assert side.get_num_new_matched_tokens(_prompt("r1", 1000), 0) == (0, False)
+        assert _missed(side) == {"never_stored": 4}
+        assert side.counters.totals()["miss_lookups.never_stored"] == 1
+        assert "misses: never stored 100%" in _line(side)
+    finally:
+        side.close()
+
+
+def test_an_evicted_prompt_says_its_tier_and_its_age(small: Proc) -> None:
+    ns = "evict.00aa"
+    coordinator = small.ready["coordinator"]
+    first = _prompt("r1", 2000)
+    c = _client(coordinator)
+    try:
+        _put(c, ns, first.block_hashes)
+        wait_for(lambda: c.lookup(ns, first.block_hashes).hits == 4, "the prompt indexed")
+        for _ in range(5):  # 20 other blocks through a pool of 16: LRU evicts the prompt
+            _put(c, ns, [os.urandom(32) for _ in range(4)])
+        wait_for(lambda: c.lookup(ns, first.block_hashes).hits == 0, "the prompt evicted")
+        side = _side(coordinator, ns)
+        try:
+            assert side.get_num_new_matched_tokens(first, 0) == (0, False)
+            assert _missed(side) == {"evicted": 4}
+            line = _line(side)
+            assert "misses: evicted 100% (memory, " in line and " s after save)" in line, line
+        finally:
+            side.close()
+        st = c.status()
+        assert st["misses"]["removals"]["memory"] >= 4
+        assert st["misses"]["miss_blocks_by_cause"]["evicted"] >= 4
+        shown = render_status(st)
+        assert "misses: evicted" in shown and "evictions: " in shown, shown
+    finally:
+        c.close()
+
+
+def test_the_same_prompt_under_another_namespace_names_the_factor(small: Proc) -> None:
+    """TP size (like dtype or the model) keeps a prompt's hashes: the coordinator finds
+    them under the other namespace and names the factor both engines sent."""
+    coordinator, stored, asking = small.ready["coordinator"], "llama.00aa", "llama.00bb"
+    mine = {**FACTORS, "tp_size": "2"}
+    req = _prompt("r1", 3000)
+    c = _client(coordinator)
+    try:
+        assert c.namespace_peers(stored, FACTORS) == []
+        _put(c, stored, req.block_hashes)
+        assert [p["ns"] for p in c.namespace_peers(asking, mine)] == [stored]
+    finally:
+        c.close()
+    side = _side(coordinator, asking, mine)
+    try:
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert _missed(side) == {"namespace_mismatch": 4}
+        line = _line(side)
+        assert (
+            "misses: namespace mismatch 100% (stored under llama.00aa; differs in tp_size "
+            "(2 here, 1 there))"
+        ) in line, line
+    finally:
+        side.close()
+
+
+def test_another_block_size_is_a_namespace_mismatch_until_a_hit(
+    small: Proc, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Block size changes every hash: once the engine learnt that its model is stored
+    under another namespace (the WARNING), its misses count as a mismatch."""
+    coordinator, stored, asking = small.ready["coordinator"], "qwen.00aa", "qwen.00bb"
+    c = _client(coordinator)
+    try:
+        assert c.namespace_peers(stored, {**FACTORS, "block_size": "16"}) == []
+        _put(c, stored, [os.urandom(32) for _ in range(2)])
+    finally:
+        c.close()
+    caplog.set_level(logging.WARNING, "pegaflow.connector")
+    side = _side(coordinator, asking)
+    try:
+        assert side.get_num_new_matched_tokens(_prompt("r1", 4000), 0) == (0, False)
+        assert _missed(side) == {"never_stored": 4}  # not known yet: asked in the background
+        wait_for(lambda: "namespace mismatch" in caplog.text, "the mismatch WARNING")
+        assert side.get_num_new_matched_tokens(_prompt("r2", 5000), 0) == (0, False)
+        assert _missed(side) == {"never_stored": 4, "namespace_mismatch": 4}
+        assert "differs in block_size (4 here, 16 there)" in _line(side)
+    finally:
+        side.close()
+
+
+def test_a_hit_the_cost_model_declines(small: Proc) -> None:
+    ns = "declined.00aa"
+    coordinator = small.ready["coordinator"]
+    req = _prompt("r1", 6000)
+    c = _client(coordinator)
+    try:
+        _put(c, ns, req.block_hashes)
+        found = c.lookup(ns, req.block_hashes)
+        node = found.blocks[0][0]
+    finally:
+        c.close()
+    side = _side(coordinator, ns)
+    try:
+        for _ in range(5):  # loads from the node measured slow, prefill fast
+            side.costs.observe_load(node, 100 * BLOCK, 100.0)
+            side.costs.observe_compute(4096, 0.001)
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert _missed(side) == {"declined": 4}
+        assert side.counters.totals()["cost_declined"] == 1
+    finally:
+        side.close()
+
+
+def test_a_lookup_that_fails_is_counted_as_such() -> None:
+    side = _side("127.0.0.1:1", "nowhere.00aa", lookup_timeout_s=0.5)
+    try:
+        assert side.get_num_new_matched_tokens(_prompt("r1", 7000), 0) == (0, False)
+        assert _missed(side) == {"lookup_failed": 4}
+    finally:
+        side.close()
+
+
+@pytest.mark.etcd
+async def test_a_block_on_a_node_nobody_reaches(
+    etcd_config: EtcdConfig, coordinators: CoordinatorFactory
+) -> None:
+    """Saved on a node that then dies: once a client reported it unreachable (and the
+    coordinator could not reach it either), a lookup's miss names the node."""
+    coord = await coordinators.start(etcd_config)
+    node = start_node(
+        "u1", etcd=etcd_config.endpoints[0], prefix=etcd_config.prefix, pool="16MiB", slab="4MiB"
+    )
+    ns, req = "gone.00aa", _prompt("r1", 8000)
+    c = _client(coord.address)
+    side = _side(coord.address, ns)
+    try:
+        wait_for(lambda: "u1" in c.nodes(), "node u1 registered")
+        _put(c, ns, req.block_hashes)
+        wait_for(lambda: c.lookup(ns, req.block_hashes).hits == 4, "the prompt indexed")
+        node.kill()
+        wait_for(lambda: c.report_unreachable("u1"), "u1 suspected", timeout=30)
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert _missed(side) == {"node_unreachable": 4}
+        assert "misses: node unreachable 100% (u1)" in _line(side)
+    finally:
+        side.close()
+        c.close()
+        node.terminate()
