@@ -33,6 +33,17 @@ from .namespaces import NamespacePeers, label_of
 MAX_RECORDS = 100_000
 """removals kept, and save times kept (least recent dropped first)"""
 
+COORDINATOR_CAUSES = tuple(
+    c.value
+    for c in (
+        MissCause.NEVER_STORED,
+        MissCause.EVICTED,
+        MissCause.NAMESPACE_MISMATCH,
+        MissCause.NODE_UNREACHABLE,
+    )
+)
+"""the causes a coordinator tells"""
+
 
 @dataclass(slots=True)
 class Removal:
@@ -71,7 +82,7 @@ class EvictionLog:
         self._removed: OrderedDict[bytes, Removal] = OrderedDict()
         self.removals: dict[str, int] = {"memory": 0, "disk": 0}
         """removals since start, by the tier they left"""
-        self.causes: dict[str, int] = {}
+        self.causes: dict[str, int] = dict.fromkeys(COORDINATOR_CAUSES, 0)
         """blocks missed by lookups since start, by the cause of their first miss"""
 
     def saved(self, block_hash: bytes, now: float) -> None:
@@ -103,7 +114,7 @@ class EvictionLog:
     def cause(self, ns: str, block_hash: bytes, shards: Sequence[int], missed: int) -> MissInfo:
         """The cause of a lookup's first miss (``missed``: blocks it missed, counted)."""
         info = self._cause(ns, block_hash, shards)
-        self.causes[info.cause] = self.causes.get(info.cause, 0) + missed
+        self.causes[info.cause.value] += missed
         return info
 
     def _cause(self, ns: str, block_hash: bytes, shards: Sequence[int]) -> MissInfo:

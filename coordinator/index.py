@@ -583,13 +583,16 @@ class BlockIndex:
         return len(self._ns.get(ns, ()))
 
     def clear(self) -> None:
-        """Drop everything (nodes included)."""
+        """Drop everything (nodes included; not the eviction record)."""
+        evictions = self.evictions
         self.__init__()  # type: ignore[misc]
+        self.evictions = evictions
 
     def replace_with(self, other: BlockIndex) -> None:
         """Take over ``other``'s whole state (a resync swaps in a freshly built index
         without a moment of emptiness); ``other`` must not be used afterwards."""
-        suspect = self._suspect  # who cannot be reached is not the index's content
+        # who cannot be reached, and what was removed, are not the index's content
+        suspect, evictions = self._suspect, self.evictions
         self.__dict__.update(other.__dict__)
-        self._suspect = suspect
+        self._suspect, self.evictions = suspect, evictions
         other.__init__()  # type: ignore[misc]

@@ -12,6 +12,8 @@ collector at scrape time, so a lookup pays well under a microsecond for its metr
 ``pegaflow_coordinator_place_total``            placements, by ``result``
 ``pegaflow_coordinator_rpc_errors_total``       error replies, by ``op`` and ``code``
 ``pegaflow_coordinator_unreachable_reports_total`` reports of unreachable nodes
+``pegaflow_coordinator_miss_cause_blocks_total`` missed blocks, by the ``cause`` of the first
+``pegaflow_coordinator_removals_total``          blocks removed from the index, by ``tier``
 ``pegaflow_index_blocks`` / ``_entries`` / ``_nodes`` / ``_namespaces``  index size
 ``pegaflow_index_node_entries``                 shard entries per ``node``
 ``pegaflow_etcd_connected``                     1 while the mirror's watch is live
@@ -118,6 +120,24 @@ class CoordinatorCollector(Collector):
         for result, n in m.unreachable_reports.items():
             reports.add_metric([result], n)
         yield reports
+        log = self.index.evictions
+        if log is not None:
+            causes = CounterMetricFamily(
+                "pegaflow_coordinator_miss_cause_blocks",
+                "blocks lookups missed, by the cause of each lookup's first miss",
+                labels=["cause"],
+            )
+            for cause, n in log.causes.items():
+                causes.add_metric([cause], n)
+            yield causes
+            removals = CounterMetricFamily(
+                "pegaflow_coordinator_removals",
+                "block shards removed from the index (evicted, dropped), by the tier they left",
+                labels=["tier"],
+            )
+            for tier, n in log.removals.items():
+                removals.add_metric([tier], n)
+            yield removals
 
         idx = self.index
         yield _gauge("pegaflow_index_blocks", "blocks in the index", idx.num_blocks)
