@@ -4,8 +4,8 @@ A real ``pegaflow-server`` (or etcd, a coordinator and a node) stores blocks put
 real client; a scheduler side (:class:`~pegaflow.connector.scheduler.side.SchedulerSide`)
 looks requests up and counts each lookup's misses by the cause of its first missing
 block: never stored, evicted (tier, seconds after its save), namespace mismatch (the
-factor), node unreachable, declined by the cost model.  The engine's counters, the
-``PegaFlow cache:`` line and ``pegaflow status`` say it.
+factor), node unreachable, declined by the cost model, its own save failed.  The
+engine's counters, the ``PegaFlow cache:`` line and ``pegaflow status`` say it.
 """
 
 from __future__ import annotations
@@ -16,11 +16,14 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import torch
 from pegaflow.client import SyncPegaClient
+from pegaflow.connector.metadata import SaveJob, StepPlan, WorkerReport
 from pegaflow.connector.metrics import Counters
 from pegaflow.connector.report import CacheReport
 from pegaflow.connector.scheduler.side import SchedulerSide
 from pegaflow.connector.settings import ConnectorSettings
+from pegaflow.connector.worker.side import WorkerSide
 
 from pegaflow.config import ClientConfig, EtcdConfig
 from pegaflow.tools.cli import render_status
@@ -233,3 +236,36 @@ async def test_a_block_on_a_node_nobody_reaches(
         side.close()
         c.close()
         node.terminate()
+
+
+def test_a_block_whose_save_failed_says_why(small: Proc) -> None:
+    """A worker's save fails (its cluster is unreachable: a real put to a dead address);
+    its report reaches the scheduler, whose later miss of that prompt (against a real
+    server that never saw it) counts as ``save_dropped``, with the reason."""
+    nb = 8
+    kv = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(nb, 2, BS, 8, dtype=torch.bfloat16)
+        for i in range(2)
+    }
+    dead = "127.0.0.1:1"
+    s = ConnectorSettings.load(
+        {"coordinators": dead, "rpc_timeout_s": 0.5, "transfer_timeout_s": 1.0}, env={}
+    )
+    w = WorkerSide(s, 0, Counters(), lambda: _client(dead))
+    w.register_kv_caches(kv, nb)
+    ns, req = "dropped.00aa", _prompt("r1", 9000)
+    side = _side(small.ready["coordinator"], ns)
+    try:
+        w.submit_saves(StepPlan(ns, saves=[SaveJob("r1", [1, 2, 3, 4], req.block_hashes)]))
+        reports: list[WorkerReport] = []
+        wait_for(lambda: reports.append(w.take_report()) or any(reports), "the failed save")
+        report = next(r for r in reports if r is not None)
+        assert sorted(report.save_failed) == sorted(req.block_hashes)
+        side.update_connector_output(report)
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert _missed(side) == {"save_dropped": 4}
+        [why] = report.unsaved
+        assert f"misses: save dropped 100% ({why})" in _line(side)
+    finally:
+        side.close()
+        w.shutdown()
