@@ -269,3 +269,32 @@ def test_a_block_whose_save_failed_says_why(small: Proc) -> None:
     finally:
         side.close()
         w.shutdown()
+
+
+def test_a_save_a_quota_refused() -> None:
+    """A node whose per-connection quota is under two blocks refuses a worker's batch
+    of four (``quota``): the scheduler's later miss of that prompt says so."""
+    p = start_server(
+        extra=["--node-pool-bytes", "16MiB", "--node-slab-bytes", "4MiB",
+               "--node-conn-quota-share", "0.0001"]
+    )  # fmt: skip
+    coordinator = p.ready["coordinator"]
+    kv = {"model.layers.0.self_attn.attn": torch.zeros(8, 2, BS, 8, dtype=torch.bfloat16)}
+    s = ConnectorSettings.load({"coordinators": coordinator, "same_host_shortcut": False}, env={})
+    w = WorkerSide(s, 0, Counters(), lambda: _client(coordinator))
+    w.register_kv_caches(kv, 8)
+    ns, req = "quota.00aa", _prompt("r1", 10000)
+    side = _side(coordinator, ns)
+    try:
+        w.submit_saves(StepPlan(ns, saves=[SaveJob("r1", [1, 2, 3, 4], req.block_hashes)]))
+        reports: list[WorkerReport] = []
+        wait_for(lambda: reports.append(w.take_report()) or any(reports), "the refused save")
+        report = next(r for r in reports if r is not None)
+        side.update_connector_output(report)
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert _missed(side) == {"quota": 4}, report.unsaved
+        assert "misses: quota 100% (quota: " in _line(side)
+    finally:
+        side.close()
+        w.shutdown()
+        p.terminate()
