@@ -89,12 +89,22 @@ def _line(side: SchedulerSide) -> str:
 
 
 def test_a_fresh_prompt_was_never_stored(small: Proc) -> None:
-    side = _side(small.ready["coordinator"], "fresh.00aa")
+    side = _side(small.ready["coordinator"], "fresh.00aa", cost_model=False)
     try:
         assert side.get_num_new_matched_tokens(_prompt("r1", 1000), 0) == (0, False)
         assert _missed(side) == {"never_stored": 4}
         assert side.counters.totals()["miss_lookups.never_stored"] == 1
         assert "misses: never stored 100%" in _line(side)
+        # a partial hit: the first half stored, the rest counted from the first miss on
+        longer = _prompt("r2", 1100, blocks=6)
+        c = _client(small.ready["coordinator"])
+        try:
+            _put(c, "fresh.00aa", longer.block_hashes[:2])
+        finally:
+            c.close()
+        assert side.get_num_new_matched_tokens(longer, 0)[0] == 2 * BS
+        assert _missed(side) == {"never_stored": 8}
+        assert side.counters.totals()["miss_lookups.never_stored"] == 2
     finally:
         side.close()
 
@@ -208,6 +218,35 @@ def test_a_lookup_that_fails_is_counted_as_such() -> None:
         assert _missed(side) == {"lookup_failed": 4}
     finally:
         side.close()
+
+
+@pytest.mark.etcd
+async def test_evictions_reach_the_coordinator_through_etcd(
+    etcd_config: EtcdConfig, coordinators: CoordinatorFactory
+) -> None:
+    """With etcd between them, the node's removals reach the coordinator as deletes of
+    its keys (the mirror records them, through its full loads too)."""
+    coord = await coordinators.start(etcd_config)
+    node = start_node(
+        "e1", etcd=etcd_config.endpoints[0], prefix=etcd_config.prefix, pool="16MiB", slab="4MiB"
+    )
+    ns, first = "evict.00bb", _prompt("r1", 11000)
+    c = _client(coord.address)
+    side = _side(coord.address, ns)
+    try:
+        wait_for(lambda: "e1" in c.nodes(), "node e1 registered")
+        _put(c, ns, first.block_hashes)
+        wait_for(lambda: c.lookup(ns, first.block_hashes).hits == 4, "the prompt indexed")
+        for _ in range(5):
+            _put(c, ns, [os.urandom(32) for _ in range(4)])
+        wait_for(lambda: c.lookup(ns, first.block_hashes).hits == 0, "the prompt evicted")
+        assert side.get_num_new_matched_tokens(first, 0) == (0, False)
+        assert _missed(side) == {"evicted": 4}
+        assert "misses: evicted 100% (memory, " in _line(side)
+    finally:
+        side.close()
+        c.close()
+        node.terminate()
 
 
 @pytest.mark.etcd
