@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pegaflow.protocol.misses import MissCause, MissInfo
+from pegaflow.protocol.misses import NEVER_STORED, MissCause, MissInfo
 
 from .index import BlockIndex
 from .namespaces import NamespacePeers, label_of
@@ -130,12 +130,13 @@ class EvictionLog:
                 return MissInfo(MissCause.NODE_UNREACHABLE, node=rec.node)
             saved_s = rec.removed_at - rec.saved_at if rec.saved_at is not None else None
             return MissInfo(MissCause.EVICTED, tier=rec.tier, saved_s=saved_s)
-        label = label_of(ns)
-        for other in index.namespaces():
-            if other != ns and label_of(other) == label and index.locations(other, block_hash):
-                factors = self.peers.differing(ns, other) if self.peers is not None else []
-                return MissInfo(MissCause.NAMESPACE_MISMATCH, ns=other, factors=factors)
-        return MissInfo(MissCause.NEVER_STORED)
+        if index.num_namespaces > 1:
+            label = label_of(ns)
+            for other in index.namespaces():
+                if other != ns and label_of(other) == label and index.locations(other, block_hash):
+                    factors = self.peers.differing(ns, other) if self.peers is not None else []
+                    return MissInfo(MissCause.NAMESPACE_MISMATCH, ns=other, factors=factors)
+        return NEVER_STORED
 
     def status(self) -> dict[str, Any]:
         """``pegaflow status``'s view: removals by tier, misses by cause, what is kept."""

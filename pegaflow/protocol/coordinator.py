@@ -63,7 +63,7 @@ from pegaflow.protocol.codec import (
     req_typed,
     unpack_bits,
 )
-from pegaflow.protocol.misses import MissInfo
+from pegaflow.protocol.misses import NEVER_STORED, MissInfo
 
 MAX_LOOKUP_HASHES = 65536
 """most hashes accepted in one lookup (a 1M-token prompt at block size 16)"""
@@ -177,6 +177,7 @@ _BLOCKS_KEY = pack("blocks")
 _GENS_KEY = pack("gens")
 _DISK_KEY = pack("disk")
 _MISS_KEY = pack("miss")
+_NEVER_STORED = pack(NEVER_STORED.to_wire())
 
 
 def _header(n: int, fix: int, two: bytes, four: bytes) -> bytes:
@@ -251,7 +252,11 @@ class LookupEncoder:
                 rows,
                 *((_GENS_KEY, pack(gens)) if gens is not None else ()),
                 *((_DISK_KEY, pack(pack_bits(disk, hits))) if disk else ()),
-                *((_MISS_KEY, pack(miss.to_wire())) if miss is not None else ()),
+                *(
+                    (_MISS_KEY, _NEVER_STORED if miss is NEVER_STORED else pack(miss.to_wire()))
+                    if miss is not None
+                    else ()
+                ),
             )
         )
 

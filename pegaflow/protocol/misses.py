@@ -52,7 +52,7 @@ class MissCause(enum.StrEnum):
     """the coordinator did not say (an older one)"""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class MissInfo:
     """The cause of one lookup's first miss, with what is known of it."""
 
@@ -117,6 +117,10 @@ class MissInfo:
         if c is MissCause.NODE_UNREACHABLE:
             return self.node
         return self.reason
+
+
+NEVER_STORED = MissInfo(MissCause.NEVER_STORED)
+"""the answer for a block never stored (the common one: its packed form is made once)"""
 
 
 def _text(v: Any) -> str:
