@@ -130,7 +130,7 @@ class EvictionLog:
                 return MissInfo(MissCause.NODE_UNREACHABLE, node=rec.node)
             saved_s = rec.removed_at - rec.saved_at if rec.saved_at is not None else None
             return MissInfo(MissCause.EVICTED, tier=rec.tier, saved_s=saved_s)
-        if index.num_namespaces > 1:
+        if index.num_namespaces > (1 if index.blocks_in(ns) else 0):  # others to look in
             label = label_of(ns)
             for other in index.namespaces():
                 if other != ns and label_of(other) == label and index.locations(other, block_hash):
