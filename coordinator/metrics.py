@@ -100,44 +100,33 @@ class CoordinatorCollector(Collector):
             "blocks asked for by lookups but not found",
             m.miss_blocks,
         )
-        place = CounterMetricFamily(
-            "pegaflow_coordinator_place", "placement decisions", labels=["result"]
-        )
-        for result, n in m.place.items():
-            place.add_metric([result], n)
-        yield place
+        yield _by("pegaflow_coordinator_place", "placement decisions", "result", m.place)
         errors = CounterMetricFamily(
             "pegaflow_coordinator_rpc_errors", "error replies", labels=["op", "code"]
         )
         for (op, code), n in m.errors.items():
             errors.add_metric([op, code], n)
         yield errors
-        reports = CounterMetricFamily(
+        yield _by(
             "pegaflow_coordinator_unreachable_reports",
             "clients' reports that a node fails their gets",
-            labels=["result"],
+            "result",
+            m.unreachable_reports,
         )
-        for result, n in m.unreachable_reports.items():
-            reports.add_metric([result], n)
-        yield reports
         log = self.index.evictions
         if log is not None:
-            causes = CounterMetricFamily(
+            yield _by(
                 "pegaflow_coordinator_miss_cause_blocks",
                 "blocks lookups missed, by the cause of each lookup's first miss",
-                labels=["cause"],
+                "cause",
+                log.causes,
             )
-            for cause, n in log.causes.items():
-                causes.add_metric([cause], n)
-            yield causes
-            removals = CounterMetricFamily(
+            yield _by(
                 "pegaflow_coordinator_removals",
                 "block shards removed from the index (evicted, dropped), by the tier they left",
-                labels=["tier"],
+                "tier",
+                log.removals,
             )
-            for tier, n in log.removals.items():
-                removals.add_metric([tier], n)
-            yield removals
 
         idx = self.index
         yield _gauge("pegaflow_index_blocks", "blocks in the index", idx.num_blocks)
@@ -203,6 +192,14 @@ class CoordinatorCollector(Collector):
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     c = CounterMetricFamily(name, doc)
     c.add_metric([], value)
+    return c
+
+
+def _by(name: str, doc: str, label: str, counts: dict[str, int]) -> CounterMetricFamily:
+    """A counter family with one ``label``: a sample per key of ``counts``."""
+    c = CounterMetricFamily(name, doc, labels=[label])
+    for value, n in counts.items():
+        c.add_metric([value], n)
     return c
 
 

@@ -68,6 +68,25 @@ def _put(c: SyncPegaClient, ns: str, hashes: list[bytes]) -> None:
     assert c.put_blocks(ns, [(h, 0, data) for h in hashes]).stored == len(hashes)
 
 
+def _store_then_evict(c: SyncPegaClient, ns: str, req: FakeRequest) -> None:
+    """Store ``req``'s 4 blocks, then 20 others through a pool of 16: LRU evicts them."""
+    _put(c, ns, req.block_hashes)
+    wait_for(lambda: c.lookup(ns, req.block_hashes).hits == 4, "the prompt indexed")
+    for _ in range(5):
+        _put(c, ns, [os.urandom(32) for _ in range(4)])
+    wait_for(lambda: c.lookup(ns, req.block_hashes).hits == 0, "the prompt evicted")
+
+
+def _unsaved_report(w: WorkerSide, ns: str, req: FakeRequest) -> WorkerReport:
+    """Save ``req``'s 4 blocks from ``w`` (KV blocks 1-4); the report of their failure."""
+    w.submit_saves(StepPlan(ns, saves=[SaveJob(req.request_id, [1, 2, 3, 4], req.block_hashes)]))
+    reports: list[WorkerReport | None] = []
+    wait_for(lambda: reports.append(w.take_report()) or any(reports), "the failed save")
+    report = next(r for r in reports if r is not None)
+    assert sorted(report.save_failed) == sorted(req.block_hashes)
+    return report
+
+
 def _prompt(rid: str, base: int, blocks: int = 4) -> FakeRequest:
     """A request of ``blocks`` full blocks and one token more."""
     return FakeRequest(rid, list(range(base, base + blocks * BS + 1)), BS)
@@ -115,11 +134,7 @@ def test_an_evicted_prompt_says_its_tier_and_its_age(small: Proc) -> None:
     first = _prompt("r1", 2000)
     c = _client(coordinator)
     try:
-        _put(c, ns, first.block_hashes)
-        wait_for(lambda: c.lookup(ns, first.block_hashes).hits == 4, "the prompt indexed")
-        for _ in range(5):  # 20 other blocks through a pool of 16: LRU evicts the prompt
-            _put(c, ns, [os.urandom(32) for _ in range(4)])
-        wait_for(lambda: c.lookup(ns, first.block_hashes).hits == 0, "the prompt evicted")
+        _store_then_evict(c, ns, first)
         side = _side(coordinator, ns)
         try:
             assert side.get_num_new_matched_tokens(first, 0) == (0, False)
@@ -235,11 +250,7 @@ async def test_evictions_reach_the_coordinator_through_etcd(
     side = _side(coord.address, ns)
     try:
         wait_for(lambda: "e1" in c.nodes(), "node e1 registered")
-        _put(c, ns, first.block_hashes)
-        wait_for(lambda: c.lookup(ns, first.block_hashes).hits == 4, "the prompt indexed")
-        for _ in range(5):
-            _put(c, ns, [os.urandom(32) for _ in range(4)])
-        wait_for(lambda: c.lookup(ns, first.block_hashes).hits == 0, "the prompt evicted")
+        _store_then_evict(c, ns, first)
         assert side.get_num_new_matched_tokens(first, 0) == (0, False)
         assert _missed(side) == {"evicted": 4}
         assert "misses: evicted 100% (memory, " in _line(side)
@@ -295,11 +306,7 @@ def test_a_block_whose_save_failed_says_why(small: Proc) -> None:
     ns, req = "dropped.00aa", _prompt("r1", 9000)
     side = _side(small.ready["coordinator"], ns)
     try:
-        w.submit_saves(StepPlan(ns, saves=[SaveJob("r1", [1, 2, 3, 4], req.block_hashes)]))
-        reports: list[WorkerReport] = []
-        wait_for(lambda: reports.append(w.take_report()) or any(reports), "the failed save")
-        report = next(r for r in reports if r is not None)
-        assert sorted(report.save_failed) == sorted(req.block_hashes)
+        report = _unsaved_report(w, ns, req)
         side.update_connector_output(report)
         assert side.get_num_new_matched_tokens(req, 0) == (0, False)
         assert _missed(side) == {"save_dropped": 4}
@@ -325,10 +332,7 @@ def test_a_save_a_quota_refused() -> None:
     ns, req = "quota.00aa", _prompt("r1", 10000)
     side = _side(coordinator, ns)
     try:
-        w.submit_saves(StepPlan(ns, saves=[SaveJob("r1", [1, 2, 3, 4], req.block_hashes)]))
-        reports: list[WorkerReport] = []
-        wait_for(lambda: reports.append(w.take_report()) or any(reports), "the refused save")
-        report = next(r for r in reports if r is not None)
+        report = _unsaved_report(w, ns, req)
         side.update_connector_output(report)
         assert side.get_num_new_matched_tokens(req, 0) == (0, False)
         assert _missed(side) == {"quota": 4}, report.unsaved
