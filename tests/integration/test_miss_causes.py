@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -35,18 +35,8 @@ from tests.support.waiting import wait_for
 pytestmark = pytest.mark.ucx
 
 BS = 4
-BLOCK = 1 << 20  # 16 of them fill the 16 MiB pool
+BLOCK = 1 << 20  # 32 of them fill the test server's 32 MiB pool (16 a test node's)
 FACTORS = {"model": "config:abc", "dtype": "bfloat16", "block_size": "4", "tp_size": "1"}
-
-
-@pytest.fixture(scope="module")
-def small() -> Iterator[Proc]:
-    """A ``pegaflow-server`` whose pool holds 16 blocks of 1 MiB."""
-    p = start_server(extra=["--node-pool-bytes", "16MiB", "--node-slab-bytes", "4MiB"])
-    try:
-        yield p
-    finally:
-        p.terminate()
 
 
 def _client(coordinator: str) -> SyncPegaClient:
@@ -69,10 +59,11 @@ def _put(c: SyncPegaClient, ns: str, hashes: list[bytes]) -> None:
 
 
 def _store_then_evict(c: SyncPegaClient, ns: str, req: FakeRequest) -> None:
-    """Store ``req``'s 4 blocks, then 20 others through a pool of 16: LRU evicts them."""
+    """Store ``req``'s 4 blocks, then 40 others through a pool of 32 at most: LRU evicts
+    them."""
     _put(c, ns, req.block_hashes)
     wait_for(lambda: c.lookup(ns, req.block_hashes).hits == 4, "the prompt indexed")
-    for _ in range(5):
+    for _ in range(10):
         _put(c, ns, [os.urandom(32) for _ in range(4)])
     wait_for(lambda: c.lookup(ns, req.block_hashes).hits == 0, "the prompt evicted")
 
@@ -107,8 +98,8 @@ def _line(side: SchedulerSide) -> str:
     return report.take() or ""
 
 
-def test_a_fresh_prompt_was_never_stored(small: Proc) -> None:
-    side = _side(small.ready["coordinator"], "fresh.00aa", cost_model=False)
+def test_a_fresh_prompt_was_never_stored(server: Proc) -> None:
+    side = _side(server.ready["coordinator"], "fresh.00aa", cost_model=False)
     try:
         assert side.get_num_new_matched_tokens(_prompt("r1", 1000), 0) == (0, False)
         assert _missed(side) == {"never_stored": 4}
@@ -116,7 +107,7 @@ def test_a_fresh_prompt_was_never_stored(small: Proc) -> None:
         assert "misses: never stored 100%" in _line(side)
         # a partial hit: the first half stored, the rest counted from the first miss on
         longer = _prompt("r2", 1100, blocks=6)
-        c = _client(small.ready["coordinator"])
+        c = _client(server.ready["coordinator"])
         try:
             _put(c, "fresh.00aa", longer.block_hashes[:2])
         finally:
@@ -128,9 +119,9 @@ def test_a_fresh_prompt_was_never_stored(small: Proc) -> None:
         side.close()
 
 
-def test_an_evicted_prompt_says_its_tier_and_its_age(small: Proc) -> None:
+def test_an_evicted_prompt_says_its_tier_and_its_age(server: Proc) -> None:
     ns = "evict.00aa"
-    coordinator = small.ready["coordinator"]
+    coordinator = server.ready["coordinator"]
     first = _prompt("r1", 2000)
     c = _client(coordinator)
     try:
@@ -152,10 +143,10 @@ def test_an_evicted_prompt_says_its_tier_and_its_age(small: Proc) -> None:
         c.close()
 
 
-def test_the_same_prompt_under_another_namespace_names_the_factor(small: Proc) -> None:
+def test_the_same_prompt_under_another_namespace_names_the_factor(server: Proc) -> None:
     """TP size (like dtype or the model) keeps a prompt's hashes: the coordinator finds
     them under the other namespace and names the factor both engines sent."""
-    coordinator, stored, asking = small.ready["coordinator"], "llama.00aa", "llama.00bb"
+    coordinator, stored, asking = server.ready["coordinator"], "llama.00aa", "llama.00bb"
     mine = {**FACTORS, "tp_size": "2"}
     req = _prompt("r1", 3000)
     c = _client(coordinator)
@@ -179,11 +170,11 @@ def test_the_same_prompt_under_another_namespace_names_the_factor(small: Proc) -
 
 
 def test_another_block_size_is_a_namespace_mismatch_until_a_hit(
-    small: Proc, caplog: pytest.LogCaptureFixture
+    server: Proc, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Block size changes every hash: once the engine learnt that its model is stored
     under another namespace (the WARNING), its misses count as a mismatch."""
-    coordinator, stored, asking = small.ready["coordinator"], "qwen.00aa", "qwen.00bb"
+    coordinator, stored, asking = server.ready["coordinator"], "qwen.00aa", "qwen.00bb"
     c = _client(coordinator)
     try:
         assert c.namespace_peers(stored, {**FACTORS, "block_size": "16"}) == []
@@ -203,15 +194,12 @@ def test_another_block_size_is_a_namespace_mismatch_until_a_hit(
         side.close()
 
 
-def test_a_hit_the_cost_model_declines(small: Proc) -> None:
-    ns = "declined.00aa"
-    coordinator = small.ready["coordinator"]
-    req = _prompt("r1", 6000)
+def test_a_hit_the_cost_model_declines(server: Proc) -> None:
+    coordinator, ns, req = server.ready["coordinator"], "declined.00aa", _prompt("r1", 6000)
     c = _client(coordinator)
     try:
         _put(c, ns, req.block_hashes)
-        found = c.lookup(ns, req.block_hashes)
-        node = found.blocks[0][0]
+        [node] = c.lookup(ns, req.block_hashes).blocks[0]
     finally:
         c.close()
     side = _side(coordinator, ns)
@@ -235,60 +223,63 @@ def test_a_lookup_that_fails_is_counted_as_such() -> None:
         side.close()
 
 
-@pytest.mark.etcd
-async def test_evictions_reach_the_coordinator_through_etcd(
+@pytest.fixture
+async def one_node(
     etcd_config: EtcdConfig, coordinators: CoordinatorFactory
-) -> None:
-    """With etcd between them, the node's removals reach the coordinator as deletes of
-    its keys (the mirror records them, through its full loads too)."""
+) -> AsyncIterator[tuple[str, Proc, SyncPegaClient]]:
+    """etcd, a coordinator and node ``e1`` (16 blocks of 1 MiB): the coordinator's
+    address, the node and a client."""
     coord = await coordinators.start(etcd_config)
     node = start_node(
         "e1", etcd=etcd_config.endpoints[0], prefix=etcd_config.prefix, pool="16MiB", slab="4MiB"
     )
-    ns, first = "evict.00bb", _prompt("r1", 11000)
     c = _client(coord.address)
-    side = _side(coord.address, ns)
     try:
         wait_for(lambda: "e1" in c.nodes(), "node e1 registered")
-        _store_then_evict(c, ns, first)
+        yield coord.address, node, c
+    finally:
+        c.close()
+        node.terminate()
+
+
+@pytest.mark.etcd
+async def test_evictions_reach_the_coordinator_through_etcd(
+    one_node: tuple[str, Proc, SyncPegaClient],
+) -> None:
+    """With etcd between them, the node's removals reach the coordinator as deletes of
+    its keys (the mirror records them, through its full loads too)."""
+    coordinator, _node, c = one_node
+    first = _prompt("r1", 11000)
+    _store_then_evict(c, "evict.00bb", first)
+    side = _side(coordinator, "evict.00bb")
+    try:
         assert side.get_num_new_matched_tokens(first, 0) == (0, False)
         assert _missed(side) == {"evicted": 4}
         assert "misses: evicted 100% (memory, " in _line(side)
     finally:
         side.close()
-        c.close()
-        node.terminate()
 
 
 @pytest.mark.etcd
-async def test_a_block_on_a_node_nobody_reaches(
-    etcd_config: EtcdConfig, coordinators: CoordinatorFactory
-) -> None:
+async def test_a_block_on_a_node_nobody_reaches(one_node: tuple[str, Proc, SyncPegaClient]) -> None:
     """Saved on a node that then dies: once a client reported it unreachable (and the
     coordinator could not reach it either), a lookup's miss names the node."""
-    coord = await coordinators.start(etcd_config)
-    node = start_node(
-        "u1", etcd=etcd_config.endpoints[0], prefix=etcd_config.prefix, pool="16MiB", slab="4MiB"
-    )
-    ns, req = "gone.00aa", _prompt("r1", 8000)
-    c = _client(coord.address)
-    side = _side(coord.address, ns)
+    coordinator, node, c = one_node
+    req = _prompt("r1", 8000)
+    _put(c, "gone.00aa", req.block_hashes)
+    wait_for(lambda: c.lookup("gone.00aa", req.block_hashes).hits == 4, "the prompt indexed")
+    node.kill()
+    wait_for(lambda: c.report_unreachable("e1"), "e1 suspected", timeout=30)
+    side = _side(coordinator, "gone.00aa")
     try:
-        wait_for(lambda: "u1" in c.nodes(), "node u1 registered")
-        _put(c, ns, req.block_hashes)
-        wait_for(lambda: c.lookup(ns, req.block_hashes).hits == 4, "the prompt indexed")
-        node.kill()
-        wait_for(lambda: c.report_unreachable("u1"), "u1 suspected", timeout=30)
         assert side.get_num_new_matched_tokens(req, 0) == (0, False)
         assert _missed(side) == {"node_unreachable": 4}
-        assert "misses: node unreachable 100% (u1)" in _line(side)
+        assert "misses: node unreachable 100% (e1)" in _line(side)
     finally:
         side.close()
-        c.close()
-        node.terminate()
 
 
-def test_a_block_whose_save_failed_says_why(small: Proc) -> None:
+def test_a_block_whose_save_failed_says_why(server: Proc) -> None:
     """A worker's save fails (its cluster is unreachable: a real put to a dead address);
     its report reaches the scheduler, whose later miss of that prompt (against a real
     server that never saw it) counts as ``save_dropped``, with the reason."""
@@ -304,7 +295,7 @@ def test_a_block_whose_save_failed_says_why(small: Proc) -> None:
     w = WorkerSide(s, 0, Counters(), lambda: _client(dead))
     w.register_kv_caches(kv, nb)
     ns, req = "dropped.00aa", _prompt("r1", 9000)
-    side = _side(small.ready["coordinator"], ns)
+    side = _side(server.ready["coordinator"], ns)
     try:
         report = _unsaved_report(w, ns, req)
         side.update_connector_output(report)
