@@ -173,11 +173,11 @@ class Lookups:
                 lk.disk = [
                     d and local not in row for d, row in zip(lk.disk, lk.nodes, strict=False)
                 ]
-        self._skip_unreachable(client, lk)
+        down = self._skip_unreachable(client, lk)
         reachable = lk.hits
         self.claim(st, asked, lk, whole)
         unsaved = self.misses.unsaved(asked[hits]) if hits < len(asked) else None
-        info = decide(len(asked), hits, reachable, lk.hits, said, unsaved)
+        info = decide(len(asked), hits, reachable, lk.hits, said, unsaved, down)
         if (
             info is not None
             and info.cause is MissCause.NEVER_STORED
@@ -201,15 +201,16 @@ class Lookups:
         for n in nodes:
             self._reported_down[n] = until
 
-    def _skip_unreachable(self, client: Any, lk: Lookup) -> None:
+    def _skip_unreachable(self, client: Any, lk: Lookup) -> str:
         """End the hit before its first block on a node that failed this engine's loads
         and has not answered since (:mod:`pegaflow.client.nodehealth`: the worker's
         client, when it shares this process, and this one's; the workers' reports
         otherwise): its load would fail, so those blocks are computed at once (counted;
         vLLM would otherwise look the request up again after each failed load, and claim
-        the same hit again while the coordinators still name the node)."""
+        the same hit again while the coordinators still name the node).  Returns the node
+        the hit ended at ('' when none)."""
         if lk.hits <= 0:
-            return
+            return ""
         down: set[str] = set()
         if self._reported_down:
             now = self._clock()
@@ -220,15 +221,17 @@ class Lookups:
             if c is not None:
                 down |= c.health.down()
         if not down:
-            return
+            return ""
         cut = next((i for i, row in enumerate(lk.nodes) if not down.isdisjoint(row)), lk.hits)
         if cut >= lk.hits:
-            return
+            return ""
+        node = next(n for n in lk.nodes[cut] if n in down)
         self.counters.add("unreachable_declined_blocks", lk.hits - cut)
         lk.hits = cut
         lk.nodes = lk.nodes[:cut]
         lk.gens = lk.gens[:cut]
         lk.disk = lk.disk[:cut]
+        return node
 
     def sources(self, lk: Lookup) -> list[str]:
         """Per hit block, where it loads from: :data:`LOCAL` when every shard is on this

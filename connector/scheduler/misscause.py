@@ -40,7 +40,7 @@ MAX_UNSAVED = 65536
 
 def decide(
     asked: int, found: int, reachable: int, claimed: int, said: MissInfo | None,
-    unsaved: str | None = None,
+    unsaved: str | None = None, down: str = "",
 ) -> MissInfo | None:
     """The cause of a lookup's first miss (None: nothing missed).
 
@@ -52,13 +52,14 @@ def decide(
         said: the coordinator's cause of the miss at ``found`` (None: not said).
         unsaved: why this engine's save of the block at ``found`` did not happen
             (None: it did, or not known).
+        down: the node known down that ended the hit at ``reachable``.
     """
     if claimed >= asked:
         return None
     if claimed < reachable:
         return MissInfo(MissCause.DECLINED)
     if reachable < found:
-        return MissInfo(MissCause.NODE_UNREACHABLE)
+        return MissInfo(MissCause.NODE_UNREACHABLE, node=down)
     info = said if said is not None else MissInfo(MissCause.UNKNOWN)
     if unsaved is not None and info.cause in (MissCause.NEVER_STORED, MissCause.UNKNOWN):
         return MissInfo(unsaved_cause(unsaved), reason=unsaved)

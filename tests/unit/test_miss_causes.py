@@ -3,6 +3,7 @@ of removals (bounded), the wire form, and how the engine's line says it."""
 
 from __future__ import annotations
 
+from pegaflow.connector.metadata import WorkerReport
 from pegaflow.connector.metrics import Counters
 from pegaflow.connector.report import format_line, misses_clause
 from pegaflow.connector.scheduler.misscause import MAX_UNSAVED, MissTally, decide
@@ -13,6 +14,7 @@ from pegaflow.coordinator.namespaces import NamespacePeers
 from pegaflow.errors import QuotaExceeded
 from pegaflow.keys import NodeRecord
 from pegaflow.protocol.misses import MissCause, MissInfo, unsaved_reason
+from tests.support.connector_fakes import BS, FakeRequest, make, store, toks
 
 EVICTED = MissInfo(MissCause.EVICTED, tier="memory", saved_s=42.0)
 
@@ -20,7 +22,8 @@ EVICTED = MissInfo(MissCause.EVICTED, tier="memory", saved_s=42.0)
 def test_the_first_missing_block_decides() -> None:
     # asked 8, the cluster holds 6, 5 before a node known down, 3 claimed: declined
     assert decide(8, 6, 5, 3, EVICTED).cause is MissCause.DECLINED
-    assert decide(8, 6, 4, 4, EVICTED).cause is MissCause.NODE_UNREACHABLE
+    down = MissInfo(MissCause.NODE_UNREACHABLE, node="n2")
+    assert decide(8, 6, 4, 4, EVICTED, down="n2") == down
     assert decide(8, 6, 6, 6, EVICTED) is EVICTED
     assert decide(8, 8, 8, 8, EVICTED) is None  # nothing missed
     assert decide(8, 0, 0, 0, None).cause is MissCause.UNKNOWN  # an older coordinator
@@ -135,3 +138,15 @@ def test_the_tally_counts_once_per_lookup_and_keeps_details() -> None:
     t.note_unsaved({"staging full": [i.to_bytes(4) for i in range(MAX_UNSAVED + 5)]})
     assert t.unsaved((0).to_bytes(4)) is None  # the oldest dropped
     assert t.unsaved((MAX_UNSAVED + 4).to_bytes(4)) == "staging full"
+
+
+def test_a_hit_cut_at_a_node_the_workers_report_down_names_it() -> None:
+    side, cluster, c = make()
+    req = FakeRequest("r1", toks(4 * BS + 1), BS)
+    store(cluster, req, 4, node="n2")
+    store(cluster, req, 2, node="n1")  # the first two on n1, the last two on n2
+    side.learn(WorkerReport(down_nodes=["n2"]))
+    assert side.get_num_new_matched_tokens(req, 0)[0] == 2 * BS
+    tot = c.totals()
+    assert tot["miss_blocks.node_unreachable"] == 2 and tot["unreachable_declined_blocks"] == 2
+    assert side.lookups.misses.details() == {"node_unreachable": "n2"}
