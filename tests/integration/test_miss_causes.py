@@ -247,7 +247,7 @@ async def test_evictions_reach_the_coordinator_through_etcd(
     one_node: tuple[str, Proc, SyncPegaClient],
 ) -> None:
     """With etcd between them, the node's removals reach the coordinator as deletes of
-    its keys (the mirror records them, through its full loads too)."""
+    its keys, which the mirror records."""
     coordinator, _node, c = one_node
     first = _prompt("r1", 11000)
     _store_then_evict(c, "evict.00bb", first)
