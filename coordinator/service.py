@@ -369,8 +369,9 @@ class Coordinator:
         counted in the metrics unless it is a warm-up."""
         missed = len(req.hashes) - hits
         miss = None
-        if missed and not req.warm_up:
-            miss = self.evictions.cause(req.ns, req.hashes[hits], req.shards, missed)
+        if missed:  # a warm-up's is not counted
+            count = 0 if req.warm_up else missed
+            miss = self.evictions.cause(req.ns, req.hashes[hits], req.shards, count)
         result = Packed(LookupEncoder.reply(hits, nodes, rows, gens, disk, miss))
         if not req.warm_up:
             m = self.metrics

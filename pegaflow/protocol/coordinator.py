@@ -25,11 +25,11 @@ server refuses a request whose ``ns`` is another's), and not the ops whose
     hit block) is there when some hit block has an asked shard only on its node's disk
     tier: bit ``i`` set for those (absent: every hit block is in memory); ``miss``
     (:meth:`~pegaflow.protocol.misses.MissInfo.to_wire`) is there when the lookup missed
-    (not a warm-up): why its first missing block is not stored.
+    some block: why its first missing block is not stored (a warm-up's is not counted).
     :class:`LookupEncoder` writes it, :meth:`LookupResult.from_wire` reads it.
 ``place`` ``{ns, count, block_bytes, client_host?}`` -> ``{node: NodeRecord}``
 ``status`` ``{}`` -> ``{nodes, blocks, entries, namespaces, cluster_lookups,
-    coordinator: {...}, routers}`` (see :meth:`~pegaflow.coordinator.service.Coordinator.
+    coordinator: {...}, routers, misses}`` (see :meth:`~pegaflow.coordinator.service.Coordinator.
     op_status`)
 ``nodes`` ``{}`` -> ``{nodes: [NodeRecord]}``
 ``router_report`` ``{url, mode, ttl_ms, started_at, max_inflight, replicas: [{url, role,
