@@ -5,9 +5,11 @@ evicted a minute ago looks like one never stored.  :class:`EvictionLog` keeps, p
 coordinator and in memory only (each coordinator mirrors every removal from etcd, so
 each keeps the same record; nothing is shared), the last :data:`MAX_RECORDS` removals
 (hash -> namespace, tier, node, when saved, when removed) and the save times of the
-last :data:`MAX_RECORDS` blocks added, both least-recent first out: about 200 bytes an
-entry, some 25 MB at the bound.  A block saved before the last :data:`MAX_RECORDS`
-saves has no save time (its eviction says so).
+last :data:`MAX_RECORDS` blocks added, both least-recent first out: about 100 bytes a
+save and 250 a removal (its hash included; measured with tracemalloc), some 35 MB at
+the bound.  A block saved before the last :data:`MAX_RECORDS` saves, or read by a full
+load of the index (a coordinator's start, a resync), has no save time (its eviction
+says so); a restarted coordinator starts with an empty record.
 
 :meth:`EvictionLog.cause` answers the first missing hash of a lookup (never more than
 one per lookup, and only for a lookup that missed): stored but its node is unknown or
