@@ -118,8 +118,7 @@ class BlockIndex:
         self._blocks = 0
         self._entries = 0
         self.evictions: Any = None
-        """the :class:`~pegaflow.coordinator.evictions.EvictionLog` its feeders (the etcd
-        mirror, an in-process sink) tell of saves and removals (None: not recorded)"""
+        """the :class:`~.evictions.EvictionLog` its feeders tell (None: not recorded)"""
         self.catch_up: Callable[[], None] | None = None
         """called before every :meth:`lookup`: applies changes queued for this index
         elsewhere (:class:`~pegaflow.coordinator.inprocess_sink.InProcessSink` with an
