@@ -20,7 +20,6 @@ from dataclasses import InitVar, dataclass, replace
 from typing import Any
 
 from pegaflow.observability import telemetry
-from pegaflow.protocol.misses import MissCause
 
 from .. import sameprocess
 from ..metadata import LOCAL, LoadJob, disk_source
@@ -177,14 +176,8 @@ class Lookups:
         reachable = lk.hits
         self.claim(st, asked, lk, whole)
         unsaved = self.misses.unsaved(asked[hits]) if hits < len(asked) else None
-        info = decide(len(asked), hits, reachable, lk.hits, said, unsaved, down)
-        if (
-            info is not None
-            and info.cause is MissCause.NEVER_STORED
-            and self.ns_check is not None
-            and self.ns_check.mismatch is not None
-        ):
-            info = self.ns_check.mismatch
+        mismatch = self.ns_check.mismatch if self.ns_check is not None else None
+        info = decide(len(asked), hits, reachable, lk.hits, said, unsaved, down, mismatch)
         self.misses.count(info, len(asked) - lk.hits)
         if located is not None:
             self.locator.keep_located(lk, located)

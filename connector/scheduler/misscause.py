@@ -14,7 +14,9 @@ the first missing block (:class:`~pegaflow.protocol.misses.MissCause`):
   unreachable; ``unknown`` from an older coordinator), except that a block the
   coordinator never saw stored whose save by this engine was dropped or refused
   (:meth:`MissTally.note_unsaved`, from the workers' reports; the last
-  :data:`MAX_UNSAVED` kept) counts as ``save_dropped`` or ``quota``.
+  :data:`MAX_UNSAVED` kept) counts as ``save_dropped`` or ``quota``, and one of an
+  engine that has had no hit while its model is stored under another namespace
+  (:mod:`.nsdiag`) as ``namespace_mismatch``.
 
 Blocks, not tokens: lookups are made of blocks (a block is ``block_size`` tokens), as
 ``lookup_hit_blocks`` and ``lookup_miss_blocks`` are.  The ``PegaFlow cache:`` line says
@@ -40,7 +42,7 @@ MAX_UNSAVED = 65536
 
 def decide(
     asked: int, found: int, reachable: int, claimed: int, said: MissInfo | None,
-    unsaved: str | None = None, down: str = "",
+    unsaved: str | None = None, down: str = "", mismatch: MissInfo | None = None,
 ) -> MissInfo | None:
     """The cause of a lookup's first miss (None: nothing missed).
 
@@ -53,6 +55,9 @@ def decide(
         unsaved: why this engine's save of the block at ``found`` did not happen
             (None: it did, or not known).
         down: the node known down that ended the hit at ``reachable``.
+        mismatch: the model is stored under another namespace and this engine has had
+            no hit yet (:attr:`~.nsdiag.NamespaceCheck.mismatch`): the cause of a miss of
+            a block never stored.
     """
     if claimed >= asked:
         return None
@@ -63,6 +68,8 @@ def decide(
     info = said if said is not None else MissInfo(MissCause.UNKNOWN)
     if unsaved is not None and info.cause in (MissCause.NEVER_STORED, MissCause.UNKNOWN):
         return MissInfo(unsaved_cause(unsaved), reason=unsaved)
+    if mismatch is not None and info.cause is MissCause.NEVER_STORED:
+        return mismatch
     return info
 
 

@@ -34,6 +34,10 @@ def test_the_first_missing_block_decides() -> None:
     quota = unsaved_reason(QuotaExceeded("past its share"))
     assert decide(8, 0, 0, 0, never, quota).cause is MissCause.QUOTA
     assert decide(8, 0, 0, 0, EVICTED, quota) is EVICTED  # it was stored after all
+    # while the model is known stored under another namespace and nothing hit yet
+    elsewhere = MissInfo(MissCause.NAMESPACE_MISMATCH, ns="m.02")
+    assert decide(8, 0, 0, 0, never, mismatch=elsewhere) is elsewhere
+    assert decide(8, 0, 0, 0, EVICTED, mismatch=elsewhere) is EVICTED
 
 
 def test_the_wire_form_round_trips_and_malformed_reads_unknown() -> None:
