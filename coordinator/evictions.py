@@ -106,8 +106,12 @@ class EvictionLog:
             return
         tier = "disk" if shard in self.index.disk_shards(ns, block_hash) else "memory"
         self.removals[tier] += 1
-        rec = Removal(ns, tier, where[0], self._saved.pop(block_hash, None), now)
         removed = self._removed
+        saved_at = self._saved.pop(block_hash, None)
+        if saved_at is None:  # another shard of the block went first
+            prev = removed.get(block_hash)
+            saved_at = prev.saved_at if prev is not None and prev.ns == ns else None
+        rec = Removal(ns, tier, where[0], saved_at, now)
         removed[block_hash] = rec
         removed.move_to_end(block_hash)
         if len(removed) > self.bound:

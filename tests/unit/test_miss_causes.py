@@ -77,6 +77,15 @@ def test_the_coordinator_tells_evicted_from_never_stored() -> None:
     log.removing("m.01", other, 0, 131.0)
     idx.remove("m.01", other, 0)
     assert log.cause("m.01", other, [0], 1).tier == "disk"
+    # a block of two shards keeps its save time through both removals
+    two = b"d" * 32
+    idx.add("m.01", two, 0, "n1")
+    idx.add("m.01", two, 1, "n1")
+    log.saved(two, 200.0)
+    for shard in (0, 1):
+        log.removing("m.01", two, shard, 210.0)
+        idx.remove("m.01", two, shard)
+    assert log.cause("m.01", two, [0, 1], 1).saved_s == 10.0
     # the node that removed it has left the cluster
     idx.remove_node("n1")
     assert log.cause("m.01", h, [0], 1) == MissInfo(MissCause.NODE_UNREACHABLE, node="n1")
