@@ -172,6 +172,7 @@ class PegaKVConnector(KVConnectorBase_V1):
                     self.settings.report_interval_s,
                     estimates=self._scheduler.costs.explain,
                     worker_totals=sameprocess.worker_totals,
+                    miss_details=self._scheduler.lookups.misses.details,
                 )
                 self._report.start()
             fate = "is recomputed" if self.policy == "recompute" else "fails its request"

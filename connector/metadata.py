@@ -138,6 +138,9 @@ class WorkerReport:
 
     save_failed: list[bytes] = field(default_factory=list)
     """hashes whose save failed or was dropped (may be saved again later)"""
+    unsaved: dict[str, list[bytes]] = field(default_factory=dict)
+    """the same hashes by why (:func:`~pegaflow.protocol.misses.unsaved_reason`): a later
+    miss of one is counted as ``save_dropped`` or ``quota``"""
     load_failed: dict[str, int] = field(default_factory=dict)
     """request id -> index (within the request) of its first block that failed to load"""
     samples: list[tuple[str, int, float]] = field(default_factory=list)
@@ -161,6 +164,9 @@ class WorkerReport:
         out.samples = self.samples + other.samples
         out.block_bytes = max(self.block_bytes, other.block_bytes)
         out.down_nodes = sorted(set(self.down_nodes) | set(other.down_nodes))
+        for src in (self.unsaved, other.unsaved):
+            for why, hashes in src.items():
+                out.unsaved.setdefault(why, []).extend(hashes)
         return out
 
     def is_empty(self) -> bool:

@@ -26,6 +26,8 @@ import os
 import threading
 import time
 
+from pegaflow.protocol.misses import MissCause
+
 COUNTERS: dict[str, str] = {
     # scheduler side
     "lookups": "lookups sent to the coordinator",
@@ -88,6 +90,29 @@ COUNTERS: dict[str, str] = {
     "copy_seconds": "time spent copying between the KV cache and staging memory",
 }
 
+#: Counter families with a label: family -> (label name, help).  Each value of the label
+#: is a counter of its own, ``<family>.<value>`` (in :data:`COUNTERS`, the stats and the
+#: stats file), exported as ``vllm:pegaflow_<family>_total{<label>="<value>"}``.
+LABELLED: dict[str, tuple[str, str]] = {
+    "miss_lookups": (
+        "cause",
+        "lookups that left blocks to compute, by the cause of their first missing block",
+    ),
+    "miss_blocks": (
+        "cause",
+        "blocks lookups left to compute (not found, or not claimed), by the cause of the "
+        "lookup's first missing block",
+    ),
+}
+#: the values of each labelled family's label
+LABEL_VALUES: dict[str, tuple[str, ...]] = {
+    family: tuple(c.value for c in MissCause) for family in LABELLED
+}
+COUNTERS.update(
+    (f"{family}.{value}", f"{doc} ({label} {value})")
+    for family, (label, doc) in LABELLED.items()
+    for value in LABEL_VALUES[family]
+)
 
 #: Counters whose every ``add`` is one operation's duration, also kept as a histogram:
 #: counter name -> (histogram name, exported as ``vllm:pegaflow_<name>``; its help).

@@ -4,7 +4,8 @@ vLLM collects :class:`PegaConnectorStats` from the scheduler and every worker ea
 step, aggregates them (counters summed, durations concatenated), logs them as
 ``KV Transfer metrics: ...`` when stats logging is on, and feeds them to
 :class:`PegaPromMetrics`, which exports them on vLLM's own ``/metrics`` endpoint:
-``vllm:pegaflow_<counter>_total`` for every entry of :data:`.metrics.COUNTERS` and
+``vllm:pegaflow_<counter>_total`` for every entry of :data:`.metrics.COUNTERS` (those of
+a labelled family, :data:`.metrics.LABELLED`, as one counter with a label) and
 ``vllm:pegaflow_<histogram>`` for every entry of :data:`.metrics.HISTOGRAMS`.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .compat import KVConnectorPromMetrics, KVConnectorStats
-from .metrics import COUNTERS, HISTOGRAMS, LATENCY_BUCKETS, MAX_SAMPLES
+from .metrics import COUNTERS, HISTOGRAMS, LABEL_VALUES, LABELLED, LATENCY_BUCKETS, MAX_SAMPLES
 
 _HISTOGRAM_NAMES = frozenset(name for name, _doc in HISTOGRAMS.values())
 
@@ -77,12 +78,24 @@ class PegaPromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._series: dict[tuple[int, str], Any] = {}
+        labelled = {f"{f}.{v}" for f, values in LABEL_VALUES.items() for v in values}
         for name, doc in COUNTERS.items():
+            if name in labelled:
+                continue
             metric = self._counter_cls(
                 name=f"vllm:pegaflow_{name}", documentation=doc, labelnames=labelnames
             )
             for engine_idx, values in per_engine_labelvalues.items():
                 self._series[(engine_idx, name)] = metric.labels(*values)
+        for family, (label, doc) in LABELLED.items():
+            metric = self._counter_cls(
+                name=f"vllm:pegaflow_{family}",
+                documentation=doc,
+                labelnames=[*labelnames, label],
+            )
+            for engine_idx, values in per_engine_labelvalues.items():
+                for v in LABEL_VALUES[family]:
+                    self._series[(engine_idx, f"{family}.{v}")] = metric.labels(*values, v)
         for name, doc in HISTOGRAMS.values():
             metric = self._histogram_cls(
                 name=f"vllm:pegaflow_{name}",

@@ -117,6 +117,8 @@ class BlockIndex:
         self._disk: dict[str, dict[bytes, int]] = {}  # ns -> hash -> disk-only shards
         self._blocks = 0
         self._entries = 0
+        self.evictions: Any = None
+        """the :class:`~.evictions.EvictionLog` its feeders tell (None: not recorded)"""
         self.catch_up: Callable[[], None] | None = None
         """called before every :meth:`lookup`: applies changes queued for this index
         elsewhere (:class:`~pegaflow.coordinator.inprocess_sink.InProcessSink` with an
@@ -580,13 +582,16 @@ class BlockIndex:
         return len(self._ns.get(ns, ()))
 
     def clear(self) -> None:
-        """Drop everything (nodes included)."""
+        """Drop everything (nodes included; not the eviction record)."""
+        evictions = self.evictions
         self.__init__()  # type: ignore[misc]
+        self.evictions = evictions
 
     def replace_with(self, other: BlockIndex) -> None:
         """Take over ``other``'s whole state (a resync swaps in a freshly built index
         without a moment of emptiness); ``other`` must not be used afterwards."""
-        suspect = self._suspect  # who cannot be reached is not the index's content
+        # who cannot be reached, and what was removed, are not the index's content
+        suspect, evictions = self._suspect, self.evictions
         self.__dict__.update(other.__dict__)
-        self._suspect = suspect
+        self._suspect, self.evictions = suspect, evictions
         other.__init__()  # type: ignore[misc]

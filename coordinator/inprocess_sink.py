@@ -5,6 +5,7 @@ no etcd in between (the single-host ``pegaflow-server``, tests)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -79,10 +80,15 @@ class InProcessSink:
 
     def _apply(self, changes: list[tuple[bool, str, bytes, int, str, int, bool]]) -> None:
         index = self.index
+        evictions, now = index.evictions, time.monotonic()
         for add, ns, block_hash, shard, node, gen, disk in changes:
             if add:
                 index.add(ns, block_hash, shard, node, gen, disk)
+                if evictions is not None:
+                    evictions.saved(block_hash, now)
             else:
+                if evictions is not None:
+                    evictions.removing(ns, block_hash, shard, now, node)
                 index.remove(ns, block_hash, shard, node)
 
     def _remove_node(self, node: str) -> None:

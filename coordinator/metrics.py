@@ -12,6 +12,8 @@ collector at scrape time, so a lookup pays well under a microsecond for its metr
 ``pegaflow_coordinator_place_total``            placements, by ``result``
 ``pegaflow_coordinator_rpc_errors_total``       error replies, by ``op`` and ``code``
 ``pegaflow_coordinator_unreachable_reports_total`` reports of unreachable nodes
+``pegaflow_coordinator_miss_cause_blocks_total`` missed blocks, by the ``cause`` of the first
+``pegaflow_coordinator_removals_total``          blocks removed from the index, by ``tier``
 ``pegaflow_index_blocks`` / ``_entries`` / ``_nodes`` / ``_namespaces``  index size
 ``pegaflow_index_node_entries``                 shard entries per ``node``
 ``pegaflow_etcd_connected``                     1 while the mirror's watch is live
@@ -98,26 +100,33 @@ class CoordinatorCollector(Collector):
             "blocks asked for by lookups but not found",
             m.miss_blocks,
         )
-        place = CounterMetricFamily(
-            "pegaflow_coordinator_place", "placement decisions", labels=["result"]
-        )
-        for result, n in m.place.items():
-            place.add_metric([result], n)
-        yield place
+        yield _by("pegaflow_coordinator_place", "placement decisions", "result", m.place)
         errors = CounterMetricFamily(
             "pegaflow_coordinator_rpc_errors", "error replies", labels=["op", "code"]
         )
         for (op, code), n in m.errors.items():
             errors.add_metric([op, code], n)
         yield errors
-        reports = CounterMetricFamily(
+        yield _by(
             "pegaflow_coordinator_unreachable_reports",
             "clients' reports that a node fails their gets",
-            labels=["result"],
+            "result",
+            m.unreachable_reports,
         )
-        for result, n in m.unreachable_reports.items():
-            reports.add_metric([result], n)
-        yield reports
+        log = self.index.evictions
+        if log is not None:
+            yield _by(
+                "pegaflow_coordinator_miss_cause_blocks",
+                "blocks lookups missed, by the cause of each lookup's first miss",
+                "cause",
+                log.causes,
+            )
+            yield _by(
+                "pegaflow_coordinator_removals",
+                "block shards removed from the index (evicted, dropped), by the tier they left",
+                "tier",
+                log.removals,
+            )
 
         idx = self.index
         yield _gauge("pegaflow_index_blocks", "blocks in the index", idx.num_blocks)
@@ -183,6 +192,14 @@ class CoordinatorCollector(Collector):
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     c = CounterMetricFamily(name, doc)
     c.add_metric([], value)
+    return c
+
+
+def _by(name: str, doc: str, label: str, counts: dict[str, int]) -> CounterMetricFamily:
+    """A counter family with one ``label``: a sample per key of ``counts``."""
+    c = CounterMetricFamily(name, doc, labels=[label])
+    for value, n in counts.items():
+        c.add_metric([value], n)
     return c
 
 

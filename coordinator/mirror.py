@@ -384,6 +384,7 @@ class EtcdMirror:
             return
         index = self.index
         bprefix, blen, leases = self._bprefix, self._blen, self._leases
+        evictions, now = index.evictions, time.monotonic()
         for ev in events:
             kv = ev.kv
             key = kv.key
@@ -396,7 +397,11 @@ class EtcdMirror:
                     loc = self._location(leases, kv)
                     if loc is not None:
                         index.add(ns, h, shard, loc[0], loc[1], loc[2])
+                        if evictions is not None:
+                            evictions.saved(h, now)
                 else:
+                    if evictions is not None:
+                        evictions.removing(ns, h, shard, now)
                     index.remove(ns, h, shard)
             elif key.startswith(self._nprefix):
                 if ev.type == PUT:

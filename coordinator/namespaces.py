@@ -21,6 +21,7 @@ from collections import OrderedDict
 from typing import Any
 
 from pegaflow.protocol.coordinator import NamespacePeersRequest
+from pegaflow.protocol.misses import differences
 
 from .index import BlockIndex
 
@@ -67,3 +68,10 @@ class NamespacePeers:
         self._factors.move_to_end(ns)
         while len(self._factors) > MAX_KEPT:
             self._factors.popitem(last=False)
+
+    def differing(self, ns: str, other: str) -> list[str]:
+        """The factors in which ``ns`` and ``other`` differ, as
+        :func:`~pegaflow.protocol.misses.differences` says them (empty while either's
+        engines have not sent theirs)."""
+        mine, theirs = self._factors.get(ns), self._factors.get(other)
+        return differences(mine, theirs) if mine and theirs else []

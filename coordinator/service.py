@@ -58,6 +58,7 @@ from pegaflow.transport.rpc_server import (
 )
 
 from .election import Election
+from .evictions import EvictionLog
 from .gc import IndexGC
 from .index import BlockIndex
 from .metrics import CoordinatorCollector, CoordinatorMetrics
@@ -176,6 +177,8 @@ class Coordinator:
         """nodes clients reported unreachable, left out of lookups for a while"""
         self.namespace_peers = NamespacePeers(self.index)
         """the factors of the namespaces connectors use, to tell one why it gets no hit"""
+        self.evictions = self.index.evictions = EvictionLog(self.index, self.namespace_peers)
+        """recent saves and removals: why a lookup missed"""
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -381,7 +384,12 @@ class Coordinator:
     ) -> Packed:
         """The ``lookup`` result (:class:`~pegaflow.protocol.coordinator.LookupEncoder`),
         counted in the metrics unless it is a warm-up."""
-        result = Packed(LookupEncoder.reply(hits, nodes, rows, gens, disk))
+        missed = len(req.hashes) - hits
+        miss = None
+        if missed:  # a warm-up's is not counted
+            count = 0 if req.warm_up else missed
+            miss = self.evictions.cause(req.ns, req.hashes[hits], req.shards, count)
+        result = Packed(LookupEncoder.reply(hits, nodes, rows, gens, disk, miss))
         if not req.warm_up:
             m = self.metrics
             m.lookups += 1
@@ -438,6 +446,7 @@ class Coordinator:
             "cluster_lookups": self.cluster_lookups(),
             "coordinator": self._coordinator_status(),
             "routers": self.routers.status(),
+            "misses": self.evictions.status(),
         }
 
     def cluster_lookups(self) -> dict[str, int]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pegaflow.deadline import HOP_MARGIN_S, Deadline
+from pegaflow.protocol.misses import unsaved_reason
 from pegaflow.units import human_bytes
 
 from ..discovery import LocalNodeFinder
@@ -302,7 +303,7 @@ class RemoteMedium:
                 )
             except Exception as e:
                 staging.release(buf)
-                sink.drop([SaveJob(job.req_id, [], hashes)], f"{type(e).__name__}: {e}")
+                sink.drop([SaveJob(job.req_id, [], hashes)], unsaved_reason(e))
                 raise
             result = SaveResult(hashes, time.monotonic(), job.filled_at)
             sink.sent(len(hashes), copy_s)

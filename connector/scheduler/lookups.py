@@ -6,6 +6,8 @@ nothing at all while the breaker is open.  With layer-wise loads this host's nod
 asked first (:mod:`.locating`); the coordinator only when the node lacks some blocks.
 Of a hit the cost model (:mod:`.costmodel`) keeps what loads faster than vLLM computes
 it; a remote node declined for want of measurements is probed in the background.
+Each lookup that leaves blocks to compute is counted by the cause of its first missing
+block (:mod:`.misscause`).
 
 Pure module: no vLLM import.
 """
@@ -29,6 +31,7 @@ from ..settings import ConnectorSettings
 from .costmodel import CostModel, Decision
 from .known import KnownBlocks
 from .locating import Locator
+from .misscause import MissTally, decide
 from .nsdiag import NamespaceCheck
 from .reqstate import Lookup, ReqState
 from .schedclient import ClusterClient
@@ -81,6 +84,8 @@ class Lookups:
         self._pending_probes: list[LoadJob] = []
         self._reported_down: dict[str, float] = {}
         """nodes the workers reported down (:attr:`WorkerReport.down_nodes`), until when"""
+        self.misses = MissTally(self.counters)
+        """the lookups' misses by cause"""
 
     def take_probes(self) -> list[LoadJob]:
         """The probe loads planned since the last call (for this step's plan)."""
@@ -95,11 +100,13 @@ class Lookups:
         answer (counted; the breaker may pause lookups)."""
         if not self.breaker.allow():
             self.counters.add("lookup_skipped")
+            self.misses.failed(len(hashes) - start)
             return None
         client = self.cluster.get()
         if client is None:
             self.breaker.failure()
             self.counters.add("lookup_errors")
+            self.misses.failed(len(hashes) - start)
             return None
         self.warm_up.before_lookup(st.request.request_id)
         asked = block_hashes_bytes(hashes[start:])
@@ -118,7 +125,10 @@ class Lookups:
                         self.breaker.success()
                         self._account(asked, local.hits, "lookups_local")
                         self.same_host.add(self.locator.local_node, len(asked), local.hits)
+                        found = local.hits
                         self.claim(st, asked, local, whole)
+                        self.misses.count(decide(len(asked), found, found, local.hits, None),
+                                          len(asked) - local.hits)  # fmt: skip
                         self._debug_lookup(st, asked, local, t0, "answered by the local node")
                         st.lookup = local
                         return local
@@ -127,8 +137,10 @@ class Lookups:
             blocks = list(res.blocks or [])
             gens = list(getattr(res, "generations", None) or [])
             on_disk = list(getattr(res, "on_disk", None) or [])
+            said = getattr(res, "miss", None)
         except Exception as e:
             self.counters.add("lookup_errors")
+            self.misses.failed(len(asked))
             if self.breaker.failure():
                 logger.warning("PegaFlow: lookups failing; pausing them (circuit breaker open)")
             self.cluster.log_error("lookup failed", e)
@@ -160,8 +172,13 @@ class Lookups:
                 lk.disk = [
                     d and local not in row for d, row in zip(lk.disk, lk.nodes, strict=False)
                 ]
-        self._skip_unreachable(client, lk)
+        down = self._skip_unreachable(client, lk)
+        reachable = lk.hits
         self.claim(st, asked, lk, whole)
+        unsaved = self.misses.unsaved(asked[hits]) if hits < len(asked) else None
+        mismatch = self.ns_check.mismatch if self.ns_check is not None else None
+        info = decide(len(asked), hits, reachable, lk.hits, said, unsaved, down, mismatch)
+        self.misses.count(info, len(asked) - lk.hits)
         if located is not None:
             self.locator.keep_located(lk, located)
         self._debug_lookup(st, asked, lk, t0, "coordinator")
@@ -177,15 +194,16 @@ class Lookups:
         for n in nodes:
             self._reported_down[n] = until
 
-    def _skip_unreachable(self, client: Any, lk: Lookup) -> None:
+    def _skip_unreachable(self, client: Any, lk: Lookup) -> str:
         """End the hit before its first block on a node that failed this engine's loads
         and has not answered since (:mod:`pegaflow.client.nodehealth`: the worker's
         client, when it shares this process, and this one's; the workers' reports
         otherwise): its load would fail, so those blocks are computed at once (counted;
         vLLM would otherwise look the request up again after each failed load, and claim
-        the same hit again while the coordinators still name the node)."""
+        the same hit again while the coordinators still name the node).  Returns the node
+        the hit ended at ('' when none)."""
         if lk.hits <= 0:
-            return
+            return ""
         down: set[str] = set()
         if self._reported_down:
             now = self._clock()
@@ -196,15 +214,17 @@ class Lookups:
             if c is not None:
                 down |= c.health.down()
         if not down:
-            return
+            return ""
         cut = next((i for i, row in enumerate(lk.nodes) if not down.isdisjoint(row)), lk.hits)
         if cut >= lk.hits:
-            return
+            return ""
+        node = next(n for n in lk.nodes[cut] if n in down)
         self.counters.add("unreachable_declined_blocks", lk.hits - cut)
         lk.hits = cut
         lk.nodes = lk.nodes[:cut]
         lk.gens = lk.gens[:cut]
         lk.disk = lk.disk[:cut]
+        return node
 
     def sources(self, lk: Lookup) -> list[str]:
         """Per hit block, where it loads from: :data:`LOCAL` when every shard is on this

@@ -9,7 +9,11 @@ at all, a lookup that finds nothing makes it ask the coordinator (at most every
 namespaces of its model that hold blocks (``namespace_peers``, sending its own factors:
 :mod:`pegaflow.coordinator.namespaces`).  If there are some, it logs one WARNING that
 names them and the factors in which they differ (as far as their engines sent them to
-that coordinator), then stops asking.
+that coordinator), then stops asking.  Until the engine's first hit, its lookups' misses
+of blocks never stored are then counted as ``namespace_mismatch`` (:attr:`NamespaceCheck.
+mismatch`): another factor than block size or hash seed keeps a prompt's hashes, and the
+coordinator names the namespace holding them itself; those two change every hash, so
+only the model's presence elsewhere tells.
 
 Pure module: no vLLM import.
 """
@@ -22,6 +26,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from pegaflow.protocol.misses import MissCause, MissInfo, differences
+
 logger = logging.getLogger("pegaflow.connector")
 
 CHECK_EVERY_S = 60.0
@@ -33,16 +39,6 @@ NOT_FACTORS = frozenset({"label"})
 def factor_strings(factors: Mapping[str, Any]) -> dict[str, str]:
     """The factors that key blocks, as strings (what is sent to the coordinator)."""
     return {k: str(v) for k, v in factors.items() if k not in NOT_FACTORS}
-
-
-def differences(mine: Mapping[str, str], theirs: Mapping[str, str]) -> list[str]:
-    """``name (mine here, theirs there)`` for every factor whose values differ."""
-    out = []
-    for k in sorted(set(mine) | set(theirs)):
-        a, b = mine.get(k, "?"), theirs.get(k, "?")
-        if a != b:
-            out.append(f"{k} ({a} here, {b} there)")
-    return out
 
 
 def mismatch_line(ns: str, mine: Mapping[str, str], peers: list[dict[str, Any]]) -> str:
@@ -88,14 +84,16 @@ class NamespaceCheck:
         self._last = -CHECK_EVERY_S
         self._settled = False
         """a hit was seen, or the mismatch was logged: nothing more to ask"""
+        self.mismatch: MissInfo | None = None
+        """the mismatch logged, while the engine has had no hit (a miss's cause)"""
 
     def after_lookup(self, client: Any, ns: str, hits: int) -> None:
         """Note a lookup of ``ns`` that found ``hits`` blocks (``client``: the
         scheduler's cluster client)."""
-        if self._settled:
-            return
         if hits:
-            self._settled = True
+            self._settled, self.mismatch = True, None
+            return
+        if self._settled:
             return
         now = self._clock()
         if now - self._last < CHECK_EVERY_S:
@@ -117,4 +115,7 @@ class NamespaceCheck:
             return
         if peers and not self._settled:
             self._settled = True
+            p = peers[0]
+            differ = differences(mine, p.get("factors") or {}) if p.get("factors") else []
+            self.mismatch = MissInfo(MissCause.NAMESPACE_MISMATCH, ns=p["ns"], factors=differ)
             logger.warning("%s", mismatch_line(ns, mine, peers))

@@ -262,6 +262,8 @@ class SchedulerSide:
             self.costs.set_block_bytes(report.block_bytes)
         if report.down_nodes:
             self.lookups.note_down(report.down_nodes)
+        if report.unsaved:
+            self.lookups.misses.note_unsaved(report.unsaved)
         for source, size, seconds in report.samples:
             if source == "compute":
                 self.costs.observe_compute(size, seconds)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pegaflow.deadline import Deadline
+from pegaflow.protocol.misses import MAX_TEXT, unsaved_reason
 
 from ..media.base import LoadResult, SaveResult
 from ..metadata import LoadJob, SaveJob, WorkerReport, merge_saves
@@ -128,6 +129,7 @@ class WorkerBooks:
         with self.lock:
             for job in jobs:
                 self.report.save_failed.extend(job.hashes)
+                self.report.unsaved.setdefault(why[:MAX_TEXT], []).extend(job.hashes)
         self.counters.add("save_dropped_blocks", n)
         now = time.monotonic()
         if n and now - self._last_drop_log >= 10.0:
@@ -268,6 +270,7 @@ class WorkerBooks:
             self._save_failing = True
             with self.lock:
                 self.report.save_failed.extend(hashes)
+                self.report.unsaved.setdefault(unsaved_reason(e), []).extend(hashes)
             self.counters.add("save_failed_blocks", len(hashes))
             return
         if filled_at:
@@ -284,6 +287,7 @@ class WorkerBooks:
             self.counters.add("save_failed_blocks", failed)
             with self.lock:
                 self.report.save_failed.extend(hashes)
+                self.report.unsaved.setdefault("the node failed them", []).extend(hashes)
 
     def pending_saves(self) -> int:
         """Blocks of saves queued or in flight (not yet answered by a node)."""

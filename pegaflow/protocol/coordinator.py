@@ -23,11 +23,13 @@ server refuses a request whose ``ns`` is another's), and not the ops whose
     ``warm_up: true`` (a connector connecting at engine start) it is not counted in the
     lookup metrics; ``disk: bytes`` (:func:`~pegaflow.protocol.codec.pack_bits`, a bit per
     hit block) is there when some hit block has an asked shard only on its node's disk
-    tier: bit ``i`` set for those (absent: every hit block is in memory).
+    tier: bit ``i`` set for those (absent: every hit block is in memory); ``miss``
+    (:meth:`~pegaflow.protocol.misses.MissInfo.to_wire`) is there when the lookup missed
+    some block: why its first missing block is not stored (a warm-up's is not counted).
     :class:`LookupEncoder` writes it, :meth:`LookupResult.from_wire` reads it.
 ``place`` ``{ns, count, block_bytes, client_host?}`` -> ``{node: NodeRecord}``
 ``status`` ``{}`` -> ``{nodes, blocks, entries, namespaces, cluster_lookups,
-    coordinator: {...}, routers}`` (see :meth:`~pegaflow.coordinator.service.Coordinator.
+    coordinator: {...}, routers, misses}`` (see :meth:`~pegaflow.coordinator.service.Coordinator.
     op_status`)
 ``nodes`` ``{}`` -> ``{nodes: [NodeRecord]}``
 ``router_report`` ``{url, mode, ttl_ms, started_at, max_inflight, replicas: [{url, role,
@@ -61,6 +63,7 @@ from pegaflow.protocol.codec import (
     req_typed,
     unpack_bits,
 )
+from pegaflow.protocol.misses import NEVER_STORED, MissInfo
 
 MAX_LOOKUP_HASHES = 65536
 """most hashes accepted in one lookup (a 1M-token prompt at block size 16)"""
@@ -173,6 +176,8 @@ _NODES_KEY = pack("nodes")
 _BLOCKS_KEY = pack("blocks")
 _GENS_KEY = pack("gens")
 _DISK_KEY = pack("disk")
+_MISS_KEY = pack("miss")
+_NEVER_STORED = pack(NEVER_STORED.to_wire())
 
 
 def _header(n: int, fix: int, two: bytes, four: bytes) -> bytes:
@@ -223,14 +228,20 @@ class LookupEncoder:
 
     @staticmethod
     def reply(
-        hits: int, nodes: Sequence[bytes], rows: bytes, gens: list[int] | None, disk: list[int]
+        hits: int,
+        nodes: Sequence[bytes],
+        rows: bytes,
+        gens: list[int] | None,
+        disk: list[int],
+        miss: MissInfo | None = None,
     ) -> bytes:
         """The reply: ``nodes``, from :meth:`node`;
         ``rows``, from :meth:`rows`; ``gens``, flat (None: not asked); ``disk``, the
-        indexes of the hit blocks with an asked shard only on disk."""
+        indexes of the hit blocks with an asked shard only on disk; ``miss``, why the
+        first block after the hit is missing (None: not said)."""
         return b"".join(
             (
-                bytes((0x83 + (gens is not None) + bool(disk),)),
+                bytes((0x83 + (gens is not None) + bool(disk) + (miss is not None),)),
                 _HITS,
                 pack(hits),
                 _NODES_KEY,
@@ -241,6 +252,11 @@ class LookupEncoder:
                 rows,
                 *((_GENS_KEY, pack(gens)) if gens is not None else ()),
                 *((_DISK_KEY, pack(pack_bits(disk, hits))) if disk else ()),
+                *(
+                    (_MISS_KEY, _NEVER_STORED if miss is NEVER_STORED else pack(miss.to_wire()))
+                    if miss is not None
+                    else ()
+                ),
             )
         )
 
@@ -261,6 +277,8 @@ class LookupResult:
     on_disk: list[bool] = field(default_factory=list)
     """per hit block, whether some shard asked for is only on its node's disk tier (a
     slower read than memory); empty, or False, where it is in memory"""
+    miss: MissInfo | None = None
+    """why the first block after the hit is not one (None: all hit, or not said)"""
 
     @classmethod
     def from_wire(cls, res: Any, n_shards: int, generations: bool) -> LookupResult:
@@ -283,7 +301,8 @@ class LookupResult:
         except BadRequest as e:
             raise Unavailable(f"malformed lookup reply ({e})") from None
         blocks = [list(b) for b in res.get("blocks", [])]
-        return cls(hits, nodes, blocks, gens, on_disk)
+        miss = res.get("miss")
+        return cls(hits, nodes, blocks, gens, on_disk, MissInfo.from_wire(miss) if miss else None)
 
 
 # ---- place, nodes ---------------------------------------------------------------------

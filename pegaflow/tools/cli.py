@@ -102,6 +102,24 @@ def _hit_rate_line(st: dict[str, Any]) -> str | None:
     )
 
 
+def _misses_line(st: dict[str, Any]) -> str | None:
+    """Why lookups missed, as this coordinator answered them: the missed blocks' share by
+    the cause of each lookup's first miss (:mod:`pegaflow.coordinator.evictions`), and
+    the removals it saw by tier (None: a coordinator that predates them)."""
+    m = st.get("misses")
+    if not isinstance(m, dict):
+        return None
+    by = {k: v for k, v in (m.get("miss_blocks_by_cause") or {}).items() if v}
+    total = sum(by.values())
+    causes = ", ".join(
+        f"{k.replace('_', ' ')} {100 * v / total:.0f}%"
+        for k, v in sorted(by.items(), key=lambda kv: -kv[1])
+    )
+    removals = m.get("removals") or {}
+    gone = ", ".join(f"{removals.get(t, 0)} from {t}" for t in ("memory", "disk"))
+    return f"misses: {causes or 'none yet'} (this coordinator since start); evictions: {gone}"
+
+
 def _disk_cell(n: dict[str, Any]) -> str:
     """A node's disk tier in ``pegaflow status``: bytes used of its capacity."""
     cap = int(n.get("disk_capacity_bytes") or 0)
@@ -167,6 +185,9 @@ def render_status(st: dict[str, Any], health: dict[str, str] | None = None) -> s
     rate = _hit_rate_line(st)
     if rate is not None:
         lines.append(rate)
+    misses = _misses_line(st)
+    if misses is not None:
+        lines.append(misses)
     etcd = (
         "not used (single host)"
         if coord.get("mode") == "local"

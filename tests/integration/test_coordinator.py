@@ -75,7 +75,8 @@ async def test_lookup_longest_prefix_with_partial_shards(
             assert await hits(client, 6, [1]) == 3
             assert await hits(client, 6, [2]) == 0
             miss = await client.call("lookup", {"ns": "other", "hashes": [h(0)], "shards": [0]})
-            assert miss == {"hits": 0, "nodes": {}, "blocks": []}
+            # a miss says why its first block is missing (absent from older coordinators)
+            assert miss == {"hits": 0, "nodes": {}, "blocks": [], "miss": {"cause": "never_stored"}}
 
             # Changes after the initial load arrive through the watch.
             b.put([3], shard=1)
@@ -84,6 +85,8 @@ async def test_lookup_longest_prefix_with_partial_shards(
             a.evict([1])
             await a.flush()
             await eventually(lambda: _eq(hits(client, 6, [0]), 1), what="watch delete")
+            gone = await client.call("lookup", {"ns": NS, "hashes": [h(1)], "shards": [0]})
+            assert gone["miss"]["cause"] == "evicted" and gone["miss"]["tier"] == "memory"
 
             st = await client.call("status", {})
             assert st["blocks"] == 6 and st["namespaces"] == 1

@@ -234,7 +234,7 @@ def test_connector_metrics_are_exported() -> None:
     from functools import partial
     from types import SimpleNamespace
 
-    from pegaflow.connector.metrics import COUNTERS, HISTOGRAMS, Counters
+    from pegaflow.connector.metrics import COUNTERS, HISTOGRAMS, LABEL_VALUES, LABELLED, Counters
     from pegaflow.connector.stats import PegaConnectorStats, PegaPromMetrics
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -257,6 +257,7 @@ def test_connector_metrics_are_exported() -> None:
     scheduler, w0, w1 = Counters("scheduler", 0), Counters("worker", 0), Counters("worker", 1)
     scheduler.add("lookups", 3)
     scheduler.add("lookup_hit_blocks", 10)
+    scheduler.add("miss_blocks.evicted", 3)
     scheduler.add("lookup_seconds", 0.002)
     scheduler.add("lookup_seconds", 0.2)
     w0.add("load_failed_blocks", 2)
@@ -288,12 +289,19 @@ def test_connector_metrics_are_exported() -> None:
     assert delta(before, after, f"{publish}_bucket", le="0.25", **labels) == 0
     assert delta(before, after, f"{publish}_bucket", le="0.5", **labels) == 1
 
+    miss = "vllm:pegaflow_miss_blocks_total"
+    assert delta(before, after, miss, cause="evicted", **labels) == 3
     docs = documented()["connector"]
-    exposed = {f"vllm:pegaflow_{n}_total" for n in COUNTERS}
+    labelled = {f"{f}.{v}" for f, values in LABEL_VALUES.items() for v in values}
+    exposed = {f"vllm:pegaflow_{n}_total" for n in COUNTERS if n not in labelled}
+    exposed |= {f"vllm:pegaflow_{f}_total" for f in LABELLED}
     exposed |= {f"vllm:pegaflow_{metric}" for metric, _doc in HISTOGRAMS.values()}
     assert exposed == set(docs), "docs/metrics.md and connector/metrics.py disagree"
     for name, typ in docs.items():
-        assert (name + ("_count" if typ == "histogram" else ""), tuple(sorted(labels.items()))) in (
+        want = dict(labels)
+        if name.removeprefix("vllm:pegaflow_").removesuffix("_total") in LABELLED:
+            want["cause"] = "evicted"
+        assert (name + ("_count" if typ == "histogram" else ""), tuple(sorted(want.items()))) in (
             after
         ), name
 
