@@ -11,13 +11,14 @@ cd "$(dirname "$0")/.."
 log() { printf '[setup] %s\n' "$*" >&2; }
 
 # etcd for the index; chromium (headless) for the dashboard test; prometheus (and
-# promtool) for the test of the scrape config, alert rules and Grafana queries
+# promtool) for the test of the scrape config, alert rules and Grafana queries; openssl
+# for the TLS tests' certificates
 if ! command -v etcd >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1 \
-    || ! command -v prometheus >/dev/null 2>&1; then
-    log "installing etcd-server, chromium and prometheus (Debian)"
+    || ! command -v prometheus >/dev/null 2>&1 || ! command -v openssl >/dev/null 2>&1; then
+    log "installing etcd-server, chromium, prometheus and openssl (Debian)"
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server etcd-client chromium prometheus >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server etcd-client chromium prometheus openssl >/dev/null
 fi
 
 PY=${PYTHON:-python3}
