@@ -430,6 +430,12 @@ class ConnectorSettings:
         ]
         s = build(cls, sources)
         s._check()
+        if extra.get("token"):
+            log.warning(
+                "PegaFlow: the cluster token is in --kv-transfer-config, where every user "
+                "of this host sees it (ps): put it in a file (token_file) or in "
+                "PEGAFLOW_SECURITY_TOKEN"
+            )
         return s
 
     def _check(self) -> None:

@@ -27,15 +27,16 @@ TENANT_SEP = "@"
 
 
 def warn_if_shared(path: str, option: str) -> None:
-    """Warn when others than its owner may read the secret file ``path`` (``[security]
-    option``); say nothing of a file that cannot be stat'ed (its reader fails)."""
+    """Warn when others than its owner may read the secret file ``path`` (the option
+    that names it, e.g. ``[security] token_file``); say nothing of a file that cannot be
+    stat'ed (its reader fails)."""
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except OSError:
         return
     if mode & 0o077:
         log.warning(
-            "[security] %s: %s has mode %o: others than its owner may read the secret "
+            "%s: %s has mode %o: others than its owner may read the secret "
             "(chmod 600 %s)", option, path, mode, path,
         )  # fmt: skip
 
@@ -46,21 +47,27 @@ def _read_secrets(path: str, option: str) -> list[str]:
         with open(path, encoding="utf-8") as fh:
             lines = [ln.strip() for ln in fh]
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"[security] {option}", f"cannot read {path}: {e}") from None
+        raise ConfigError(option, f"cannot read {path}: {e}") from None
     warn_if_shared(path, option)
     return [ln for ln in lines if ln and not ln.startswith("#")]
 
 
+def secret(value: str, path: str, option: str) -> str | None:
+    """A secret given as ``value`` or as the first line of the file ``path``, not both
+    (``option``: ``[section] name``, for errors; None: neither)."""
+    if not path:
+        return value or None
+    if value:
+        raise ConfigError(f"{option}/{option.split()[-1]}_file", "set one of them, not both")
+    lines = _read_secrets(path, f"{option}_file")
+    if not lines:
+        raise ConfigError(f"{option}_file", f"{path} holds no {option.split()[-1]}")
+    return lines[0]
+
+
 def cluster_token(sec: SecurityConfig) -> str | None:
     """The cluster token: ``token``, or the first line of ``token_file`` (None: none)."""
-    if not sec.token_file:
-        return sec.token or None
-    if sec.token:
-        raise ConfigError("[security] token/token_file", "set one of them, not both")
-    lines = _read_secrets(sec.token_file, "token_file")
-    if not lines:
-        raise ConfigError("[security] token_file", f"{sec.token_file} holds no token")
-    return lines[0]
+    return secret(sec.token, sec.token_file, "[security] token")
 
 
 def tenant_tokens(sec: SecurityConfig) -> list[str]:
@@ -72,7 +79,7 @@ def tenant_tokens(sec: SecurityConfig) -> list[str]:
         raise ConfigError(
             "[security] tenant_tokens/tenant_tokens_file", "set one of them, not both"
         )
-    return _read_secrets(sec.tenant_tokens_file, "tenant_tokens_file")
+    return _read_secrets(sec.tenant_tokens_file, "[security] tenant_tokens_file")
 
 
 class Authenticator:

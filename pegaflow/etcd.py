@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import grpc
 from aetcd import rpc
 
+from pegaflow.auth import secret
 from pegaflow.config import EtcdConfig
 from pegaflow.deadline import Deadline, Timeout
 from pegaflow.errors import (
@@ -229,9 +230,10 @@ class EtcdClient:
             rpc.MaintenanceStub(channel),
         )
         if self.cfg.username:
+            password = secret(self.cfg.password, self.cfg.password_file, "[etcd] password") or ""
             try:
                 resp = await rpc.AuthStub(channel).Authenticate(
-                    rpc.AuthenticateRequest(name=self.cfg.username, password=self.cfg.password),
+                    rpc.AuthenticateRequest(name=self.cfg.username, password=password),
                     timeout=deadline.left(),
                 )
             except grpc.aio.AioRpcError as e:

@@ -41,7 +41,7 @@ def server_context(sec: SecurityConfig) -> ssl.SSLContext | None:
         ctx.load_cert_chain(sec.tls_cert, sec.tls_key)
     except (OSError, ssl.SSLError) as e:
         raise ConfigError("[security] tls_cert/tls_key", f"cannot load them: {e}") from None
-    warn_if_shared(sec.tls_key, "tls_key")
+    warn_if_shared(sec.tls_key, "[security] tls_key")
     return ctx
 
 

@@ -29,7 +29,13 @@ class EtcdConfig:
     )
     prefix: str = opt("/pegaflow/default", "key prefix of this cluster in etcd")
     username: str = opt("", "etcd user name (empty: no authentication)")
-    password: str = opt("", "etcd password")
+    password: str = opt(
+        "", "etcd password; from the config file or the environment only (use password_file)",
+        secret=True,
+    )
+    password_file: str = opt(
+        "", "file holding the etcd password (its first line; keep it mode 0600); excludes password"
+    )
     ca_cert: str = opt("", "CA certificate file for TLS to etcd")
     cert_cert: str = opt("", "client certificate file for TLS to etcd")
     cert_key: str = opt("", "client key file for TLS to etcd")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pegaflow.connector.settings import ConnectorSettings
 
-from pegaflow.auth import authenticator, cluster_token, tenant_tokens
+from pegaflow.auth import authenticator, cluster_token, secret, tenant_tokens
 from pegaflow.config import ConfigError, SecurityConfig
 from pegaflow.errors import Unauthorized
 from pegaflow.runner import build_parser
@@ -27,6 +27,22 @@ def test_a_secret_flag_is_refused_pointing_to_its_file(
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"{flag}-file FILE" in err and "s3cret" not in err, err
+
+
+def test_the_etcd_password_comes_from_a_file_never_a_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = build_parser("pegaflow-coordinator", None, ["etcd"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--etcd-password", "s3cret"])
+    err = capsys.readouterr().err
+    assert "--etcd-password-file FILE" in err and "s3cret" not in err, err
+    path = _secret(tmp_path, "s3cret\n")
+    assert parser.parse_args(["--etcd-password-file", path]).etcd__password_file == path
+    assert secret("", path, "[etcd] password") == "s3cret"
+    assert secret("direct", "", "[etcd] password") == "direct"  # config file or environment
+    with pytest.raises(ConfigError, match="not both"):
+        secret("a", path, "[etcd] password")
 
 
 def test_the_file_flags_are_taken() -> None:
@@ -117,3 +133,15 @@ def test_the_connector_takes_a_token_file_and_a_ca() -> None:
     env = {"PEGAFLOW_SECURITY_TOKEN_FILE": "/t", "PEGAFLOW_SECURITY_TLS_CA": "/env-ca"}
     s = ConnectorSettings.load({"tls_ca": "/ca"}, env=env)
     assert s.security() == SecurityConfig(token_file="/t", tls_ca="/ca")
+
+
+def test_a_token_in_the_engine_command_line_is_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, "pegaflow.connector"):
+        ConnectorSettings.load({"token": "s3cret"}, env={})
+    assert "token_file" in caplog.text and "s3cret" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "pegaflow.connector"):
+        ConnectorSettings.load({"token_file": "/t"}, env={})
+    assert not caplog.records
