@@ -44,6 +44,9 @@ size, so no block spans two pieces): each registration holds the CUDA driver's l
 and a load's copies queued meanwhile wait for it to end"""
 _MADV_POPULATE_WRITE = 23
 """Linux 5.14: fault a range's pages in for writing"""
+PIECE_WAIT_S = 2.0
+"""longest a load waits for the registration of a piece it needs that another thread is
+making (about 10 ms a piece; longer: the copy goes the pageable way)"""
 HOLD_OFF_S = 0.05
 """longest a piece's registration waits for copies being queued (:meth:`PoolPinner.hold_off`)
 to be queued: pinning goes on under steady load"""
@@ -154,7 +157,8 @@ class PoolPinner:
             return False
         for i in np.unique(np.asarray(offsets, dtype=np.int64) // self.piece).tolist():
             with self._lock:
-                self._settled.wait_for(lambda i=i: i not in self._busy)
+                if not self._settled.wait_for(lambda i=i: i not in self._busy, PIECE_WAIT_S):
+                    return False  # a registration stuck in the driver: the pageable way
                 if self._pinned[i]:
                     continue
                 self._busy.add(i)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+from pegaflow.connector.media import hostpool
 from pegaflow.connector.media.hostpool import PIN_PIECE, PoolPinner, pin_piece
 
 MIB = 1 << 20
@@ -85,6 +87,25 @@ def test_a_load_waits_for_no_registration_but_of_its_own_pieces() -> None:
         load.join(10)
     assert same.is_set() and sorted(order) == [0, 1, 2, 3]  # every piece once
     assert p.complete
+
+
+def test_a_load_does_not_wait_long_for_a_stuck_registration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A registration stuck in the driver holds a load needing its piece for
+    ``PIECE_WAIT_S`` at most: then that load copies the pageable way."""
+    monkeypatch.setattr(hostpool, "PIECE_WAIT_S", 0.05)
+    gate, entered = threading.Event(), threading.Event()
+    p, _, _ = _pinner(2, gate, entered=entered)
+    t = threading.Thread(target=p.run)
+    t.start()
+    try:
+        assert entered.wait(5)
+        assert not p.pin_now([0])
+    finally:
+        gate.set()
+        t.join(10)
+    assert p.pin_now([0]) and p.complete
 
 
 def test_a_failed_registration_unpins_everything() -> None:
