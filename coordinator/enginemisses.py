@@ -45,30 +45,24 @@ class _Engine:
     blocks: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
 class EngineMisses:
-    """The engines' miss reports (see the module docstring).
+    """The engines' miss reports (see the module docstring)."""
 
-    Args:
-        max_engines: engines kept.
-        forget_s: seconds without a report before an engine is forgotten.
-        clock: monotonic clock.
-    """
-
-    def __init__(
-        self,
-        max_engines: int = MAX_ENGINES,
-        forget_s: float = FORGET_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.max_engines = max_engines
-        self.forget_s = forget_s
-        self.clock = clock
-        self._engines: OrderedDict[tuple[str, str, str, int], _Engine] = OrderedDict()
-        """(tenant, ns, host, pid) -> its record, least recently reporting first"""
-        self.total: dict[str, int] = {}
-        """blocks the engines reported missed since start, by cause"""
-        self.details: dict[str, str] = {}
-        """the last detail reported of each cause"""
+    max_engines: int = MAX_ENGINES
+    """engines kept"""
+    forget_s: float = FORGET_S
+    """seconds without a report before an engine is forgotten"""
+    clock: Callable[[], float] = time.monotonic
+    """monotonic clock"""
+    total: dict[str, int] = field(default_factory=dict)
+    """blocks the engines reported missed since start, by cause"""
+    details: dict[str, str] = field(default_factory=dict)
+    """the last detail reported of each cause"""
+    _engines: OrderedDict[tuple[str, str, str, int], _Engine] = field(
+        default_factory=OrderedDict, init=False
+    )
+    """(tenant, ns, host, pid) -> its record, least recently reporting first"""
 
     def op_report(self, args: dict[str, Any]) -> dict[str, Any]:
         """The ``miss_report`` op, for the tenant of the connection that sent it."""

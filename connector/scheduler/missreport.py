@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from pegaflow.protocol.coordinator import MissReport
 
@@ -36,36 +37,26 @@ Send = Callable[[MissReport, float], object]
 """``send(report, timeout)``: one report to a coordinator, or raises"""
 
 
+@dataclass
 class MissReporter:
     """Sends the engine's ``miss_blocks.<cause>`` counters' growth (see the module
-    docstring).
+    docstring)."""
 
-    Args:
-        counters: the scheduler side's counters.
-        send: sends one report (None while there is no cluster client: nothing sent).
-        namespace: the engine's namespace ('' while not known: nothing sent).
-        details: the last detail seen of each cause.
-        timeout_s: deadline of one report.
-    """
-
-    def __init__(
-        self,
-        counters: Counters,
-        send: Callable[[], Send | None],
-        namespace: Callable[[], str],
-        details: Callable[[], Mapping[str, str]],
-        timeout_s: float = REPORT_TIMEOUT_S,
-    ) -> None:
-        self._counters = counters
-        self._send = send
-        self._namespace = namespace
-        self._details = details
-        self.timeout_s = timeout_s
-        self.host = socket.gethostname()
-        self.pid = os.getpid()
-        self._sent: dict[str, int] = {}
-        """``miss_blocks.<cause>`` totals sent (or given up) so far, by cause"""
-        self._lock = threading.Lock()
+    counters: Counters
+    """the scheduler side's counters"""
+    sender: Callable[[], Send | None]
+    """the sender of one report (None while there is no cluster client: nothing sent)"""
+    namespace: Callable[[], str]
+    """the engine's namespace ('' while not known: nothing sent)"""
+    details: Callable[[], Mapping[str, str]]
+    """the last detail seen of each cause"""
+    timeout_s: float = REPORT_TIMEOUT_S
+    """deadline of one report"""
+    engine: tuple[str, int] = field(default_factory=lambda: (socket.gethostname(), os.getpid()))
+    """this engine's host and pid"""
+    _sent: dict[str, int] = field(default_factory=dict, init=False)
+    """``miss_blocks.<cause>`` totals the coordinator has taken so far, by cause"""
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def pending(self) -> dict[str, int]:
         """Blocks missed since the last report that reached the coordinator, by cause."""
@@ -78,12 +69,12 @@ class MissReporter:
             blocks = self._pending()
             if not blocks:
                 return True
-            ns, send = self._namespace(), self._send()
+            ns, send = self.namespace(), self.sender()
             if not ns or send is None:
                 return False
-            details = {c: d for c, d in self._details().items() if c in blocks}
+            details = {c: d for c, d in self.details().items() if c in blocks}
             try:
-                send(MissReport(ns, self.host, self.pid, blocks, details), self.timeout_s)
+                send(MissReport(ns, *self.engine, blocks, details), self.timeout_s)
             except Exception as e:
                 logger.debug("PegaFlow: reporting misses to the coordinator failed: %s", e)
                 return False
@@ -92,7 +83,7 @@ class MissReporter:
             return True
 
     def _pending(self) -> dict[str, int]:
-        totals = self._counters.totals()
+        totals = self.counters.totals()
         sent = self._sent
         now = {k[len(PREFIX):]: int(v) for k, v in totals.items() if k.startswith(PREFIX)}
         return {c: n - sent.get(c, 0) for c, n in now.items() if n > sent.get(c, 0)}
