@@ -16,7 +16,9 @@ report again after a restart):
   counter ``pegaflow_coordinator_engine_miss_blocks_total{cause}``).
 
 With several coordinators an engine reports to the one its client talks to: each
-coordinator's status shows the engines that report to it.
+coordinator's status shows the engines that report to it.  A tenant's connection may
+report for its own namespaces only (as for every op naming ``ns``); its engines are
+kept apart from the cluster's and other tenants' (``tenant`` in the status document).
 """
 
 from __future__ import annotations

@@ -4,10 +4,12 @@ reports of their misses (sent when new, kept bounded by the coordinator)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from pegaflow.connector.metadata import WorkerReport
 from pegaflow.connector.metrics import Counters
-from pegaflow.connector.report import format_line, misses_clause
+from pegaflow.connector.report import CacheReport, format_line, misses_clause
 from pegaflow.connector.scheduler.misscause import MAX_UNSAVED, MissTally, decide
 from pegaflow.connector.scheduler.missreport import MissReporter
 from pegaflow.coordinator.enginemisses import EngineMisses
@@ -247,3 +249,13 @@ def test_pegaflow_status_says_the_engines_misses_in_one_line() -> None:
         "engines' misses: declined 60%, never stored 30%, save dropped 10% (pool full) "
         "(2 engines reporting)"
     ) in render_status(st)
+
+
+def test_the_report_timer_also_sends_the_misses() -> None:
+    ticked = threading.Event()
+    report = CacheReport(Counters(), 0.01, on_tick=ticked.set)
+    report.start()
+    try:
+        assert ticked.wait(30)
+    finally:
+        report.close()
