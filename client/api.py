@@ -28,6 +28,7 @@ from pegaflow.protocol.codec import LocatedBlocks
 from pegaflow.protocol.coordinator import (
     LookupRequest,
     LookupResult,
+    MissReport,
     NamespacePeersRequest,
     Op,
     PlaceRequest,
@@ -528,6 +529,15 @@ class PegaClient:
         req = NamespacePeersRequest(ns, factors)
         deadline = self._deadline("namespace_peers", timeout)
         return namespace_peers_reply(await self._call(Op.NAMESPACE_PEERS, req.to_wire(), deadline))
+
+    @operation("rpc_timeout_s")
+    async def report_misses(self, report: MissReport, timeout: Timeout = None) -> int:
+        """Send the coordinator this engine's missed blocks by cause since its last
+        report (``miss_report``; :mod:`pegaflow.coordinator.enginemisses`); how many
+        engines it now lists."""
+        deadline = self._deadline("report_misses", timeout)
+        res = await self._call(Op.MISS_REPORT, report.to_wire(), deadline)
+        return int(res.get("engines", 0)) if isinstance(res, dict) else 0
 
     @operation("rpc_timeout_s")
     async def report_unreachable(self, node_id: str, timeout: Timeout = None) -> bool:

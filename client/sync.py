@@ -120,6 +120,7 @@ class SyncPegaClient(OnLoop):
     namespace_peers = blocking(PegaClient.namespace_peers)
     submit_namespace_peers = submitted(PegaClient.namespace_peers)
     report_unreachable = blocking(PegaClient.report_unreachable)
+    report_misses = blocking(PegaClient.report_misses)
     submit_report_unreachable = submitted(PegaClient.report_unreachable)
 
     def node_session(self, node_id: str) -> SyncNodeSession:

@@ -173,6 +173,7 @@ class PegaKVConnector(KVConnectorBase_V1):
                     estimates=self._scheduler.costs.explain,
                     worker_totals=sameprocess.worker_totals,
                     miss_details=self._scheduler.lookups.misses.details,
+                    on_tick=self._scheduler.miss_report.send,
                 )
                 self._report.start()
             fate = "is recomputed" if self.policy == "recompute" else "fails its request"

@@ -37,6 +37,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+from pegaflow.protocol.misses import shares
+
 from .metrics import Counters
 
 logger = logging.getLogger("pegaflow.connector")
@@ -80,18 +82,9 @@ def misses_clause(d: Mapping[str, float], details: Mapping[str, str]) -> str:
     """``misses: never stored 80%, evicted 20% (memory, 42 s after save)``: the share of
     the missed blocks (``miss_blocks.<cause>`` of ``d``) by cause, largest first, with
     ``details`` of a cause in brackets ('' when nothing missed)."""
-    by = {
-        k.split(".", 1)[1]: v for k, v in d.items() if k.startswith("miss_blocks.") and v > 0
-    }
-    total = sum(by.values())
-    if not total:
-        return ""
-    parts = []
-    for cause, n in sorted(by.items(), key=lambda kv: -kv[1]):
-        detail = details.get(cause)
-        share = f"{cause.replace('_', ' ')} {100.0 * n / total:.0f}%"
-        parts.append(f"{share} ({detail})" if detail else share)
-    return "misses: " + ", ".join(parts)
+    by = {k.split(".", 1)[1]: v for k, v in d.items() if k.startswith("miss_blocks.")}
+    text = shares(by, details)
+    return f"misses: {text}" if text else ""
 
 
 def format_line(
@@ -174,6 +167,8 @@ class CacheReport:
             (its ``kv_load_failure_policy``).
         miss_details: the last detail seen of each miss cause
             (:meth:`~.scheduler.misscause.MissTally.details`).
+        on_tick: also run on the timer, after each line (the misses' report to a
+            coordinator, :mod:`.scheduler.missreport`).
     """
 
     def __init__(
@@ -185,8 +180,10 @@ class CacheReport:
         worker_totals: Callable[[], Mapping[str, float] | None] | None = None,
         load_failure_fate: str = "recomputed",
         miss_details: Callable[[], Mapping[str, str]] | None = None,
+        on_tick: Callable[[], object] | None = None,
     ) -> None:
         self._counters = counters
+        self._on_tick = on_tick
         self._miss_details = miss_details
         self._load_failure_fate = load_failure_fate
         self._worker_totals = worker_totals
@@ -240,6 +237,8 @@ class CacheReport:
         def run() -> None:
             while not self._stop.wait(self.interval_s):
                 self.emit()
+                if self._on_tick is not None:
+                    self._on_tick()
 
         self._thread = threading.Thread(target=run, name="pegaflow-report", daemon=True)
         self._thread.start()

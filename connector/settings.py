@@ -341,7 +341,8 @@ class ConnectorSettings:
     report_interval_s: float = opt(
         10.0,
         "seconds between two 'PegaFlow cache:' lines in the engine log (lookups, hit rate, "
-        "loads, saves, drops, failures), printed only when something happened; 0: never",
+        "loads, saves, drops, failures), printed only when something happened, and between "
+        "two reports of this engine's misses by cause to a coordinator; 0: never",
     )
     shutdown_wait_s: float = opt(
         10.0,

@@ -13,6 +13,7 @@ collector at scrape time, so a lookup pays well under a microsecond for its metr
 ``pegaflow_coordinator_rpc_errors_total``       error replies, by ``op`` and ``code``
 ``pegaflow_coordinator_unreachable_reports_total`` reports of unreachable nodes
 ``pegaflow_coordinator_miss_cause_blocks_total`` missed blocks, by the ``cause`` of the first
+``pegaflow_coordinator_engine_miss_blocks_total`` missed blocks the engines reported, by ``cause``
 ``pegaflow_coordinator_removals_total``          blocks removed from the index, by ``tier``
 ``pegaflow_index_blocks`` / ``_entries`` / ``_nodes`` / ``_namespaces``  index size
 ``pegaflow_index_node_entries``                 shard entries per ``node``
@@ -81,12 +82,15 @@ class CoordinatorCollector(Collector):
         mirror_status: Callable[[], dict[str, Any] | None],
         leader: Callable[[], bool | None] = lambda: None,
         gc_status: Callable[[], dict[str, Any] | None] = lambda: None,
+        engine_misses: dict[str, int] | None = None,
     ) -> None:
         self.m = metrics
         self.index = index
         self.mirror_status = mirror_status
         self.leader = leader
         self.gc_status = gc_status
+        self.engine_misses = engine_misses if engine_misses is not None else {}
+        """the engines' reported missed blocks by cause (:mod:`.enginemisses`)"""
 
     def collect(self) -> Iterator[Any]:
         m = self.m
@@ -112,6 +116,12 @@ class CoordinatorCollector(Collector):
             "clients' reports that a node fails their gets",
             "result",
             m.unreachable_reports,
+        )
+        yield _by(
+            "pegaflow_coordinator_engine_miss_blocks",
+            "blocks the engines' lookups missed, by the cause each engine reported",
+            "cause",
+            self.engine_misses,
         )
         log = self.index.evictions
         if log is not None:

@@ -58,6 +58,7 @@ from pegaflow.transport.rpc_server import (
 )
 
 from .election import Election
+from .enginemisses import EngineMisses
 from .evictions import EvictionLog
 from .gc import IndexGC
 from .index import BlockIndex
@@ -151,6 +152,8 @@ class Coordinator:
             assert etcd is not None
             self._etcd = EtcdClient(etcd)
             self.mirror = EtcdMirror(self._etcd, Keyspace(etcd.prefix), self.index)
+        self.engine_misses = EngineMisses()
+        """the engines' own tallies of why their lookups missed"""
         self.registry.register(
             CoordinatorCollector(
                 self.metrics,
@@ -158,6 +161,7 @@ class Coordinator:
                 lambda: self.mirror.status() if self.mirror else None,
                 lambda: self.election.is_leader if self.election else None,
                 lambda: self.gc.status() if self.gc else None,
+                self.engine_misses.total,
             )
         )
         self._dashboard = dashboard
@@ -199,6 +203,7 @@ class Coordinator:
             Op.ROUTER_REPORT: self.routers.op_report,
             Op.REPORT_UNREACHABLE: self.suspects.op_report,
             Op.NAMESPACE_PEERS: self.namespace_peers.op_peers,
+            Op.MISS_REPORT: self.engine_misses.op_report,
         }
         assert impls.keys() == OPS.keys(), "every op of the protocol has a handler"
         for op, h in impls.items():
@@ -446,7 +451,7 @@ class Coordinator:
             "cluster_lookups": self.cluster_lookups(),
             "coordinator": self._coordinator_status(),
             "routers": self.routers.status(),
-            "misses": self.evictions.status(),
+            "misses": {**self.evictions.status(), **self.engine_misses.status()},
         }
 
     def cluster_lookups(self) -> dict[str, int]:

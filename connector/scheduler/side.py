@@ -30,6 +30,7 @@ from .handoffwait import HandoffWait
 from .known import KnownBlocks
 from .locating import Locator
 from .lookups import Lookups
+from .missreport import REPORT_TIMEOUT_S, MissReporter, Send
 from .nsdiag import NamespaceCheck
 from .planner import Planner
 from .schedclient import ClusterClient, LookupClient
@@ -115,6 +116,11 @@ class SchedulerSide:
         self.planner = Planner(
             settings, block_size, counters, self.known, lambda: self.namespace, self.load_budget_s
         )
+        self.miss_report = MissReporter(
+            counters, self._miss_sender, lambda: self.namespace, self.lookups.misses.details,
+            min(REPORT_TIMEOUT_S, settings.rpc_timeout_s),
+        )  # fmt: skip
+        """this engine's misses by cause, sent to a coordinator on the report timer"""
         self.lookup_breaker = self.lookups.breaker
         self.locate_breaker = self.locator.breaker
 
@@ -288,7 +294,12 @@ class SchedulerSide:
             raise RuntimeError("no cluster client")
         client.report_lookups(node, lookups, asked, hits, timeout)
 
+    def _miss_sender(self) -> Send | None:
+        """The cluster client's ``report_misses`` (None: no client)."""
+        return getattr(self.cluster.get(), "report_misses", None)
+
     def close(self) -> None:
-        """Report the last same-host lookups, then close the lookup client."""
+        """Report the last same-host lookups and misses, then close the lookup client."""
         self.same_host.close()
+        self.miss_report.send()
         self.cluster.close()

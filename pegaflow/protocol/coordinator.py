@@ -39,6 +39,9 @@ server refuses a request whose ``ns`` is another's), and not the ops whose
     (:mod:`pegaflow.coordinator.suspects`)
 ``namespace_peers`` ``{ns, factors: {name: value}}`` -> ``{peers: [{ns, blocks,
     factors}]}`` (:mod:`pegaflow.coordinator.namespaces`)
+``miss_report`` ``{ns, host, pid, blocks: {cause: int}, details?: {cause: str}}`` ->
+    ``{engines: int}``: an engine's missed blocks by cause since its last report
+    (:class:`MissReport`; :mod:`pegaflow.coordinator.enginemisses`)
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ from pegaflow.protocol.codec import (
     req_typed,
     unpack_bits,
 )
-from pegaflow.protocol.misses import NEVER_STORED, MissInfo
+from pegaflow.protocol.misses import MAX_TEXT, NEVER_STORED, MissCause, MissInfo
 
 MAX_LOOKUP_HASHES = 65536
 """most hashes accepted in one lookup (a 1M-token prompt at block size 16)"""
@@ -87,6 +90,7 @@ that)"""
 MAX_URL = 512
 MAX_ERROR = 1024
 _COUNT = (0, 2**63 - 1)
+_CAUSES = frozenset(c.value for c in MissCause)
 
 
 class Op(enum.StrEnum):
@@ -99,6 +103,7 @@ class Op(enum.StrEnum):
     ROUTER_REPORT = "router_report"
     REPORT_UNREACHABLE = "report_unreachable"
     NAMESPACE_PEERS = "namespace_peers"
+    MISS_REPORT = "miss_report"
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,7 @@ OPS: dict[Op, OpSpec] = {
         cluster_only="report unreachable nodes",
     ),
     Op.NAMESPACE_PEERS: OpSpec("NamespacePeersRequest", "namespace_peers_reply"),
+    Op.MISS_REPORT: OpSpec("MissReport", "{engines: int}"),
 }  # fmt: skip
 
 
@@ -455,3 +461,53 @@ def parse_report(args: dict[str, Any]) -> dict[str, Any]:
         "replicas": [_replica(r) for r in req_list(args, "replicas", MAX_REPLICAS)],
         "counters": {k: req_int(counters, k, *_COUNT) for k in sorted(counters)},
     }
+
+
+# ---- miss_report ----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class MissReport:
+    """A ``miss_report``: the blocks an engine's lookups missed since its last report, by
+    the cause of each lookup's first miss (:class:`~pegaflow.protocol.misses.MissCause`),
+    with the last detail seen of a cause; the engine is named by its namespace, host
+    and pid."""
+
+    ns: str
+    host: str
+    pid: int
+    blocks: dict[str, int]
+    details: dict[str, str] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The request's ``args``."""
+        args: dict[str, Any] = {
+            "ns": self.ns, "host": self.host, "pid": self.pid, "blocks": self.blocks
+        }  # fmt: skip
+        if self.details:
+            args["details"] = self.details
+        return args
+
+    @classmethod
+    def from_wire(cls, args: dict[str, Any]) -> MissReport:
+        """Decode and check a request's ``args`` (``BadRequest`` naming the field)."""
+        blocks = _by_cause(args, "blocks")
+        details = _by_cause(args, "details") if args.get("details") is not None else {}
+        return cls(
+            check_namespace(args.get("ns")),
+            req_str(args, "host", MAX_NODE_ID),
+            req_int(args, "pid", 0, 2**31),
+            {c: req_int(blocks, c, *_COUNT) for c in sorted(blocks)},
+            {c: req_str(details, c, 1 << 16)[:MAX_TEXT] for c in sorted(details)},
+        )
+
+
+def _by_cause(args: dict[str, Any], key: str) -> dict[str, Any]:
+    """Field ``key``: a map keyed by miss causes."""
+    m = args.get(key)
+    if not isinstance(m, dict):
+        raise BadRequest(f"field {key!r} must be a map of miss causes")
+    for k in m:
+        if k not in _CAUSES:
+            raise BadRequest(f"field {key!r}: {k!r} is not a miss cause")
+    return m

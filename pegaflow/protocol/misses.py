@@ -151,3 +151,17 @@ def unsaved_reason(e: BaseException) -> str:
 def unsaved_cause(reason: str) -> MissCause:
     """The cause of a miss of a block whose save went unsaved for ``reason``."""
     return MissCause.QUOTA if reason.startswith(QUOTA_PREFIX) else MissCause.SAVE_DROPPED
+
+
+def shares(by: Mapping[str, float], details: Mapping[str, str] | None = None) -> str:
+    """``never stored 80%, evicted 20% (memory, 42 s after save)``: each cause's share of
+    the blocks ``by`` cause, largest first, with a cause's detail from ``details`` in
+    brackets ('' when nothing missed)."""
+    by = {k: v for k, v in by.items() if v > 0}
+    total = sum(by.values())
+    parts = []
+    for cause, n in sorted(by.items(), key=lambda kv: -kv[1]):
+        detail = (details or {}).get(cause)
+        share = f"{cause.replace('_', ' ')} {100.0 * n / total:.0f}%"
+        parts.append(f"{share} ({detail})" if detail else share)
+    return ", ".join(parts)

@@ -47,6 +47,7 @@ from pegaflow.config import ArgParser, load_config, parse_addresses, refuse_secr
 from pegaflow.errors import PegaError
 from pegaflow.keys import node_http_url
 from pegaflow.protocol.coordinator import Op
+from pegaflow.protocol.misses import shares
 from pegaflow.tls import client_context, http_scheme
 from pegaflow.transport.rpc_client import RpcClient
 
@@ -109,15 +110,23 @@ def _misses_line(st: dict[str, Any]) -> str | None:
     m = st.get("misses")
     if not isinstance(m, dict):
         return None
-    by = {k: v for k, v in (m.get("miss_blocks_by_cause") or {}).items() if v}
-    total = sum(by.values())
-    causes = ", ".join(
-        f"{k.replace('_', ' ')} {100 * v / total:.0f}%"
-        for k, v in sorted(by.items(), key=lambda kv: -kv[1])
-    )
+    causes = shares(m.get("miss_blocks_by_cause") or {})
     removals = m.get("removals") or {}
     gone = ", ".join(f"{removals.get(t, 0)} from {t}" for t in ("memory", "disk"))
     return f"misses: {causes or 'none yet'} (this coordinator since start); evictions: {gone}"
+
+
+def _engine_misses_line(st: dict[str, Any]) -> str | None:
+    """Why lookups missed, as the engines reporting to this coordinator count them
+    (:mod:`pegaflow.coordinator.enginemisses`): the causes only an engine knows (declined
+    by its cost model, a failed lookup, its save dropped or refused by a quota) included
+    (None: a coordinator that predates the reports)."""
+    m = st.get("misses")
+    if not isinstance(m, dict) or "engines" not in m:
+        return None
+    n = len(m.get("engines") or [])
+    causes = shares(m.get("engine_miss_blocks_by_cause") or {}, m.get("engine_miss_details"))
+    return f"engines' misses: {causes or 'none yet'} ({n} engine{'' if n == 1 else 's'} reporting)"
 
 
 def _disk_cell(n: dict[str, Any]) -> str:
@@ -185,9 +194,9 @@ def render_status(st: dict[str, Any], health: dict[str, str] | None = None) -> s
     rate = _hit_rate_line(st)
     if rate is not None:
         lines.append(rate)
-    misses = _misses_line(st)
-    if misses is not None:
-        lines.append(misses)
+    for line in (_misses_line(st), _engine_misses_line(st)):
+        if line is not None:
+            lines.append(line)
     etcd = (
         "not used (single host)"
         if coord.get("mode") == "local"

@@ -5,7 +5,9 @@ real client; a scheduler side (:class:`~pegaflow.connector.scheduler.side.Schedu
 looks requests up and counts each lookup's misses by the cause of its first missing
 block: never stored, evicted (tier, seconds after its save), namespace mismatch (the
 factor), node unreachable, declined by the cost model, its own save failed.  The
-engine's counters, the ``PegaFlow cache:`` line and ``pegaflow status`` say it.
+engine's counters, the ``PegaFlow cache:`` line and ``pegaflow status`` say it; the
+engine reports its causes to the coordinator (``miss_report``), whose status says them
+too.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def _client(coordinator: str) -> SyncPegaClient:
 def _side(
     coordinator: str, ns: str, factors: dict[str, str] | None = None, **settings: object
 ) -> SchedulerSide:
+    # a lookup deadline that a loaded test machine meets (the default is 50 ms)
+    settings = {"lookup_timeout_s": 2.0, **settings}
     s = ConnectorSettings.load({"coordinators": coordinator, **settings}, env={})
     return SchedulerSide(
         s, BS, 1, namespace=lambda: ns, counters=Counters(),
@@ -153,7 +157,10 @@ def test_the_same_prompt_under_another_namespace_names_the_factor(server: Proc) 
     try:
         assert c.namespace_peers(stored, FACTORS) == []
         _put(c, stored, req.block_hashes)
-        assert [p["ns"] for p in c.namespace_peers(asking, mine)] == [stored]
+        wait_for(
+            lambda: [p["ns"] for p in c.namespace_peers(asking, mine)] == [stored],
+            "the stored namespace indexed",
+        )
     finally:
         c.close()
     side = _side(coordinator, asking, mine)
@@ -210,6 +217,18 @@ def test_a_hit_the_cost_model_declines(server: Proc) -> None:
         assert side.get_num_new_matched_tokens(req, 0) == (0, False)
         assert _missed(side) == {"declined": 4}
         assert side.counters.totals()["cost_declined"] == 1
+        # the report timer's call: the engine's cause reaches the coordinator's status
+        assert side.miss_report.send() and side.miss_report.pending() == {}
+        c = _client(coordinator)
+        try:
+            st = c.status()
+        finally:
+            c.close()
+        [me] = [e for e in st["misses"]["engines"] if e["ns"] == ns]
+        assert me["miss_blocks_by_cause"] == {"declined": 4} and me["pid"] == os.getpid()
+        assert st["misses"]["engine_miss_blocks_by_cause"]["declined"] >= 4
+        assert "engines' misses: " in render_status(st)
+        assert "declined" in render_status(st).split("engines' misses: ")[1]
     finally:
         side.close()
 

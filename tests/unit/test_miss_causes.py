@@ -1,19 +1,27 @@
 """The pure decisions behind a miss's cause: which cause wins, the coordinator's record
-of removals (bounded), the wire form, and how the engine's line says it."""
+of removals (bounded), the wire form, how the engine's line says it, and the engines'
+reports of their misses (sent when new, kept bounded by the coordinator)."""
 
 from __future__ import annotations
 
+import threading
+
+import pytest
 from pegaflow.connector.metadata import WorkerReport
 from pegaflow.connector.metrics import Counters
-from pegaflow.connector.report import format_line, misses_clause
+from pegaflow.connector.report import CacheReport, format_line, misses_clause
 from pegaflow.connector.scheduler.misscause import MAX_UNSAVED, MissTally, decide
+from pegaflow.connector.scheduler.missreport import MissReporter
+from pegaflow.coordinator.enginemisses import EngineMisses
 from pegaflow.coordinator.evictions import EvictionLog
 from pegaflow.coordinator.index import BlockIndex
 from pegaflow.coordinator.namespaces import NamespacePeers
 
-from pegaflow.errors import QuotaExceeded
+from pegaflow.errors import BadRequest, QuotaExceeded
 from pegaflow.keys import NodeRecord
+from pegaflow.protocol.coordinator import MissReport
 from pegaflow.protocol.misses import MissCause, MissInfo, unsaved_reason
+from pegaflow.tools.cli import render_status
 from tests.support.connector_fakes import BS, FakeRequest, make, store, toks
 
 EVICTED = MissInfo(MissCause.EVICTED, tier="memory", saved_s=42.0)
@@ -163,3 +171,91 @@ def test_a_hit_cut_at_a_node_the_workers_report_down_names_it() -> None:
     tot = c.totals()
     assert tot["miss_blocks.node_unreachable"] == 2 and tot["unreachable_declined_blocks"] == 2
     assert side.lookups.misses.details() == {"node_unreachable": "n2"}
+
+
+def _report(pid: int, **blocks: int) -> MissReport:
+    return MissReport("m.00aa", "h1", pid, blocks)
+
+
+def test_the_coordinator_keeps_the_engines_tallies_bounded() -> None:
+    now = [0.0]
+    t = EngineMisses(max_engines=2, forget_s=60.0, clock=lambda: now[0])
+    assert t.report(_report(1, declined=6, never_stored=3)) == {"engines": 1}
+    assert t.report(_report(1, declined=4))["engines"] == 1  # the same engine adds up
+    t.report(MissReport("m.00aa", "h1", 2, {"save_dropped": 2}, {"save_dropped": "pool full"}))
+    st = t.status()
+    assert [(e["pid"], e["miss_blocks_by_cause"]) for e in st["engines"]] == [
+        (1, {"declined": 10, "never_stored": 3}), (2, {"save_dropped": 2}),
+    ]  # fmt: skip
+    assert st["engine_miss_details"] == {"save_dropped": "pool full"}
+    # one engine more than the bound: the least recently reporting one is forgotten
+    now[0] = 10.0
+    t.report(_report(2, quota=1))
+    t.report(_report(3, lookup_failed=1))
+    assert [e["pid"] for e in t.status()["engines"]] == [2, 3]
+    # a minute without a report: forgotten, but the total since start keeps its blocks
+    now[0] = 70.0
+    t.report(_report(3, lookup_failed=1))
+    assert [e["pid"] for e in t.status()["engines"]] == [3]
+    now[0] = 131.0
+    assert t.status()["engines"] == []
+    assert t.total == {
+        "declined": 10, "never_stored": 3, "save_dropped": 2, "quota": 1, "lookup_failed": 2
+    }  # fmt: skip
+    # a tenant's engine is its own, even with the cluster's host and pid
+    t.report(_report(3, declined=1), tenant="beta")
+    assert [(e["tenant"], e["pid"]) for e in t.status()["engines"]] == [("beta", 3)]
+
+
+def test_a_bad_miss_report_is_refused_field_by_field() -> None:
+    good = _report(1, declined=1).to_wire()
+    assert MissReport.from_wire(good) == _report(1, declined=1)
+    for bad, field in (
+        ({"blocks": {"bored": 1}}, "blocks"), ({"blocks": {"declined": -1}}, "declined"),
+        ({"blocks": [1]}, "blocks"), ({"pid": "x"}, "pid"), ({"ns": ""}, "namespace"),
+        ({"details": {"nope": "x"}}, "details"),
+    ):  # fmt: skip
+        with pytest.raises(BadRequest, match=field):
+            MissReport.from_wire({**good, **bad})
+
+
+def test_an_engine_reports_what_is_new_and_retries_what_failed() -> None:
+    counters, sent, fail = Counters(), [], [False]
+
+    def send(rep: MissReport, timeout: float) -> None:
+        if fail[0]:
+            raise ConnectionError("coordinator down")
+        sent.append((rep.blocks, rep.details, timeout))
+
+    r = MissReporter(counters, lambda: send, lambda: "m.00aa", lambda: {"declined": "x"}, 1.5)
+    assert r.send() and sent == []  # nothing new: nothing sent
+    counters.add("miss_blocks.declined", 6)
+    counters.add("miss_lookups.declined")
+    fail[0] = True
+    assert not r.send()
+    counters.add("miss_blocks.never_stored", 3)
+    fail[0] = False
+    assert r.send()
+    assert sent == [({"declined": 6, "never_stored": 3}, {"declined": "x"}, 1.5)]
+    assert r.send() and len(sent) == 1 and r.pending() == {}
+
+
+def test_pegaflow_status_says_the_engines_misses_in_one_line() -> None:
+    t = EngineMisses()
+    t.report(MissReport("m.00aa", "h1", 1, {"declined": 6, "never_stored": 3}))
+    t.report(MissReport("m.00aa", "h2", 2, {"save_dropped": 1}, {"save_dropped": "pool full"}))
+    st = {"nodes": [], "coordinator": {"mode": "local"}, "misses": t.status()}
+    assert (
+        "engines' misses: declined 60%, never stored 30%, save dropped 10% (pool full) "
+        "(2 engines reporting)"
+    ) in render_status(st)
+
+
+def test_the_report_timer_also_sends_the_misses() -> None:
+    ticked = threading.Event()
+    report = CacheReport(Counters(), 0.01, on_tick=ticked.set)
+    report.start()
+    try:
+        assert ticked.wait(30)
+    finally:
+        report.close()
