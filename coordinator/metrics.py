@@ -41,6 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pegaflow.observability.fastmetrics import FastHistogram
+from pegaflow.protocol.misses import MissCause
 
 from .index import BlockIndex
 
@@ -117,11 +118,11 @@ class CoordinatorCollector(Collector):
             "result",
             m.unreachable_reports,
         )
-        yield _by(
+        yield _by(  # every cause from the start: a dashboard's query selects its series
             "pegaflow_coordinator_engine_miss_blocks",
             "blocks the engines' lookups missed, by the cause each engine reported",
             "cause",
-            self.engine_misses,
+            dict.fromkeys(MissCause, 0) | self.engine_misses,
         )
         log = self.index.evictions
         if log is not None:
