@@ -120,8 +120,9 @@ class SyncPegaClient(OnLoop):
     namespace_peers = blocking(PegaClient.namespace_peers)
     submit_namespace_peers = submitted(PegaClient.namespace_peers)
     report_unreachable = blocking(PegaClient.report_unreachable)
-    report_misses = blocking(PegaClient.report_misses)
     submit_report_unreachable = submitted(PegaClient.report_unreachable)
+    report_misses = blocking(PegaClient.report_misses)
+    submit_report_misses = submitted(PegaClient.report_misses)
 
     def node_session(self, node_id: str) -> SyncNodeSession:
         """The blocking facade of :meth:`PegaClient.session` (one per node, kept)."""
