@@ -49,7 +49,7 @@ class FakeNode:
             self.publisher.unpublish(ns, h(i), shard, loc)
 
     async def flush(self) -> None:
-        assert await self.publisher.flush(timeout=20), self.publisher.stats()
+        assert await self.publisher.flush(timeout=90), self.publisher.stats()  # etcd on a busy disk
 
 
 async def eventually(
