@@ -11,11 +11,11 @@ On a CUDA device the mapping is registered with the driver (``cudaHostRegister``
 portable and mapped), so the copy engines DMA at full speed and GPU kernels can read
 and write the file's pages directly.  Registration pins every page of the pool; it runs
 in a background thread (:class:`PoolPinner`) so that engine start is not delayed, one
-small piece at a time, the pieces a load asked for first, from the moment the engine
-registers its KV cache: beside vLLM's CUDA graph capture too (:func:`relax_capture_mode`),
-so that the pool is pinned by the engine's first request.  A copy whose blocks lie in
-pinned pieces takes the fast path at once; the others use the mapping like pageable
-memory until their pieces are pinned.  No load ever waits for pinning.
+small piece at a time, from the moment the engine registers its KV cache: beside vLLM's
+CUDA graph capture too (:func:`relax_capture_mode`), so that the pool is pinned by the
+engine's first request.  A load or save whose blocks lie in pieces not pinned yet pins
+those itself first (:meth:`PoolPinner.pin_now`); only once pinning failed do copies use
+the mapping like pageable memory.
 """
 
 from __future__ import annotations
