@@ -14,6 +14,9 @@ in CI).  What differs, and how it is handled here:
 * Block hash types: bytes in both; older int / named-tuple hashes are converted by
   :func:`pegaflow.connector.namespace.block_hash_bytes`.
 
+Both have ``SupportsHMA`` (vLLM's hybrid KV cache manager stays on with this connector:
+``request_finished_all_groups``); vLLM's CPU platform has no hybrid manager.
+
 Everything else the connector uses (the three-argument constructor, ``block_hashes``,
 ``KVConnectorWorkerMetadata``, ``kv_load_failure_policy``, ``handle_preemptions``,
 ``update_connector_output``, ``KVConnectorStats``) is the same in both.
@@ -35,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -65,6 +69,7 @@ __all__ = [
     "PegaConnectorMetadata",
     "PegaWorkerMetadata",
     "Support",
+    "SupportsHMA",
     "engine_geometry",
     "hash_info",
     "kv_load_failure_policy",
@@ -109,6 +114,8 @@ class EngineGeometry:
     layout: str
     specs: tuple[str, ...]
     """the class name of each KV cache group's spec (``FullAttentionSpec`` ...)"""
+    block_sizes: tuple[int, ...] = ()
+    """each KV cache group's block size (tokens)"""
     cache_dtype: str = "auto"
     """vLLM's ``--kv-cache-dtype`` (``auto``, ``fp8``, ``fp8_e4m3`` ...)"""
     dynamic_kv_scales: bool = False
@@ -116,13 +123,31 @@ class EngineGeometry:
     vLLM), not read from the checkpoint"""
     window: int = 0
     """the sliding window (or local-attention chunk) of the first group's spec, 0: none;
-    set on a ``FullAttentionSpec`` where vLLM's hybrid KV cache manager is off (it is
-    with this connector, no ``SupportsHMA``) and made full attention of windowed layers"""
+    set on a ``FullAttentionSpec`` where vLLM's hybrid KV cache manager is off (on the
+    CPU, or ``--disable-hybrid-kv-cache-manager``) and made full attention of windowed
+    layers"""
 
     @property
     def groups(self) -> int:
         """KV cache groups: one per kind of layer (more than one: a hybrid model)."""
         return len(self.specs)
+
+    @property
+    def hybrid(self) -> bool:
+        """Several KV cache groups, each stored under keys of its own
+        (:func:`~pegaflow.connector.namespace.group_keys`): attention groups only
+        (full and sliding window) of one block size; else :func:`model_support` is off."""
+        return (
+            self.groups > 1
+            and set(self.specs) <= HYBRID_SPECS
+            and len(set(self.block_sizes)) == 1
+        )
+
+    @property
+    def window_groups(self) -> frozenset[int]:
+        """The groups whose blocks vLLM frees while their request runs (those that
+        slid out of a sliding window)."""
+        return frozenset(i for i, s in enumerate(self.specs) if s != "FullAttentionSpec")
 
     @property
     def mla(self) -> bool:
@@ -158,6 +183,7 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
         page_bytes=int(getattr(spec, "page_size_bytes", 0) or 0),
         layout=str(getattr(layout, "name", layout)),
         specs=tuple(type(g.kv_cache_spec).__name__ for g in groups),
+        block_sizes=tuple(int(g.kv_cache_spec.block_size) for g in groups),
         cache_dtype=str(getattr(cache, "cache_dtype", "auto") or "auto"),
         dynamic_kv_scales=bool(getattr(cache, "calculate_kv_scales", False)),
         window=int(
@@ -166,6 +192,9 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
         ),
     )
 
+
+HYBRID_SPECS = frozenset({"FullAttentionSpec", "SlidingWindowSpec"})
+"""the KV cache specs a hybrid model's groups may have for the connector to store them"""
 
 #: ``--kv-cache-dtype`` values whose pages were stored and loaded byte-exact by the CPU
 #: end-to-end tests (``tests/e2e/test_kv_dtypes_block_sizes.py``)
@@ -194,10 +223,22 @@ def model_support(geometry: EngineGeometry, tp_size: int = 1, pp_size: int = 1) 
     partial: list[str] = []
     facts: list[str] = []
     kinds = set(geometry.specs)
-    if geometry.groups > 1:
+    if geometry.hybrid:
+        facts.append(
+            f"hybrid attention under vLLM's hybrid KV cache manager ({geometry.groups} KV "
+            f"cache groups: {', '.join(geometry.specs)}): each group's blocks stored "
+            "under keys of their own, a hit only where every group has its blocks"
+        )
+        partial.append(
+            "untested on GPUs"
+            + ("; sliding-window groups stored whole, every block, not only the window"
+               if geometry.window_groups else "")
+        )  # fmt: skip
+    elif geometry.groups > 1:
         off.append(
-            f"{geometry.groups} KV cache groups ({', '.join(geometry.specs)}: a hybrid "
-            "model); only single-group models are supported: connector off"
+            f"{geometry.groups} KV cache groups ({', '.join(geometry.specs)}): Mamba / "
+            "linear-attention state (or groups of unequal block sizes) is not stored: "
+            "connector off, every prompt computed (vLLM's hybrid KV cache manager runs)"
         )
     elif kinds & {"MambaSpec"}:
         off.append("Mamba / linear-attention state is no per-block KV: connector off")

@@ -38,6 +38,7 @@ from .compat import (
     KVConnectorWorkerMetadata,
     PegaConnectorMetadata,
     PegaWorkerMetadata,
+    SupportsHMA,
     block_ids_of,
     cuda_graph_tokens,
     defers_block_frees,
@@ -74,7 +75,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pegaflow.connector")
 
 
-class PegaKVConnector(KVConnectorBase_V1):
+class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
     """External, shared KV cache for vLLM backed by a PegaFlow cluster.
 
     Enable with::
@@ -153,17 +154,20 @@ class PegaKVConnector(KVConnectorBase_V1):
                 new_blocks_may_be_busy=not defers_block_frees(),
             )
         else:
+            g = self.geometry
             self._scheduler = SchedulerSide(
                 self.settings,
-                self.geometry.block_size,
+                g.block_size,
                 self.layout.shards,
                 namespace=self._compute_namespace,
                 counters=self.counters,
                 client_factory=self._make_client,
                 device=device_type(),
-                block_bytes=self.geometry.page_bytes * self.geometry.num_layers,
-                first_steps_min_tokens=first_steps_min_tokens(vllm_config, self.geometry),
+                block_bytes=g.page_bytes * g.num_layers // g.groups,
+                first_steps_min_tokens=first_steps_min_tokens(vllm_config, g),
                 factors=lambda: self._ns_factors,
+                groups=g.groups if g.hybrid else 1,
+                window_groups=g.window_groups if g.hybrid else frozenset(),
             )
             self._scheduler.start_warm_up()
             if self.settings.report_interval_s > 0 and self.settings.mode != "off":
@@ -257,7 +261,7 @@ class PegaKVConnector(KVConnectorBase_V1):
             dtype=str(getattr(mc, "dtype", "")).replace("torch.", ""),
             kv_dtype=kv_dtype,
             device=device_type(),
-            layout=g.layout,
+            layout=f"{g.layout}/groups:{','.join(g.specs)}" if g.groups > 1 else g.layout,
             block_size=g.block_size,
             num_layers=g.num_layers,
             num_kv_heads=g.num_kv_heads,
@@ -548,6 +552,13 @@ class PegaKVConnector(KVConnectorBase_V1):
             logger.exception("PegaFlow: cannot build the handoff of %s", request.request_id)
             params = None
         return delay, params
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """:meth:`request_finished` under vLLM's hybrid KV cache manager (``SupportsHMA``):
+        the same decision for every KV cache group's blocks."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -428,3 +428,23 @@ def block_hash_bytes(h: object) -> bytes:
     if not b or len(b) > 64:
         b = hashlib.sha256(b).digest()
     return b
+
+
+def group_keys(hashes: Sequence[bytes], groups: int) -> list[bytes]:
+    """The storage keys of a request's blocks in every KV cache group, interleaved:
+    block ``i`` of group ``g`` is key ``i * groups + g``.
+
+    vLLM's hybrid KV cache manager gives each group (full attention, each sliding
+    window) its own block table over the same token blocks, so one block hash names
+    ``groups`` stored blocks.  Group 0 keeps the hash itself (a single-group engine's
+    keys are its block hashes); group ``g > 0`` stores under a 32-byte blake2b of the
+    hash and ``g``.  A prefix of whole positions of this list is a hit in every group.
+    """
+    if groups == 1:
+        return list(hashes)
+    out: list[bytes] = []
+    for h in hashes:
+        out.append(h)
+        for g in range(1, groups):
+            out.append(hashlib.blake2b(h, digest_size=32, salt=g.to_bytes(16, "little")).digest())
+    return out

@@ -21,10 +21,10 @@ from pegaflow.protocol.codec import LocatedBlocks
 
 from ..metadata import LoadJob, SaveJob, StepPlan, WorkerReport
 from ..metrics import Counters
-from ..namespace import block_hash_bytes, block_hashes_bytes
+from ..namespace import block_hashes_bytes, group_keys
 from ..settings import ConnectorSettings
 from .known import KnownBlocks
-from .reqstate import ReqState, group0
+from .reqstate import ReqState, per_group
 
 logger = logging.getLogger("pegaflow.connector")
 
@@ -41,6 +41,13 @@ class Planner:
         namespace: the cache namespace ('' while not known).
         budget: how long a load of that many tokens may wait (``LoadJob.budget_s``;
             None: no budget, ``transfer_timeout_s``).
+        groups: KV cache groups (vLLM's hybrid KV cache manager): each position of a
+            request is ``groups`` stored blocks, keyed by
+            :func:`~pegaflow.connector.namespace.group_keys`.
+        window_groups: the groups whose blocks vLLM frees while their request runs
+            (sliding windows): a block of theirs given to a request while its save may
+            still be copying makes the step wait for that copy first (as a preemption
+            does).
     """
 
     settings: ConnectorSettings
@@ -49,6 +56,8 @@ class Planner:
     known: KnownBlocks
     namespace: InitVar[Callable[[], str]]
     budget: InitVar[Callable[[int], float] | None] = None
+    groups: int = 1
+    window_groups: frozenset[int] = frozenset()
 
     def __post_init__(
         self, namespace: Callable[[], str], budget: Callable[[int], float] | None
@@ -59,6 +68,39 @@ class Planner:
         """the tracked requests by id, from their first lookup until they finish"""
         self._pending_loads: list[LoadJob] = []
         self._delay_free: list[str] = []
+        self._window_saved: dict[int, str] = {}
+        """block id of a window group -> the request that saved it (until vLLM gives
+        the block out again)"""
+        self._fence: list[str] = []
+        """requests whose copies must finish before the next step (see ``window_groups``)"""
+
+    @property
+    def fence_pending(self) -> bool:
+        """Blocks a save may still be copying out were given to a request: nothing may
+        be loaded into the step's blocks before the step waited for those copies."""
+        return bool(self._fence)
+
+    def keys(self, request: Any) -> list[bytes]:
+        """The storage keys of ``request``'s blocks (every group's, interleaved), grown
+        as vLLM hashes more of its blocks."""
+        st = self.state(request)
+        hashes = request.block_hashes
+        have = len(st.keys) // self.groups
+        if have < len(hashes):
+            st.keys.extend(group_keys(block_hashes_bytes(hashes[have:]), self.groups))
+        return st.keys
+
+    def _check_reuse(self, ids: Any) -> None:
+        """Fence the step where vLLM gave out again a window group's block whose save
+        may still be copying."""
+        saved = self._window_saved
+        if not saved:
+            return
+        for group in ids:
+            for b in group:
+                owner = saved.pop(b, None)
+                if owner is not None and owner not in self._fence:
+                    self._fence.append(owner)
 
     def state(self, request: Any) -> ReqState:
         """The request's state (tracked from now on if it was not)."""
@@ -75,46 +117,52 @@ class Planner:
         st = self.state(request)
         if num_external_tokens <= 0:
             return None
-        ids = group0(block_ids)
+        g = self.groups
+        ids = per_group(block_ids, g)
+        if self.window_groups:
+            self._check_reuse(ids)
         bs = self.block_size
         n_load = -(-num_external_tokens // bs)
         lk = st.lookup
         st.lookup = None
-        hashes = request.block_hashes
-        if lk is None or n_load > lk.hits or len(ids) < lk.start + n_load:
+        keys = self.keys(request)
+        if lk is None or n_load * g > lk.hits or min(map(len, ids)) < lk.start // g + n_load:
             # vLLM asked for a load we did not offer: answer it with failures, never KV
-            start = lk.start if lk is not None else max(0, len(ids) - n_load)
+            start = lk.start // g if lk is not None else max(0, len(ids[0]) - n_load)
             logger.error(
                 "PegaFlow: unexpected load of %d tokens for %s; reporting it failed",
                 num_external_tokens,
                 request.request_id,
             )
-            nodes: list[list[str]] = [[] for _ in range(n_load)]
+            nodes: list[list[str]] = [[] for _ in range(n_load * g)]
             gens: list[list[int]] = []
             located: list[LocatedBlocks] = []
         else:
-            start = lk.start
-            nodes = lk.nodes[:n_load]
-            gens = lk.gens[:n_load]
-            located = [where[:n_load] for where in lk.located]
+            start = lk.start // g
+            nodes = lk.nodes[: n_load * g]
+            gens = lk.gens[: n_load * g]
+            located = [where[: n_load * g] for where in lk.located]
+        end = min(start + n_load, *map(len, ids))
         job = LoadJob(
             req_id=request.request_id,
-            block_ids=list(ids[start : start + n_load]),
-            hashes=block_hashes_bytes(hashes[start : start + n_load]),
+            block_ids=[b[i] for i in range(start, end) for b in ids],
+            hashes=keys[start * g : (start + n_load) * g],
             nodes=nodes,
-            first_block=start,
+            first_block=start * g,
             sync=lk is not None and lk.sync,
             gens=gens,
-            disk=lk.disk[:n_load] if lk is not None and n_load <= lk.hits else [],
+            disk=lk.disk[: n_load * g] if lk is not None and n_load * g <= lk.hits else [],
             located=located,
             pins=list(lk.pins) if lk is not None and located else [],
             located_at=lk.located_at if lk is not None else 0.0,
         )
         if self._budget is not None and not job.sync:
             job.budget_s = self._budget(num_external_tokens)
-        if len(job.block_ids) != n_load or len(job.hashes) != n_load:
+        if len(job.block_ids) != n_load * g or len(job.hashes) != n_load * g:
             job.nodes = [[] for _ in job.block_ids]
             job.hashes = (job.hashes + [b"\0"] * len(job.block_ids))[: len(job.block_ids)]
+        if g > 1:
+            _skip_null_blocks(job)
         self._pending_loads.append(job)
         st.loading = not job.sync
         self.counters.add("hit_tokens", num_external_tokens)
@@ -126,6 +174,7 @@ class Planner:
         so = scheduler_output
         plan = StepPlan(namespace=self._namespace() if self.reqs or self._pending_loads else "")
         plan.loads, self._pending_loads = self._pending_loads, []
+        g = self.groups
         if probes:
             plan.loads += probes
         num_sched: dict[str, int] = dict(getattr(so, "num_scheduled_tokens", {}) or {})
@@ -136,7 +185,9 @@ class Planner:
             st = self.reqs.get(nr.req_id)
             if st is None:
                 continue
-            st.block_ids = group0(nr.block_ids)
+            st.block_ids = per_group(nr.block_ids, g)
+            if self.window_groups:
+                self._check_reuse(st.block_ids)
             st.loading = False
             after = nr.num_computed_tokens + num_sched.get(nr.req_id, 0)
             after -= len(spec.get(nr.req_id, ()) or ())
@@ -150,10 +201,13 @@ class Planner:
                 if st is None:
                     continue
                 nb = cached.new_block_ids[i] if i < len(cached.new_block_ids) else None
-                if rid in resumed:
-                    st.block_ids = group0(nb) if nb else []
+                if rid in resumed or not st.block_ids:
+                    st.block_ids = per_group(nb, g)
                 elif nb:
-                    st.block_ids.extend(group0(nb))
+                    for mine, new in zip(st.block_ids, per_group(nb, g), strict=True):
+                        mine.extend(new)
+                if nb and self.window_groups:
+                    self._check_reuse(per_group(nb, g))
                 st.loading = False
                 after = cached.num_computed_tokens[i] + num_sched.get(rid, 0)
                 after -= len(spec.get(rid, ()) or ())
@@ -165,6 +219,10 @@ class Planner:
                 st.block_ids = []
             plan.preempted.append(rid)
 
+        for rid in self._fence:
+            if rid not in plan.preempted:
+                plan.preempted.append(rid)
+        self._fence = []
         plan.delay_free, self._delay_free = self._delay_free, []
         for rid in getattr(so, "finished_req_ids", ()) or ():
             self.reqs.pop(rid, None)
@@ -179,8 +237,9 @@ class Planner:
         limit = computed_after
         if not self.settings.save_decode_blocks:
             limit = min(limit, int(getattr(req, "num_prompt_tokens", limit)))
-        hashes = req.block_hashes
-        full = min(limit // self.block_size, len(hashes), len(st.block_ids))
+        keys = self.keys(req)
+        g = self.groups
+        full = min(limit // self.block_size, len(keys) // g, *map(len, st.block_ids))
         if full <= st.next_save:
             return
         lo, st.next_save = st.next_save, full
@@ -191,16 +250,19 @@ class Planner:
         ids: list[int] = []
         hs: list[bytes] = []
         for i in range(lo, full):
-            h = block_hash_bytes(hashes[i])
-            bid = st.block_ids[i]
-            if bid <= 0:  # vLLM's null block: nothing to save
-                continue
-            if h in self.known:
-                self.counters.add("save_known_blocks")
-                continue
-            self.known.add(h)
-            ids.append(bid)
-            hs.append(h)
+            for group in range(g):
+                bid = st.block_ids[group][i]
+                if bid <= 0:  # vLLM's null block: nothing to save
+                    continue
+                h = keys[i * g + group]
+                if h in self.known:
+                    self.counters.add("save_known_blocks")
+                    continue
+                self.known.add(h)
+                ids.append(bid)
+                hs.append(h)
+                if group in self.window_groups:
+                    self._window_saved[bid] = rid
         if ids:
             plan.saves.append(SaveJob(rid, ids, hs))
             st.saved_any = True
@@ -225,5 +287,24 @@ class Planner:
             st = self.reqs.get(rid)
             if st is None:
                 continue
-            for h in st.request.block_hashes[idx:]:
-                self.known.discard(block_hash_bytes(h))
+            for h in self.keys(st.request)[idx:]:
+                self.known.discard(h)
+
+
+def _skip_null_blocks(job: LoadJob) -> None:
+    """Drop from a hybrid load the positions vLLM gave null blocks (a sliding window's
+    start, which attention skips): nothing to load there."""
+    keep = [j for j, b in enumerate(job.block_ids) if b > 0]
+    if len(keep) == len(job.block_ids):
+        return
+    job.block_ids = [job.block_ids[j] for j in keep]
+    job.hashes = [job.hashes[j] for j in keep]
+    job.nodes = [job.nodes[j] for j in keep]
+    if job.gens:
+        job.gens = [job.gens[j] for j in keep]
+    if job.disk:
+        job.disk = [job.disk[j] for j in keep]
+    if job.located:
+        job.located = [
+            LocatedBlocks(w.flags[keep], w.cols[keep], w.pool) for w in job.located
+        ]

@@ -41,8 +41,12 @@ class ReqState:
     """A request the scheduler side tracks, from its first lookup until it finishes."""
 
     request: Any
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    """per KV cache group, the request's block ids as vLLM allocated them"""
     next_save: int = 0
+    """the first block (position) not yet planned for saving"""
+    keys: list[bytes] = field(default_factory=list)
+    """the storage keys of the request's block hashes so far (see :meth:`Planner.keys`)"""
     lookup: Lookup | None = None
     loading: bool = False
     saved_any: bool = False
@@ -55,11 +59,13 @@ class ReqState:
     handoff_poll: float = 0.0
 
 
-def group0(block_ids: Any) -> list[int]:
-    """The block ids of the (only) KV cache group from vLLM's per-group tuple."""
+def per_group(block_ids: Any, groups: int) -> list[list[int]]:
+    """vLLM's per-group block-id tuple as ``groups`` lists (an older vLLM's flat list
+    is the only group's)."""
     if not block_ids:
-        return []
+        return [[] for _ in range(groups)]
     first = block_ids[0]
     if isinstance(first, list | tuple):
-        return list(first)
-    return list(block_ids)  # already a flat list (older vLLM)
+        out = [list(b) for b in block_ids[:groups]]
+        return out + [[] for _ in range(groups - len(out))]
+    return [list(block_ids)] + [[] for _ in range(groups - 1)]

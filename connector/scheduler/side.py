@@ -64,6 +64,10 @@ class SchedulerSide:
             bound; see :func:`~pegaflow.connector.compat.first_steps_min_tokens`).
         factors: this engine's namespace factors (:func:`.nsdiag.factor_strings`), sent
             when a lookup finds nothing to learn whether another namespace has the model.
+        groups: KV cache groups stored (vLLM's hybrid KV cache manager): a request's
+            blocks are looked up, loaded and saved under the keys of every group
+            (:func:`~pegaflow.connector.namespace.group_keys`); a hit is whole positions.
+        window_groups: the groups whose blocks vLLM frees while their request runs.
     """
 
     def __init__(
@@ -80,8 +84,11 @@ class SchedulerSide:
         block_bytes: int = 0,
         first_steps_min_tokens: int = 0,
         factors: Callable[[], Mapping[str, str]] = dict,
+        groups: int = 1,
+        window_groups: frozenset[int] = frozenset(),
     ) -> None:
         self.settings = settings
+        self.groups = groups
         self.first_steps_min_tokens = first_steps_min_tokens
         """a hit leaves this many tokens to compute until a step has computed as many"""
         self.block_size = block_size
@@ -114,8 +121,9 @@ class SchedulerSide:
             settings, block_size, counters, self.lookups, self.locator, self.finder
         )
         self.planner = Planner(
-            settings, block_size, counters, self.known, lambda: self.namespace, self.load_budget_s
-        )
+            settings, block_size, counters, self.known, lambda: self.namespace,
+            self.load_budget_s, groups, window_groups,
+        )  # fmt: skip
         self.miss_report = MissReporter(
             counters, self._miss_sender, lambda: self.namespace, self.lookups.misses.details,
             min(REPORT_TIMEOUT_S, settings.rpc_timeout_s),
@@ -174,10 +182,11 @@ class SchedulerSide:
         bs = self.block_size
         if num_computed_tokens % bs:
             return 0, False
-        hashes = request.block_hashes
+        hashes = self.planner.keys(request)
+        g = self.groups
         n = len(hashes)
-        start = num_computed_tokens // bs
-        if start >= n or (request.num_tokens - 1) // bs <= start:
+        start = num_computed_tokens // bs * g
+        if start >= n or (request.num_tokens - 1) // bs * g <= start:
             # no full block is left before the last token (which vLLM computes anyway):
             # e.g. vLLM's own prefix cache served the rest; no lookup to pay for
             return 0, False
@@ -186,7 +195,8 @@ class SchedulerSide:
             return 0, False
         lk = st.lookup
         now = self._clock()
-        ho = self.handoffs.read(st, ns, hashes, now)
+        # a P/D handoff names blocks by their hashes: single-group engines only
+        ho = self.handoffs.read(st, ns, hashes, now) if g == 1 else None
         if ho is not None:
             lk, wait = self.handoffs.wait(st, ho, ns, hashes, start, now)
             if wait:
@@ -202,17 +212,18 @@ class SchedulerSide:
             lk = self.lookups.lookup(st, ns, hashes, start)
             if lk is None:
                 return 0, False
-        if lk.hits <= 0:
+        hit = lk.hits // g * bs  # tokens: whole positions of every group
+        if hit <= 0:
             return 0, False
         if self.locator.all_local(lk):
             # layer-wise: loaded during the step that computes the rest, so vLLM must
             # have at least one token left to compute
-            tokens = min(lk.hits * bs, (request.num_tokens - 1) // bs * bs - num_computed_tokens)
+            tokens = min(hit, (request.num_tokens - 1) // bs * bs - num_computed_tokens)
             tokens = self._leave_for_first_steps(request, num_computed_tokens, tokens)
             lk.sync = tokens > 0
             return (tokens, False) if tokens > 0 else (0, False)
         lk.sync = False
-        tokens = self._leave_for_first_steps(request, num_computed_tokens, lk.hits * bs)
+        tokens = self._leave_for_first_steps(request, num_computed_tokens, hit)
         return (tokens, True) if tokens > 0 else (0, False)
 
     def _leave_for_first_steps(self, request: Any, computed: int, tokens: int) -> int:
@@ -260,6 +271,8 @@ class SchedulerSide:
         :class:`~pegaflow.connector.handoff.Handoff` of the prompt blocks it saved or found stored
         (None: not a producer, or no full block)."""
         st = self.planner.reqs.get(request.request_id)
+        if self.groups > 1:
+            return None
         return self.handoffs.params(st, request, self.namespace)
 
     def learn(self, report: WorkerReport) -> None:

@@ -28,6 +28,7 @@ from pegaflow.connector.stats import PegaConnectorStats
 from tests.support.connector_fakes import (
     FakeCluster,
     FakeRequest,
+    FullAttentionSpec,
     kv_cache_config,
     new_req,
     sched_output,
@@ -98,8 +99,13 @@ def test_lookup_exceptions_never_escape() -> None:
     assert conn.get_num_new_matched_tokens(Broken(), 0) == (0, False)
 
 
-def test_hybrid_models_turn_the_connector_off() -> None:
-    conn = PegaKVConnector(vllm_config(), KVConnectorRole.SCHEDULER, kv_cache_config(groups=2))
+def test_models_of_unequal_group_block_sizes_turn_the_connector_off() -> None:
+    """(Hybrid attention models: tests/unit/test_connector_hybrid.py.)"""
+    cfg = kv_cache_config(groups=2)
+    cfg.kv_cache_groups[1].kv_cache_spec = FullAttentionSpec(
+        **{**vars(cfg.kv_cache_groups[0].kv_cache_spec), "block_size": 2 * BS}
+    )
+    conn = PegaKVConnector(vllm_config(), KVConnectorRole.SCHEDULER, cfg)
     assert conn.settings.mode == "off"
     req = FakeRequest("r", list(range(64)), BS)
     assert conn.get_num_new_matched_tokens(req, 0) == (0, False)

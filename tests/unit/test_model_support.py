@@ -4,6 +4,7 @@ one place (:func:`pegaflow.connector.compat.model_support`) from its KV cache.""
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -11,6 +12,10 @@ import pytest
 pytest.importorskip("vllm")
 
 from pegaflow.connector.compat import EngineGeometry, model_support
+
+
+class MambaSpec(SimpleNamespace):
+    """Named as vLLM's spec of a Mamba / linear-attention group."""
 
 DENSE = EngineGeometry(
     block_size=16, num_blocks=64, num_layers=2, num_kv_heads=8, head_size=128,
@@ -39,11 +44,17 @@ def test_dense_models_with_tested_dtypes_and_block_sizes_have_full_support() -> 
 
 
 def test_what_is_not_done_says_what_happens_today() -> None:
-    level, line = support(specs=("FullAttentionSpec", "SlidingWindowSpec"))
+    hybrid = {"specs": ("FullAttentionSpec", "SlidingWindowSpec"), "block_sizes": (16, 16)}
+    level, line = support(**hybrid)
+    assert level == "partial"
+    assert "hybrid attention under vLLM's hybrid KV cache manager (2 KV cache groups" in line
+    assert "sliding-window groups stored whole" in line
+    level, line = support(**{**hybrid, "block_sizes": (16, 32)})
     assert level == "off"
     assert line.startswith("PegaFlow: off support: 2 KV cache groups (FullAttentionSpec, ")
     assert "connector off" in line
-    assert support(specs=("FullAttentionSpec", "MambaSpec"))[0] == "off"
+    level, line = support(specs=("FullAttentionSpec", "MambaSpec"), block_sizes=(16, 16))
+    assert level == "off" and "Mamba / linear-attention state" in line
     assert support(specs=("MambaSpec",))[0] == "off"
     assert support(specs=("SlidingWindowSpec",))[0] == "partial"
     # gpt-oss, Gemma 3 under this connector: vLLM keeps sliding layers as full attention
@@ -89,9 +100,9 @@ def test_the_facade_logs_the_line_and_follows_it(caplog: pytest.LogCaptureFixtur
         ):
             conn = PegaKVConnector(vllm_config(), KVConnectorRole.SCHEDULER, kv_cache_config())
             conn.shutdown()
-            off = PegaKVConnector(
-                vllm_config(), KVConnectorRole.SCHEDULER, kv_cache_config(groups=2)
-            )
+            mamba = kv_cache_config(groups=2)
+            mamba.kv_cache_groups[1].kv_cache_spec = MambaSpec(block_size=32)
+            off = PegaKVConnector(vllm_config(), KVConnectorRole.SCHEDULER, mamba)
             off.shutdown()
     finally:
         log.removeHandler(caplog.handler)
