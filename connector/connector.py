@@ -39,6 +39,7 @@ from .compat import (
     PegaConnectorMetadata,
     PegaWorkerMetadata,
     SupportsHMA,
+    TransferResults,
     block_ids_of,
     cuda_graph_tokens,
     defers_block_frees,
@@ -152,6 +153,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
                 defer_checks=defer_possible(vllm_config),
                 graph_tokens=cuda_graph_tokens(vllm_config) if device_type() == "cuda" else 0,
                 new_blocks_may_be_busy=not defers_block_frees(),
+                failed_as_requests=self.geometry.hybrid,
             )
         else:
             g = self.geometry
@@ -413,6 +415,18 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return None, None
         return self._worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM 0.32's :meth:`get_finished`, with the requests whose load failed where
+        their blocks cannot be named (a model of several KV cache groups): vLLM
+        recomputes them whole."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed_requests() if self._worker is not None else set()
+        return TransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()) | failed,
+            failed_recving=failed,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks that could not be loaded (node gone, evicted, checksum mismatch).

@@ -215,9 +215,10 @@ class SchedulerSide:
         hit = lk.hits // g * bs  # tokens: whole positions of every group
         if hit <= 0:
             return 0, False
-        if self.locator.all_local(lk):
+        if g == 1 and self.locator.all_local(lk):
             # layer-wise: loaded during the step that computes the rest, so vLLM must
-            # have at least one token left to compute
+            # have at least one token left to compute (not with several groups: vLLM
+            # recomputes their failed loads only before the step, as failed requests)
             tokens = min(hit, (request.num_tokens - 1) // bs * bs - num_computed_tokens)
             tokens = self._leave_for_first_steps(request, num_computed_tokens, tokens)
             lk.sync = tokens > 0

@@ -76,6 +76,9 @@ class WorkerSide:
             :func:`~pegaflow.connector.compat.defers_block_frees`): loads then wait for the GPU work
             queued before them.
         saves: this worker stores its shard (False, MLA: another rank does, counts them).
+        failed_as_requests: report a failed load by its request, not its block ids
+            (several KV cache groups: vLLM cannot map block ids back to requests;
+            :meth:`take_failed_requests`).
     """
 
     def __init__(
@@ -89,8 +92,11 @@ class WorkerSide:
         graph_tokens: int = 0,
         new_blocks_may_be_busy: bool = True,
         saves: bool = True,
+        failed_as_requests: bool = False,
     ) -> None:
         self.settings = settings
+        self.failed_as_requests = failed_as_requests
+        self._failed_requests: set[str] = set()
         self.shard = shard
         self.counters = counters
         self._client_factory = client_factory
@@ -341,11 +347,20 @@ class WorkerSide:
                 logger.debug("PegaFlow: saves done, blocks reusable: %s", sorted(sending))
             recving = set(self._done_loads)
             for rid, (failed, first) in self._done_loads.items():
-                self._load_errors.update(failed)
+                if failed and self.failed_as_requests:
+                    self._failed_requests.add(rid)
+                else:
+                    self._load_errors.update(failed)
                 if first is not None:
                     self._report.load_failed[rid] = first
             self._done_loads.clear()
         return sending or None, recving or None
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load failed, reported once, where :attr:`failed_as_requests`."""
+        with self._lock:
+            failed, self._failed_requests = self._failed_requests, set()
+        return failed
 
     def take_load_errors(self) -> AbstractSet[int]:
         """Block ids whose load failed, reported once (vLLM recomputes them).

@@ -86,6 +86,24 @@ def test_scheduler_hooks_roundtrip() -> None:
     conn.shutdown()
 
 
+def test_transfer_results_carry_the_requests_whose_load_failed() -> None:
+    """vLLM 0.32's ``get_transfer_results``: a hybrid model's failed loads by request."""
+    from pegaflow.connector.compat import TransferResults
+
+    if TransferResults is None:
+        pytest.skip("vLLM 0.26 has no transfer results")
+    conn = scheduler(FakeCluster())
+    conn._worker = SimpleNamespace(
+        get_finished=lambda done: ({"s"}, {"a"}), take_failed_requests=lambda: {"b"}
+    )
+    res = conn.get_transfer_results(set())
+    assert (res.finished_sending, res.finished_recving, res.failed_recving) == (
+        {"s"}, {"a", "b"}, {"b"}
+    )
+    conn._worker = None
+    conn.shutdown()
+
+
 def test_lookup_exceptions_never_escape() -> None:
     conn = scheduler(FakeCluster())
 

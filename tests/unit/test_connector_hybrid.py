@@ -176,6 +176,33 @@ def test_every_group_is_saved_and_a_restarted_engine_loads_every_group(
     assert 0 not in load.block_ids
 
 
+def test_a_failed_hybrid_load_reported_by_request_is_recomputed_whole(
+    config: Any, cluster: FakeCluster
+) -> None:
+    """The worker's ``failed_recving`` (what :meth:`PegaKVConnector.get_transfer_results`
+    sends for a model of several groups): vLLM's scheduler computes the prompt whole."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    first = make_scheduler(config, cluster, [FA, SW], 200)
+    tokens = list(range(4000, 4160))
+    first.add_request(request("f1", tokens))
+    _, plan = step(first)
+    store_saves(cluster, plan)
+    second = make_scheduler(config, cluster, [FA, SW], 200)
+    second.add_request(request("f2", tokens + [3] * 40))
+    _, plan = step(second)
+    assert len(plan.loads) == 1
+    out = second.schedule()
+    second.update_from_output(out, ModelRunnerOutput(
+        req_ids=[], req_id_to_index={}, sampled_token_ids=[], logprobs=None,
+        prompt_logprobs_dict={}, pooler_output=[],
+        kv_connector_output=KVConnectorOutput(finished_recving={"f2"}, failed_recving={"f2"}),
+    ))  # fmt: skip
+    cluster.blocks.clear()  # what made the load fail: the node lost the blocks
+    out, _ = step(second)
+    assert out.num_scheduled_tokens["f2"] == 200  # nothing taken from the failed load
+
+
 def test_no_hit_is_claimed_where_a_group_lacks_its_blocks(
     config: Any, cluster: FakeCluster
 ) -> None:

@@ -129,6 +129,24 @@ def test_client_failure_fails_all_blocks_of_the_job() -> None:
     w.shutdown()
 
 
+def test_with_several_kv_cache_groups_a_failed_load_is_reported_by_its_request() -> None:
+    """vLLM cannot map block ids of a hybrid model's groups back to requests: the
+    request is reported failed (vLLM 0.32's ``failed_recving``) and recomputed whole."""
+
+    def broken() -> FakeCluster:
+        raise DOWN
+
+    s = ConnectorSettings.load({}, env={})
+    w = WorkerSide(s, 0, Counters(), broken, failed_as_requests=True)
+    w.register_kv_caches(kv(3), NB)
+    w.start_step(StepPlan(NS, loads=[LoadJob("r", [1, 2], [h(1), h(2)], [["n1"], ["n1"]])]))
+    errors, _ = finish_loads(w, "r")
+    assert errors == set()
+    assert w.take_failed_requests() == {"r"}
+    assert w.take_failed_requests() == set()  # once
+    w.shutdown()
+
+
 def test_retry_once_under_fail_policy() -> None:
     cluster = FakeCluster()
     src = kv(4)

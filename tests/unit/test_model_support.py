@@ -49,6 +49,9 @@ def test_what_is_not_done_says_what_happens_today() -> None:
     assert level == "partial"
     assert "hybrid attention under vLLM's hybrid KV cache manager (2 KV cache groups" in line
     assert "sliding-window groups stored whole" in line
+    # vLLM 0.26 cannot recompute a failed load of several groups (no failed_recving)
+    s = model_support(replace(DENSE, **hybrid), hybrid_recompute=False)
+    assert s.level == "off" and "--disable-hybrid-kv-cache-manager" in s.line()
     level, line = support(**{**hybrid, "block_sizes": (16, 32)})
     assert level == "off"
     assert line.startswith("PegaFlow: off support: 2 KV cache groups (FullAttentionSpec, ")
