@@ -19,7 +19,7 @@ in CI).  What differs, and how it is handled here:
   :func:`pegaflow.connector.namespace.block_hash_bytes`.
 
 Both have ``SupportsHMA`` (vLLM's hybrid KV cache manager stays on with this connector:
-``request_finished_all_groups``); vLLM's CPU platform has no hybrid manager.
+``request_finished_all_groups``; 0.32 runs it on the CPU too, for sliding windows).
 
 Everything else the connector uses (the three-argument constructor, ``block_hashes``,
 ``KVConnectorWorkerMetadata``, ``kv_load_failure_policy``, ``handle_preemptions``,
@@ -255,11 +255,8 @@ def model_support(
             f"cache groups: {', '.join(geometry.specs)}): each group's blocks stored "
             "under keys of their own, a hit only where every group has its blocks"
         )
-        partial.append(
-            "untested on GPUs"
-            + ("; sliding-window groups stored whole, every block, not only the window"
-               if geometry.window_groups else "")
-        )  # fmt: skip
+        if geometry.window_groups:
+            partial.append("sliding-window groups stored whole, every block, not only the window")
     elif geometry.groups > 1:
         off.append(
             f"{geometry.groups} KV cache groups ({', '.join(geometry.specs)}): Mamba / "
