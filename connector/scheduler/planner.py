@@ -74,12 +74,6 @@ class Planner:
         self._fence: list[str] = []
         """requests whose copies must finish before the next step (see ``window_groups``)"""
 
-    @property
-    def fence_pending(self) -> bool:
-        """Blocks a save may still be copying out were given to a request: nothing may
-        be loaded into the step's blocks before the step waited for those copies."""
-        return bool(self._fence)
-
     def keys(self, request: Any) -> list[bytes]:
         """The storage keys of ``request``'s blocks (every group's, interleaved), grown
         as vLLM hashes more of its blocks."""
