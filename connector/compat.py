@@ -128,6 +128,8 @@ class EngineGeometry:
     """the class name of each KV cache group's spec (``FullAttentionSpec`` ...)"""
     block_sizes: tuple[int, ...] = ()
     """each KV cache group's block size (tokens)"""
+    windows: tuple[int, ...] = ()
+    """each KV cache group's sliding window in tokens (0: none)"""
     cache_dtype: str = "auto"
     """vLLM's ``--kv-cache-dtype`` (``auto``, ``fp8``, ``fp8_e4m3`` ...)"""
     dynamic_kv_scales: bool = False
@@ -154,12 +156,6 @@ class EngineGeometry:
             and set(self.specs) <= HYBRID_SPECS
             and len(set(self.block_sizes)) == 1
         )
-
-    @property
-    def window_groups(self) -> frozenset[int]:
-        """The groups whose blocks vLLM frees while their request runs (those that
-        slid out of a sliding window)."""
-        return frozenset(i for i, s in enumerate(self.specs) if s != "FullAttentionSpec")
 
     @property
     def mla(self) -> bool:
@@ -196,6 +192,7 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
         layout=str(getattr(layout, "name", layout)),
         specs=tuple(type(g.kv_cache_spec).__name__ for g in groups),
         block_sizes=tuple(int(g.kv_cache_spec.block_size) for g in groups),
+        windows=tuple(int(getattr(g.kv_cache_spec, "sliding_window", None) or 0) for g in groups),
         cache_dtype=str(getattr(cache, "cache_dtype", "auto") or "auto"),
         dynamic_kv_scales=bool(getattr(cache, "calculate_kv_scales", False)),
         window=int(
@@ -255,8 +252,12 @@ def model_support(
             f"cache groups: {', '.join(geometry.specs)}): each group's blocks stored "
             "under keys of their own, a hit only where every group has its blocks"
         )
-        if geometry.window_groups:
-            partial.append("sliding-window groups stored whole, every block, not only the window")
+        if any(geometry.windows):
+            facts.append(
+                "sliding-window groups stored in the window before each point a later "
+                "request can hit (where saves stop, every window_anchor_tokens)"
+            )
+        partial.append("no P/D handoff; untested on GPUs")
     elif geometry.groups > 1:
         off.append(
             f"{geometry.groups} KV cache groups ({', '.join(geometry.specs)}): Mamba / "

@@ -65,6 +65,7 @@ from .namespace import (
     model_identity,
 )
 from .report import WORKER_COUNTERS, CacheReport, format_line
+from .scheduler.hybrid import GroupLayout
 from .scheduler.nsdiag import factor_strings
 from .scheduler.side import SchedulerSide
 from .settings import ConnectorSettings
@@ -168,9 +169,11 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
                 block_bytes=g.page_bytes * g.num_layers // g.groups,
                 first_steps_min_tokens=first_steps_min_tokens(vllm_config, g),
                 factors=lambda: self._ns_factors,
-                groups=g.groups if g.hybrid else 1,
-                window_groups=g.window_groups if g.hybrid else frozenset(),
-            )
+                layout=(
+                    GroupLayout.of(g.windows, g.block_size, self.settings.window_anchor_tokens)
+                    if g.hybrid else None
+                ),
+            )  # fmt: skip
             self._scheduler.start_warm_up()
             if self.settings.report_interval_s > 0 and self.settings.mode != "off":
                 self._report = CacheReport(

@@ -269,6 +269,13 @@ class ConnectorSettings:
         "also save blocks filled by generated tokens (default: prompt blocks only); on a "
         "kv_consumer, save those and nothing else",
     )
+    window_anchor_tokens: int = opt(
+        2048,
+        "hybrid models (vLLM's hybrid KV cache manager): a sliding-window group's blocks "
+        "are stored in the window before each point where a request's saves stop, and "
+        "before every multiple of this many tokens, where a prompt sharing only part of "
+        "a request's prefix can hit; 0: only where saves stop",
+    )
     handoff_wait_s: float = opt(
         2.0,
         "kv_consumer: how long a request given a producer's handoff waits for its blocks "

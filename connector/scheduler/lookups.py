@@ -93,11 +93,19 @@ class Lookups:
         return probes
 
     def lookup(
-        self, st: ReqState, ns: str, hashes: Sequence[Any], start: int, whole: bool = False
+        self,
+        st: ReqState,
+        ns: str,
+        hashes: Sequence[Any],
+        start: int,
+        whole: bool = False,
+        locate: bool = True,
     ) -> Lookup | None:
         """Look up ``hashes[start:]`` for ``st``'s request and claim the hit (``whole``:
         all of it, a handoff); also kept as ``st.lookup``.  None when the cluster cannot
-        answer (counted; the breaker may pause lookups)."""
+        answer (counted; the breaker may pause lookups).  ``locate``: this host's node
+        may answer and locate the blocks (off: the coordinator is asked, the workers
+        locate what they load)."""
         if not self.breaker.allow():
             self.counters.add("lookup_skipped")
             self.misses.failed(len(hashes) - start)
@@ -118,7 +126,7 @@ class Lookups:
                 {"pegaflow.blocks": len(asked)} if telemetry.tracing else None,
                 parent=telemetry.request_context(st.request.request_id),
             ):
-                located = self.locator.locate(client, ns, asked)
+                located = self.locator.locate(client, ns, asked) if locate else None
                 if located is not None:
                     local = self.locator.answer_locally(start, len(hashes), asked, located)
                     if local is not None:  # the coordinator cannot add to a whole hit
@@ -148,15 +156,7 @@ class Lookups:
         finally:
             self.counters.add("lookup_seconds", self._clock() - t0)
         self.breaker.success()
-        # every hit block must name a node for every shard; trust nothing beyond that
-        valid = 0
-        for b in blocks[:hits]:
-            if not isinstance(b, list | tuple) or len(b) != self.world_size:
-                break
-            if not all(isinstance(x, str) and x for x in b):
-                break
-            valid += 1
-        hits = valid
+        hits = self._valid_rows(blocks, hits)
         self._account(asked, hits, "lookups")
         if self.ns_check is not None:
             self.ns_check.after_lookup(client, ns, hits)
@@ -186,6 +186,49 @@ class Lookups:
             self.locator.pin(client, ns, asked[: lk.hits], lk.nodes)
         st.lookup = lk
         return lk
+
+    def lookup_all(self, ns: str, keys: list[bytes]) -> Lookup | None:
+        """Whether every one of ``keys`` is stored (every shard): a :class:`Lookup` of
+        them all, else None (a miss, or the cluster did not answer: counted)."""
+        if not keys:
+            return Lookup(self._clock(), 0, 0, 0, [])
+        client = self.cluster.get()
+        if client is None or not self.breaker.allow():
+            return None
+        try:
+            res = client.lookup_here(
+                ns, keys, self.shards, self.settings.lookup_timeout_s, generations=True
+            )
+        except Exception as e:
+            self.counters.add("lookup_errors")
+            if self.breaker.failure():
+                logger.warning("PegaFlow: lookups failing; pausing them (circuit breaker open)")
+            self.cluster.log_error("lookup failed", e)
+            return None
+        self.breaker.success()
+        blocks = list(res.blocks or [])[: len(keys)]
+        if self._valid_rows(blocks, min(int(res.hits), len(keys))) < len(keys):
+            return None
+        lk = Lookup(self._clock(), 0, len(keys), len(keys), [list(b) for b in blocks])
+        gens = list(getattr(res, "generations", None) or [])
+        if len(gens) >= len(keys):
+            lk.gens = [list(g) for g in gens[: len(keys)]]
+        on_disk = list(getattr(res, "on_disk", None) or [])
+        if any(on_disk[: len(keys)]):
+            lk.disk = [d is True for d in on_disk[: len(keys)]]
+        return lk
+
+    def _valid_rows(self, blocks: list[Any], hits: int) -> int:
+        """How many of the first ``hits`` answered blocks name a node for every shard:
+        the answer is trusted no further."""
+        valid = 0
+        for b in blocks[:hits]:
+            if not isinstance(b, list | tuple) or len(b) != self.world_size:
+                break
+            if not all(isinstance(x, str) and x for x in b):
+                break
+            valid += 1
+        return valid
 
     def note_down(self, nodes: Sequence[str]) -> None:
         """The workers' clients know ``nodes`` to be down now: their hits are declined

@@ -23,8 +23,9 @@ from ..metadata import LoadJob, SaveJob, StepPlan, WorkerReport
 from ..metrics import Counters
 from ..namespace import block_hashes_bytes, group_keys
 from ..settings import ConnectorSettings
+from .hybrid import GroupLayout, Slot
 from .known import KnownBlocks
-from .reqstate import ReqState, per_group
+from .reqstate import Lookup, ReqState, per_group
 
 logger = logging.getLogger("pegaflow.connector")
 
@@ -41,13 +42,12 @@ class Planner:
         namespace: the cache namespace ('' while not known).
         budget: how long a load of that many tokens may wait (``LoadJob.budget_s``;
             None: no budget, ``transfer_timeout_s``).
-        groups: KV cache groups (vLLM's hybrid KV cache manager): each position of a
-            request is ``groups`` stored blocks, keyed by
-            :func:`~pegaflow.connector.namespace.group_keys`.
-        window_groups: the groups whose blocks vLLM frees while their request runs
-            (sliding windows): a block of theirs given to a request while its save may
-            still be copying makes the step wait for that copy first (as a preemption
-            does).
+        layout: a hybrid model's KV cache groups (vLLM's hybrid KV cache manager; None:
+            one group): each position of a request is a block per group, keyed by
+            :func:`~pegaflow.connector.namespace.group_keys`, stored and loaded as
+            :mod:`.hybrid` says.  vLLM frees a sliding-window group's blocks while their
+            request runs: one given to a request while its save may still be copying
+            makes the step wait for that copy first (as a preemption does).
     """
 
     settings: ConnectorSettings
@@ -56,8 +56,7 @@ class Planner:
     known: KnownBlocks
     namespace: InitVar[Callable[[], str]]
     budget: InitVar[Callable[[int], float] | None] = None
-    groups: int = 1
-    window_groups: frozenset[int] = frozenset()
+    layout: GroupLayout | None = None
 
     def __post_init__(
         self, namespace: Callable[[], str], budget: Callable[[int], float] | None
@@ -68,11 +67,12 @@ class Planner:
         """the tracked requests by id, from their first lookup until they finish"""
         self._pending_loads: list[LoadJob] = []
         self._delay_free: list[str] = []
+        self.groups = self.layout.groups if self.layout is not None else 1
         self._window_saved: dict[int, str] = {}
         """block id of a window group -> the request that saved it (until vLLM gives
         the block out again)"""
         self._fence: list[str] = []
-        """requests whose copies must finish before the next step (see ``window_groups``)"""
+        """requests whose copies must finish before the next step (see ``layout``)"""
 
     def keys(self, request: Any) -> list[bytes]:
         """The storage keys of ``request``'s blocks (every group's, interleaved), grown
@@ -88,7 +88,7 @@ class Planner:
         """Fence the step where vLLM gave out again a window group's block whose save
         may still be copying."""
         saved = self._window_saved
-        if not saved:
+        if not saved:  # also: no window groups
             return
         for group in ids:
             for b in group:
@@ -111,56 +111,95 @@ class Planner:
         st = self.state(request)
         if num_external_tokens <= 0:
             return None
-        g = self.groups
-        ids = per_group(block_ids, g)
-        if self.window_groups:
-            self._check_reuse(ids)
-        bs = self.block_size
-        n_load = -(-num_external_tokens // bs)
         lk = st.lookup
         st.lookup = None
-        keys = self.keys(request)
-        if lk is None or n_load * g > lk.hits or min(map(len, ids)) < lk.start // g + n_load:
-            # vLLM asked for a load we did not offer: answer it with failures, never KV
-            start = lk.start // g if lk is not None else max(0, len(ids[0]) - n_load)
-            logger.error(
-                "PegaFlow: unexpected load of %d tokens for %s; reporting it failed",
-                num_external_tokens,
-                request.request_id,
-            )
-            nodes: list[list[str]] = [[] for _ in range(n_load * g)]
-            gens: list[list[int]] = []
-            located: list[LocatedBlocks] = []
+        ids = per_group(block_ids, self.groups)
+        if self.layout is not None:
+            job = self._plan_hybrid_load(st, ids, num_external_tokens, lk)
         else:
-            start = lk.start // g
-            nodes = lk.nodes[: n_load * g]
-            gens = lk.gens[: n_load * g]
-            located = [where[: n_load * g] for where in lk.located]
-        end = min(start + n_load, *map(len, ids))
-        job = LoadJob(
-            req_id=request.request_id,
-            block_ids=[b[i] for i in range(start, end) for b in ids],
-            hashes=keys[start * g : (start + n_load) * g],
-            nodes=nodes,
-            first_block=start * g,
-            sync=lk is not None and lk.sync,
-            gens=gens,
-            disk=lk.disk[: n_load * g] if lk is not None and n_load * g <= lk.hits else [],
-            located=located,
-            pins=list(lk.pins) if lk is not None and located else [],
-            located_at=lk.located_at if lk is not None else 0.0,
-        )
+            job = self._plan_one_group_load(st, ids[0], num_external_tokens, lk)
         if self._budget is not None and not job.sync:
             job.budget_s = self._budget(num_external_tokens)
-        if len(job.block_ids) != n_load * g or len(job.hashes) != n_load * g:
-            job.nodes = [[] for _ in job.block_ids]
-            job.hashes = (job.hashes + [b"\0"] * len(job.block_ids))[: len(job.block_ids)]
-        if g > 1:
-            _skip_null_blocks(job)
         self._pending_loads.append(job)
         st.loading = not job.sync
         self.counters.add("hit_tokens", num_external_tokens)
         return job
+
+    def _plan_one_group_load(
+        self, st: ReqState, ids: list[int], num_external_tokens: int, lk: Lookup | None
+    ) -> LoadJob:
+        request = st.request
+        n_load = -(-num_external_tokens // self.block_size)
+        keys = self.keys(request)
+        if lk is None or n_load > lk.hits or len(ids) < lk.start + n_load:
+            start = lk.start if lk is not None else max(0, len(ids) - n_load)
+            self._unexpected(request, num_external_tokens)
+            nodes: list[list[str]] = [[] for _ in range(n_load)]
+            gens: list[list[int]] = []
+            located: list[LocatedBlocks] = []
+        else:
+            start = lk.start
+            nodes = lk.nodes[:n_load]
+            gens = lk.gens[:n_load]
+            located = [where[:n_load] for where in lk.located]
+        job = LoadJob(
+            req_id=request.request_id,
+            block_ids=list(ids[start : start + n_load]),
+            hashes=keys[start : start + n_load],
+            nodes=nodes,
+            first_block=start,
+            sync=lk is not None and lk.sync,
+            gens=gens,
+            disk=lk.disk[:n_load] if lk is not None and n_load <= lk.hits else [],
+            located=located,
+            pins=list(lk.pins) if lk is not None and located else [],
+            located_at=lk.located_at if lk is not None else 0.0,
+        )
+        if len(job.block_ids) != n_load or len(job.hashes) != n_load:
+            job.nodes = [[] for _ in job.block_ids]
+            job.hashes = (job.hashes + [b"\0"] * len(job.block_ids))[: len(job.block_ids)]
+        return job
+
+    def _plan_hybrid_load(
+        self, st: ReqState, ids: list[list[int]], num_external_tokens: int, lk: Lookup | None
+    ) -> LoadJob:
+        """A hybrid model's load: the blocks of the hit's slots (every full group's, the
+        window groups' windows), into exactly the blocks vLLM allocated for them."""
+        assert self.layout is not None
+        self._check_reuse(ids)
+        request = st.request
+        n_load = -(-num_external_tokens // self.block_size)
+        slots: list[Slot]
+        if lk is None or lk.hits != n_load or any(p >= len(ids[g]) for p, g in lk.slots):
+            start = lk.start if lk is not None else max(0, len(ids[0]) - n_load)
+            self._unexpected(request, num_external_tokens)
+            slots = self.layout.full_slots(start, min(start + n_load, *map(len, ids)))
+            nodes: list[list[str]] = [[] for _ in slots]
+            gens: list[list[int]] = []
+            disk: list[bool] = []
+        else:
+            start, slots, nodes, gens, disk = lk.start, lk.slots, lk.nodes, lk.gens, lk.disk
+        keys = self.keys(request)
+        job = LoadJob(
+            req_id=request.request_id,
+            block_ids=[ids[g][p] for p, g in slots],
+            hashes=[self.layout.key(keys, slot) for slot in slots],
+            nodes=nodes,
+            first_block=start * self.groups,
+            gens=gens,
+            disk=disk,
+        )
+        _skip_null_blocks(job)
+        return job
+
+    @staticmethod
+    def _unexpected(request: Any, tokens: int) -> None:
+        """vLLM asked for a load not offered: it is answered with failures, never KV."""
+        logger.error(
+            "PegaFlow: unexpected load of %d tokens for %s; reporting it failed",
+            tokens,
+            request.request_id,
+        )
 
     def build_plan(self, scheduler_output: Any, probes: list[LoadJob]) -> StepPlan:
         """This step's :class:`StepPlan`, with ``probes`` after the planned loads
@@ -180,8 +219,7 @@ class Planner:
             if st is None:
                 continue
             st.block_ids = per_group(nr.block_ids, g)
-            if self.window_groups:
-                self._check_reuse(st.block_ids)
+            self._check_reuse(st.block_ids)
             st.loading = False
             after = nr.num_computed_tokens + num_sched.get(nr.req_id, 0)
             after -= len(spec.get(nr.req_id, ()) or ())
@@ -200,7 +238,7 @@ class Planner:
                 elif nb:
                     for mine, new in zip(st.block_ids, per_group(nb, g), strict=True):
                         mine.extend(new)
-                if nb and self.window_groups:
+                if nb:
                     self._check_reuse(per_group(nb, g))
                 st.loading = False
                 after = cached.num_computed_tokens[i] + num_sched.get(rid, 0)
@@ -243,20 +281,21 @@ class Planner:
             return
         ids: list[int] = []
         hs: list[bytes] = []
-        for i in range(lo, full):
-            for group in range(g):
-                bid = st.block_ids[group][i]
-                if bid <= 0:  # vLLM's null block: nothing to save
-                    continue
-                h = keys[i * g + group]
-                if h in self.known:
-                    self.counters.add("save_known_blocks")
-                    continue
-                self.known.add(h)
-                ids.append(bid)
-                hs.append(h)
-                if group in self.window_groups:
-                    self._window_saved[bid] = rid
+        lay = self.layout
+        slots = lay.save_slots(lo, full) if lay is not None else [(i, 0) for i in range(lo, full)]
+        for i, group in slots:
+            bid = st.block_ids[group][i]
+            if bid <= 0:  # vLLM's null block: nothing to save
+                continue
+            h = keys[i * g + group]
+            if h in self.known:
+                self.counters.add("save_known_blocks")
+                continue
+            self.known.add(h)
+            ids.append(bid)
+            hs.append(h)
+            if lay is not None and lay.windows[group]:
+                self._window_saved[bid] = rid
         if ids:
             plan.saves.append(SaveJob(rid, ids, hs))
             st.saved_any = True
@@ -286,8 +325,8 @@ class Planner:
 
 
 def _skip_null_blocks(job: LoadJob) -> None:
-    """Drop from a hybrid load the positions vLLM gave null blocks (a sliding window's
-    start, which attention skips): nothing to load there."""
+    """Drop from a hybrid load the blocks vLLM gave its null block (before a sliding
+    window, which attention skips): nothing to load there."""
     keep = [j for j, b in enumerate(job.block_ids) if b > 0]
     if len(keep) == len(job.block_ids):
         return
@@ -297,8 +336,4 @@ def _skip_null_blocks(job: LoadJob) -> None:
     if job.gens:
         job.gens = [job.gens[j] for j in keep]
     if job.disk:
-        job.disk = [job.disk[j] for j in keep]
-    if job.located:
-        job.located = [
-            LocatedBlocks(w.flags[keep], w.cols[keep], w.pool) for w in job.located
-        ]
+        job.disk = [job.disk[j] for j in keep if j < len(job.disk)]

@@ -34,6 +34,9 @@ class Lookup:
     pins: list[int] = field(default_factory=list)
     """per shard, the local node's pin on the located blocks"""
     located_at: float = 0.0
+    slots: list[tuple[int, int]] = field(default_factory=list)
+    """a hybrid model's hit: the (position, group) of each block of ``nodes`` (empty:
+    one group, block ``i`` is position ``start + i``); ``hits`` then counts positions"""
 
 
 @dataclass

@@ -27,12 +27,14 @@ from ..report import SameHostReport
 from ..settings import ConnectorSettings
 from .costmodel import CostModel
 from .handoffwait import HandoffWait
+from .hybrid import GroupLayout
 from .known import KnownBlocks
 from .locating import Locator
 from .lookups import Lookups
 from .missreport import REPORT_TIMEOUT_S, MissReporter, Send
 from .nsdiag import NamespaceCheck
 from .planner import Planner
+from .reqstate import Lookup, ReqState
 from .schedclient import ClusterClient, LookupClient
 from .warmup import WARM_UP_NS, WarmUp
 
@@ -64,10 +66,9 @@ class SchedulerSide:
             bound; see :func:`~pegaflow.connector.compat.first_steps_min_tokens`).
         factors: this engine's namespace factors (:func:`.nsdiag.factor_strings`), sent
             when a lookup finds nothing to learn whether another namespace has the model.
-        groups: KV cache groups stored (vLLM's hybrid KV cache manager): a request's
-            blocks are looked up, loaded and saved under the keys of every group
-            (:func:`~pegaflow.connector.namespace.group_keys`); a hit is whole positions.
-        window_groups: the groups whose blocks vLLM frees while their request runs.
+        layout: a hybrid model's KV cache groups (vLLM's hybrid KV cache manager; None:
+            one group): what of each group is stored, looked up and loaded
+            (:mod:`.hybrid`).
     """
 
     def __init__(
@@ -84,11 +85,10 @@ class SchedulerSide:
         block_bytes: int = 0,
         first_steps_min_tokens: int = 0,
         factors: Callable[[], Mapping[str, str]] = dict,
-        groups: int = 1,
-        window_groups: frozenset[int] = frozenset(),
+        layout: GroupLayout | None = None,
     ) -> None:
         self.settings = settings
-        self.groups = groups
+        self.layout = layout
         self.first_steps_min_tokens = first_steps_min_tokens
         """a hit leaves this many tokens to compute until a step has computed as many"""
         self.block_size = block_size
@@ -122,7 +122,7 @@ class SchedulerSide:
         )
         self.planner = Planner(
             settings, block_size, counters, self.known, lambda: self.namespace,
-            self.load_budget_s, groups, window_groups,
+            self.load_budget_s, layout,
         )  # fmt: skip
         self.miss_report = MissReporter(
             counters, self._miss_sender, lambda: self.namespace, self.lookups.misses.details,
@@ -183,20 +183,20 @@ class SchedulerSide:
         if num_computed_tokens % bs:
             return 0, False
         hashes = self.planner.keys(request)
-        g = self.groups
-        n = len(hashes)
-        start = num_computed_tokens // bs * g
-        if start >= n or (request.num_tokens - 1) // bs * g <= start:
+        n = len(hashes) // self.planner.groups  # positions
+        start = num_computed_tokens // bs
+        if start >= n or (request.num_tokens - 1) // bs <= start:
             # no full block is left before the last token (which vLLM computes anyway):
             # e.g. vLLM's own prefix cache served the rest; no lookup to pay for
             return 0, False
         ns = self.namespace
         if not ns:
             return 0, False
+        if self.layout is not None:
+            return self._hybrid_hit(st, request, ns, hashes, start, n, num_computed_tokens)
         lk = st.lookup
         now = self._clock()
-        # a P/D handoff names blocks by their hashes: single-group engines only
-        ho = self.handoffs.read(st, ns, hashes, now) if g == 1 else None
+        ho = self.handoffs.read(st, ns, hashes, now)
         if ho is not None:
             lk, wait = self.handoffs.wait(st, ho, ns, hashes, start, now)
             if wait:
@@ -212,20 +212,72 @@ class SchedulerSide:
             lk = self.lookups.lookup(st, ns, hashes, start)
             if lk is None:
                 return 0, False
-        hit = lk.hits // g * bs  # tokens: whole positions of every group
-        if hit <= 0:
+        if lk.hits <= 0:
             return 0, False
-        if g == 1 and self.locator.all_local(lk):
+        if self.locator.all_local(lk):
             # layer-wise: loaded during the step that computes the rest, so vLLM must
-            # have at least one token left to compute (not with several groups: vLLM
-            # recomputes their failed loads only before the step, as failed requests)
-            tokens = min(hit, (request.num_tokens - 1) // bs * bs - num_computed_tokens)
+            # have at least one token left to compute
+            tokens = min(lk.hits * bs, (request.num_tokens - 1) // bs * bs - num_computed_tokens)
             tokens = self._leave_for_first_steps(request, num_computed_tokens, tokens)
             lk.sync = tokens > 0
             return (tokens, False) if tokens > 0 else (0, False)
         lk.sync = False
-        tokens = self._leave_for_first_steps(request, num_computed_tokens, hit)
+        tokens = self._leave_for_first_steps(request, num_computed_tokens, lk.hits * bs)
         return (tokens, True) if tokens > 0 else (0, False)
+
+    def _hybrid_hit(
+        self, st: ReqState, request: Any, ns: str, keys: list[bytes], start: int, n: int,
+        computed: int,
+    ) -> tuple[int, bool]:
+        """A hybrid model's hit (loaded asynchronously: vLLM recomputes a failed load of
+        several groups only before the step, as a failed request)."""
+        lk = st.lookup
+        if not (
+            lk is not None
+            and lk.start == start
+            and lk.n_hashes == n
+            and self._clock() - lk.at < self.settings.lookup_cache_s
+        ):
+            lk = st.lookup = self._hybrid_lookup(st, request, ns, keys, start, n, computed)
+            if lk is None:
+                return 0, False
+        return (lk.hits * self.block_size, True) if lk.hits > 0 else (0, False)
+
+    def _hybrid_lookup(
+        self, st: ReqState, request: Any, ns: str, keys: list[bytes], start: int, n: int,
+        computed: int,
+    ) -> Lookup | None:
+        """The full groups' longest run of positions, then the windows before its end,
+        else before the last anchor (:mod:`.hybrid`); a hit never covers the last
+        token: vLLM would back a whole-prompt hit up into a window not loaded."""
+        lay = self.layout
+        assert lay is not None
+        bs = self.block_size
+        first = self.lookups.lookup(
+            st, ns, [lay.key(keys, s) for s in lay.full_slots(start, n)], 0, locate=False
+        )
+        if first is None:
+            return None
+        nf = len(lay.full)
+        end = min(start + first.hits // nf, (request.num_tokens - 1) // bs)
+        end = start + self._leave_for_first_steps(request, computed, (end - start) * bs) // bs
+        hit = Lookup(first.at, start, n, 0, [])
+        for e in lay.ends(start, end):
+            slots = lay.window_slots(start, e)
+            win = self.lookups.lookup_all(ns, [lay.key(keys, s) for s in slots])
+            if win is None:
+                continue
+            k = (e - start) * nf
+            hit.hits = e - start
+            hit.slots = lay.full_slots(start, e) + slots
+            hit.nodes = first.nodes[:k] + win.nodes
+            if len(first.gens) >= k and len(win.gens) == len(slots):
+                hit.gens = first.gens[:k] + win.gens
+            if first.disk or win.disk:
+                pad = [False] * k
+                hit.disk = (first.disk[:k] + pad)[:k] + (win.disk or [False] * len(slots))
+            break
+        return hit
 
     def _leave_for_first_steps(self, request: Any, computed: int, tokens: int) -> int:
         """``tokens`` of a hit, whole blocks fewer where it would leave fewer than
@@ -272,7 +324,7 @@ class SchedulerSide:
         :class:`~pegaflow.connector.handoff.Handoff` of the prompt blocks it saved or found stored
         (None: not a producer, or no full block)."""
         st = self.planner.reqs.get(request.request_id)
-        if self.groups > 1:
+        if self.layout is not None:
             return None
         return self.handoffs.params(st, request, self.namespace)
 

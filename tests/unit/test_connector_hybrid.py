@@ -69,9 +69,14 @@ def config() -> Any:
     return vc
 
 
-def make_scheduler(config: Any, cluster: FakeCluster, groups: list[Any], blocks: int) -> Scheduler:
-    """vLLM's scheduler with ``groups`` of one layer each and ``blocks`` blocks."""
+def make_scheduler(
+    config: Any, cluster: FakeCluster, groups: list[Any], blocks: int, anchor_tokens: int = 0
+) -> Scheduler:
+    """vLLM's scheduler with ``groups`` of one layer each and ``blocks`` blocks; the
+    window groups stored before every ``anchor_tokens`` too (0: only where saves stop)."""
     config.cache_config.num_gpu_blocks = blocks
+    extra = config.kv_transfer_config.kv_connector_extra_config
+    extra["window_anchor_tokens"] = anchor_tokens
     kcc = KVCacheConfig(
         num_blocks=blocks,
         kv_cache_tensors=[],
@@ -151,9 +156,13 @@ def test_every_group_is_saved_and_a_restarted_engine_loads_every_group(
     saves = [(b, k) for job in plan.saves for b, k in zip(job.block_ids, job.hashes, strict=True)]
     keys = keys_of(first, r1)
     fa_ids, sw_ids = out.scheduled_new_reqs[0].block_ids
-    # the prompt's 10 full blocks in both groups, each under its group's key
-    assert saves == [(ids[i], keys[2 * i + g]) for i in range(10) for g, ids in
-                     enumerate((fa_ids, sw_ids))]  # fmt: skip
+    # the prompt's 10 full blocks of the full-attention group; of the window group only
+    # the window before the end, positions 6..9 (4 blocks: cdiv(WINDOW - 1, BS)), each
+    # under its group's key
+    assert sorted(saves) == sorted(
+        [(fa_ids[i], keys[2 * i]) for i in range(10)]
+        + [(sw_ids[i], keys[2 * i + 1]) for i in range(6, 10)]
+    )
     store_saves(cluster, plan)
     for _ in range(3):
         step(first)  # r1 finishes; vLLM asks the connector (all groups) about its blocks
@@ -203,28 +212,33 @@ def test_a_failed_hybrid_load_reported_by_request_is_recomputed_whole(
     assert out.num_scheduled_tokens["f2"] == 200  # nothing taken from the failed load
 
 
-def test_no_hit_is_claimed_where_a_group_lacks_its_blocks(
-    config: Any, cluster: FakeCluster
-) -> None:
-    first = make_scheduler(config, cluster, [FA, SW], 200)
+def test_a_hit_ends_where_every_group_has_its_blocks(config: Any, cluster: FakeCluster) -> None:
+    """With anchors every 4 blocks the window group is stored before positions 4, 8
+    and 10 (the end); its blocks of positions 8 and 9 lost, the hit ends at the anchor
+    8, whose window (4..7) is there; the full-attention group alone would hit 10."""
+    first = make_scheduler(config, cluster, [FA, SW], 200, anchor_tokens=4 * BS)
     tokens = list(range(3000, 3160))
     r1 = request("a1", tokens)
     first.add_request(r1)
     _, plan = step(first)
     keys = keys_of(first, r1)
+    assert sum(len(j.hashes) for j in plan.saves) == 10 + 10  # windows before 4, 8, 10
     store_saves(cluster, plan)
-    for i in range(6, 10):  # the window group's blocks of positions 6..9 are gone
+    for i in (8, 9):
         del cluster.blocks[(plan.namespace, keys[2 * i + 1], 0)]
-    second = make_scheduler(config, cluster, [FA, SW], 200)
+    second = make_scheduler(config, cluster, [FA, SW], 200, anchor_tokens=4 * BS)
     second.add_request(request("a2", tokens + [1] * 40))
     _, plan = step(second)
-    # a hit of 6 positions (96 tokens): the full-attention group's 6 blocks and the
-    # window group's last 4 of them (attention skips its first 2)
-    assert len(plan.loads) == 1 and len(plan.loads[0].block_ids) == 6 + 4
+    assert len(plan.loads) == 1
     keys2 = keys_of(second, second.requests["a2"])
     assert sorted(plan.loads[0].hashes) == sorted(
-        [keys2[2 * i] for i in range(6)] + [keys2[2 * i + 1] for i in range(2, 6)]
+        [keys2[2 * i] for i in range(8)] + [keys2[2 * i + 1] for i in range(4, 8)]
     )
+    # without anchors nothing but the end's window is stored: no hit at all
+    third = make_scheduler(config, cluster, [FA, SW], 200)
+    third.add_request(request("a3", tokens + [2] * 40))
+    _, plan = step(third)
+    assert not plan.loads
 
 
 def test_a_reused_window_block_waits_for_its_save(config: Any, cluster: FakeCluster) -> None:

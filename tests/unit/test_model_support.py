@@ -44,11 +44,15 @@ def test_dense_models_with_tested_dtypes_and_block_sizes_have_full_support() -> 
 
 
 def test_what_is_not_done_says_what_happens_today() -> None:
-    hybrid = {"specs": ("FullAttentionSpec", "SlidingWindowSpec"), "block_sizes": (16, 16)}
+    hybrid = {
+        "specs": ("FullAttentionSpec", "SlidingWindowSpec"), "block_sizes": (16, 16),
+        "windows": (0, 128),
+    }  # fmt: skip
     level, line = support(**hybrid)
     assert level == "partial"
     assert "hybrid attention under vLLM's hybrid KV cache manager (2 KV cache groups" in line
-    assert "sliding-window groups stored whole" in line
+    assert "sliding-window groups stored in the window before each point" in line
+    assert line.endswith("no P/D handoff; untested on GPUs")
     # vLLM 0.26 cannot recompute a failed load of several groups (no failed_recving)
     s = model_support(replace(DENSE, **hybrid), hybrid_recompute=False)
     assert s.level == "off" and "--disable-hybrid-kv-cache-manager" in s.line()
