@@ -319,3 +319,12 @@ def test_tier_scores() -> None:
     # a longer prefix on the host beats a short one on the GPU
     s = tier_scores([a, b], {a.url: 2}, {b.url: 10}, 10, w)
     assert s[b.url] > s[a.url]
+
+
+def test_status_renders_the_gpu_view() -> None:
+    from pegaflow.router.status import render_router
+
+    view = GpuView(capacity=10, stale_s=2.0)
+    rep = {**Replica("http://a:1", healthy=True).status(), "gpu_view": view.status()}
+    text = render_router({"url": "http://r:1", "router": {"mode": "cache"}, "replicas": [rep]})
+    assert "GPU cache from KV events: 0 blocks, NOT USED" in text and "hashes pending" in text
