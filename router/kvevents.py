@@ -37,7 +37,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -246,32 +246,27 @@ Checker = Callable[[Stored], bool | None]
 cannot tell)"""
 
 
+def _ignore(_outcome: str) -> None:
+    pass
+
+
+@dataclass
 class Subscription:
     """One replica's KV events: a SUB socket on ``endpoint``, gaps filled from
     ``replay`` (may be empty), applied to :attr:`view`.  :meth:`run` until cancelled."""
 
-    def __init__(
-        self,
-        name: str,
-        endpoint: str,
-        replay: str,
-        view: GpuView,
-        check: Checker,
-        timeout_s: float,
-        topic: str = "",
-        on_batch: Callable[[str], None] | None = None,
-    ) -> None:
-        """``check``: the hash check of :attr:`GpuView.hash_check`; ``on_batch``: told
-        each message's outcome (``applied``, ``lost``, ``restart``, ``bad``)."""
-        self.name = name
-        self.endpoint = endpoint
-        self.replay = replay
-        self.view = view
-        self.check = check
-        self.timeout_s = timeout_s
-        self.topic = topic.encode()
-        self.on_batch = on_batch or (lambda _outcome: None)
-        self.bad = 0
+    name: str
+    endpoint: str
+    replay: str
+    view: GpuView
+    check: Checker
+    """the hash check of :attr:`GpuView.hash_check`"""
+    timeout_s: float
+    """deadline of one replay request"""
+    topic: str = ""
+    on_batch: Callable[[str], None] = _ignore
+    """told each message's outcome (``applied``, ``lost``, ``restart``, ``bad``)"""
+    bad: int = field(default=0, init=False)
 
     async def run(self) -> None:
         """Subscribe and apply batches until cancelled; with a replay endpoint, confirm
@@ -284,7 +279,7 @@ class Subscription:
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         sub.connect(self.endpoint)
         view, half = self.view, self.view.stale_s / 2
         try:

@@ -47,17 +47,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+import scripts.bench_serving as serving  # noqa: E402
 from pegaflow.tools.devcluster import Proc, free_port  # noqa: E402
-from scripts.bench_serving import (  # noqa: E402
-    TINY_ARGS,
-    Replica,
-    Result,
-    complete,
-    pct,
-    replica_env,
-    start_router,
-    words,
-)
+from scripts.bench_serving import Replica, Result, complete, words  # noqa: E402
 
 BLOCK = 32
 SMALL = {
@@ -97,8 +89,8 @@ def start_replicas(model: str, n: int) -> tuple[list[Replica], list[tuple[int, i
         pub, replay = ports[i]
         events = {"enable_kv_cache_events": True, "publisher": "zmq",
                   "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}  # fmt: skip
-        args = [*TINY_ARGS, "--seed", "0", "--kv-events-config", json.dumps(events)]
-        r = Replica(model, args, None, env=replica_env(), name=f"replica-{i}")
+        args = [*serving.TINY_ARGS, "--seed", "0", "--kv-events-config", json.dumps(events)]
+        r = Replica(model, args, None, env=serving.replica_env(), name=f"replica-{i}")
         r.wait_ready(900)
         return r
 
@@ -158,8 +150,8 @@ def summarize(results: list[Result], context: list[dict[str, Any]]) -> dict[str,
     own = sum(1 for r, c in later if r.cached_tokens >= c["prev_tokens"] // BLOCK * BLOCK)
     return {
         "requests": len(results),
-        "ttft_p50_ms": round(pct(ttft, 50), 1),
-        "ttft_p99_ms": round(pct(ttft, 99), 1),
+        "ttft_p50_ms": round(serving.pct(ttft, 50), 1),
+        "ttft_p99_ms": round(serving.pct(ttft, 99), 1),
         "ttft_mean_ms": round(sum(ttft) / len(ttft), 1),
         "cached_share": round(
             sum(r.cached_tokens for r in results) / max(1, sum(r.prompt_tokens for r in results)), 3
@@ -206,10 +198,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         urls = {}
         for name in a.routers.split(","):
             if name == "rr":
-                proc, urls[name] = start_router("rr", spec_rr)
+                proc, urls[name] = serving.start_router("rr", spec_rr)
             else:
                 extra = ["--router-tokenizer", model, "--router-block-size", str(BLOCK)]
-                proc, urls[name] = start_router("cache", spec_ev, extra)
+                proc, urls[name] = serving.start_router("cache", spec_ev, extra)
             procs.append(proc)
         time.sleep(2)  # the events router's subscriptions connect
         routers: dict[str, Any] = {}
