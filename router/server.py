@@ -224,6 +224,7 @@ class Router(Proxy):
             return
         h = self.hasher
         self.hasher = BlockHasher(h.block_size, h.algo, h.seed, fn)
+        log.info("the router hashes prompts with vLLM's own %s function", h.algo)
 
     def _check_hashes(self, ev: Stored) -> bool | None:
         """Whether the router's hashes of a replica's stored blocks equal its own."""
@@ -282,6 +283,9 @@ class Router(Proxy):
                 "namespace": self.cfg.namespace,
                 "max_inflight": self.cfg.max_inflight,
                 "recent_routes": len(self.recent),
+                "hash_function": "" if self.hasher is None else (
+                    "vllm" if self.hasher.own else "copy"
+                ),
                 "max_connections": self.max_connections,
                 "refused_connections": self.refused_connections,
                 "body_bytes_held": self._bodies.used,

@@ -159,6 +159,11 @@ def summarize(results: list[Result], context: list[dict[str, Any]]) -> dict[str,
         "later_turns_from_own_cache": round(own / max(1, len(later)), 3),
         "later_turns_stayed": round(sum(c["stayed"] for _, c in later) / max(1, len(later)), 3),
         "prompt_tokens_mean": round(sum(r.prompt_tokens for r in results) / len(results)),
+        "slowest": [
+            {"ttft_ms": round(r.ttft * 1000, 1), "turn": c["turn"], "replica": r.served_by,
+             "cached": r.cached_tokens, "prompt": r.prompt_tokens}
+            for r, c in sorted(zip(results, context, strict=True), key=lambda x: -x[0].ttft)[:3]
+        ],
     }
 
 
@@ -203,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 extra = ["--router-tokenizer", model, "--router-block-size", str(BLOCK)]
                 proc, urls[name] = serving.start_router("cache", spec_ev, extra)
             procs.append(proc)
-        time.sleep(2)  # the events router's subscriptions connect
+        for name, url in urls.items():
+            wait_hashing(url)
         routers: dict[str, Any] = {}
         for i, (name, url) in enumerate(urls.items()):
             t0 = time.monotonic()
@@ -231,6 +237,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(out, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x))
     return 0
+
+
+def wait_hashing(url: str, timeout: float = 180.0) -> None:
+    """Wait until a cache-mode router hashes with vLLM's own function (it imports torch
+    in the background at start, which takes the machine's CPU for a while)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib_open(url + "/v1/status") as st:
+            if json.loads(st.read())["router"].get("hash_function") in ("vllm", ""):
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not load vLLM's hash function in {timeout} s")
 
 
 def urllib_open(url: str) -> Any:
