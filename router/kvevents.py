@@ -182,7 +182,7 @@ class GpuView:
     def pending(self) -> bool:
         """Whether the replica may have published batches not seen yet (a request of
         this router began or ended since the last confirmation)."""
-        return self.touched >= self.confirmed_at
+        return self.touched > self.confirmed_at
 
     def usable(self, now: float) -> bool:
         """Whether routing may rely on this view now (the module docstring's bound)."""

@@ -296,6 +296,22 @@ def tier_scores(
     return out
 
 
+def less_load(
+    replicas: Sequence[Replica], scores: Mapping[str, float], load_blocks: float
+) -> dict[str, float]:
+    """``scores`` less ``load_blocks`` for each request a replica has in flight more than
+    the least loaded healthy replica (an idle replica saves its queue)."""
+    if load_blocks <= 0 or not scores:
+        return dict(scores)
+    low = min((r.inflight for r in replicas if r.healthy), default=0)
+    out: dict[str, float] = {}
+    for r in replicas:
+        net = scores.get(r.url, 0.0) - load_blocks * max(0, r.inflight - low)
+        if r.url in scores and net > 1e-9:
+            out[r.url] = net
+    return out
+
+
 class RecentRoutes:
     """Bounded memory of where recent prompts went: last full-block hash -> replica
     URL.  Covers the moments before a replica's saves are committed in the index (a

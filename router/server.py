@@ -47,7 +47,15 @@ from .hashing import BlockHasher, hashable, vllm_hash_function
 from .kvevents import GpuView, Stored, Subscription, block_key
 from .limits import Busy, ByteBudget, connection_limit
 from .metrics import RouterMetrics
-from .policy import Choice, RecentRoutes, TierWeights, node_scores, parse_replicas, tier_scores
+from .policy import (
+    Choice,
+    RecentRoutes,
+    TierWeights,
+    less_load,
+    node_scores,
+    parse_replicas,
+    tier_scores,
+)
 from .prompts import PromptTokenizer
 from .proxy import Proxy, error, error_body
 from .report import Reporter, advertised_url
@@ -467,7 +475,10 @@ class Router(Proxy):
             local = node_scores(self.replicas, owners, hosts)
         gpu = self._gpu_prefixes(hashes)
         scores = tier_scores(self.replicas, gpu, local, stored, self.weights)
-        choice = self.picker.by_affinity(scores)
+        net = less_load(self.replicas, scores, self.cfg.load_blocks)
+        choice = self.picker.by_affinity(net)
+        if choice.decision == "miss" and scores:
+            choice = Choice(choice.replica, "balanced")  # held, but its queue costs more
         if choice.replica is not None:
             g = gpu.get(choice.replica.url, 0)
             beyond = max(0, stored - g)

@@ -5,7 +5,8 @@ Starts ``--replicas-n`` real ``vllm serve`` CPU replicas (dummy weights, a word-
 tokenizer, vLLM's own prefix caching, no connector: every cached token is a hit in the
 replica's own cache), each publishing its KV events, and two ``pegaflow-router``s in
 front of them: ``rr`` (round robin) and ``events`` (cache mode on the KV events, no
-pool).  The same workload, on fresh content, goes through each in turn:
+pool).  The same workload, on fresh content, goes through each in turn (``--repeats``
+times, the order alternating; the figures pool the runs):
 ``--conversations`` multi-turn conversations, each opening with one of ``--docs`` shared
 documents plus a question, ``--turns`` turns each (a turn's prompt: the whole history
 plus a new message), ``--concurrency`` conversations in flight (closed loop: a
@@ -77,11 +78,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--message-tokens", type=int, default=96)
     ap.add_argument("--max-tokens", type=int, default=16, help="answer length")
     ap.add_argument("--routers", default="rr,events", help="in this order")
+    ap.add_argument("--max-inflight", type=int, default=64,
+                    help="the events router's --router-max-inflight")
+    ap.add_argument("--load-blocks", type=float, default=0.0,
+                    help="the events router's --router-load-blocks")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs per router, fresh content each, the routers' order alternating")
+    ap.add_argument("--bind-cores", action="store_true",
+                    help="each replica's threads on a core of its own (VLLM_CPU_OMP_THREADS_BIND)")
     return ap.parse_args(argv)
 
 
-def start_replicas(model: str, n: int) -> tuple[list[Replica], list[tuple[int, int]]]:
+def start_replicas(
+    model: str, n: int, bind: bool
+) -> tuple[list[Replica], list[tuple[int, int]]]:
     """``n`` replicas publishing their KV events; each one's publisher and replay port."""
     ports = [(free_port(), free_port()) for _ in range(n)]
 
@@ -90,7 +101,10 @@ def start_replicas(model: str, n: int) -> tuple[list[Replica], list[tuple[int, i
         events = {"enable_kv_cache_events": True, "publisher": "zmq",
                   "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}  # fmt: skip
         args = [*serving.TINY_ARGS, "--seed", "0", "--kv-events-config", json.dumps(events)]
-        r = Replica(model, args, None, env=serving.replica_env(), name=f"replica-{i}")
+        env = serving.replica_env()
+        if bind:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(i % (os.cpu_count() or 1))
+        r = Replica(model, args, None, env=env, name=f"replica-{i}")
         r.wait_ready(900)
         return r
 
@@ -140,19 +154,27 @@ async def run_router(
                 c.advance(r.text)
 
     async with aiohttp.ClientSession() as session:
+        warm = await complete(session, url, model, words(rng, 2 * BLOCK), a.max_tokens)
+        if not warm.ok:  # the router's and the engines' first request, not measured
+            raise RuntimeError(f"warm-up request failed: {warm.error}")
         await asyncio.gather(*(worker(session) for _ in range(a.concurrency)))
     return results, context
 
 
 def summarize(results: list[Result], context: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures of one router's run (module docstring); ``later_*``: turns 2 on only
+    (the first turns of the first conversations are cold for every router)."""
     ttft = [r.ttft * 1000 for r in results]
     later = [(r, c) for r, c in zip(results, context, strict=True) if c["turn"] > 1]
+    later_ttft = [r.ttft * 1000 for r, _ in later]
     own = sum(1 for r, c in later if r.cached_tokens >= c["prev_tokens"] // BLOCK * BLOCK)
     return {
         "requests": len(results),
         "ttft_p50_ms": round(serving.pct(ttft, 50), 1),
         "ttft_p99_ms": round(serving.pct(ttft, 99), 1),
         "ttft_mean_ms": round(sum(ttft) / len(ttft), 1),
+        "later_ttft_p50_ms": round(serving.pct(later_ttft, 50), 1),
+        "later_ttft_p99_ms": round(serving.pct(later_ttft, 99), 1),
         "cached_share": round(
             sum(r.cached_tokens for r in results) / max(1, sum(r.prompt_tokens for r in results)), 3
         ),
@@ -192,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     replicas: list[Replica] = []
     procs: list[Proc] = []
     try:
-        replicas, ports = start_replicas(model, a.replicas_n)
+        replicas, ports = start_replicas(model, a.replicas_n, a.bind_cores)
         out["ceiling"] = asyncio.run(ceiling(replicas[0].url, model, a))
         print(f"ceiling: {out['ceiling']}", file=sys.stderr)
         spec_rr = ",".join(r.url for r in replicas)
@@ -205,25 +227,43 @@ def main(argv: Sequence[str] | None = None) -> int:
             if name == "rr":
                 proc, urls[name] = serving.start_router("rr", spec_rr)
             else:
-                extra = ["--router-tokenizer", model, "--router-block-size", str(BLOCK)]
+                extra = ["--router-tokenizer", model, "--router-block-size", str(BLOCK),
+                         "--router-max-inflight", str(a.max_inflight),
+                         "--router-load-blocks", str(a.load_blocks)]  # fmt: skip
                 proc, urls[name] = serving.start_router("cache", spec_ev, extra)
             procs.append(proc)
-        for name, url in urls.items():
+        for url in urls.values():
             wait_hashing(url)
-        routers: dict[str, Any] = {}
-        for i, (name, url) in enumerate(urls.items()):
-            t0 = time.monotonic()
-            res, ctx = asyncio.run(run_router(url, model, a, seed=a.seed + 100 * (i + 1)))
-            routers[name] = {**summarize(res, ctx), "seconds": round(time.monotonic() - t0, 1)}
-            print(f"{name}: {routers[name]}", file=sys.stderr)
+        runs: dict[str, list[tuple[list[Result], list[dict[str, Any]]]]] = {n: [] for n in urls}
+        routers: dict[str, Any] = {n: {"runs": []} for n in urls}
+        names = list(urls)
+        for rep in range(a.repeats):  # alternating order: the machine's drift hits both
+            for i, name in enumerate(names if rep % 2 == 0 else names[::-1]):
+                t0 = time.monotonic()
+                seed = a.seed + 100 * (rep * len(names) + i + 1)
+                res, ctx = asyncio.run(run_router(urls[name], model, a, seed))
+                runs[name].append((res, ctx))
+                one = {**summarize(res, ctx), "seconds": round(time.monotonic() - t0, 1),
+                       "loadavg_1m": round(os.getloadavg()[0], 2)}  # fmt: skip
+                print(f"{name} run {rep}: {one}", file=sys.stderr)
+                routers[name]["runs"].append(
+                    {k: one[k] for k in ("ttft_p50_ms", "ttft_p99_ms", "later_ttft_p99_ms",
+                                         "later_turns_from_own_cache", "loadavg_1m")}
+                )  # fmt: skip
+        for name, url in urls.items():
+            res = [r for rs, _ in runs[name] for r in rs]
+            ctx = [c for _, cs in runs[name] for c in cs]
+            routers[name].update(summarize(res, ctx))
             with urllib_open(url + "/v1/status") as st:
-                routers[name]["counters"] = json.loads(st.read())["counters"]
+                doc = json.loads(st.read())
+            routers[name]["counters"] = doc["counters"]
+            routers[name]["per_replica"] = [r["requests"] for r in doc["replicas"]]
         out["routers"] = routers
         if "rr" in routers and "events" in routers:
             rr, ev = routers["rr"], routers["events"]
             out["events_over_rr"] = {
-                "ttft_p99": round(ev["ttft_p99_ms"] / rr["ttft_p99_ms"], 3),
-                "ttft_p50": round(ev["ttft_p50_ms"] / rr["ttft_p50_ms"], 3),
+                k: round(ev[f"{k}_ms"] / rr[f"{k}_ms"], 3)
+                for k in ("ttft_p99", "ttft_p50", "later_ttft_p99", "later_ttft_p50")
             }
             out["targets"] = {
                 "ttft_p99_at_most_half_rr": out["events_over_rr"]["ttft_p99"] <= 0.5,

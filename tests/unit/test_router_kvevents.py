@@ -328,3 +328,13 @@ def test_status_renders_the_gpu_view() -> None:
     rep = {**Replica("http://a:1", healthy=True).status(), "gpu_view": view.status()}
     text = render_router({"url": "http://r:1", "router": {"mode": "cache"}, "replicas": [rep]})
     assert "GPU cache from KV events: 0 blocks, NOT USED" in text and "hashes pending" in text
+
+
+def test_less_load() -> None:
+    from pegaflow.router.policy import less_load
+
+    a, b = Replica("http://a:1", healthy=True), Replica("http://b:1", healthy=True)
+    a.inflight, b.inflight = 3, 1
+    assert less_load([a, b], {a.url: 10.0}, 0) == {a.url: 10.0}  # off
+    assert less_load([a, b], {a.url: 10.0, b.url: 1.0}, 4) == {a.url: 2.0, b.url: 1.0}
+    assert less_load([a, b], {a.url: 8.0}, 4) == {}  # its queue costs more than it saves
