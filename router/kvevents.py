@@ -270,7 +270,17 @@ class Subscription:
 
     async def run(self) -> None:
         """Subscribe and apply batches until cancelled; with a replay endpoint, confirm
-        a pending view every ``stale_s / 2``."""
+        a pending view every ``stale_s / 2``.  An unexpected failure is logged, the view
+        cleared, and the subscription begun again a second later."""
+        while True:
+            try:
+                await self._follow()
+            except Exception:
+                log.exception("replica %s: KV events subscription failed; again in 1 s", self.name)
+                self.view.clear()
+                await asyncio.sleep(1.0)
+
+    async def _follow(self) -> None:
         import zmq
         import zmq.asyncio
 

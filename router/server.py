@@ -5,7 +5,9 @@ events relayed chunk by chunk), ``GET /v1/models`` (from a healthy replica), ``/
 (200 while every role the mode needs has a healthy replica), ``/v1/status`` (replicas,
 health, load, counters) and ``/metrics`` (``pegaflow_router_*``, docs/metrics.md).  The
 replicas' health and ejection: :mod:`~pegaflow.router.backends`; the proxying, retries
-and the prefill of ``pd`` mode: :mod:`~pegaflow.router.proxy`.
+and the prefill of ``pd`` mode: :mod:`~pegaflow.router.proxy`.  Cache mode scores each
+replica on its GPU cache (:mod:`~pegaflow.router.kvevents`), the pool and its queue
+(:func:`~pegaflow.router.policy.tier_scores`, :func:`~pegaflow.router.policy.less_load`).
 
 The router's own resources are bounded (:mod:`~pegaflow.router.limits`), since a proxy
 that runs out of memory or file descriptors fails every client, not one:
