@@ -338,3 +338,20 @@ def test_less_load() -> None:
     assert less_load([a, b], {a.url: 10.0}, 0) == {a.url: 10.0}  # off
     assert less_load([a, b], {a.url: 10.0, b.url: 1.0}, 4) == {a.url: 2.0, b.url: 1.0}
     assert less_load([a, b], {a.url: 8.0}, 4) == {}  # its queue costs more than it saves
+
+
+def test_a_failed_health_check_clears_the_view() -> None:
+    from pegaflow.router.backends import Backends
+    from pegaflow.router.metrics import RouterMetrics
+
+    from pegaflow.config import RouterConfig
+
+    rep = Replica("http://a:1", healthy=True)
+    backends = Backends(RouterConfig(mode="cache"), [rep], RouterMetrics("cache"))
+    view = backends.views[rep.url] = GpuView(capacity=10, stale_s=2.0)
+    view.apply(decode_batch(encode(batch(stored(tokens(2))))))
+    view.next_seq = 1
+    with backends.busy(rep):
+        assert view.pending()  # a request in flight: events may be on their way
+    backends._set_health(rep, False, "/health: refused")  # it may be restarting
+    assert len(view) == 0 and view.next_seq is None
