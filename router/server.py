@@ -41,7 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pegaflow.auth import cluster_token
 from pegaflow.config import ClientConfig, RouterConfig, SecurityConfig
-from pegaflow.errors import Unauthorized
+from pegaflow.errors import BadRequest, Unauthorized
 from pegaflow.tls import client_context, http_scheme, server_context
 
 from .backends import NET_ERRORS, Backends, describe
@@ -112,6 +112,10 @@ class Router(Proxy):
             for r in self.replicas:
                 if r.events:
                     self.views[r.url] = GpuView(cfg.events_max_blocks, cfg.events_stale_s)
+            if self.views and importlib.util.find_spec("zmq") is None:
+                raise BadRequest(
+                    "events= needs the pyzmq package: pip install 'pegaflow-cluster[router]'"
+                )
             if not cfg.namespace:
                 log.warning(
                     "cache mode without --router-namespace: every request is routed by load. "
