@@ -22,6 +22,7 @@ from aiohttp import web
 
 from pegaflow.config import RouterConfig
 
+from .kvevents import GpuView
 from .metrics import RouterMetrics
 from .policy import Picker, Replica
 
@@ -60,6 +61,9 @@ class Backends:
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._opening: dict[str, set[asyncio.Future[Any]]] = {r.url: set() for r in replicas}
+        self.views: dict[str, GpuView] = {}
+        """each replica's GPU cache from its KV events, by URL (cache mode, ``events=``):
+        cleared when its ``/health`` fails (it may be restarting), touched by requests"""
         for r in replicas:
             metrics.healthy.labels(r.url, r.role).set(0)
             metrics.inflight.labels(r.url).set(0)
@@ -105,6 +109,9 @@ class Backends:
             )
         if not ok:
             rep.last_error = why
+            view = self.views.get(rep.url)
+            if view is not None and rep.healthy:
+                view.clear()
         rep.healthy = ok
         ejected = time.monotonic() < rep.ejected_until
         self.metrics.healthy.labels(rep.url, rep.role).set(1 if ok and not ejected else 0)
@@ -177,11 +184,16 @@ class Backends:
         rep.inflight += 1
         rep.requests += 1
         self.metrics.inflight.labels(rep.url).inc()
+        view = self.views.get(rep.url)
+        if view is not None:
+            view.touch(time.monotonic())
         try:
             yield
         finally:
             rep.inflight -= 1
             self.metrics.inflight.labels(rep.url).dec()
+            if view is not None:
+                view.touch(time.monotonic())
 
     async def guard(self, rep: Replica, sent: float, first: Awaitable[T]) -> T:
         """Await ``first`` (a request sent at ``sent``, until its answer's first bytes)

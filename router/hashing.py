@@ -8,7 +8,12 @@ fixed ``"vllm-none-hash"``.  Requests with extra keys (LoRA, multimodal inputs, 
 ``cache_salt``) hash differently: :func:`hashable` tells the router to route those by
 load.  ``tests/e2e/test_router.py`` checks these hashes against vLLM's own functions.
 
-Pure module: no vLLM import (the router does not need vLLM installed).
+Where vLLM is installed the hash function is vLLM's own (``vllm.utils.hashing``, loaded
+by :func:`vllm_hash_function` off the event loop: it imports torch, ~7 s), so a new
+vLLM's change of it reaches the router too; the copy below serves routers without vLLM.
+Either way :meth:`BlockHasher.check` compares the router's hashes with the engines' own
+(their ``BlockStored`` events) and the router stops using a replica's events on a
+mismatch (:mod:`~pegaflow.router.kvevents`).
 """
 
 from __future__ import annotations
@@ -52,18 +57,36 @@ def hash_function(algo: str) -> Callable[[Any], bytes]:
     raise ValueError(f"unknown hash algorithm {algo!r} (one of {', '.join(ALGOS)})")
 
 
+def vllm_hash_function(algo: str) -> Callable[[Any], bytes] | None:
+    """vLLM's own hash function named ``algo``; ``None`` when vLLM is not importable."""
+    try:
+        from vllm.utils.hashing import get_hash_fn_by_name
+    except Exception:  # not installed, or broken (a torch mismatch): the copy serves
+        return None
+    return get_hash_fn_by_name(algo)  # type: ignore[no-any-return]
+
+
 class BlockHasher:
     """The chained block hashes of token sequences for one engine configuration."""
 
-    def __init__(self, block_size: int, algo: str = "sha256", seed: str = "") -> None:
+    def __init__(
+        self,
+        block_size: int,
+        algo: str = "sha256",
+        seed: str = "",
+        fn: Callable[[Any], bytes] | None = None,
+    ) -> None:
         """``seed``: the engines' ``PYTHONHASHSEED``; empty: this process's, else vLLM's
         fixed default (``ValueError`` for the xxhash algorithms, which vLLM then seeds
-        randomly per process: no one else can compute their hashes)."""
+        randomly per process: no one else can compute their hashes).  ``fn``: the hash
+        function (:func:`vllm_hash_function`); ``None``: this module's copy."""
         if block_size <= 0:
             raise ValueError(f"block size must be positive, not {block_size}")
         self.block_size = block_size
         self.algo = algo
-        self._fn = hash_function(algo)
+        self.own = fn is not None
+        """whether the hash function is vLLM's own"""
+        self._fn = fn if fn is not None else hash_function(algo)
         if not seed:
             seed = os.environ.get("PYTHONHASHSEED", "")
         if not seed:
@@ -89,6 +112,26 @@ class BlockHasher:
             parent = self._fn((parent, tuple(tokens[i * bs : (i + 1) * bs]), None))
             out.append(parent)
         return out
+
+    def check(
+        self, parent: bytes | int | None, tokens: Sequence[int], published: Sequence[bytes | int]
+    ) -> bool | None:
+        """Whether the hashes of ``tokens`` chained from ``parent`` (``None``: the first
+        block) equal an engine's ``published`` ones (compared as 64-bit integers when it
+        publishes those); ``None`` when this cannot tell (an integer parent, or tokens
+        that are not ``len(published)`` full blocks)."""
+        if isinstance(parent, int) or len(tokens) != len(published) * self.block_size:
+            return None
+        h = self.none_hash if parent is None else parent
+        bs = self.block_size
+        for i, theirs in enumerate(published):
+            h = self._fn((h, tuple(tokens[i * bs : (i + 1) * bs]), None))
+            if isinstance(theirs, int):
+                if int.from_bytes(h, "big") & ((1 << 64) - 1) != theirs:
+                    return False
+            elif h != theirs:
+                return False
+        return True
 
 
 #: Request fields that add extra keys to vLLM's block hashes.

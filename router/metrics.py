@@ -44,10 +44,22 @@ class RouterMetrics:
         )  # fmt: skip
         self.prefix_blocks: Counter = counter(
             "prefix_blocks",
-            "cache mode: stored prefix blocks of routed prompts, by where the chosen "
-            "replica stands (local: on its host's node; elsewhere: on other nodes)",
+            "cache mode: prefix blocks of routed prompts held for the chosen replica, by "
+            "where (gpu: its own GPU cache, from its KV events; local: past that, on its "
+            "host's node; elsewhere: past that, on other nodes)",
             ("where",),
         )
+        self.kv_events: Counter = counter(
+            "kv_events",
+            "cache mode: KV event messages from a replica, by outcome (applied; lost: a gap "
+            "not replayed, view cleared; restart: its sequence began again; bad)",
+            ("replica", "outcome"),
+        )
+        self.gpu_blocks: Gauge = _series(
+            Gauge, self.registry, "gpu_view_blocks",
+            "cache mode: block hashes in a replica's GPU cache as its KV events tell",
+            ("replica",),
+        )  # fmt: skip
         endpoint = ("endpoint",)
         self.latency: Histogram = seconds(
             "request_seconds", "time from a request's arrival to the end of its answer", endpoint

@@ -34,7 +34,10 @@ from pegaflow.errors import BadRequest
 
 ROLES = ("both", "prefill", "decode")
 MODES = ("rr", "cache", "pd")
-REPLICA_SPEC = "URL[;role=both|prefill|decode][;node=NODE_ID][;host=HOST]"
+REPLICA_SPEC = (
+    "URL[;role=both|prefill|decode][;node=NODE_ID][;host=HOST][;events=ZMQ][;replay=ZMQ]"
+)
+_SPEC_KEYS = ("role", "node", "host", "events", "replay")
 MAX_EJECT_DOUBLINGS = 5
 """an ejection lasts at most ``eject_s * 2**MAX_EJECT_DOUBLINGS``"""
 
@@ -49,6 +52,10 @@ class Replica:
     """id of the storage node on the replica's host (cache mode)"""
     host: str = ""
     """the replica's host as the nodes' records name it (cache mode; default: the URL's)"""
+    events: str = ""
+    """the engine's KV events publisher (``tcp://HOST:PORT``; cache mode)"""
+    replay: str = ""
+    """the engine's KV events replay endpoint (``tcp://HOST:PORT``; cache mode)"""
     healthy: bool = False
     inflight: int = 0
     requests: int = 0
@@ -110,6 +117,7 @@ class Replica:
             "role": self.role,
             "node": self.node,
             "host": self.host,
+            "events": self.events,
             "healthy": self.healthy and left == 0.0,
             "ejected_s": round(left, 1),
             "inflight": self.inflight,
@@ -120,8 +128,7 @@ class Replica:
 
 
 def parse_replica(spec: str) -> Replica:
-    """A replica from ``URL[;role=...][;node=...][;host=...]``; ``BadRequest`` naming
-    what is wrong otherwise."""
+    """A replica from :data:`REPLICA_SPEC`; ``BadRequest`` naming what is wrong otherwise."""
     parts = [p.strip() for p in spec.split(";")]
     url = parts[0].rstrip("/")
     u = urlsplit(url)
@@ -135,11 +142,16 @@ def parse_replica(spec: str) -> Replica:
     for p in parts[1:]:
         key, sep, value = p.partition("=")
         key, value = key.strip(), value.strip()
-        if not sep or not value or key not in ("role", "node", "host"):
-            raise BadRequest(f"replica {spec!r}: {p!r} is not role=, node= or host= (a value)")
+        if not sep or not value or key not in _SPEC_KEYS:
+            keys = ", ".join(f"{k}=" for k in _SPEC_KEYS)
+            raise BadRequest(f"replica {spec!r}: {p!r} is not one of {keys} (with a value)")
         if key == "role" and value not in ROLES:
             raise BadRequest(f"replica {spec!r}: role must be one of {', '.join(ROLES)}")
+        if key in ("events", "replay") and not value.startswith(("tcp://", "ipc://")):
+            raise BadRequest(f"replica {spec!r}: {key}= is a ZMQ address like tcp://HOST:5557")
         setattr(rep, key, value)
+    if rep.replay and not rep.events:
+        raise BadRequest(f"replica {spec!r}: replay= without events=")
     return rep
 
 
@@ -167,8 +179,8 @@ class Choice:
 
     replica: Replica | None
     decision: str
-    blocks: int = 0
-    """stored prefix blocks on the chosen replica's node (cache mode)"""
+    blocks: float = 0
+    """the chosen replica's score (cache mode: prefix blocks it holds, :func:`tier_scores`)"""
 
 
 @dataclass
@@ -205,12 +217,12 @@ class Picker:
 
     def by_affinity(
         self,
-        scores: Mapping[str, int],
+        scores: Mapping[str, float],
         role: str = "both",
         exclude: Iterable[str] = (),
     ) -> Choice:
-        """The replica with the highest score (stored prefix blocks on its host, by
-        replica URL) among those under the in-flight cap; ties to the least loaded.
+        """The replica with the highest score (by replica URL, :func:`tier_scores`)
+        among those under the in-flight cap; ties to the least loaded.
         No score: ``miss``; every scored replica at the cap: ``capped``; both go to the
         least loaded replica."""
         cands = [r for r in self.candidates(role, exclude) if scores.get(r.url, 0) > 0]
@@ -246,6 +258,57 @@ def node_scores(
             n = sum(c for nid, c in per_node.items() if node_hosts.get(nid) == r.host)
         if n:
             out[r.url] = n
+    return out
+
+
+@dataclass(frozen=True)
+class TierWeights:
+    """What one prefix block held in each place saves of its prefill, as a share of what
+    it saves on the engine's own GPU (docs/router.md gives the measurements)."""
+
+    pool: float = 0.89
+    """on the replica's host's node"""
+    remote: float = 0.67
+    """on another node"""
+
+
+def tier_scores(
+    replicas: Sequence[Replica],
+    gpu: Mapping[str, int],
+    local: Mapping[str, int],
+    stored: int,
+    weights: TierWeights,
+) -> dict[str, float]:
+    """Per replica URL, what its holdings of a prompt's prefix save over a replica that
+    holds nothing (which still loads the pool's ``stored`` blocks from elsewhere).
+
+    ``gpu``: blocks of the prefix in the replica's own GPU cache; ``local``: of the pool's
+    ``stored`` blocks, those on its host's node (:func:`node_scores`).  The blocks past
+    its GPU prefix come from its host's node while it holds them, else from another."""
+    out: dict[str, float] = {}
+    for r in replicas:
+        g = gpu.get(r.url, 0)
+        beyond = max(0, stored - g)
+        near = min(beyond, local.get(r.url, 0))
+        score = g + weights.pool * near + weights.remote * (beyond - near - stored)
+        if score > 1e-9:
+            out[r.url] = score
+    return out
+
+
+def less_load(
+    replicas: Sequence[Replica], scores: Mapping[str, float], load_blocks: float
+) -> dict[str, float]:
+    """``scores`` less ``load_blocks`` for each request a replica has in flight more than
+    the least loaded healthy replica (an idle replica saves its queue)."""
+    if load_blocks <= 0 or not scores:
+        return dict(scores)
+    low = min((r.inflight for r in replicas if r.healthy), default=0)
+    out: dict[str, float] = {}
+    for r in replicas:
+        net = scores.get(r.url, 0.0) - load_blocks * max(0, r.inflight - low)
+        if r.url in scores and net > 1e-9:
+            out[r.url] = net
     return out
 
 

@@ -5,7 +5,9 @@ events relayed chunk by chunk), ``GET /v1/models`` (from a healthy replica), ``/
 (200 while every role the mode needs has a healthy replica), ``/v1/status`` (replicas,
 health, load, counters) and ``/metrics`` (``pegaflow_router_*``, docs/metrics.md).  The
 replicas' health and ejection: :mod:`~pegaflow.router.backends`; the proxying, retries
-and the prefill of ``pd`` mode: :mod:`~pegaflow.router.proxy`.
+and the prefill of ``pd`` mode: :mod:`~pegaflow.router.proxy`.  Cache mode scores each
+replica on its GPU cache (:mod:`~pegaflow.router.kvevents`), the pool and its queue
+(:func:`~pegaflow.router.policy.tier_scores`, :func:`~pegaflow.router.policy.less_load`).
 
 The router's own resources are bounded (:mod:`~pegaflow.router.limits`), since a proxy
 that runs out of memory or file descriptors fails every client, not one:
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import importlib.util
 import json
 import logging
 import time
@@ -37,14 +41,23 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pegaflow.auth import cluster_token
 from pegaflow.config import ClientConfig, RouterConfig, SecurityConfig
-from pegaflow.errors import Unauthorized
+from pegaflow.errors import BadRequest, Unauthorized
 from pegaflow.tls import client_context, http_scheme, server_context
 
 from .backends import NET_ERRORS, Backends, describe
-from .hashing import BlockHasher, hashable
+from .hashing import BlockHasher, hashable, vllm_hash_function
+from .kvevents import GpuView, Stored, Subscription, block_key
 from .limits import Busy, ByteBudget, connection_limit
 from .metrics import RouterMetrics
-from .policy import Choice, RecentRoutes, node_scores, parse_replicas
+from .policy import (
+    Choice,
+    RecentRoutes,
+    TierWeights,
+    less_load,
+    node_scores,
+    parse_replicas,
+    tier_scores,
+)
 from .prompts import PromptTokenizer
 from .proxy import Proxy, error, error_body
 from .report import Reporter, advertised_url
@@ -92,8 +105,17 @@ class Router(Proxy):
         self._refused_logged = 0.0
         self.reporter: Reporter | None = None
         self.port = 0
+        self.weights = TierWeights(cfg.pool_weight, cfg.remote_weight)
+        self.views = self.backends.views
         if cfg.mode == "cache":
             self.hasher = BlockHasher(cfg.block_size, cfg.hash_algo, cfg.hash_seed)
+            for r in self.replicas:
+                if r.events:
+                    self.views[r.url] = GpuView(cfg.events_max_blocks, cfg.events_stale_s)
+            if self.views and importlib.util.find_spec("zmq") is None:
+                raise BadRequest(
+                    "events= needs the pyzmq package: pip install 'pegaflow-cluster[router]'"
+                )
             if not cfg.namespace:
                 log.warning(
                     "cache mode without --router-namespace: every request is routed by load. "
@@ -108,6 +130,7 @@ class Router(Proxy):
         started is closed by :meth:`close`, in reverse (also after a failed start)."""
         stack = self._stack
         if self.mode == "cache":
+            self._start_events()
             loop = asyncio.get_running_loop()
             if self.cfg.tokenizer:
                 self.tokenizer = await loop.run_in_executor(
@@ -176,6 +199,54 @@ class Router(Proxy):
         """Stop serving and close every connection."""
         await self._stack.aclose()
 
+    def _start_events(self) -> None:
+        """Subscribe to each ``events=`` replica's KV events and load vLLM's own hash
+        function in the background (the router's copy hashes until it is in)."""
+        tasks: list[asyncio.Task[Any]] = [asyncio.create_task(self._load_vllm_hash())]
+        for r in self.replicas:
+            view = self.views.get(r.url)
+            if view is None:
+                continue
+            sub = Subscription(
+                r.url, r.events, r.replay, view, self._check_hashes,
+                self.cfg.events_timeout_s, self.cfg.events_topic,
+                functools.partial(self._on_batch, r.url, view),
+            )  # fmt: skip
+            tasks.append(asyncio.create_task(sub.run(), name=f"kv-events {r.url}"))
+
+        async def stop() -> None:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self._stack.push_async_callback(stop)
+
+    def _on_batch(self, url: str, view: GpuView, outcome: str) -> None:
+        self.metrics.kv_events.labels(url, outcome).inc()
+        self.metrics.gpu_blocks.labels(url).set(len(view))
+
+    async def _load_vllm_hash(self) -> None:
+        assert self.hasher is not None
+        if importlib.util.find_spec("vllm") is None:
+            log.info("vLLM is not installed: the router hashes prompts with its own copy")
+            return
+        fn = await asyncio.get_running_loop().run_in_executor(
+            None, vllm_hash_function, self.cfg.hash_algo
+        )
+        if fn is None:
+            log.warning("vLLM does not import here: the router hashes with its own copy")
+            return
+        h = self.hasher
+        self.hasher = BlockHasher(h.block_size, h.algo, h.seed, fn)
+        log.info("the router hashes prompts with vLLM's own %s function", h.algo)
+
+    def _check_hashes(self, ev: Stored) -> bool | None:
+        """Whether the router's hashes of a replica's stored blocks equal its own."""
+        assert self.hasher is not None
+        if ev.block_size != self.hasher.block_size:
+            return None
+        return self.hasher.check(ev.parent, ev.token_ids, ev.hashes)
+
     def _accept(self) -> asyncio.Protocol:
         """A new client connection: served, or past ``max_connections`` a 503."""
         assert self._runner is not None and self._runner.server is not None
@@ -226,13 +297,23 @@ class Router(Proxy):
                 "namespace": self.cfg.namespace,
                 "max_inflight": self.cfg.max_inflight,
                 "recent_routes": len(self.recent),
+                "hash_function": "" if self.hasher is None else (
+                    "vllm" if self.hasher.own else "copy"
+                ),
                 "max_connections": self.max_connections,
                 "refused_connections": self.refused_connections,
                 "body_bytes_held": self._bodies.used,
             },
-            "replicas": [r.status() for r in self.replicas],
+            "replicas": [self._replica_status(r) for r in self.replicas],
             "counters": dict(sorted(self.counters.items())),
         }
+
+    def _replica_status(self, r: Any) -> dict[str, Any]:
+        view = self.views.get(r.url)
+        st = r.status()
+        if view is not None:
+            st["gpu_view"] = view.status()
+        return st
 
     async def handle_status(self, _req: web.Request) -> web.Response:
         """``GET /v1/status``."""
@@ -382,8 +463,8 @@ class Router(Proxy):
             return Choice(self.picker.least_loaded(), "untokenized")
         if not hashes:
             return Choice(self.picker.least_loaded(), "short")
-        scores: dict[str, int] = {}
         stored = 0
+        local: dict[str, int] = {}
         if self._pega is not None:
             try:
                 res = await self._pega.lookup(
@@ -397,19 +478,37 @@ class Router(Proxy):
             stored = res.hits
             owners = [row[0] for row in res.blocks[: res.hits] if row]
             hosts = {nid: rec.host for nid, rec in res.nodes.items()}
-            scores = node_scores(self.replicas, owners, hosts)
-        n_recent, url = self.recent.longest(hashes)
-        if n_recent > scores.get(url, 0) and n_recent > stored:
-            scores[url] = n_recent
-        choice = self.picker.by_affinity(scores)
-        if choice.decision == "affinity" and choice.blocks:
-            local = min(choice.blocks, stored) if stored else 0
-            self.metrics.prefix_blocks.labels("local").inc(local)
-            self.metrics.prefix_blocks.labels("elsewhere").inc(max(0, stored - local))
-        elif stored:
-            self.metrics.prefix_blocks.labels("elsewhere").inc(stored)
+            local = node_scores(self.replicas, owners, hosts)
+        gpu = self._gpu_prefixes(hashes)
+        scores = tier_scores(self.replicas, gpu, local, stored, self.weights)
+        net = less_load(self.replicas, scores, self.cfg.load_blocks)
+        choice = self.picker.by_affinity(net)
+        if choice.decision == "miss" and scores:
+            choice = Choice(choice.replica, "balanced")  # held, but its queue costs more
+        if choice.replica is not None:
+            g = gpu.get(choice.replica.url, 0)
+            beyond = max(0, stored - g)
+            near = min(beyond, local.get(choice.replica.url, 0))
+            for where, n in (("gpu", g), ("local", near), ("elsewhere", beyond - near)):
+                if n:
+                    self.metrics.prefix_blocks.labels(where).inc(n)
         self._remember(hashes, choice)
         return choice
+
+    def _gpu_prefixes(self, hashes: list[bytes]) -> dict[str, int]:
+        """Per replica URL, the prefix of ``hashes`` in its GPU cache: as its KV events
+        tell while its view is usable, at least what was routed there lately."""
+        out: dict[str, int] = {}
+        if self.views:
+            now = time.monotonic()
+            keys = [block_key(h) for h in hashes]
+            for url, view in self.views.items():
+                if view.usable(now):
+                    out[url] = view.prefix(keys)
+        n_recent, url = self.recent.longest(hashes)
+        if n_recent > out.get(url, 0):
+            out[url] = n_recent
+        return out
 
     def _lookup_failed(self, e: Exception, at_start: bool = False) -> None:
         """Log a failed coordinator lookup: a refusal (token or namespace) once at

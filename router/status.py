@@ -69,6 +69,14 @@ def render_router(doc: dict[str, Any]) -> str:
         )
         if not r.get("healthy") and r.get("last_error"):
             lines.append(f"    last error: {r['last_error']}")
+        view = r.get("gpu_view")
+        if isinstance(view, dict):
+            lines.append(
+                f"    GPU cache from KV events: {view.get('blocks', 0)} blocks, "
+                f"{'in use' if view.get('usable') else 'NOT USED (stale or resyncing)'}, "
+                f"hashes {view.get('hash_check', '?')}, {view.get('resyncs', 0)} resyncs, "
+                f"{view.get('restarts', 0)} restarts"
+            )
     counters = doc.get("counters") or {}
     if counters:
         lines.append("  routes: " + ", ".join(f"{k} {v}" for k, v in counters.items()))

@@ -286,8 +286,10 @@ class RouterConfig:
     )
     replicas: list[str] = opt(
         [],
-        "vLLM servers, each URL[;role=ROLE][;node=NODE_ID][;host=HOST]; ROLE: both "
-        "(default), prefill or decode",
+        "vLLM servers, each URL[;role=ROLE][;node=NODE_ID][;host=HOST][;events=ZMQ]"
+        "[;replay=ZMQ]; ROLE: both (default), prefill or decode; events/replay: the "
+        "engine's --kv-events-config endpoint and replay_endpoint as the router reaches "
+        "them (tcp://HOST:PORT; cache mode)",
         metavar="URL[;KEY=VALUE...][,...]",
     )
     namespace: str = opt(
@@ -305,6 +307,31 @@ class RouterConfig:
     hash_seed: str = opt(
         "",
         "cache mode: the engines' PYTHONHASHSEED (empty: this process's, else vLLM's fixed seed)",
+    )
+    events_max_blocks: int = opt(
+        262144, "cache mode: block hashes kept per replica from its KV events (oldest forgotten)"
+    )
+    events_stale_s: float = opt(
+        2.0,
+        "cache mode: a replica's KV event view is not used while a request was sent to it "
+        "more than this long ago with no event batch or replay answer since",
+    )
+    events_timeout_s: float = opt(1.0, "cache mode: deadline of a KV event replay request")
+    events_topic: str = opt("", "cache mode: the engines' --kv-events-config topic")
+    pool_weight: float = opt(
+        0.89,
+        "cache mode: what a prefix block on the replica's host's node saves, as a share of "
+        "one in its own GPU cache",
+    )
+    remote_weight: float = opt(
+        0.67,
+        "cache mode: what a prefix block on another node saves, as a share of one in the "
+        "replica's own GPU cache",
+    )
+    load_blocks: float = opt(
+        0.0,
+        "cache mode: what one request in flight more than on the least loaded replica "
+        "costs, in prefix blocks to recompute (0: load only breaks ties)",
     )
     max_inflight: int = opt(
         64, "requests in flight on a replica past which affinity sends to the least loaded"

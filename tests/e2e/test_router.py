@@ -5,9 +5,11 @@ The end-to-end tests share one set of processes (etcd, a coordinator, two storag
 with separate pools standing for two hosts, two ``vllm serve`` replicas, each saving to
 its own node) and run in file order: round robin passes answers through unchanged (also
 streamed), cache-aware routing sends a conversation's turns to the replica whose node
-holds its prefix, P/D mode answers as one engine does, and a replica killed mid-stream
-ends that stream with an error event, leaves rotation, and the next requests (P/D ones
-whose prefill replica it was included) still succeed.  They are slow:
+holds its prefix, a router following the replicas' KV events sends a conversation's
+turns to the replica whose own GPU cache holds its prefix, P/D mode answers as one
+engine does, and a replica killed mid-stream ends that stream with an error event,
+leaves rotation, and the next requests (P/D ones whose prefill replica it was included)
+still succeed.  They are slow:
 ``pytest -m slow tests/e2e/test_router.py``.
 """
 
@@ -46,7 +48,7 @@ from pegaflow.router.status import render_router, router_healthy
 
 from pegaflow.config import RouterConfig, load_config
 from pegaflow.errors import BadRequest
-from pegaflow.tools.devcluster import Proc, start, start_coordinator, start_node
+from pegaflow.tools.devcluster import Proc, free_port, start, start_coordinator, start_node
 from tests.support.vllm_engine import (
     TINY_MODEL,
     VllmServe,
@@ -371,9 +373,19 @@ class Cluster:
         self.b: VllmServe
         self.workdir = Path()
         self.routers: dict[str, str] = {}
+        self.events: dict[str, tuple[int, int]] = {}
+        """each replica's KV events publisher and replay ports, by name"""
 
     def replica_spec(self, a_role: str = "both", b_role: str = "both") -> str:
         return f"{self.a.url};role={a_role};node=node-a,{self.b.url};role={b_role};node=node-b"
+
+    def events_spec(self) -> str:
+        """Both replicas with their KV events endpoints (no node: GPU caches only)."""
+        specs = []
+        for name, srv in (("a", self.a), ("b", self.b)):
+            pub, replay = self.events[name]
+            specs.append(f"{srv.url};events=tcp://127.0.0.1:{pub};replay=tcp://127.0.0.1:{replay}")
+        return ",".join(specs)
 
 
 @pytest.fixture(scope="module")
@@ -399,11 +411,18 @@ def cluster(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
                 "PEGAFLOW_CONNECTOR_STATS_PATH": str(c.workdir / name),
                 "PYTHONHASHSEED": "0",
             }
-            extra = ["--tokenizer", TOKENIZER, "--enable-prompt-tokens-details"]
+            pub, replay = c.events[name]
+            events = {
+                "enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}",
+            }  # fmt: skip
+            extra = ["--tokenizer", TOKENIZER, "--enable-prompt-tokens-details",
+                     "--kv-events-config", json.dumps(events)]  # fmt: skip
             srv = VllmServe(TINY_MODEL, THREE_KEYS, env=env, extra=extra, name=f"vllm-{name}")
             servers.append(srv)
             return srv
 
+        c.events = {name: (free_port(), free_port()) for name in ("a", "b")}
         with ThreadPoolExecutor(2) as pool:
             c.a, c.b = pool.map(serve, ["a", "b"])
         yield c
@@ -543,6 +562,48 @@ def test_cache_mode_follows_the_prefix(cluster: Cluster) -> None:
             answer = text_of(r)
     counters = status(url)["counters"]
     assert counters.get("affinity", 0) == 6, counters
+
+
+def gpu_view(url: str, replica: str) -> dict[str, Any]:
+    """``replica``'s GPU view in the router's ``/v1/status``."""
+    rep = next(r for r in status(url)["replicas"] if r["url"] == replica)
+    return dict(rep["gpu_view"])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_cache_mode_follows_the_gpu_cache_by_kv_events(cluster: Cluster) -> None:
+    """A router with no pool to ask (no namespace), subscribed to both replicas' KV
+    events: a conversation begun directly on one replica (the router never saw it) has
+    every later turn routed to that replica, whose own GPU cache serves the prefix; the
+    router's hashes equal the engines' (checked on their events)."""
+    c = cluster
+    url = router(
+        c, "events", "--router-mode", "cache", "--router-replicas", c.events_spec(),
+        "--router-tokenizer", TOKENIZER, "--router-block-size", str(BS),
+    )  # fmt: skip
+    for srv, seed in ((c.b, 60), (c.a, 70)):
+        prompt = text_prompt(6 * BS, seed=seed)
+        answer = text_of(completion(srv.url, prompt))
+        deadline = time.monotonic() + 60
+        while not (v := gpu_view(url, srv.url))["usable"] or v["blocks"] < 6:
+            assert time.monotonic() < deadline, v
+            time.sleep(0.2)
+        for turn in range(1, 4):
+            prompt = f"{prompt} {answer} {text_prompt(BS, seed=seed + turn)}"
+            r = completion(url, prompt)
+            assert r["_replica"] == srv.url, (srv.name, turn, status(url))
+            assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 6 * BS, r["usage"]
+            answer = text_of(r)
+    st = status(url)
+    assert st["counters"].get("affinity", 0) == 6, st["counters"]
+    for rep in st["replicas"]:
+        assert rep["gpu_view"]["hash_check"] == "ok", rep
+        assert rep["gpu_view"]["resyncs"] == 0 and rep["gpu_view"]["restarts"] == 0, rep
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as m:
+        text = m.read().decode()
+    gpu = re.search(r'pegaflow_router_prefix_blocks_total\{where="gpu"\} (\S+)', text)
+    assert gpu and float(gpu.group(1)) >= 6 * 6, text
 
 
 @pytest.mark.slow
