@@ -191,12 +191,14 @@ def kv_verdict(
     note = ""
     if isinstance(cold, str) or isinstance(warm, str):
         note = cold if isinstance(cold, str) else str(warm)
+    elif not any(warm_cached):
+        note = "no hit to compare"
     elif groups > 1:
         note = f"{groups} KV cache groups: kv_digest reads group 0's blocks only"
     elif any(cold_cached):
         note = "the cold engine had hits: its KV is not all computed"
-    elif not any(warm_cached):
-        note = "no hit to compare"
+    elif all(d is None for ds in cold for d in ds):
+        note = "the cold engine's prefix cache kept no block (vLLM turned it off)"
     if note:
         return {"kv_match": None, "kv_note": note}
     assert not isinstance(cold, str) and not isinstance(warm, str)
@@ -236,6 +238,7 @@ class FamilyRun:
         if args.no_decline:
             self.env["PEGAFLOW_CONNECTOR_COST_MODEL"] = "0"
         self.full = kv_bytes_per_token(cfg, dtype_bytes(fam.kv_cache_dtype), args.tp)
+        self.engines: list[VllmEngine] = []
         self.out: dict[str, Any] = {
             "model": cfg["architectures"][0],
             "scaled": fam.note(args.device, args.layers),
@@ -252,7 +255,14 @@ class FamilyRun:
                        start_timeout=self.args.start_timeout)  # fmt: skip
         self.out[f"start_{name}_s"] = round(time.monotonic() - t0, 1)
         print(f"{e.name} ready in {self.out[f'start_{name}_s']} s", file=sys.stderr, flush=True)
+        self.engines.append(e)
         return e
+
+    def save_logs(self) -> None:
+        """Each engine's output, as ``<family>-<engine>.log`` in ``--log-dir``."""
+        if self.args.log_dir:
+            for e in self.engines:
+                Path(self.args.log_dir, f"{e.name}.log").write_text("\n".join(e.log))
 
     def timed(self, e: VllmEngine) -> tuple[list[float], list[int], list[int]]:
         """TTFT (ms), cached tokens and first token of each prompt, one at a time."""
@@ -389,6 +399,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "any free port on the CPU)")  # fmt: skip
     ap.add_argument("--no-decline", action="store_true",
                     help="the connector's cost model off: every hit claimed")  # fmt: skip
+    ap.add_argument("--log-dir", default="", help="write each engine's output there")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="per engine, seconds")
     args = ap.parse_args(argv)
     args.device = device_of(args.device)
@@ -418,7 +429,11 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     try:
         for name in args.family_names:
-            r = FamilyRun(FAMILIES[name], args, server, work).run()
+            fam = FamilyRun(FAMILIES[name], args, server, work)
+            try:
+                r = fam.run()
+            finally:
+                fam.save_logs()
             results[name] = r
             print(json.dumps({"family": name, **r}), flush=True)
     finally:
