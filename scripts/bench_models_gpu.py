@@ -178,31 +178,51 @@ def first_error_line(err: BaseException) -> str:
     return (found[-1] if found else lines[0] if lines else type(err).__name__)[:500]
 
 
-Digests = list[list[str | None]]
+Digests = list[list[list[str | None]]]
+"""per prompt, per KV cache group, per full block: its KV digest (None: not held)"""
+
+
+def held_blocks(
+    reference: list[list[str | None]], got: list[list[str | None]], cached: list[int],
+    block_size: int,
+) -> tuple[int, int]:  # fmt: skip
+    """A sliding window's count: among each prompt's hit blocks, those the hit engine
+    holds (a window keeps only its last blocks), and of them those whose digest is not
+    the reference's."""
+    blocks = mismatches = 0
+    for ref, mine, c in zip(reference, got, cached, strict=True):
+        held = [i for i in range(min(c // block_size, len(mine))) if mine[i] is not None]
+        blocks += len(held)
+        mismatches += sum(i >= len(ref) or ref[i] != mine[i] for i in held)
+    return blocks, mismatches
 
 
 def kv_verdict(
     cold: Digests | str, warm: Digests | str, cold_cached: list[int], warm_cached: list[int],
-    groups: int, block_size: int,
+    block_size: int, windows: frozenset[int] = frozenset(),
 ) -> dict[str, Any]:  # fmt: skip
     """``kv_match`` and its counts: the digests of the warm engine's hit blocks against
-    the cold engine's (``cold``, ``warm``: per prompt, or why there are none); null with
-    ``kv_note`` where nothing can be compared."""
+    the cold engine's (``cold``, ``warm``: :data:`Digests`, or why there are none); every
+    hit block of every group but ``windows`` (sliding windows: :func:`held_blocks`) must
+    be held; null with ``kv_note`` where nothing can be compared."""
     note = ""
     if isinstance(cold, str) or isinstance(warm, str):
         note = cold if isinstance(cold, str) else str(warm)
     elif not any(warm_cached):
         note = "no hit to compare"
-    elif groups > 1:
-        note = f"{groups} KV cache groups: kv_digest reads group 0's blocks only"
     elif any(cold_cached):
         note = "the cold engine had hits: its KV is not all computed"
-    elif all(d is None for ds in cold for d in ds):
+    elif all(d is None for groups in cold for ds in groups for d in ds):
         note = "the cold engine's prefix cache kept no block (vLLM turned it off)"
     if note:
         return {"kv_match": None, "kv_note": note}
     assert not isinstance(cold, str) and not isinstance(warm, str)
-    blocks, bad = kv_oracle(cold, warm, warm_cached, block_size)
+    blocks = bad = 0
+    for g in range(len(cold[0])):
+        ref, got = [p[g] for p in cold], [p[g] for p in warm]
+        count = held_blocks if g in windows else kv_oracle
+        n, m = count(ref, got, warm_cached, block_size)
+        blocks, bad = blocks + n, bad + m
     return {"kv_match": bad == 0, "kv_blocks": blocks, "kv_mismatches": bad}
 
 
@@ -239,6 +259,8 @@ class FamilyRun:
             self.env["PEGAFLOW_CONNECTOR_COST_MODEL"] = "0"
         self.full = kv_bytes_per_token(cfg, dtype_bytes(fam.kv_cache_dtype), args.tp)
         self.engines: list[VllmEngine] = []
+        self.specs: list[str] = []
+        """each KV cache group's spec, as ``kv_digest`` answered (empty: one group)"""
         self.out: dict[str, Any] = {
             "model": cfg["architectures"][0],
             "scaled": fam.note(args.device, args.layers),
@@ -341,17 +363,19 @@ class FamilyRun:
             warm_first == plain_first and cold_first == plain_first
             and warm_out == reference and cold_out == reference
         )  # fmt: skip
-        groups = out.get("kv_cache_groups") or 1
-        out.update(kv_verdict(cold_kv, warm_kv, cold_cached, warm_cached, groups, self.block_size))
+        windows = frozenset(i for i, x in enumerate(self.specs) if x == "SlidingWindowSpec")
+        out.update(kv_verdict(cold_kv, warm_kv, cold_cached, warm_cached, self.block_size, windows))
 
     def digests(self, e: VllmEngine, wanted: bool) -> Digests | str:
         """Each prompt's per-block KV digests, or why there are none."""
         if not wanted:
             return f"--tp {self.args.tp}: kv_digest reads one rank's KV"
         try:
-            return [e.kv_digest(p) for p in self.prompts]
+            answers = [e.call({"op": "kv_digest", "prompt": p}) for p in self.prompts]
         except RuntimeError as err:
             return f"kv_digest: {first_error_line(err)}"
+        self.specs = answers[0].get("specs", self.specs)
+        return [a.get("groups", [a["digests"]]) for a in answers]
 
 
 

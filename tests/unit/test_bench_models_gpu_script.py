@@ -132,28 +132,45 @@ def test_full_blocks_and_ratios(bench: ModuleType) -> None:
 
 
 def test_kv_verdict(bench: ModuleType) -> None:
-    cold = [["a", "b", "c"], ["d", "e", "f"]]
-    same = bench.kv_verdict(cold, cold, [0, 0], [64, 64], groups=1, block_size=32)
+    # per prompt, per group, per block
+    cold = [[["a", "b", "c"]], [["d", "e", "f"]]]
+    same = bench.kv_verdict(cold, cold, [0, 0], [64, 64], 32)
     assert same == {"kv_match": True, "kv_blocks": 4, "kv_mismatches": 0}
-    wrong = bench.kv_verdict(cold, [["a", "x", "c"], ["d", "e", "f"]], [0, 0], [64, 64], 1, 32)
+    wrong = bench.kv_verdict(cold, [[["a", "x", "c"]], [["d", "e", "f"]]], [0, 0], [64, 64], 32)
     assert wrong["kv_match"] is False and wrong["kv_mismatches"] == 1
     # the block after the hit was computed by the warm engine: not compared
-    tail = [["a", "b", "z"], ["d", "e", "z"]]
-    assert bench.kv_verdict(cold, tail, [0, 0], [64, 64], 1, 32)["kv_match"]
+    tail = [[["a", "b", "z"]], [["d", "e", "z"]]]
+    assert bench.kv_verdict(cold, tail, [0, 0], [64, 64], 32)["kv_match"]
+    # a full-attention block the warm engine lacks is a mismatch
+    assert not bench.kv_verdict(cold, [[["a", None, "c"]], [["d", "e", "f"]]], [0, 0],
+                                [64, 64], 32)["kv_match"]  # fmt: skip
 
     def note(**kw: object) -> object:
         args = {"cold": cold, "warm": cold, "cold_cached": [0, 0], "warm_cached": [64, 64],
-                "groups": 1, "block_size": 32, **kw}  # fmt: skip
+                "block_size": 32, **kw}  # fmt: skip
         got = bench.kv_verdict(**args)
         assert got["kv_match"] is None
         return got["kv_note"]
 
     assert note(warm="--tp 2: kv_digest reads one rank's KV").startswith("--tp 2")
-    assert "2 KV cache groups" in str(note(groups=2))
     assert "cold engine had hits" in str(note(cold_cached=[32, 0]))
     assert note(warm_cached=[0, 0]) == "no hit to compare"
     # vLLM-CPU turns its prefix cache off for MLA: kv_digest finds no block
-    assert "kept no block" in str(note(cold=[[None] * 3] * 2, warm=[[None] * 3] * 2))
+    nothing = [[[None] * 3]] * 2
+    assert "kept no block" in str(note(cold=nothing, warm=nothing))
+
+
+def test_kv_verdict_with_a_sliding_window_group(bench: ModuleType) -> None:
+    """Group 0 a sliding window (the warm engine holds only the window's last blocks),
+    group 1 full attention (every hit block)."""
+    cold = [[["w0", "w1", "w2", "w3"], ["f0", "f1", "f2", "f3"]]]
+    warm = [[[None, None, "w2", "w3"], ["f0", "f1", "f2", "f3"]]]
+    got = bench.kv_verdict(cold, warm, [0], [128], 32, windows=frozenset({0}))
+    assert got == {"kv_match": True, "kv_blocks": 6, "kv_mismatches": 0}
+    bad = [[[None, None, "wX", "w3"], ["f0", "f1", "f2", "f3"]]]
+    assert bench.kv_verdict(cold, bad, [0], [128], 32, frozenset({0}))["kv_mismatches"] == 1
+    # without the window known, the missing blocks count
+    assert bench.kv_verdict(cold, warm, [0], [128], 32)["kv_mismatches"] == 2
 
 
 def test_start_error_reason(bench: ModuleType) -> None:
@@ -178,3 +195,42 @@ def test_device_defaults(bench: ModuleType) -> None:
     assert not gpu.eager
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cpu", "--families", "mixtral"])
+
+
+def test_group_digests_read_each_groups_blocks_over_its_own_layers() -> None:
+    """``kv_digest`` under the hybrid KV cache manager (``tests/support/vllm_runner.py``):
+    the layers of group 0 (a sliding window) and group 1 (full attention) interleave, as
+    gpt-oss's do; each group's block of a hash is digested over that group's layers."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tests.support.vllm_runner import _group_digests, block_digests
+
+    num_blocks = 6
+    caches = [torch.randn(2, num_blocks, 32, 2, 8) for _ in range(4)]  # layers 0..3
+
+    def group(kind: str, layers: list[int]) -> SimpleNamespace:
+        names = [f"model.layers.{i}.self_attn.attn" for i in layers]
+        return SimpleNamespace(layer_names=names, kv_cache_spec=type(kind, (), {})())
+
+    groups = [group("SlidingWindowSpec", [0, 2]), group("FullAttentionSpec", [1, 3])]
+    held = {("h0", 0): None, ("h1", 0): 4, ("h0", 1): 2, ("h1", 1): 5}
+
+    class Pool:
+        num_gpu_blocks = num_blocks
+
+        def get_cached_block(self, h: str, gids: list[int]) -> list[SimpleNamespace] | None:
+            b = held[(h, gids[0])]
+            return None if b is None else [SimpleNamespace(block_id=b)]
+
+    def index(name: str) -> int:  # vLLM's extract_layer_index, for these names
+        return int(name.split(".")[2])
+
+    got = _group_digests(["h0", "h1"], Pool(), caches, groups, index)
+    assert got["specs"] == ["SlidingWindowSpec", "FullAttentionSpec"]
+    window, full = got["groups"]
+    assert window[0] is None
+    assert window[1] == block_digests([caches[0], caches[2]], [4], num_blocks)[0]
+    assert full == block_digests([caches[1], caches[3]], [2, 5], num_blocks)
+    assert got["digests"] == window
