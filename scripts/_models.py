@@ -215,7 +215,9 @@ class Family:
     """changes on the GPU besides the layer count (fewer experts to fit)"""
     kv_cache_dtype: str = "auto"
     gpu_block_size: int = 16
+    """vLLM's on the GPU (MLA: FlashMLA's 64, which vLLM forces on Hopper)"""
     cpu_block_size: int = 32
+    """vLLM-CPU's: a multiple of 32; its MLA kernel takes 16 only"""
 
     def model(self, device: str, layers: int = 0) -> dict[str, Any]:
         """The config.json of the run on ``device`` (``cuda`` or ``cpu``); ``layers``
@@ -264,7 +266,7 @@ FAMILIES: dict[str, Family] = {
                cpu={"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
                     "moe_intermediate_size": 128, "num_attention_heads": 4,
                     "num_key_value_heads": 4},
-               cpu_block_size=16),
+               gpu_block_size=64, cpu_block_size=16),
         Family("llama-fp8", LLAMA_31_8B, gpu_layers=32, cpu_layers=2, kv_cache_dtype="fp8",
                cpu={"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
                     "rope_scaling": None}),

@@ -32,7 +32,8 @@ One JSON line per family, then the last line ``{"families": {name: {...}}, ...}`
 Fields of a family:
 
 - ``model``: the config's architecture; ``scaled``: what this run changed of the
-  public shape; ``layers``, ``kv_cache_dtype``, ``block_size``;
+  public shape; ``layers``, ``kv_cache_dtype``, ``block_size`` (as the connector's
+  start line gives it: vLLM aligns a Mamba hybrid's to its state);
 - ``skipped``: why the family did not run (no other field then but the above);
   ``error``: what stopped it part way (the fields measured before it stay);
 - ``cold_ms``, ``warm_ms``, ``vllm_hit_ms``: per prompt TTFT (plain cold, warm after
@@ -44,8 +45,8 @@ Fields of a family:
 - ``outputs_match``: the warm engine's first tokens and 8 tokens of each prompt equal
   the plain engine's, and so do the cold engine's;
 - ``kv_match``: every block the warm engine loaded holds the bytes the cold engine
-  computed (null: not compared, ``kv_note`` says why); ``kv_blocks``,
-  ``kv_mismatches``;
+  computed, in every KV cache group (a sliding window's: the blocks the warm engine
+  holds; null: not compared, ``kv_note`` says why); ``kv_blocks``, ``kv_mismatches``;
 - ``stored_bytes``: the node's committed bytes over the cold engine's life
   (``pegaflow_node_put_bytes``), ``pool_used_bytes``: its pool's growth (slots rounded
   up); ``saved_tokens``: the prompts' tokens in full blocks; ``bytes_per_token``:
@@ -55,7 +56,8 @@ Fields of a family:
 - ``support_line``: the connector's start line (``PegaFlow: <level> support: ...``);
   ``kv_cache_groups``: from it; ``hybrid_manager``: false when vLLM logged "Turning off
   hybrid kv cache manager";
-- ``start_<engine>_s``: each engine's start.
+- ``start_<engine>_s``: each engine's start; ``pinned_warm_s``: the warm engine's pool
+  pinning (GPU); ``family_s``: the family's whole run.
 
     python3 scripts/bench_models_gpu.py [--families gpt-oss,qwen3-next,...] [--prompts 4]
         [--tokens 8000] [--eager] [--tp 1] [--device cpu]
@@ -97,6 +99,7 @@ WARM_UP_TOKENS = 512
 VOCAB = 32_000
 START_LINE = re.compile(r"PegaFlow: \w+ support: .*")
 GROUPS = re.compile(r"(\d+) KV cache groups")
+BLOCK_SIZE_SAID = re.compile(r"block size (\d+)")
 HYBRID_OFF = "Turning off hybrid kv cache manager"
 
 
@@ -114,6 +117,13 @@ def kv_cache_groups(line: str | None) -> int | None:
         return None
     m = GROUPS.search(line)
     return int(m.group(1)) if m else 1
+
+
+def engine_block_size(line: str | None, default: int) -> int:
+    """The block size the start line names (vLLM may change the one asked for: Mamba
+    hybrids align it to their state's page), else ``default``."""
+    m = BLOCK_SIZE_SAID.search(line or "")
+    return int(m.group(1)) if m else default
 
 
 def hybrid_manager(log: list[str]) -> bool:
@@ -334,6 +344,9 @@ class FamilyRun:
             out["support_line"] = support_line(e.log)
             out["hybrid_manager"] = hybrid_manager(e.log)
             out["kv_cache_groups"] = kv_cache_groups(out["support_line"])
+            self.block_size = out["block_size"] = engine_block_size(
+                out["support_line"], self.block_size
+            )
             connector_ms, cold_cached, cold_first = self.timed(e)
             cold_out = e.generate(self.prompts, OUTPUT_TOKENS)["outputs"]
             cold_kv = self.digests(e, digest)
@@ -453,11 +466,13 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     try:
         for name in args.family_names:
+            t0 = time.monotonic()
             fam = FamilyRun(FAMILIES[name], args, server, work)
             try:
                 r = fam.run()
             finally:
                 fam.save_logs()
+            r["family_s"] = round(time.monotonic() - t0, 1)
             results[name] = r
             print(json.dumps({"family": name, **r}), flush=True)
     finally:

@@ -106,6 +106,8 @@ def test_start_line_groups_and_hybrid_manager(bench: ModuleType) -> None:
     assert bench.kv_cache_groups("PegaFlow: full support: full attention, 8 KV heads") == 1
     assert bench.kv_cache_groups(None) is None
     assert bench.support_line(["no connector here"]) is None
+    assert bench.engine_block_size(line, 32) == 16
+    assert bench.engine_block_size(None, 32) == 32
     assert bench.hybrid_manager(log)
     off = "WARNING Turning off hybrid kv cache manager because `--kv-transfer-config` ..."
     assert not bench.hybrid_manager([*log, off])
