@@ -6,13 +6,12 @@ end to end on the CPU with ``--device cpu``; docs/benchmarks.md "Issue 39")."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from types import ModuleType
 
 import pytest
 
-from tests.support.script_module import SCRIPTS, load_script
+from tests.support.script_module import load_script
 
 
 @pytest.fixture(scope="module")
@@ -27,18 +26,17 @@ def models(bench: ModuleType) -> ModuleType:
     return sys.modules["scripts._models"]
 
 
-def test_help_lists_the_families_and_switches() -> None:
-    r = subprocess.run(
-        [sys.executable, str(SCRIPTS / "bench_models_gpu.py"), "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert r.returncode == 0, r.stderr
+def test_help_lists_the_families_and_switches(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        bench.parse_args(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
     for word in ("--families", "--eager", "--device", "--tokens", "--prompts", "--tp"):
-        assert word in r.stdout
+        assert word in text
     for family in ("gpt-oss", "qwen3-next", "deepseek-v2-lite", "llama-fp8"):
-        assert family in r.stdout
+        assert family in text
 
 
 def test_the_families_keep_their_public_kv_shapes(models: ModuleType) -> None:
