@@ -52,12 +52,21 @@ Fields of a family:
   up); ``saved_tokens``: the prompts' tokens in full blocks; ``bytes_per_token``:
   ``stored_bytes`` / ``saved_tokens``; ``full_attention_bytes_per_token``: one rank's
   KV per token if every layer kept full attention (layers x 2 x KV heads x head size x
-  dtype bytes; MLA: the latent); ``stored_over_full_attention``; ``bytes_per_request``;
+  dtype bytes; MLA: the latent); ``stored_over_full_attention``: their ratio (``--tp``
+  N: every rank stores its shard, N for full attention; MLA, stored once: 1, the
+  target); ``bytes_per_request`` (issue 39's target for a sliding window: bounded by the
+  window; the connector stores every block of every group today, so it grows with the
+  prompt);
 - ``support_line``: the connector's start line (``PegaFlow: <level> support: ...``);
   ``kv_cache_groups``: from it; ``hybrid_manager``: false when vLLM logged "Turning off
   hybrid kv cache manager";
 - ``start_<engine>_s``: each engine's start; ``pinned_warm_s``: the warm engine's pool
   pinning (GPU); ``family_s``: the family's whole run.
+
+The last line also carries ``device``, ``tokens``, ``prompts``, ``tp`` and ``eager``.
+With ``--tp`` N > 1 every engine has N ranks (NVLink multicast off) and the engine core
+in a process of its own: no KV comparison.  Near the 10-minute limit of a command, run
+the families in two commands (``--families gpt-oss,qwen3-next``, then the other two).
 
     python3 scripts/bench_models_gpu.py [--families gpt-oss,qwen3-next,...] [--prompts 4]
         [--tokens 8000] [--eager] [--tp 1] [--device cpu]
