@@ -7,7 +7,8 @@ end to end on the CPU with ``--device cpu``; docs/benchmarks.md "Issue 39")."""
 from __future__ import annotations
 
 import sys
-from types import ModuleType
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -201,8 +202,6 @@ def test_group_digests_read_each_groups_blocks_over_its_own_layers() -> None:
     """``kv_digest`` under the hybrid KV cache manager (``tests/support/vllm_runner.py``):
     the layers of group 0 (a sliding window) and group 1 (full attention) interleave, as
     gpt-oss's do; each group's block of a hash is digested over that group's layers."""
-    from types import SimpleNamespace
-
     import torch
 
     from tests.support.vllm_runner import _group_digests, block_digests
@@ -234,3 +233,25 @@ def test_group_digests_read_each_groups_blocks_over_its_own_layers() -> None:
     assert window[1] == block_digests([caches[0], caches[2]], [4], num_blocks)[0]
     assert full == block_digests([caches[1], caches[3]], [2, 5], num_blocks)
     assert got["digests"] == window
+
+
+def test_a_family_the_engine_cannot_start_is_skipped_with_the_reason(
+    bench: ModuleType, models: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    class NoEngine:
+        def __init__(self, *a: object, **kw: object) -> None:
+            raise RuntimeError(
+                "qwen3-next-plain did not start:\nTraceback (most recent call last):\n"
+                "NotImplementedError: no Gated DeltaNet kernel on this platform"
+            )
+
+    monkeypatch.setattr(bench, "VllmEngine", NoEngine)
+    args = bench.parse_args(["--device", "cpu", "--families", "qwen3-next"])
+    server = SimpleNamespace(ready={"coordinator": "127.0.0.1:1", "http": "1"})
+    got = bench.FamilyRun(models.FAMILIES["qwen3-next"], args, server, tmp_path).run()
+    assert got["skipped"] == (
+        "vLLM on cpu did not start it: NotImplementedError: no Gated DeltaNet kernel on this "
+        "platform"
+    )
+    assert got["model"] == "Qwen3NextForCausalLM" and "cold_ms" not in got
+    assert (tmp_path / "qwen3-next" / "config.json").exists()
