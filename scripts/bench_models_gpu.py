@@ -15,15 +15,16 @@ cannot start there is reported skipped, with vLLM's reason.
 
 Per family, against one ``pegaflow-server`` with its default settings (on the CPU: its
 own port and a 1 GiB pool), every engine in vLLM's default mode (``--eager``: eager),
-``--prompts`` prompts of ``--tokens`` token ids, one at a time, ``max_tokens=1``:
+``--prompts`` prompts of ``--tokens`` token ids, one at a time, ``max_tokens=1``; with
+one rank, each engine's core runs in its engine process (``kv_digest`` of
+``tests/support/vllm_runner.py`` reads the KV cache there):
 
 1. **plain**: vLLM with no connector: a warm-up prompt, cold TTFT, then its own prefix
    cache hit on the same prompts (the floor), then 8 tokens of each (the reference);
 2. **cold**: the connector with the three documented keys (``PYTHONHASHSEED=0`` as the
-   README says), its engine core in the script's engine process (``kv_digest`` of
-   ``tests/support/vllm_runner.py`` reads its KV cache where it has one rank), no warm-up
-   (the node's bytes before and after it are the prompts' alone): the prompts, then 8
-   tokens of each, then each prompt's per-block KV digest; its exit drains its saves;
+   README says), no warm-up (the node's bytes before and after it are the prompts'
+   alone): the prompts, then 8 tokens of each, then each prompt's per-block KV digest;
+   its exit drains its saves;
 3. **warm**: a new engine process like it (a restart: an empty GPU cache): a warm-up
    prompt, the pool's pinning (60 s at most), then the prompts (hits from the node),
    8 tokens of each and the digests.
@@ -272,6 +273,8 @@ class FamilyRun:
         self.prompts = prompts(args.prompts, args.tokens, seed=39_000, vocab=vocab)
         self.warm_up = prompts(1, min(WARM_UP_TOKENS, args.tokens), seed=7, vocab=vocab)
         self.env = {"PYTHONHASHSEED": "0", **tp_env(args.tp)}
+        # one rank: every engine's core in its engine process, where kv_digest reads it
+        self.in_process = dict(IN_PROCESS) if args.tp == 1 else {}
         if args.coordinator_port == 0:  # the three keys reach 7700: point them elsewhere
             self.env["PEGAFLOW_CONNECTOR_COORDINATORS"] = server.ready["coordinator"]
         if args.no_decline:
@@ -321,7 +324,7 @@ class FamilyRun:
         """The three engines in turn; the family's figures."""
         out = self.out
         try:
-            e = self.start("plain", connector=None, prefix_caching=True)
+            e = self.start("plain", connector=None, prefix_caching=True, env=self.in_process)
         except RuntimeError as err:
             out["skipped"] = f"vLLM on {self.args.device} did not start it: {first_error_line(err)}"
             return out
@@ -345,8 +348,7 @@ class FamilyRun:
     def connector_passes(self, plain_first: list[int], reference: list[list[int]]) -> None:
         """The cold and the warm engine (module docstring)."""
         out, http = self.out, int(self.server.ready["http"])
-        digest = self.args.tp == 1
-        env = {**IN_PROCESS} if digest else {}
+        digest, env = bool(self.in_process), self.in_process
         before = node_metrics(http)
         e = self.start("cold", three_keys=True, prefix_caching=True, env=env)
         try:
