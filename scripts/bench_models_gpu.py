@@ -341,7 +341,7 @@ class FamilyRun:
         out["vllm_hit_over_cold"] = ratio(out["vllm_hit_mean_ms"], out["cold_mean_ms"])
         try:
             self.connector_passes(plain_first, reference)
-        except RuntimeError as err:  # the figures so far are still worth printing
+        except (RuntimeError, OSError) as err:  # the figures so far are still worth printing
             out["error"] = first_error_line(err)
         return out
 
@@ -400,7 +400,6 @@ class FamilyRun:
             return f"kv_digest: {first_error_line(err)}"
         self.specs = answers[0].get("specs", self.specs)
         return [a.get("groups", [a["digests"]]) for a in answers]
-
 
 
 def summary(families: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
