@@ -494,16 +494,18 @@ def cross_tp_pass(
 Digests = list[str | None]
 
 
-def kv_oracle(reference: list[Digests], got: list[Digests], cached: list[int]) -> tuple[int, int]:
+def kv_oracle(
+    reference: list[Digests], got: list[Digests], cached: list[int], block_size: int = BLOCK_SIZE
+) -> tuple[int, int]:
     """The KV oracle's count over prompts: the blocks of each prompt that its hit
-    covered (the first ``cached // BLOCK_SIZE``) and, among them, those whose digest in
+    covered (the first ``cached // block_size``) and, among them, those whose digest in
     the hit engine (``got``) is not the one of the engine that computed them
     (``reference``), or that either engine no longer holds (None).  The blocks after a
     hit the hit engine computed itself, in kernels of other shapes whose bf16 sums may
     differ in the last bit: not compared."""
     blocks = mismatches = 0
     for ref, mine, c in zip(reference, got, cached, strict=True):
-        n = c // BLOCK_SIZE
+        n = c // block_size
         blocks += n
         for i in range(n):
             want = ref[i] if i < len(ref) else None

@@ -35,7 +35,9 @@ line:
   in every KV cache tensor, the tensors the groups' layers share); a KV oracle
   stronger than outputs (:func:`block_digests`; the CPU tests' and the GPU bench's
   oracle).  Needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core in this process)
-  and one rank;
+  and one rank.  With several KV cache groups (vLLM's hybrid KV cache manager) also
+  ``"groups"``: per group, its blocks' digests over its own layers, and ``"specs"``:
+  each group's spec class (``"digests"`` is group 0's);
 * ``{"op": "start_profile"}``, ``{"op": "stop_profile"}`` -> ``{"ok": true}`` (with
   ``profile_dir``; the trace is written at the stop);
 * ``{"op": "quit"}``.
@@ -48,6 +50,7 @@ import inspect
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -138,6 +141,11 @@ def _kv_digest(llm: Any, prompt: list[int]) -> dict[str, Any]:
     req = Request("kv-digest", list(prompt), SamplingParams(max_tokens=1), None, **kw)
     pool = core.scheduler.kv_cache_manager.block_pool
     runner = core.model_executor.driver_worker.worker.model_runner
+    groups = core.scheduler.kv_cache_config.kv_cache_groups
+    if len(groups) > 1:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        return _group_digests(req.block_hashes, pool, runner.kv_caches, groups, extract_layer_index)
     layers = [t for t in runner.kv_caches if isinstance(t, torch.Tensor)]
     if not layers:
         raise RuntimeError("no KV cache tensors in the model runner")
@@ -154,6 +162,33 @@ def _kv_digest(llm: Any, prompt: list[int]) -> dict[str, Any]:
     if groups > 1:
         digests = [list(d) for d in zip(*per_group, strict=True)]
     return {"digests": digests, "layers": len(layers)}
+
+
+def _group_digests(
+    hashes: list[Any], pool: Any, kv_caches: list[Any], groups: list[Any],
+    layer_index: Callable[[str], int],
+) -> dict[str, Any]:  # fmt: skip
+    """``kv_digest`` under vLLM's hybrid KV cache manager: per KV cache group, per full
+    block, the digest of that group's block over the group's own layers (None: the
+    group does not hold it, e.g. a sliding window's block that slid out).
+    ``layer_index``: a layer name's index (vLLM's ``extract_layer_index``)."""
+    import torch
+
+    # the runner's list holds one cache per layer index, in index order
+    order = sorted({layer_index(n) for g in groups for n in g.layer_names})
+    per_group: list[list[str | None]] = []
+    for gid, group in enumerate(groups):
+        layers = [kv_caches[order.index(layer_index(n))] for n in group.layer_names]
+        if not all(isinstance(t, torch.Tensor) for t in layers):
+            raise RuntimeError(f"group {gid}'s caches are no single tensors (Mamba state)")
+        ids: list[int | None] = []
+        for h in hashes:
+            blocks = pool.get_cached_block(h, [gid])
+            ids.append(blocks[0].block_id if blocks else None)
+        found = iter(block_digests(layers, [b for b in ids if b is not None], pool.num_gpu_blocks))
+        per_group.append([None if b is None else next(found) for b in ids])
+    specs = [type(g.kv_cache_spec).__name__ for g in groups]
+    return {"digests": per_group[0], "groups": per_group, "specs": specs}
 
 
 def block_digests(layers: list[Any], block_ids: list[int], num_blocks: int) -> list[str]:
