@@ -169,7 +169,11 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
     groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
     if not groups:
         raise ValueError("the engine has no KV cache groups")
-    spec = groups[0].kv_cache_spec
+    # heads and dtype from the first attention group (a Mamba group has none)
+    spec = next(
+        (g.kv_cache_spec for g in groups if hasattr(g.kv_cache_spec, "num_kv_heads")),
+        groups[0].kv_cache_spec,
+    )
     block_size = int(spec.block_size)
     num_layers = sum(len(g.layer_names) for g in groups)
     layout = getattr(kv_cache_config, "kv_cache_layout", None)  # vLLM >= 0.30

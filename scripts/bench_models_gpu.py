@@ -57,8 +57,8 @@ Fields of a family:
   dtype bytes; MLA: the latent); ``stored_over_full_attention``: their ratio (``--tp``
   N: every rank stores its shard, N for full attention; MLA, stored once: 1, the
   target); ``bytes_per_request`` (issue 39's target for a sliding window: bounded by the
-  window; the connector stores every block of every group today, so it grows with the
-  prompt);
+  window; the connector stores a window group's blocks only in the window before each
+  point a later request can hit: where saves stop, every ``window_anchor_tokens``);
 - ``support_line``: the connector's start line (``PegaFlow: <level> support: ...``);
   ``kv_cache_groups``: from it; ``hybrid_manager``: false when vLLM logged "Turning off
   hybrid kv cache manager";

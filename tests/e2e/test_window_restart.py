@@ -73,9 +73,9 @@ def test_a_restarted_engine_loads_windowed_and_full_layers_byte_exact(
             "manager (2 KV cache groups: SlidingWindowSpec, FullAttentionSpec)" in line, line
         r = cold.generate(P, 8)
         assert r["cached"] == [0, 0]
-        want_kv = [cold.kv_digest(p) for p in P]  # per block, each group's digest
-        assert len(want_kv[0]) == blocks
-        assert all(d[1] is not None for ds in want_kv for d in ds)  # full attention
+        want_kv = [cold.kv_group_digests(p) for p in P]  # per group, per block
+        assert all(len(g) == blocks for ds in want_kv for g in ds)
+        assert all(d is not None for ds in want_kv for d in ds[1])  # full attention
         # every full-attention block, the window group's only before the prompt's end
         saved = 2 * (blocks + WINDOW // BLOCK)
         wait_for(lambda: stats(s_cold).get("save_blocks", 0) >= saved, "cold saves", 120)
@@ -90,16 +90,14 @@ def test_a_restarted_engine_loads_windowed_and_full_layers_byte_exact(
         assert w["cached"] == [blocks * BLOCK] * 2  # every full block from the cluster
         # byte-exact: every block the restarted engine holds, of either group (vLLM gives
         # the window group's blocks before the window its null block: none loaded there)
-        got = [warm.kv_digest(p) for p in P]
+        got = [warm.kv_group_digests(p) for p in P]
         for want_p, got_p in zip(want_kv, got, strict=True):
-            assert [d for g in got_p for d in g if d is not None] == [
-                w for g, h in zip(want_p, got_p, strict=True)
-                for w, d in zip(g, h, strict=True) if d is not None
-            ]  # fmt: skip
-            full_attention = [g[1] for g in got_p]
-            assert None not in full_attention
-            window = [g[0] for g in got_p]
-            assert None not in window[-(WINDOW // BLOCK) :]
+            window, full_attention = got_p
+            assert None not in full_attention and None not in window[-(WINDOW // BLOCK) :]
+            for want_g, got_g in zip(want_p, got_p, strict=True):
+                assert [d for d in got_g if d is not None] == [
+                    w for w, d in zip(want_g, got_g, strict=True) if d is not None
+                ]
         wait_for(lambda: stats(s_warm).get("load_blocks", 0) >= saved, "warm loads", 120)
         assert stats(s_warm).get("load_failed_blocks", 0) == 0
     finally:

@@ -101,6 +101,12 @@ class VllmEngine:
         (None: not cached); the engine needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0``."""
         return self.call({"op": "kv_digest", "prompt": prompt})["digests"]
 
+    def kv_group_digests(self, prompt: list[int]) -> list[list[str | None]]:
+        """:meth:`kv_digest` per KV cache group (vLLM's hybrid KV cache manager: each
+        group's blocks over its own layers; one group: one list)."""
+        res = self.call({"op": "kv_digest", "prompt": prompt})
+        return res.get("groups", [res["digests"]])
+
     def ttft(self, prompts: list[list[int]]) -> dict[str, Any]:
         """Per-prompt time to first token, one prompt at a time."""
         return self.call({"op": "ttft", "prompts": prompts})

@@ -30,9 +30,7 @@ line:
 * ``{"op": "kv_digest", "prompt": [ids...]}`` -> ``{"digests": [hex or null, ...]}``: per
   full block of the prompt, the xxh3-64 of that block's KV bytes in every layer (in
   layer order) as the engine's KV cache holds them now (vLLM's prefix cache keeps a
-  finished request's blocks), null for a block not in the prefix cache (under vLLM's
-  hybrid KV cache manager, a list per block: each KV cache group's digest of its block
-  in every KV cache tensor, the tensors the groups' layers share); a KV oracle
+  finished request's blocks), null for a block not in the prefix cache; a KV oracle
   stronger than outputs (:func:`block_digests`; the CPU tests' and the GPU bench's
   oracle).  Needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core in this process)
   and one rank.  With several KV cache groups (vLLM's hybrid KV cache manager) also
@@ -149,18 +147,12 @@ def _kv_digest(llm: Any, prompt: list[int]) -> dict[str, Any]:
     layers = [t for t in runner.kv_caches if isinstance(t, torch.Tensor)]
     if not layers:
         raise RuntimeError("no KV cache tensors in the model runner")
-    groups = len(core.scheduler.kv_cache_config.kv_cache_groups)
-    per_group: list[list[str | None]] = []
-    for g in range(groups):
-        ids: list[int | None] = []
-        for h in req.block_hashes:
-            blocks = pool.get_cached_block(h, [g])
-            ids.append(blocks[0].block_id if blocks else None)
-        found = iter(block_digests(layers, [b for b in ids if b is not None], pool.num_gpu_blocks))
-        per_group.append([None if b is None else next(found) for b in ids])
-    digests: list[Any] = per_group[0]
-    if groups > 1:
-        digests = [list(d) for d in zip(*per_group, strict=True)]
+    ids: list[int | None] = []
+    for h in req.block_hashes:
+        blocks = pool.get_cached_block(h, [0])
+        ids.append(blocks[0].block_id if blocks else None)
+    found = iter(block_digests(layers, [b for b in ids if b is not None], pool.num_gpu_blocks))
+    digests = [None if b is None else next(found) for b in ids]
     return {"digests": digests, "layers": len(layers)}
 
 
