@@ -270,6 +270,8 @@ class FamilyRun:
             "cuda_graphs": not (args.eager or self.cpu),
             "kv_cache_dtype": fam.kv_cache_dtype,
         }
+        if args.no_hybrid_manager:
+            self.spec["hybrid_manager"] = False
         vocab = min(VOCAB, int(cfg["vocab_size"]))
         self.prompts = prompts(args.prompts, args.tokens, seed=39_000, vocab=vocab)
         self.warm_up = prompts(1, min(WARM_UP_TOKENS, args.tokens), seed=7, vocab=vocab)
@@ -450,6 +452,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-decline", action="store_true",
                     help="the connector's cost model off: every hit claimed")  # fmt: skip
     ap.add_argument("--log-dir", default="", help="write each engine's output there")
+    ap.add_argument("--no-hybrid-manager", action="store_true",
+                    help="every engine with --disable-hybrid-kv-cache-manager (vLLM 0.26 "
+                         "cannot recompute a hybrid model's failed load: the connector is "
+                         "off there unless the manager is)")  # fmt: skip
     ap.add_argument("--start-timeout", type=float, default=600.0, help="per engine, seconds")
     args = ap.parse_args(argv)
     args.device = device_of(args.device)

@@ -15,7 +15,8 @@ its settings then come from ``PEGAFLOW_*`` variables only),
 ``log_stats`` (vLLM's request stats: timings in ``generate``'s answer),
 ``failure_policy`` (with ``connector``: ``kv_load_failure_policy``, default
 ``recompute``; null: left to vLLM's default), ``kv_cache_dtype`` (vLLM's
-``--kv-cache-dtype``, default ``auto``).
+``--kv-cache-dtype``, default ``auto``), ``hybrid_manager`` (false: vLLM's
+``--disable-hybrid-kv-cache-manager``).
 
 Prints ``READY`` once the engine is up, then answers each command line with one JSON
 line:
@@ -74,6 +75,8 @@ def _engine(spec: dict[str, Any]) -> Any:
             kw["kv_transfer_config"]["kv_load_failure_policy"] = policy
     if spec.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
+    if spec.get("hybrid_manager") is False:  # --disable-hybrid-kv-cache-manager
+        kw["disable_hybrid_kv_cache_manager"] = True
     if spec.get("profile_dir"):
         kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": spec["profile_dir"]}
     return LLM(
