@@ -488,6 +488,7 @@ class Coordinator:
             "mode": "etcd" if self.mirror is not None else "local",
             "etcd_connected": self.mirror.connected if self.mirror else False,
             "revision": self.mirror.revision if self.mirror else 0,
+            "loading": self.mirror.loading if self.mirror else False,
             "uptime_s": round(time.monotonic() - self._started, 3) if self._started else 0.0,
             "lookups": self.metrics.lookups,
             "hit_blocks": self.metrics.hit_blocks,
