@@ -50,6 +50,7 @@ from .index import BlockIndex
 log = logging.getLogger(__name__)
 
 _HEX = [bytes((c,)) for c in b"0123456789abcdef"]
+_LOAD_STREAMS = 3  # slices of the index read at once by a full load
 _unpackb = msgpack.unpackb
 
 
@@ -341,38 +342,55 @@ class EtcdMirror:
         etcd 3.4 walks the whole rest of a range for every page it returns (to count
         it), so paging a million keys costs O(n^2).  A big namespace is therefore read
         in slices by the leading hex digits of the hash (uniform for real hashes), each
-        small enough to page cheaply."""
+        small enough to page cheaply, :data:`_LOAD_STREAMS` slices at a time: etcd reads
+        the next pages while this process adds the last ones."""
         cursor, end = self._bprefix, prefix_range_end(self._bprefix)
         count, _, _ = await self.client.probe(cursor, end, revision=rev)
         self.load_keys_total = count
         if first and count > self._wait_load_keys:
             self._serving.set()
+        slices: list[tuple[bytes, bytes]] = []
         while cursor < end:
             count, first_key, _ = await self.client.probe(cursor, end, revision=rev)
             if first_key is None:
-                return
+                break
             slash = first_key.find(b"/", self._blen)
             if count <= self._split_over or slash < 0:
-                await self._scan_range(index, leases, rev, cursor, end)
-                return
+                slices.append((cursor, end))
+                break
             ns_prefix = first_key[: slash + 1]  # no key in [cursor, first_key)
-            await self._scan_prefix(index, leases, rev, ns_prefix, 0)
+            await self._slice(rev, ns_prefix, 0, slices)
             cursor = prefix_range_end(ns_prefix)
+        todo = iter(slices)
 
-    async def _scan_prefix(
-        self, index: BlockIndex, leases: dict[int, str], rev: int, prefix: bytes, depth: int
+        async def reader() -> None:
+            for lo, hi in todo:
+                await self._scan_range(index, leases, rev, lo, hi)
+
+        readers = [asyncio.create_task(reader()) for _ in range(_LOAD_STREAMS)]
+        try:
+            await asyncio.gather(*readers)  # the first error as it is (etcd down, ...)
+        finally:
+            for t in readers:
+                t.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+
+    async def _slice(
+        self, rev: int, prefix: bytes, depth: int, out: list[tuple[bytes, bytes]]
     ) -> None:
+        """Append to ``out`` slices covering ``[prefix, its range end)``, each small
+        enough (or 4 hex digits deep)."""
         end = prefix_range_end(prefix)
         if depth < 4:
             count, _, _ = await self.client.probe(prefix, end, revision=rev)
             if count > self._split_over:
                 # Below "0", each hex digit, above "f": together exactly [prefix, end).
-                await self._scan_range(index, leases, rev, prefix, prefix + b"0")
+                out.append((prefix, prefix + b"0"))
                 for digit in _HEX:
-                    await self._scan_prefix(index, leases, rev, prefix + digit, depth + 1)
-                await self._scan_range(index, leases, rev, prefix + b"g", end)
+                    await self._slice(rev, prefix + digit, depth + 1, out)
+                out.append((prefix + b"g", end))
                 return
-        await self._scan_range(index, leases, rev, prefix, end)
+        out.append((prefix, end))
 
     async def _scan_range(
         self, index: BlockIndex, leases: dict[int, str], rev: int, lo: bytes, hi: bytes

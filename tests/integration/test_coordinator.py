@@ -408,6 +408,35 @@ async def test_mirror_reads_big_ranges_in_slices_and_resyncs_after_compaction(
         await etcd.close()
 
 
+async def test_mirror_serves_a_big_first_load_while_it_runs(etcd_config: EtcdConfig) -> None:
+    node = await FakeNode(etcd_config, "n1").start()
+    etcd = EtcdClient(etcd_config)
+    index = BlockIndex()
+    # 200 keys, more than it waits for: start() returns once the load is under way
+    mirror = EtcdMirror(etcd, Keyspace(etcd_config.prefix), index, page_size=4, wait_load_keys=50)
+    try:
+        node.put(range(200), ns="ns-a")
+        await node.flush()
+        assert await mirror.start(wait_s=10)
+        st = mirror.status()
+        assert not mirror.synced and st["state"] == "loading"
+        assert st["load_keys_total"] == 200 and st["load_keys_read"] < 200
+        while mirror.loading:  # lookups answer from what has been read so far
+            assert index.lookup("ns-a", [h(i) for i in range(200)], [0]).hits <= index.num_blocks
+            await asyncio.sleep(0)
+        await eventually(lambda: _true(mirror.synced and mirror.connected))
+        assert index.num_blocks == 200 and mirror.status()["state"] == "watching"
+        assert mirror.status()["load_keys_read"] == 200
+        assert index.lookup("ns-a", [h(i) for i in range(200)], [0]).hits == 200
+        node.put([500], ns="ns-a")
+        await node.flush()
+        await eventually(lambda: _true(index.num_blocks == 201), what="watch after the load")
+    finally:
+        await mirror.close()
+        await node.publisher.close()
+        await etcd.close()
+
+
 @pytest.mark.skipif(shutil.which("etcdctl") is None, reason="needs etcdctl to enable etcd auth")
 async def test_etcd_user_auth(tmp_path: Path) -> None:
     server = EtcdServer(tmp_path / "etcd")
