@@ -3,7 +3,9 @@
 Starts its own etcd (temporary data dir) and a ``pegaflow-coordinator`` process, then:
 
 1. ingests ``--blocks`` block entries through an :class:`EtcdPublisher` (batched,
-   concurrent transactions under one lease) and reports blocks/s;
+   concurrent transactions under one lease) and reports blocks/s; the last 90% while
+   a load generator asks for lookups of the first 10% at ``--ingest-load`` per second
+   (their rate and latency: ``ingesting_*``);
 2. waits until the coordinator's mirror (following the etcd watch) holds them all;
 3. measures lookup latency of a 128-block prefix over the control protocol from one
    client, sequentially (p50/p99);
@@ -95,26 +97,20 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-async def ingest(cfg: EtcdConfig, n: int, concurrency: int) -> tuple[float, dict[str, Any]]:
-    """Publish ``n`` blocks from one node; returns (seconds, publisher stats)."""
-    pub = EtcdPublisher(cfg, lambda: [], concurrency=concurrency, max_pending=n + 1)
-    await pub.start(NodeRecord("bench-node", "127.0.0.1", 9000, capacity_bytes=1 << 40))
-    hashes = [block_hash(i) for i in range(n)]  # what vLLM computes, not the publisher
+async def ingest(pub: EtcdPublisher, first: int, n: int) -> float:
+    """Publish blocks ``first`` to ``n`` through ``pub``; returns the seconds it took."""
+    hashes = [block_hash(i) for i in range(first, n)]  # vLLM computes them, not the node
     t0 = time.perf_counter()
     chunk = 50_000
-    for start in range(0, n, chunk):
+    for start in range(first, n, chunk):
         pub.publish_many(
-            (NS, hashes[i], 0, BlockLocation("bench-node", i, 1, 1 << 20, i))
+            (NS, hashes[i - first], 0, BlockLocation("bench-node", i, 1, 1 << 20, i))
             for i in range(start, min(n, start + chunk))
         )
         await asyncio.sleep(0)  # let the writers start on the first chunk
-    ok = await pub.flush(timeout=3600)
-    dt = time.perf_counter() - t0
-    stats = pub.stats()
-    await pub.close(revoke=False)  # the entries stay for the rest of the benchmark
-    if not ok:
-        raise RuntimeError(f"ingest did not finish: {stats}")
-    return dt, stats
+    if not await pub.flush(timeout=3600):
+        raise RuntimeError(f"ingest did not finish: {pub.stats()}")
+    return time.perf_counter() - t0
 
 
 async def wait_indexed(
@@ -143,9 +139,9 @@ def etcd_db_size(endpoint: str) -> dict[str, int]:
 
 
 def quota_bytes(blocks: int) -> int:
-    """A ``--quota-backend-bytes`` for ``blocks`` keys: 2x the ~500 bytes a key took in
-    etcd 3.4 here (1M keys: see docs/benchmarks.md), at least 2 GiB."""
-    return max(2 << 30, blocks * 1000)
+    """A ``--quota-backend-bytes`` for ``blocks`` keys: twice the ~230 bytes a key took
+    in etcd 3.4 here (1M keys, see docs/benchmarks.md), at least 2 GiB."""
+    return max(2 << 30, blocks * 500)
 
 
 async def cold_start(cfg: EtcdConfig, n: int, coords: list[Any]) -> dict[str, Any]:
@@ -567,7 +563,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         prefix="/pegaflow/bench",
         batch_size=args.batch,
         timeout_s=30.0,
-        lease_ttl_s=600,
+        lease_ttl_s=3600,  # the entries outlive their publisher (closed, not revoked)
         flush_interval_ms=0,
     )
     coords = []
@@ -577,12 +573,45 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         say(f"coordinator {coord.address} (pid {coord.pid})")
         rss0 = proc_rss_bytes(coord.pid, unreadable=0.0)
 
-        dt, stats = await ingest(cfg, args.blocks, args.concurrency)
+        ingesting: dict[str, Any] = {}
+        n0 = max(2 * PREFIX, args.blocks // 10) if args.ingest_load > 0 else 0
+        pub = EtcdPublisher(
+            cfg, lambda: [], concurrency=args.concurrency, max_pending=args.blocks + 1
+        )
+        await pub.start(NodeRecord("bench-node", "127.0.0.1", 9000, capacity_bytes=1 << 40))
+        dt = await ingest(pub, 0, n0)
+        if n0:  # the rest is ingested while lookups of the first part go on
+            await wait_indexed(coord.address, n0, timeout=600)
+            bg = asyncio.create_task(asyncio.to_thread(
+                throughput, coord.address, n0, 1, 8,
+                max(2.0, 0.8 * (args.blocks - n0) / 40_000), rate=args.ingest_load,
+            ))  # fmt: skip
+            await asyncio.sleep(5.5)  # the generator spawns, connects and starts
+        dt2 = await ingest(pub, n0, args.blocks)
+        dt += dt2
+        stats = pub.stats()
+        await pub.close(revoke=False)  # the entries stay for the rest of the benchmark
         ingest_rate = args.blocks / dt
         say(
             f"ingest: {args.blocks} blocks in {dt:.2f} s = {ingest_rate:,.0f} blocks/s "
-            f"({stats['batches']} txns of <= {args.batch}, {args.concurrency} in flight)"
+            f"({stats['batches']} txns of <= {args.batch}, "
+            f"{args.concurrency} in flight)"
         )
+        if n0:
+            bg_rate, _, bg_lat = await bg
+            p50_i, p99_i = _pcts(bg_lat)
+            ingesting = {
+                "ingesting_lookups_per_s": round(bg_rate),
+                "ingesting_lookup_p50_ms": round(p50_i, 4),
+                "ingesting_lookup_p99_ms": round(p99_i, 4),
+                "ingesting_blocks_per_s": round((args.blocks - n0) / dt2),
+            }
+            say(
+                f"while blocks {n0} to {args.blocks} were ingested "
+                f"({ingesting['ingesting_blocks_per_s']:,} blocks/s), lookups paced at "
+                f"{args.ingest_load:,.0f}/s got {bg_rate:,.0f}/s, p50 {p50_i:.3f} ms, "
+                f"p99 {p99_i:.3f} ms"
+            )
         lag, st = await wait_indexed(coord.address, args.blocks, timeout=600)
         rss_b = proc_rss_bytes(coord.pid, unreadable=0.0)
         rss = rss_b / 2**20
@@ -679,6 +708,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "load_generator_core_share": round(client_cpu / args.seconds, 3),
             "loadavg_1m": round(os.getloadavg()[0], 2),
             "ingest_blocks_per_s": round(ingest_rate),
+            **ingesting,
             "indexed_blocks": st["blocks"],
             "mirror_catchup_s": round(lag, 3),
             "coordinator_rss_mib": round(rss),
@@ -729,6 +759,8 @@ def main() -> None:
     )
     load_help = "lookups/s of background load while latency is measured again (0: skip)"
     p.add_argument("--latency-load", type=float, default=10_000, help=load_help)
+    ingest_help = "lookups/s paced during the last 90%% of the ingest (0: none)"
+    p.add_argument("--ingest-load", type=float, default=10_000, help=ingest_help)
     p.add_argument("--settle", type=float, default=2.0, help="pause after the ingest, s")
     p.add_argument("--no-cold-start", action="store_true", help="skip the cold start")
     p.add_argument("--quota-bytes", type=int, default=0, help="etcd quota (0: from --blocks)")
