@@ -726,13 +726,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "client_inflight": args.inflight,
             "cpus": os.cpu_count(),
         }
-        if not args.no_cold_start:
-            result.update(await cold_start(cfg, args.blocks, coords))
-            result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
         if args.tls:
             result.update(
                 await tls_latency(cfg, base, coord.address, args.blocks, args.lookups, coords)
             )
+        if not args.no_cold_start:
+            for c in coords:  # their memory is the new one's
+                c.terminate()
+            coords.clear()
+            result.update(await cold_start(cfg, args.blocks, coords))
+            result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
         return result
     finally:
         for c in coords:
