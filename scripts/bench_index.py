@@ -617,11 +617,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         rss = rss_b / 2**20
         per_block = (rss_b - rss0) / max(1, st["blocks"])
         db = etcd_db_size(etcd.endpoint)
+        etcd_rss = proc_rss_bytes(etcd.pid or 0, unreadable=0.0)
         say(
             f"mirror: holds {st['blocks']} blocks {lag:.2f} s after the ingest finished; "
             f"coordinator RSS {rss:.0f} MiB ({rss0 / 2**20:.0f} MiB before the ingest: "
             f"{per_block:.0f} bytes per block); etcd db {db['db_size'] / 2**20:.0f} MiB "
-            f"({db['db_size_in_use'] / 2**20:.0f} MiB in use) of a {quota / 2**30:.1f} GiB quota"
+            f"({db['db_size_in_use'] / 2**20:.0f} MiB in use) of a {quota / 2**30:.1f} GiB quota, "
+            f"etcd RSS {etcd_rss / 2**20:.0f} MiB"
         )
 
         await asyncio.sleep(args.settle)  # etcd snapshots/compacts after a big ingest
@@ -717,6 +719,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "etcd_db_in_use_bytes": db["db_size_in_use"],
             "etcd_db_bytes_per_block": round(db["db_size"] / max(1, st["blocks"]), 1),
             "etcd_quota_backend_bytes": quota,
+            "etcd_rss_bytes": round(etcd_rss),
             "blocks": args.blocks,
             "prefix_blocks": PREFIX,
             "txn_ops": args.batch,

@@ -101,6 +101,11 @@ class EtcdServer:
         """Whether the process is alive."""
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        """The etcd process id while it runs."""
+        return self._proc.pid if self._proc is not None and self.running else None
+
     def start(self, timeout: float = 30.0) -> None:
         """Start (or restart) etcd and wait until it reports healthy."""
         if self.running:
