@@ -11,8 +11,9 @@ Layout: the node ids of a block's shards form a *row* (a tuple indexed by shard,
 ``None`` where a shard is missing).  Rows are interned and numbered, so the thousands of
 blocks whose shards all live on the same nodes share one row.  ``_ns[ns][hash]`` is a
 small bytes value: ``<I`` row id, then a ``<Q`` generation per shard of the row (0
-where the shard is missing).  A single-shard block costs its hash bytes, one dict slot
-and a 48-byte value (about 160 bytes at a million blocks).
+where the shard is missing).  A single-shard block costs its hash bytes (80 with the
+allocator's rounding), a dict slot (34-56 bytes, by how full the table is) and a
+48-byte value; a coordinator grows by about 210 bytes a block at 1M (bench_index).
 
 Lookups join the values of the asked-for hashes and unpack row ids (and generations)
 with :mod:`struct` in C; Python only looks at each distinct row.

@@ -162,6 +162,11 @@ class CoordinatorCollector(Collector):
                 st["lag_revisions"],
             )
             yield _counter("pegaflow_etcd_watch_events", "watch events applied", st["events"])
+            yield _gauge(
+                "pegaflow_etcd_loading",
+                "1 while a full read of the index runs (a first load is served as it goes)",
+                int(st["state"] == "loading"),
+            )
             yield _counter(
                 "pegaflow_etcd_full_syncs", "full reads of the index from etcd", st["full_syncs"]
             )

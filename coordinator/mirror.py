@@ -1,8 +1,12 @@
 """Keeps a :class:`~pegaflow.coordinator.index.BlockIndex` equal to the index in etcd.
 
 Start: the cluster epoch (``epoch`` key, created if absent, see :mod:`pegaflow.keys`),
-then a paged range read of ``nodes/`` then ``blocks/``, both at one revision, into a
-fresh index that replaces the served one in one step.  Then a watch of the whole
+then a paged range read of ``nodes/`` then ``blocks/``, both at one revision.  The first
+load goes straight into the served index, page by page, so that lookups are answered
+from what has been read while it runs (``state`` is ``loading``, with the keys read of
+the total); :meth:`EtcdMirror.start` waits for it to finish only when it has at most
+``wait_load_keys`` block keys.  A later full read (a reload) builds a fresh index that
+replaces the served one in one step.  Then a watch of the whole
 cluster prefix from the next revision.  When the watch breaks it is resumed from the
 last applied revision, and the mirror checks that it still speaks to the etcd it loaded
 from: it reads everything again when the epoch changed or vanished, the revision went
@@ -46,6 +50,7 @@ from .index import BlockIndex
 log = logging.getLogger(__name__)
 
 _HEX = [bytes((c,)) for c in b"0123456789abcdef"]
+_LOAD_STREAMS = 3  # slices of the index read at once by a full load
 _unpackb = msgpack.unpackb
 
 
@@ -63,9 +68,13 @@ class EtcdMirror:
     _: KW_ONLY
     progress_interval_s: InitVar[float] = 2.0
     page_size: InitVar[int] = 10000
+    wait_load_keys: InitVar[int] = 100_000
 
-    def __post_init__(self, progress_interval_s: float, page_size: int) -> None:
+    def __post_init__(
+        self, progress_interval_s: float, page_size: int, wait_load_keys: int
+    ) -> None:
         self._progress_interval = progress_interval_s
+        self._wait_load_keys = wait_load_keys
         self._page_size = page_size
         self._split_over = 8 * page_size  # keys above which a range is read in slices
         self._root = (self.keys.prefix + "/").encode()
@@ -83,6 +92,8 @@ class EtcdMirror:
         self._full = True  # the next round reads everything first
         self._streak = 0  # reloads in a row without a watch that followed
         self._synced = asyncio.Event()
+        self._serving = asyncio.Event()  # synced, or a big first load under way
+        self._partial = False  # the index holds part of a first load that failed
         self._last_rx = 0.0
         self._cluster_id = 0
 
@@ -103,20 +114,27 @@ class EtcdMirror:
         self.watch_errors = 0
         self.bad_keys = 0
         self.last_sync_s = 0.0
+        #: Whether a full read runs now.
+        self.loading = False
+        #: Block keys read by the running (or last) full read, and how many it has.
+        self.load_keys_read = 0
+        self.load_keys_total = 0
         self.disconnected_since: float | None = time.monotonic()
 
     # -- lifecycle --------------------------------------------------------------------
 
     async def start(self, wait_s: float | None = None) -> bool:
-        """Start mirroring; wait up to ``wait_s`` for the first full read.  Returns
-        whether it completed (if not, the mirror keeps trying in the background)."""
+        """Start mirroring; wait up to ``wait_s`` for the first full read, or only until
+        it is under way when it has more than ``wait_load_keys`` block keys (lookups are
+        then served from what it has read).  Returns whether the index is served from
+        etcd (if not, the mirror keeps trying in the background)."""
         if not self._loop.running:
             self._full, self._streak = True, 0  # every start reads everything first
         self._loop.start()
         if wait_s is None:
             return self.synced
         try:
-            await asyncio.wait_for(self._synced.wait(), wait_s)
+            await asyncio.wait_for(self._serving.wait(), wait_s)
         except TimeoutError:
             return False
         return True
@@ -136,9 +154,19 @@ class EtcdMirror:
         """How many etcd revisions the index is behind the latest one seen."""
         return max(0, self.etcd_revision - self.revision)
 
+    @property
+    def state(self) -> str:
+        """``loading`` (a full read runs), ``watching`` or ``disconnected``."""
+        if self.loading:
+            return "loading"
+        return "watching" if self.connected else "disconnected"
+
     def status(self) -> dict[str, Any]:
         """The mirror's state for status pages."""
         return {
+            "state": self.state,
+            "load_keys_read": self.load_keys_read,
+            "load_keys_total": self.load_keys_total,
             "etcd_connected": self.connected,
             "synced": self.synced,
             "revision": self.revision,
@@ -267,15 +295,24 @@ class EtcdMirror:
         # Read before the range: an etcd swapped in between shows as a changed epoch
         # when the watch opens.
         epoch = await self._load_epoch()
-        fresh = BlockIndex()
+        first = not self.synced  # nothing to keep serving: load in place
+        if first and self._partial:  # an earlier attempt stopped halfway
+            self.index.replace_with(BlockIndex())
+        self._partial = first
+        fresh = self.index if first else BlockIndex()
         leases: dict[int, str] = {}
         rev = 0
-        async for page_rev, kvs in self.client.range_pages(self.keys.nodes.encode()):
-            rev = page_rev
-            for kv in kvs:
-                self._node_put(fresh, leases, kv)
-        await self._scan_blocks(fresh, leases, rev)
-        self.index.replace_with(fresh)
+        self.loading, self.load_keys_read, self.load_keys_total = True, 0, 0
+        try:
+            async for page_rev, kvs in self.client.range_pages(self.keys.nodes.encode()):
+                rev = page_rev
+                for kv in kvs:
+                    self._node_put(fresh, leases, kv)
+            await self._scan_blocks(fresh, leases, rev, first)
+        finally:
+            self.loading = False
+        if not first:
+            self.index.replace_with(fresh)
         self._leases = leases
         self.revision = rev
         self.etcd_revision = rev  # the current revision: not max(), etcd may have gone back
@@ -283,7 +320,9 @@ class EtcdMirror:
         self._cluster_id = 0  # taken from the next watch
         self.full_syncs += 1
         self.last_sync_s = time.monotonic() - t0
+        self._partial = False
         self._synced.set()
+        self._serving.set()
         log.info(
             "index loaded from etcd: %d blocks, %d nodes at revision %d (cluster epoch %s) "
             "in %.2f s",
@@ -294,40 +333,64 @@ class EtcdMirror:
             self.last_sync_s,
         )
 
-    async def _scan_blocks(self, index: BlockIndex, leases: dict[int, str], rev: int) -> None:
-        """Read every block key at ``rev``.
+    async def _scan_blocks(
+        self, index: BlockIndex, leases: dict[int, str], rev: int, first: bool
+    ) -> None:
+        """Read every block key at ``rev`` (``first``: the first load, served while it
+        runs when it is big).
 
         etcd 3.4 walks the whole rest of a range for every page it returns (to count
         it), so paging a million keys costs O(n^2).  A big namespace is therefore read
         in slices by the leading hex digits of the hash (uniform for real hashes), each
-        small enough to page cheaply."""
+        small enough to page cheaply, :data:`_LOAD_STREAMS` slices at a time: etcd reads
+        the next pages while this process adds the last ones."""
         cursor, end = self._bprefix, prefix_range_end(self._bprefix)
+        count, _, _ = await self.client.probe(cursor, end, revision=rev)
+        self.load_keys_total = count
+        if first and count > self._wait_load_keys:
+            self._serving.set()
+        slices: list[tuple[bytes, bytes]] = []
         while cursor < end:
-            count, first, _ = await self.client.probe(cursor, end, revision=rev)
-            if first is None:
-                return
-            slash = first.find(b"/", self._blen)
+            count, first_key, _ = await self.client.probe(cursor, end, revision=rev)
+            if first_key is None:
+                break
+            slash = first_key.find(b"/", self._blen)
             if count <= self._split_over or slash < 0:
-                await self._scan_range(index, leases, rev, cursor, end)
-                return
-            ns_prefix = first[: slash + 1]  # no key in [cursor, first): start there
-            await self._scan_prefix(index, leases, rev, ns_prefix, 0)
+                slices.append((cursor, end))
+                break
+            ns_prefix = first_key[: slash + 1]  # no key in [cursor, first_key)
+            await self._slice(rev, ns_prefix, 0, slices)
             cursor = prefix_range_end(ns_prefix)
+        todo = iter(slices)
 
-    async def _scan_prefix(
-        self, index: BlockIndex, leases: dict[int, str], rev: int, prefix: bytes, depth: int
+        async def reader() -> None:
+            for lo, hi in todo:
+                await self._scan_range(index, leases, rev, lo, hi)
+
+        readers = [asyncio.create_task(reader()) for _ in range(_LOAD_STREAMS)]
+        try:
+            await asyncio.gather(*readers)  # the first error as it is (etcd down, ...)
+        finally:
+            for t in readers:
+                t.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+
+    async def _slice(
+        self, rev: int, prefix: bytes, depth: int, out: list[tuple[bytes, bytes]]
     ) -> None:
+        """Append to ``out`` slices covering ``[prefix, its range end)``, each small
+        enough (or 4 hex digits deep)."""
         end = prefix_range_end(prefix)
         if depth < 4:
             count, _, _ = await self.client.probe(prefix, end, revision=rev)
             if count > self._split_over:
                 # Below "0", each hex digit, above "f": together exactly [prefix, end).
-                await self._scan_range(index, leases, rev, prefix, prefix + b"0")
+                out.append((prefix, prefix + b"0"))
                 for digit in _HEX:
-                    await self._scan_prefix(index, leases, rev, prefix + digit, depth + 1)
-                await self._scan_range(index, leases, rev, prefix + b"g", end)
+                    await self._slice(rev, prefix + digit, depth + 1, out)
+                out.append((prefix + b"g", end))
                 return
-        await self._scan_range(index, leases, rev, prefix, end)
+        out.append((prefix, end))
 
     async def _scan_range(
         self, index: BlockIndex, leases: dict[int, str], rev: int, lo: bytes, hi: bytes
@@ -425,6 +488,7 @@ class EtcdMirror:
     def _block_puts(
         self, index: BlockIndex, leases: dict[int, str], kvs: Sequence[rpc.KeyValue]
     ) -> None:
+        self.load_keys_read += len(kvs)
         blen = self._blen
         add = index.add
         parse = self._parse_block_key

@@ -212,14 +212,14 @@ class Coordinator:
 
     async def start(self, *, serve: bool = True) -> None:
         """Load the index (waiting up to ``[etcd] timeout_s`` for etcd, then going on in
-        the background), then listen for the control protocol and HTTP.  With
-        ``serve=False`` nothing listens (the ops are then served by an embedding
-        server through :attr:`handlers`)."""
+        the background; a big index only until its load is under way), then listen
+        for the control protocol and HTTP.  With ``serve=False`` nothing listens (the
+        ops are then served by an embedding server through :attr:`handlers`)."""
         self._started = time.monotonic()
         if self.mirror is not None:
             assert self.etcd_config is not None
-            synced = await self.mirror.start(wait_s=max(1.0, self.etcd_config.timeout_s))
-            if not synced:
+            loaded = await self.mirror.start(wait_s=max(1.0, self.etcd_config.timeout_s))
+            if not loaded:
                 log.warning(
                     "etcd at %s did not answer; serving an empty index until it does "
                     "(check that etcd runs and --etcd-endpoints is right)",
@@ -488,6 +488,7 @@ class Coordinator:
             "mode": "etcd" if self.mirror is not None else "local",
             "etcd_connected": self.mirror.connected if self.mirror else False,
             "revision": self.mirror.revision if self.mirror else 0,
+            "loading": self.mirror.loading if self.mirror else False,
             "uptime_s": round(time.monotonic() - self._started, 3) if self._started else 0.0,
             "lookups": self.metrics.lookups,
             "hit_blocks": self.metrics.hit_blocks,

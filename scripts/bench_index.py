@@ -3,7 +3,9 @@
 Starts its own etcd (temporary data dir) and a ``pegaflow-coordinator`` process, then:
 
 1. ingests ``--blocks`` block entries through an :class:`EtcdPublisher` (batched,
-   concurrent transactions under one lease) and reports blocks/s;
+   concurrent transactions under one lease) and reports blocks/s; the last 90% while
+   a load generator asks for lookups of the first 10% at ``--ingest-load`` per second
+   (their rate and latency: ``ingesting_*``);
 2. waits until the coordinator's mirror (following the etcd watch) holds them all;
 3. measures lookup latency of a 128-block prefix over the control protocol from one
    client, sequentially (p50/p99);
@@ -11,7 +13,9 @@ Starts its own etcd (temporary data dir) and a ``pegaflow-coordinator`` process,
    ``--inflight`` lookups outstanding on one connection, and the coordinator's CPU;
 5. measures lookup latency again while the load generator keeps a moderate load of
    ``--latency-load`` lookups/s on the coordinator (p50/p99);
-6. optionally (``--reload``) times a second coordinator loading the whole index;
+6. times a second coordinator's cold start on the filled etcd (process start to every
+   block indexed: ``cold_start_s``), asking it for lookups and its status while it
+   loads (it serves what it has read, its status says ``loading`` and how far);
 7. optionally (``--tls``) starts a second coordinator on the same index serving TLS
    (``[security] tls_cert``, a throw-away CA made by ``openssl``) and measures the
    sequential lookup latency of both coordinators in alternating rounds, through the
@@ -25,6 +29,11 @@ the stream by their length prefix without decoding.  Every reply is still checke
 first answer to each distinct request is decoded and validated (every block of the
 prefix found), and every later answer to it must equal that one byte for byte (after
 the request id).  ``--client rpc`` uses the library's :class:`RpcClient` instead.
+
+Memory: ``coordinator_bytes_per_block`` is the coordinator's RSS growth over the ingest
+divided by the blocks.  etcd runs with ``--quota-backend-bytes`` sized from
+``--blocks`` (``--quota-bytes`` to set it); its size after the ingest (``dbSize``,
+``dbSizeInUse`` of its status endpoint) is reported beside it.
 
 Prints human-readable lines, then one JSON object as the last line.
 
@@ -49,6 +58,7 @@ import struct
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -87,26 +97,20 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-async def ingest(cfg: EtcdConfig, n: int, concurrency: int) -> tuple[float, dict[str, Any]]:
-    """Publish ``n`` blocks from one node; returns (seconds, publisher stats)."""
-    pub = EtcdPublisher(cfg, lambda: [], concurrency=concurrency, max_pending=n + 1)
-    await pub.start(NodeRecord("bench-node", "127.0.0.1", 9000, capacity_bytes=1 << 40))
-    hashes = [block_hash(i) for i in range(n)]  # what vLLM computes, not the publisher
+async def ingest(pub: EtcdPublisher, first: int, n: int) -> float:
+    """Publish blocks ``first`` to ``n`` through ``pub``; returns the seconds it took."""
+    hashes = [block_hash(i) for i in range(first, n)]  # vLLM computes them, not the node
     t0 = time.perf_counter()
     chunk = 50_000
-    for start in range(0, n, chunk):
+    for start in range(first, n, chunk):
         pub.publish_many(
-            (NS, hashes[i], 0, BlockLocation("bench-node", i, 1, 1 << 20, i))
+            (NS, hashes[i - first], 0, BlockLocation("bench-node", i, 1, 1 << 20, i))
             for i in range(start, min(n, start + chunk))
         )
         await asyncio.sleep(0)  # let the writers start on the first chunk
-    ok = await pub.flush(timeout=3600)
-    dt = time.perf_counter() - t0
-    stats = pub.stats()
-    await pub.close(revoke=False)  # the entries stay for the rest of the benchmark
-    if not ok:
-        raise RuntimeError(f"ingest did not finish: {stats}")
-    return dt, stats
+    if not await pub.flush(timeout=3600):
+        raise RuntimeError(f"ingest did not finish: {pub.stats()}")
+    return time.perf_counter() - t0
 
 
 async def wait_indexed(
@@ -124,6 +128,67 @@ async def wait_indexed(
             await asyncio.sleep(0.2)
     finally:
         await client.close()
+
+
+def etcd_db_size(endpoint: str) -> dict[str, int]:
+    """etcd's ``dbSize`` and ``dbSizeInUse`` (bytes), from its status endpoint."""
+    req = urllib.request.Request(f"http://{endpoint}/v3/maintenance/status", data=b"{}")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        st = json.loads(r.read())
+    return {"db_size": int(st["dbSize"]), "db_size_in_use": int(st.get("dbSizeInUse", 0))}
+
+
+def quota_bytes(blocks: int) -> int:
+    """A ``--quota-backend-bytes`` for ``blocks`` keys: twice the ~230 bytes a key took
+    in etcd 3.4 here (1M keys, see docs/benchmarks.md), at least 2 GiB."""
+    return max(2 << 30, blocks * 500)
+
+
+async def cold_start(cfg: EtcdConfig, n: int, coords: list[Any]) -> dict[str, Any]:
+    """Start another coordinator on the filled etcd; time until it holds all ``n``
+    blocks, asking it for a lookup and its status as it loads."""
+    t0 = time.perf_counter()
+    coord = await start_coordinator_async(cfg, timeout=600)
+    coords.append(coord)
+    ready = time.perf_counter() - t0
+    client = RpcClient([coord.address], timeout=30)
+    argsets = _argsets(n, 256)
+    served = hits = loading_seen = 0
+    progress = ""
+    try:
+        while True:
+            st = await client.call("status", {})
+            etcd = st["coordinator"]["etcd"]
+            if st["blocks"] >= n and etcd["state"] != "loading":
+                break
+            if time.perf_counter() - t0 > 1800:
+                raise RuntimeError(f"cold start: holds {st['blocks']} of {n} blocks")
+            if etcd["state"] == "loading":
+                loading_seen += 1
+                progress = f"{etcd['load_keys_read']} of {etcd['load_keys_total']} keys read"
+            r = await client.call("lookup", argsets[served % len(argsets)])
+            served += 1
+            hits += r["hits"]
+            await asyncio.sleep(0.1)
+        dt = time.perf_counter() - t0
+    finally:
+        await client.close()
+    rss = proc_rss_bytes(coord.pid, unreadable=0.0)
+    say(
+        f"cold start: a new coordinator served lookups {ready:.2f} s after its start and "
+        f"held all {n} blocks after {dt:.2f} s (process start included); while loading it "
+        f"answered {served} lookups ({hits} blocks hit), its status said 'loading' "
+        f"{loading_seen} times (last: {progress or '-'}); RSS {rss / 2**20:.0f} MiB"
+    )
+    return {
+        "cold_start_s": round(dt, 3),
+        "cold_start_serving_after_s": round(ready, 3),
+        "cold_start_lookups_while_loading": served,
+        "cold_start_hit_blocks_while_loading": hits,
+        "cold_start_loading_status_seen": loading_seen,
+        "cold_start_last_progress": progress,
+        "cold_start_rss_mib": round(rss / 2**20),
+    }
 
 
 def lookup_args(i: int) -> dict[str, Any]:
@@ -489,15 +554,16 @@ def throughput(
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="pegaflow-bench-", dir=args.tmp or None))
-    etcd = EtcdServer(base / "etcd", max_txn_ops=max(128, args.batch))
+    quota = args.quota_bytes or quota_bytes(args.blocks)
+    etcd = EtcdServer(base / "etcd", max_txn_ops=max(128, args.batch), quota_bytes=quota)
     etcd.start()
-    say(f"etcd {etcd.endpoint} data {etcd.data_dir}")
+    say(f"etcd {etcd.endpoint} data {etcd.data_dir} quota {quota / 2**30:.1f} GiB")
     cfg = EtcdConfig(
         endpoints=[etcd.endpoint],
         prefix="/pegaflow/bench",
         batch_size=args.batch,
         timeout_s=30.0,
-        lease_ttl_s=600,
+        lease_ttl_s=3600,  # the entries outlive their publisher (closed, not revoked)
         flush_interval_ms=0,
     )
     coords = []
@@ -505,18 +571,59 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         coord = await start_coordinator_async(cfg)
         coords.append(coord)
         say(f"coordinator {coord.address} (pid {coord.pid})")
+        rss0 = proc_rss_bytes(coord.pid, unreadable=0.0)
 
-        dt, stats = await ingest(cfg, args.blocks, args.concurrency)
+        ingesting: dict[str, Any] = {}
+        n0 = max(2 * PREFIX, args.blocks // 10) if args.ingest_load > 0 else 0
+        pub = EtcdPublisher(
+            cfg, lambda: [], concurrency=args.concurrency, max_pending=args.blocks + 1
+        )
+        await pub.start(NodeRecord("bench-node", "127.0.0.1", 9000, capacity_bytes=1 << 40))
+        dt = await ingest(pub, 0, n0)
+        if n0:  # the rest is ingested while lookups of the first part go on
+            await wait_indexed(coord.address, n0, timeout=600)
+            bg = asyncio.create_task(asyncio.to_thread(
+                throughput, coord.address, n0, 1, 8,
+                max(2.0, 0.8 * (args.blocks - n0) / 40_000), rate=args.ingest_load,
+            ))  # fmt: skip
+            await asyncio.sleep(5.5)  # the generator spawns, connects and starts
+        dt2 = await ingest(pub, n0, args.blocks)
+        dt += dt2
+        stats = pub.stats()
+        await pub.close(revoke=False)  # the entries stay for the rest of the benchmark
         ingest_rate = args.blocks / dt
         say(
             f"ingest: {args.blocks} blocks in {dt:.2f} s = {ingest_rate:,.0f} blocks/s "
-            f"({stats['batches']} txns of <= {args.batch}, {args.concurrency} in flight)"
+            f"({stats['batches']} txns of <= {args.batch}, "
+            f"{args.concurrency} in flight)"
         )
+        if n0:
+            bg_rate, _, bg_lat = await bg
+            p50_i, p99_i = _pcts(bg_lat)
+            ingesting = {
+                "ingesting_lookups_per_s": round(bg_rate),
+                "ingesting_lookup_p50_ms": round(p50_i, 4),
+                "ingesting_lookup_p99_ms": round(p99_i, 4),
+                "ingesting_blocks_per_s": round((args.blocks - n0) / dt2),
+            }
+            say(
+                f"while blocks {n0} to {args.blocks} were ingested "
+                f"({ingesting['ingesting_blocks_per_s']:,} blocks/s), lookups paced at "
+                f"{args.ingest_load:,.0f}/s got {bg_rate:,.0f}/s, p50 {p50_i:.3f} ms, "
+                f"p99 {p99_i:.3f} ms"
+            )
         lag, st = await wait_indexed(coord.address, args.blocks, timeout=600)
-        rss = proc_rss_bytes(coord.pid, unreadable=0.0) / 2**20
+        rss_b = proc_rss_bytes(coord.pid, unreadable=0.0)
+        rss = rss_b / 2**20
+        per_block = (rss_b - rss0) / max(1, st["blocks"])
+        db = etcd_db_size(etcd.endpoint)
+        etcd_rss = proc_rss_bytes(etcd.pid or 0, unreadable=0.0)
         say(
             f"mirror: holds {st['blocks']} blocks {lag:.2f} s after the ingest finished; "
-            f"coordinator RSS {rss:.0f} MiB"
+            f"coordinator RSS {rss:.0f} MiB ({rss0 / 2**20:.0f} MiB before the ingest: "
+            f"{per_block:.0f} bytes per block); etcd db {db['db_size'] / 2**20:.0f} MiB "
+            f"({db['db_size_in_use'] / 2**20:.0f} MiB in use) of a {quota / 2**30:.1f} GiB quota, "
+            f"etcd RSS {etcd_rss / 2**20:.0f} MiB"
         )
 
         await asyncio.sleep(args.settle)  # etcd snapshots/compacts after a big ingest
@@ -603,9 +710,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "load_generator_core_share": round(client_cpu / args.seconds, 3),
             "loadavg_1m": round(os.getloadavg()[0], 2),
             "ingest_blocks_per_s": round(ingest_rate),
+            **ingesting,
             "indexed_blocks": st["blocks"],
             "mirror_catchup_s": round(lag, 3),
             "coordinator_rss_mib": round(rss),
+            "coordinator_bytes_per_block": round(per_block, 1),
+            "etcd_db_bytes": db["db_size"],
+            "etcd_db_in_use_bytes": db["db_size_in_use"],
+            "etcd_db_bytes_per_block": round(db["db_size"] / max(1, st["blocks"]), 1),
+            "etcd_quota_backend_bytes": quota,
+            "etcd_rss_bytes": round(etcd_rss),
             "blocks": args.blocks,
             "prefix_blocks": PREFIX,
             "txn_ops": args.batch,
@@ -615,19 +729,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "client_inflight": args.inflight,
             "cpus": os.cpu_count(),
         }
-        if args.reload:
-            t0 = time.perf_counter()
-            c2 = await start_coordinator_async(cfg, timeout=600)
-            coords.append(c2)
-            load, _ = await wait_indexed(c2.address, args.blocks, timeout=600)
-            result["reload_s"] = round(time.perf_counter() - t0, 3)
-            say(f"reload: a new coordinator served all {args.blocks} blocks after "
-                f"{result['reload_s']:.2f} s (process start included)")  # fmt: skip
-            del load
         if args.tls:
             result.update(
                 await tls_latency(cfg, base, coord.address, args.blocks, args.lookups, coords)
             )
+        if not args.no_cold_start:
+            for c in coords:  # their memory is the new one's
+                c.terminate()
+            coords.clear()
+            result.update(await cold_start(cfg, args.blocks, coords))
+            result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
         return result
     finally:
         for c in coords:
@@ -654,8 +765,11 @@ def main() -> None:
     )
     load_help = "lookups/s of background load while latency is measured again (0: skip)"
     p.add_argument("--latency-load", type=float, default=10_000, help=load_help)
+    ingest_help = "lookups/s paced during the last 90%% of the ingest (0: none)"
+    p.add_argument("--ingest-load", type=float, default=10_000, help=ingest_help)
     p.add_argument("--settle", type=float, default=2.0, help="pause after the ingest, s")
-    p.add_argument("--reload", action="store_true", help="also time a fresh coordinator load")
+    p.add_argument("--no-cold-start", action="store_true", help="skip the cold start")
+    p.add_argument("--quota-bytes", type=int, default=0, help="etcd quota (0: from --blocks)")
     tls_help = "also measure lookup latency with TLS, against plain, in the same run"
     p.add_argument("--tls", action="store_true", help=tls_help)
     p.add_argument("--tmp", default="", help="directory for etcd's data (default: system tmp)")

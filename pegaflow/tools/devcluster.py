@@ -46,6 +46,7 @@ class EtcdServer:
         *,
         binary: str = ETCD_BINARY,
         max_txn_ops: int = 1024,
+        quota_bytes: int = 4 << 30,
         tls_dir: Path | None = None,
         extra_args: Sequence[str] = (),
     ) -> None:
@@ -57,6 +58,8 @@ class EtcdServer:
         self.peer_port = free_port()
         self.endpoint = f"127.0.0.1:{self.client_port}"
         self.max_txn_ops = max_txn_ops
+        #: ``--quota-backend-bytes``: the database size past which etcd refuses writes.
+        self.quota_bytes = quota_bytes
         self.extra_args = list(extra_args)
         self.log_path = self.data_dir.parent / f"{self.data_dir.name}.log"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -87,7 +90,7 @@ class EtcdServer:
             "--auto-compaction-mode", "periodic",
             "--auto-compaction-retention", "1h",
             "--max-txn-ops", str(self.max_txn_ops),
-            "--quota-backend-bytes", str(4 << 30),
+            "--quota-backend-bytes", str(self.quota_bytes),
             "--log-level", "warn",
             *tls,
             *self.extra_args,
@@ -97,6 +100,11 @@ class EtcdServer:
     def running(self) -> bool:
         """Whether the process is alive."""
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        """The etcd process id while it runs."""
+        return self._proc.pid if self._proc is not None and self.running else None
 
     def start(self, timeout: float = 30.0) -> None:
         """Start (or restart) etcd and wait until it reports healthy."""

@@ -5,12 +5,13 @@ fed by an InProcessSink."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import urllib.request
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -371,14 +372,27 @@ async def test_in_process_coordinator_with_local_sink() -> None:
         await coord.close()
 
 
-async def test_mirror_reads_big_ranges_in_slices_and_resyncs_after_compaction(
-    etcd_config: EtcdConfig,
-) -> None:
+@contextlib.asynccontextmanager
+async def _mirrored(
+    etcd_config: EtcdConfig, **kw: Any
+) -> AsyncIterator[tuple[FakeNode, EtcdClient, BlockIndex, EtcdMirror]]:
+    """A fake node publishing into etcd and a mirror (pages of 4 keys) of it."""
     node = await FakeNode(etcd_config, "n1").start()
     etcd = EtcdClient(etcd_config)
     index = BlockIndex()
-    mirror = EtcdMirror(etcd, Keyspace(etcd_config.prefix), index, page_size=4)
+    mirror = EtcdMirror(etcd, Keyspace(etcd_config.prefix), index, page_size=4, **kw)
     try:
+        yield node, etcd, index, mirror
+    finally:
+        await mirror.close()
+        await node.publisher.close()
+        await etcd.close()
+
+
+async def test_mirror_reads_big_ranges_in_slices_and_resyncs_after_compaction(
+    etcd_config: EtcdConfig,
+) -> None:
+    async with _mirrored(etcd_config) as (node, etcd, index, mirror):
         node.put(range(100), ns="ns-a")
         node.put(range(30), ns="ns-b")
         node.put(range(10), shard=1, ns="ns-b")
@@ -402,10 +416,27 @@ async def test_mirror_reads_big_ranges_in_slices_and_resyncs_after_compaction(
         node.put([0], ns="ns-a")  # and the watch goes on from the new revision
         await node.flush()
         await eventually(lambda: _true(index.num_blocks == 101), what="watch after resync")
-    finally:
-        await mirror.close()
-        await node.publisher.close()
-        await etcd.close()
+
+
+async def test_mirror_serves_a_big_first_load_while_it_runs(etcd_config: EtcdConfig) -> None:
+    # 200 keys, more than it waits for: start() returns once the load is under way
+    async with _mirrored(etcd_config, wait_load_keys=50) as (node, _, index, mirror):
+        node.put(range(200), ns="ns-a")
+        await node.flush()
+        assert await mirror.start(wait_s=10)
+        st = mirror.status()
+        assert not mirror.synced and st["state"] == "loading"
+        assert st["load_keys_total"] == 200 and st["load_keys_read"] < 200
+        while mirror.loading:  # lookups answer from what has been read so far
+            assert index.lookup("ns-a", [h(i) for i in range(200)], [0]).hits <= index.num_blocks
+            await asyncio.sleep(0)
+        await eventually(lambda: _true(mirror.synced and mirror.connected))
+        assert index.num_blocks == 200 and mirror.status()["state"] == "watching"
+        assert mirror.status()["load_keys_read"] == 200
+        assert index.lookup("ns-a", [h(i) for i in range(200)], [0]).hits == 200
+        node.put([500], ns="ns-a")
+        await node.flush()
+        await eventually(lambda: _true(index.num_blocks == 201), what="watch after the load")
 
 
 @pytest.mark.skipif(shutil.which("etcdctl") is None, reason="needs etcdctl to enable etcd auth")
