@@ -92,6 +92,7 @@ sys.path.insert(0, str(REPO))
 
 from pegaflow.tools.dashboard import NODE_SAMPLES, parse_metrics_text  # noqa: E402
 from pegaflow.tools.devcluster import start_server  # noqa: E402
+from scripts._common import log  # noqa: E402
 from scripts._models import FAMILIES, Family, kv_bytes_per_token  # noqa: E402
 from scripts.bench_vllm_gpu import (  # noqa: E402
     IN_PROCESS,
@@ -306,10 +307,16 @@ class FamilyRun:
         return e
 
     def save_logs(self) -> None:
-        """Each engine's output, as ``<family>-<engine>.log`` in ``--log-dir``."""
-        if self.args.log_dir:
+        """Each engine's output, as ``<family>-<engine>.log`` in ``--log-dir`` (made if
+        missing; a failure to write is reported, never the run's end)."""
+        if not self.args.log_dir:
+            return
+        try:
+            Path(self.args.log_dir).mkdir(parents=True, exist_ok=True)
             for e in self.engines:
                 Path(self.args.log_dir, f"{e.name}.log").write_text("\n".join(e.log))
+        except OSError as err:
+            log(f"cannot keep the engines' logs in {self.args.log_dir}: {err}")
 
     def timed(self, e: VllmEngine) -> tuple[list[float], list[int], list[int]]:
         """TTFT (ms), cached tokens and first token of each prompt, one at a time."""
