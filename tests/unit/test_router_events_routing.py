@@ -26,14 +26,10 @@ class Engine:
     """One fake replica and its KV events, published by vLLM's own publisher."""
 
     def __init__(self, name: str, replay: bool = True) -> None:
-        from pegaflow.tools.devcluster import free_port
+        from tests.support.kv_events import event_publisher
 
         self.http = FakeReplica(name).start()
-        pub, rep = free_port(), free_port()
-        self.pub = kv.ZmqEventPublisher(
-            0, endpoint=f"tcp://*:{pub}",
-            replay_endpoint=f"tcp://*:{rep}" if replay else None,
-        )  # fmt: skip
+        self.pub, pub, rep = event_publisher(replay)
         self.spec = f"{self.http.url};events=tcp://127.0.0.1:{pub}"
         if replay:
             self.spec += f";replay=tcp://127.0.0.1:{rep}"

@@ -27,9 +27,10 @@ from pegaflow.router.kvevents import (
 from pegaflow.router.policy import Replica, TierWeights, parse_replica, tier_scores
 
 from pegaflow.errors import BadRequest
-from pegaflow.tools.devcluster import free_port
 
 kv = pytest.importorskip("vllm.distributed.kv_events")
+
+from tests.support.kv_events import event_publisher  # noqa: E402
 
 BS = 4
 HASHER = BlockHasher(BS, "sha256", "0")
@@ -167,11 +168,7 @@ class Engine:
     """vLLM's own ``ZmqEventPublisher`` (PUB + replay ROUTER) on loopback ports."""
 
     def __init__(self, replay: bool = True) -> None:
-        self.port, self.replay_port = free_port(), free_port()
-        self.pub = kv.ZmqEventPublisher(
-            0, endpoint=f"tcp://*:{self.port}",
-            replay_endpoint=f"tcp://*:{self.replay_port}" if replay else None,
-        )  # fmt: skip
+        self.pub, self.port, self.replay_port = event_publisher(replay)
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.replay = f"tcp://127.0.0.1:{self.replay_port}" if replay else ""
 
