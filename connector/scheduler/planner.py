@@ -233,13 +233,13 @@ class Planner:
                 if st is None:
                     continue
                 nb = cached.new_block_ids[i] if i < len(cached.new_block_ids) else None
+                new = per_group(nb, g)
                 if rid in resumed or not st.block_ids:
-                    st.block_ids = per_group(nb, g)
+                    st.block_ids = new
                 elif nb:
-                    for mine, new in zip(st.block_ids, per_group(nb, g), strict=True):
-                        mine.extend(new)
-                if nb:
-                    self._check_reuse(per_group(nb, g))
+                    for mine, more in zip(st.block_ids, new, strict=True):
+                        mine.extend(more)
+                self._check_reuse(new)
                 st.loading = False
                 after = cached.num_computed_tokens[i] + num_sched.get(rid, 0)
                 after -= len(spec.get(rid, ()) or ())
