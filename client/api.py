@@ -201,6 +201,14 @@ class PegaClient:
         return self._rpc.current_address
 
     @operation("rpc_timeout_s")
+    async def open_transfers(self, timeout: Timeout = None) -> None:
+        """Open the UCX worker that this client's node connections use, now rather than
+        at the first connection.  UCX reads the process environment while it opens a
+        worker; a process whose other threads may change the environment meanwhile (an
+        engine starting) calls this while they wait."""
+        self._data.worker  # noqa: B018 (made on first access)
+
+    @operation("rpc_timeout_s")
     async def place(
         self, ns: str, count: int, block_bytes: int, timeout: Timeout = None
     ) -> NodeRecord:

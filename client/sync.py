@@ -88,6 +88,7 @@ class SyncPegaClient(OnLoop):
     submit_lookup = submitted(PegaClient.lookup)
     place = blocking(PegaClient.place)
     submit_place = submitted(PegaClient.place)
+    open_transfers = blocking(PegaClient.open_transfers)
     status = blocking(PegaClient.status)
     submit_status = submitted(PegaClient.status)
     nodes = blocking(PegaClient.nodes)

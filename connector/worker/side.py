@@ -465,7 +465,19 @@ class WorkerSide:
         after :meth:`register_kv_caches`): no CUDA call of ours may run beside the
         capture, which it would invalidate, but the pinning's (its thread is in CUDA's
         relaxed capture mode), and compiles beside the first requests would hold the
-        GIL their lookups need."""
+        GIL their lookups need.
+
+        The client and its UCX worker are made first, here, while vLLM's thread waits:
+        UCX reads the process environment as it opens a worker, and an engine's start
+        changes the environment on other threads (made in the background, an engine
+        once died inside UCX's reading of it)."""
+        if self.settings.mode != "off":
+            client = self._get_client()
+            if client is not None:
+                try:
+                    client.open_transfers()
+                except Exception as e:  # the first transfer opens it then
+                    logger.warning("PegaFlow: cannot open the UCX worker yet: %s", e)
         steps = [self._discover] if self.settings.mode != "off" else []
         for step in [*steps, self._warm_up]:
             if at_once:

@@ -132,6 +132,10 @@ class FakeCluster:
         self.locates: list[tuple[str, list[Any], float]] = []
         self.unlocatable: set[bytes] = set()
         """blocks ``locate`` does not find (evicted between lookup and locate)"""
+        self.transfers_opened = False
+
+    def open_transfers(self, timeout: float | None = None) -> None:
+        self.transfers_opened = True
 
     def restore(self, ns: str, h: bytes, shard: int = 0) -> None:
         """The block was evicted and stored again: same bytes, a new generation."""

@@ -410,6 +410,23 @@ def test_with_cuda_graphs_the_start_up_work_is_done_before_the_capture(
     w.shutdown()
 
 
+@pytest.mark.parametrize("graph_tokens", [512, 0])
+def test_the_ucx_worker_is_opened_while_vllms_thread_waits(graph_tokens: int) -> None:
+    # UCX reads the process environment as it opens a worker; an engine's start changes
+    # it on other threads, so the worker is opened before register_kv_caches returns,
+    # in an eager engine too, where the rest of the start-up work is in the background
+    s = ConnectorSettings.load({}, env={})
+    made: list[FakeCluster] = []
+    w = WorkerSide(s, 0, Counters(), lambda: made.append(FakeCluster()) or made[-1],
+                   graph_tokens=graph_tokens)  # fmt: skip
+    gate = threading.Event()
+    w._load_pool.submit(gate.wait)  # the background thread is busy
+    w.register_kv_caches(kv(1), NB)
+    assert len(made) == 1 and made[0].transfers_opened
+    gate.set()
+    w.shutdown()
+
+
 def test_steps_that_replay_a_cuda_graph_queue_every_layer_at_once() -> None:
     # a new step size may load new kernels (which wait for the copies in flight), but
     # not a size vLLM captured a graph for: its loads are not held back
