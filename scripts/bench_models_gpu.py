@@ -365,7 +365,7 @@ class FamilyRun:
         e = self.start("cold", three_keys=True, prefix_caching=True, env=env)
         try:
             out["support_line"] = support_line(e.log)
-            out["hybrid_manager"] = hybrid_manager(e.log)
+            out["hybrid_manager"] = not self.args.no_hybrid_manager and hybrid_manager(e.log)
             out["kv_cache_groups"] = kv_cache_groups(out["support_line"])
             self.block_size = out["block_size"] = engine_block_size(
                 out["support_line"], self.block_size
