@@ -200,12 +200,12 @@ class PegaClient:
         """The coordinator address calls go to now."""
         return self._rpc.current_address
 
-    @operation("rpc_timeout_s")
-    async def open_transfers(self, timeout: Timeout = None) -> None:
+    def open_transfers(self) -> None:
         """Open the UCX worker that this client's node connections use, now rather than
-        at the first connection.  UCX reads the process environment while it opens a
-        worker; a process whose other threads may change the environment meanwhile (an
-        engine starting) calls this while they wait."""
+        at the first connection (on the client's loop; no network call).  UCX reads the
+        process environment while it opens a worker; a process whose other threads may
+        change the environment meanwhile (an engine starting) calls this while they
+        wait (:meth:`SyncPegaClient.open_transfers <.sync.SyncPegaClient.open_transfers>`)."""
         self._data.worker  # noqa: B018 (made on first access)
 
     @operation("rpc_timeout_s")

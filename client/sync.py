@@ -77,6 +77,14 @@ class SyncPegaClient(OnLoop):
     ) -> PegaClient:
         return PegaClient(cfg, token, tls=tls)
 
+    def open_transfers(self) -> None:
+        """:meth:`PegaClient.open_transfers` on the loop, waited for (the caller's thread
+        blocks while UCX opens the worker)."""
+        self._wait(self._submit(self._open_transfers()), Deadline.of(self.cfg.rpc_timeout_s))
+
+    async def _open_transfers(self) -> None:
+        self._client.open_transfers()
+
     def _on_loop(self, fn: Callable[[PegaClient], Coroutine[Any, Any, T]], timeout: float) -> T:
         """``fn(async_client)`` on the loop, waited for: only for tests that reach into
         the async client's internals (callers use the operations)."""
@@ -88,7 +96,6 @@ class SyncPegaClient(OnLoop):
     submit_lookup = submitted(PegaClient.lookup)
     place = blocking(PegaClient.place)
     submit_place = submitted(PegaClient.place)
-    open_transfers = blocking(PegaClient.open_transfers)
     status = blocking(PegaClient.status)
     submit_status = submitted(PegaClient.status)
     nodes = blocking(PegaClient.nodes)

@@ -135,6 +135,9 @@ def test_scheduler_and_worker_find_the_node_at_engine_start(server: Proc, caplog
     )  # fmt: skip
     try:
         w.register_kv_caches(caches, NB)
+        # the UCX worker was opened before register_kv_caches returned (see
+        # WorkerSide._start_up: UCX reads the environment, which an engine's start changes)
+        assert w.client is not None and w.client._client._data._worker is not None
         side.start_warm_up()
         assert side.finder.wait(10.0) == node
         assert w.finder.wait(10.0) == node
