@@ -56,9 +56,12 @@ CONFIG = {
 def engine(server: Proc, model: str, stats_path: str, name: str, tp: int = 1) -> VllmEngine:
     """An engine of the tiny MLA model; TP=1 runs in the test runner's process, TP=2 has
     its ranks pinned to a core each (a CI machine has two)."""
-    ready = server.ready  # every hit claimed: the cost model is not under test here
+    ready = server.ready  # every hit claimed: the cost model is not under test here,
+    # nor the deadlines (a CI machine of two cores runs a TP=2 engine's two ranks, its
+    # core and the server: a lookup past the default deadline counts no hit)
     connector = dict(coordinators=ready["coordinator"], local_node=ready["node"],
-                     stats_path=stats_path, transfer_timeout_s=30.0, cost_model=False)  # fmt: skip
+                     stats_path=stats_path, transfer_timeout_s=30.0, lookup_timeout_s=5.0,
+                     cost_model=False)  # fmt: skip
     spec = {"model": model, "connector": connector, "block_size": BLOCK, "tp": tp}
     one_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env = one_process if tp == 1 else {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
