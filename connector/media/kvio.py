@@ -182,8 +182,7 @@ class KVBlockIO:
                                      self._stream.cuda_stream)  # fmt: skip
                 except RuntimeError as e:  # a load then finds out and uses the kernel
                     logger.info("PegaFlow: 2-D copy warm-up failed: %s", e)
-                self._stream.synchronize()  # before ``host`` is freed
-        self._stream.synchronize()
+        self._stream.synchronize()  # ``host`` lives until here
 
     def describe(self) -> str:
         """Human-readable layout summary (for logs)."""
