@@ -39,7 +39,9 @@ Last line: one JSON object.  TTFT in ms per request, in order (``*_mean_ms``,
 compared with the cold engine's (dummy weights are seeded: equal engines, equal tokens):
 
 - ``restart_ms``, ``restart_mean_ms``, ``restart_cached_tokens``: the restart set;
-  ``batch_after_start_ms``: the batch right after it;
+  ``batch_after_start_ms``: the batch right after it; with ``--profile-restart``
+  (``restart_profiled``: these then hold the profiler's cost) ``restart_trace_compare``:
+  its first request's step against its last one's (``trace_summary.compare``);
 - ``pinned_defaults_s``: seconds from the defaults engine's start until the last rank's
   "pinned for DMA" line reached the script (null: not within 60 s of the batch);
   ``pinning_after_first_request_s``: how long it went on after the first request was
@@ -419,15 +421,27 @@ def diagnose(
             print("\n".join(x for x in e.log[mark:] if "PegaFlow" in x), file=sys.stderr)
     finally:
         e.stop()
-    traces = sorted(prof.rglob("*.pt.trace.json*"), key=lambda p: p.stat().st_size)
-    if traces:
-        sys.path.insert(0, str(REPO / "scripts"))
-        import trace_summary
-
-        steps = trace_summary.summarize(trace_summary.load(traces[-1]))
+    events = trace_events(prof)
+    if events:
+        steps = trace_summary().summarize(events)
         (where / "trace_summary.json").write_text(json.dumps(steps, indent=1))
         for i, st in enumerate(steps):
             print(f"profiled step {i}: {json.dumps(st)}", file=sys.stderr)
+
+
+def trace_summary() -> Any:
+    """``scripts/trace_summary.py`` as a module."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import trace_summary as module
+
+    return module
+
+
+def trace_events(prof: Path) -> list[dict[str, Any]]:
+    """The events of the largest torch profiler trace vLLM wrote under ``prof`` (the
+    worker's), or none."""
+    traces = sorted(prof.rglob("*.pt.trace.json*"), key=lambda p: p.stat().st_size)
+    return trace_summary().load(traces[-1]) if traces else []
 
 
 Runs = list[tuple[float, int, list[int]]]
@@ -577,6 +591,10 @@ SWITCHES = {
     "--diagnose": "one more engine, with the connector's debug log, runs the batch (its "
     "lines go to stderr): where the batch's time goes",
     "--diagnose-only": "the cold engine, then --diagnose alone",
+    "--profile-restart": "the defaults engine runs its restart set under vLLM's torch "
+    "profiler (restart_ms then holds the profiler's cost: restart_profiled): "
+    "restart_trace_compare puts the first request's step against the last one's "
+    "(scripts/trace_summary.py --compare 0 -1), the trace stays under --log-dir",
     "--batch-phases": "vLLM's request stats on in the plain and defaults engines: each batch "
     "split into its time before the first request is scheduled, to the last first token, "
     "and after it (batch_phases_ms)",
@@ -781,15 +799,24 @@ def main() -> None:
         if args.no_decline:
             env["PEGAFLOW_CONNECTOR_COST_MODEL"] = "0"
         out["cost_model"] = not args.no_decline
+        prof = Path(args.log_dir or work) / "restart_profile"
+        profiled = {"profile_dir": str(prof)} if args.profile_restart else {}
+        if args.profile_restart:
+            env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
+            out["restart_profiled"] = True
         e = start("defaults", env=env, settle=False, three_keys=True,
-                  log_stats=args.batch_phases)  # fmt: skip
+                  log_stats=args.batch_phases, **profiled)  # fmt: skip
         try:
             # from its first request, as users meet a restarted engine: no warm-up, no
             # wait for the pinning
             r_start = rank_stats(s2, args.tp) if args.tp > 1 else []
+            if args.profile_restart:
+                e.call({"op": "start_profile"})
             first_request = time.monotonic()
             restart = [timed(e, p, 0.0) for p in set_a]  # back to back
             restart_end = time.monotonic()
+            if args.profile_restart:
+                e.call({"op": "stop_profile"}, timeout=300)
             after_c_ms, after_c_out = batch(e, set_c)
             c_cached = batch_cached[e.name]  # later batches write theirs there
             batch_end = time.monotonic()
@@ -818,6 +845,8 @@ def main() -> None:
             print(f"defaults counters: {stats(s2)}", flush=True)
             lines = [x for x in e.log if "PegaFlow" in x]
             print("\n".join(lines[-40:]), file=sys.stderr)
+        if args.profile_restart and (events := trace_events(prof)):
+            out["restart_trace_compare"] = trace_summary().compare(events, 0, -1)
         if args.tp > 1:
             restart_s = (sum(t for t, _, _ in restart) + after_c_ms) / 1000.0
             windows["restart"] = (r_start, r_pinned, restart_s)

@@ -10,7 +10,13 @@ shows here), the slowest operators, and the longest stretches in which the threa
 issued no CUDA call at all (Python work, or a lock or the GIL held elsewhere).  The last
 line is one JSON object.
 
-    python3 scripts/trace_summary.py TRACE [--top 12]
+``--compare A B`` instead puts two of vLLM's whole steps side by side (``execute_context``
+annotations, in order; -1: the last): the names (Python functions, CUDA runtime and
+driver calls, operators) whose time in step A exceeds their time in step B the most, and
+each step's GPU time by kind and stream: where a restarted engine's first request spends
+what its later ones do not.
+
+    python3 scripts/trace_summary.py TRACE [--top 12] [--compare 0 -1]
 """
 
 from __future__ import annotations
@@ -106,11 +112,62 @@ def summarize(events: list[dict[str, Any]], top: int = 12) -> list[dict[str, Any
     return out
 
 
+#: the event kinds :func:`compare` counts on the CPU side
+_CPU_KINDS = ("python_function", "cuda_runtime", "cuda_driver", "cpu_op", "user_annotation")
+#: the event kinds it counts as GPU time
+_GPU_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _step_totals(events: list[dict[str, Any]], step: dict[str, Any]) -> dict[str, Any]:
+    t0, t1 = step["ts"], step["ts"] + step["dur"]
+    cpu: dict[str, list[float]] = collections.defaultdict(list)
+    gpu: collections.Counter[str] = collections.Counter()
+    for e in events:
+        if not t0 <= e["ts"] <= t1:
+            continue
+        if e.get("cat") in _GPU_KINDS:  # queued in the step, run on the device
+            gpu[f"{e['cat']}/stream {e.get('tid')}"] += e["dur"]
+        elif e.get("cat") in _CPU_KINDS and e["ts"] + e["dur"] <= t1:
+            if e.get("cat") != "user_annotation" or not e["name"].startswith(STEP):
+                cpu[f"{e['cat']}: {e['name'][:120]}"].append(e["dur"])
+    return {"cpu": cpu, "gpu": gpu}
+
+
+def compare(events: list[dict[str, Any]], a: int, b: int, top: int = 12) -> dict[str, Any]:
+    """Step ``a`` against step ``b`` (indexes into vLLM's ``execute_context`` steps)."""
+    steps = sorted(
+        (e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(STEP)),
+        key=lambda e: e["ts"],
+    )
+    sa, sb = _step_totals(events, steps[a]), _step_totals(events, steps[b])
+    ca, cb = sa["cpu"], sb["cpu"]
+    more = sorted(set(ca) | set(cb), key=lambda k: sum(cb.get(k, ())) - sum(ca.get(k, ())))
+    return {
+        "steps_ms": [round(s["dur"] / 1e3, 2) for s in steps],
+        "compared": [a, b],
+        "more_in_a": [
+            [k, round((sum(ca.get(k, ())) - sum(cb.get(k, ()))) / 1e3, 2), len(ca[k]), len(cb[k])]
+            for k in more[:top]
+        ],
+        "gpu_ms": [
+            {k: round(v / 1e3, 2) for k, v in st["gpu"].most_common(top)} for st in (sa, sb)
+        ],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", type=Path)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--compare", type=int, nargs=2, metavar=("A", "B"), default=None)
     args = ap.parse_args()
+    if args.compare:
+        got = compare(load(args.trace), *args.compare, top=args.top)
+        print(f"steps (ms): {got['steps_ms']}")
+        for name, extra, na, nb in got["more_in_a"]:
+            print(f"  {extra:+8.2f} ms  {name} ({na} vs {nb} events)")
+        print(json.dumps(got))
+        return
     steps = summarize(load(args.trace), args.top)
     for i, s in enumerate(steps):
         print(f"forward {i}: {s['forward_ms']} ms, {s['runtime_calls']} CUDA runtime calls")
