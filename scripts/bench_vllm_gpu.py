@@ -118,8 +118,12 @@ sys.path.insert(0, str(REPO))
 
 from pegaflow.tools.devcluster import start_server  # noqa: E402
 from scripts._models import LLAMA_31_8B  # noqa: E402
+from tests.support.script_module import load_script  # noqa: E402
 from tests.support.vllm_engine import VllmEngine, prompts, wait_saved  # noqa: E402
 from tests.support.vllm_engine import connector_stats as stats  # noqa: E402
+
+TRACE_SUMMARY = load_script("trace_summary")
+"""``scripts/trace_summary.py``: summaries of the torch profiler's traces"""
 
 
 def pinned_h2d_gbps(nbytes: int) -> float:
@@ -423,25 +427,17 @@ def diagnose(
         e.stop()
     events = trace_events(prof)
     if events:
-        steps = trace_summary().summarize(events)
+        steps = TRACE_SUMMARY.summarize(events)
         (where / "trace_summary.json").write_text(json.dumps(steps, indent=1))
         for i, st in enumerate(steps):
             print(f"profiled step {i}: {json.dumps(st)}", file=sys.stderr)
-
-
-def trace_summary() -> Any:
-    """``scripts/trace_summary.py`` as a module."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    import trace_summary as module
-
-    return module
 
 
 def trace_events(prof: Path) -> list[dict[str, Any]]:
     """The events of the largest torch profiler trace vLLM wrote under ``prof`` (the
     worker's), or none."""
     traces = sorted(prof.rglob("*.pt.trace.json*"), key=lambda p: p.stat().st_size)
-    return trace_summary().load(traces[-1]) if traces else []
+    return TRACE_SUMMARY.load(traces[-1]) if traces else []
 
 
 Runs = list[tuple[float, int, list[int]]]
@@ -846,7 +842,7 @@ def main() -> None:
             lines = [x for x in e.log if "PegaFlow" in x]
             print("\n".join(lines[-40:]), file=sys.stderr)
         if args.profile_restart and (events := trace_events(prof)):
-            out["restart_trace_compare"] = trace_summary().compare(events, 0, -1)
+            out["restart_trace_compare"] = TRACE_SUMMARY.compare(events, 0, -1)
         if args.tp > 1:
             restart_s = (sum(t for t, _, _ in restart) + after_c_ms) / 1000.0
             windows["restart"] = (r_start, r_pinned, restart_s)

@@ -44,6 +44,11 @@ def load(path: Path) -> list[dict[str, Any]]:
     return [e for e in events if e.get("ph") == "X" and "dur" in e]
 
 
+def _is_step(e: dict[str, Any]) -> bool:
+    """Whether ``e`` is vLLM's annotation of a whole step."""
+    return e.get("cat") == "user_annotation" and e["name"].startswith(STEP)
+
+
 def _within(e: dict[str, Any], t0: float, t1: float, tid: Any) -> bool:
     return e.get("tid") == tid and t0 <= e["ts"] and e["ts"] + e["dur"] <= t1
 
@@ -61,9 +66,7 @@ def _enclosing(e: dict[str, Any], frames: list[dict[str, Any]]) -> str:
 def summarize(events: list[dict[str, Any]], top: int = 12) -> list[dict[str, Any]]:
     """One summary per forward pass found in ``events``."""
     out = []
-    windows = [e for e in events if e["name"] == FORWARD] or [
-        e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(STEP)
-    ]
+    windows = [e for e in events if e["name"] == FORWARD] or [e for e in events if _is_step(e)]
     for fw in sorted(windows, key=lambda e: e["ts"]):
         t0, t1, tid = fw["ts"], fw["ts"] + fw["dur"], fw["tid"]
         inside = [e for e in events if _within(e, t0, t1, tid)]
@@ -127,28 +130,22 @@ def _step_totals(events: list[dict[str, Any]], step: dict[str, Any]) -> dict[str
             continue
         if e.get("cat") in _GPU_KINDS:  # queued in the step, run on the device
             gpu[f"{e['cat']}/stream {e.get('tid')}"] += e["dur"]
-        elif e.get("cat") in _CPU_KINDS and e["ts"] + e["dur"] <= t1:
-            if e.get("cat") != "user_annotation" or not e["name"].startswith(STEP):
-                cpu[f"{e['cat']}: {e['name'][:120]}"].append(e["dur"])
+        elif e.get("cat") in _CPU_KINDS and e["ts"] + e["dur"] <= t1 and not _is_step(e):
+            cpu[f"{e['cat']}: {e['name'][:120]}"].append(e["dur"])
     return {"cpu": cpu, "gpu": gpu}
 
 
 def compare(events: list[dict[str, Any]], a: int, b: int, top: int = 12) -> dict[str, Any]:
     """Step ``a`` against step ``b`` (indexes into vLLM's ``execute_context`` steps)."""
-    steps = sorted(
-        (e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(STEP)),
-        key=lambda e: e["ts"],
-    )
+    steps = sorted(filter(_is_step, events), key=lambda e: e["ts"])
     sa, sb = _step_totals(events, steps[a]), _step_totals(events, steps[b])
-    ca, cb = sa["cpu"], sb["cpu"]
-    more = sorted(set(ca) | set(cb), key=lambda k: sum(cb.get(k, ())) - sum(ca.get(k, ())))
+    ca, cb = sa["cpu"], sb["cpu"]  # defaultdicts: a name missing from one step is []
+    extra = {k: sum(ca[k]) - sum(cb[k]) for k in set(ca) | set(cb)}
+    more = sorted(extra, key=extra.__getitem__, reverse=True)
     return {
         "steps_ms": [round(s["dur"] / 1e3, 2) for s in steps],
         "compared": [a, b],
-        "more_in_a": [
-            [k, round((sum(ca.get(k, ())) - sum(cb.get(k, ()))) / 1e3, 2), len(ca[k]), len(cb[k])]
-            for k in more[:top]
-        ],
+        "more_in_a": [[k, round(extra[k] / 1e3, 2), len(ca[k]), len(cb[k])] for k in more[:top]],
         "gpu_ms": [
             {k: round(v / 1e3, 2) for k, v in st["gpu"].most_common(top)} for st in (sa, sb)
         ],
