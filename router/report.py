@@ -5,8 +5,9 @@ Every ``[router] report_interval_s`` the router sends each ``[client] coordinato
 ``router_report`` (the op and its fields: :mod:`pegaflow.coordinator.routers`) holding
 its URL, mode and replicas with their health and load, valid for
 :data:`TTL_INTERVALS` intervals; stopping, it withdraws the report.  Each call has a
-deadline; a coordinator that does not answer is logged once and tried again at the
-next interval, and never slows the requests the router serves.
+deadline; a coordinator that refuses a report, or misses :data:`TTL_INTERVALS` in a row
+(so that the report lapses), is logged once at WARNING and tried again at the next
+interval; reporting never slows the requests the router serves.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pegaflow.errors import PegaError, Unauthorized
+from pegaflow.errors import (
+    DeadlineExceeded,
+    HandshakeRefused,
+    PegaError,
+    Unauthorized,
+    Unavailable,
+    WrongPeer,
+)
 from pegaflow.protocol.coordinator import Op
 from pegaflow.transport.rpc_client import RpcClient
 
@@ -35,6 +43,14 @@ AUTH_HINT = (
     "--security-token-file / PEGAFLOW_SECURITY_TOKEN; a tenant's router may not replace a URL "
     "another tenant's router reports)"
 )
+
+
+def _transient(e: PegaError) -> bool:
+    """A failure the next report may not see: no answer in time, the coordinator not
+    reachable this once (a refusal or the wrong peer is not)."""
+    if isinstance(e, (HandshakeRefused, WrongPeer)):
+        return False
+    return isinstance(e, (DeadlineExceeded, Unavailable))
 
 
 def advertised_url(host: str, port: int, scheme: str = "http") -> str:
@@ -72,7 +88,10 @@ class Reporter:
             addr: RpcClient([addr], token=token, timeout=self.timeout_s, tls=tls)
             for addr in coordinators
         }
-        self._failing: dict[str, bool] = {}
+        self._misses: dict[str, int] = {}
+        """reports in a row that failed, per coordinator"""
+        self._warned: dict[str, bool] = {}
+        """whether the failing run of reports was logged at WARNING, per coordinator"""
         self._task: asyncio.Task[None] | None = None
 
     def report(self, ttl_ms: int) -> dict[str, Any]:
@@ -96,19 +115,23 @@ class Reporter:
         try:
             await self._clients[addr].call(Op.ROUTER_REPORT, args, timeout=timeout)
         except PegaError as e:
-            if not self._failing.get(addr):
-                fix = AUTH_HINT if isinstance(e, Unauthorized) else ""
-                log.warning(
-                    "cannot report to coordinator %s (%s: %s): pegaflow status and the "
-                    "dashboard there do not list this router until it can%s; requests are "
-                    "routed as before; retrying every %.3g s",
-                    addr, e.code, e, fix, self.interval_s,
-                )  # fmt: skip
-            self._failing[addr] = True
+            self._misses[addr] = misses = self._misses.get(addr, 0) + 1
+            if self._warned.get(addr) or (_transient(e) and misses < TTL_INTERVALS):
+                log.debug("report to coordinator %s failed (%s: %s)", addr, e.code, e)
+                return
+            fix = AUTH_HINT if isinstance(e, Unauthorized) else ""
+            log.warning(
+                "cannot report to coordinator %s (%s: %s, %d report(s) in a row): pegaflow "
+                "status and the dashboard there do not list this router until it can%s; "
+                "requests are routed as before; retrying every %.3g s",
+                addr, e.code, e, misses, fix, self.interval_s,
+            )  # fmt: skip
+            self._warned[addr] = True
             return
-        if self._failing.get(addr, True):
+        if addr not in self._misses or self._warned.get(addr):
             log.info("router %s reported to coordinator %s", self.url, addr)
-        self._failing[addr] = False
+        self._misses[addr] = 0
+        self._warned[addr] = False
 
     async def send_all(self, ttl_ms: int, timeout: float) -> None:
         """One report to every coordinator at once, each within ``timeout`` seconds."""

@@ -20,6 +20,9 @@ kv = pytest.importorskip("vllm.distributed.kv_events")
 
 BS = 4
 SEED = "0"
+#: The staleness bound: long enough that a busy test machine's pauses stay well inside
+#: it, so the confirmations every half bound always land in time.
+STALE_S = 2.0
 
 
 class Engine:
@@ -81,7 +84,7 @@ def test_routes_to_the_gpu_holding_the_prefix_within_the_staleness_bound(
     a, b = engines
     proc, url = _router(
         f"{a.spec},{b.spec}", "--router-mode", "cache", "--router-block-size", str(BS),
-        "--router-hash-seed", SEED, "--router-events-stale-s", "0.5",
+        "--router-hash-seed", SEED, "--router-events-stale-s", str(STALE_S),
         "--router-affinity-memory", "0",
     )  # fmt: skip
     try:
@@ -95,7 +98,7 @@ def test_routes_to_the_gpu_holding_the_prefix_within_the_staleness_bound(
         assert ask(url, doc) == a.http.url
         assert view(url, a.http.url)["hash_check"] == "ok"
 
-        # B has no replay endpoint: a request sent to it and no event since for 0.5 s
+        # B has no replay endpoint: a request sent to it and no event since for STALE_S
         # makes its view stale; its next event makes it usable again
         other = list(range(500, 500 + 3 * BS))
         b.store(other)
@@ -109,12 +112,13 @@ def test_routes_to_the_gpu_holding_the_prefix_within_the_staleness_bound(
         wait_view(url, b.http.url, 7)
         assert ask(url, other) == b.http.url
 
-        # A's replay endpoint confirms its view while requests go to it
-        for _ in range(3):
+        # A's replay endpoint confirms its view while requests go to it, for longer than
+        # the bound: without the confirmations (every STALE_S / 2) the view goes stale
+        for _ in range(4):
             assert ask(url, doc) == a.http.url
-            time.sleep(0.4)
+            time.sleep(0.4 * STALE_S)
         assert view(url, a.http.url)["usable"], view(url, a.http.url)
         counters = _status(url)["counters"]
-        assert counters["affinity"] == 7, counters
+        assert counters["affinity"] == 8, counters
     finally:
         proc.terminate()
