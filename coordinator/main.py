@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 
+from pegaflow import huge_pages
 from pegaflow.config import ClusterConfig
 from pegaflow.runner import Runner, run_service
 
@@ -50,10 +51,16 @@ async def start(cfg: ClusterConfig, run: Runner) -> str:
     return f"READY {coordinator.address} http={http}"
 
 
+def prepare(cfg: ClusterConfig) -> None:
+    """Before anything is loaded: re-execute with huge pages (``[coordinator] huge_pages``)."""
+    if cfg.coordinator.huge_pages:
+        huge_pages.reexec_with_huge_pages()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``pegaflow-coordinator``."""
     sections = ["etcd", "security", "coordinator", "telemetry"]
-    run_service("pegaflow-coordinator", __doc__, sections, start, argv)
+    run_service("pegaflow-coordinator", __doc__, sections, start, argv, prepare=prepare)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import msgpack
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from pegaflow import huge_pages
 from pegaflow.addresses import settle_coordinator
 from pegaflow.auth import authenticator, cluster_token
 from pegaflow.config import CoordinatorConfig, EtcdConfig, SecurityConfig
@@ -495,6 +496,7 @@ class Coordinator:
             "miss_blocks": self.metrics.miss_blocks,
             "http_port": self.http_port,
             "leader": self.election.is_leader if self.election else False,
+            "huge_pages": huge_pages.status(),
         }
         if self.mirror is not None:
             st["etcd"] = self.mirror.status()

@@ -86,11 +86,13 @@ def run_service(
     start: Start,
     argv: list[str] | None = None,
     defaults: dict[str, dict[str, Any]] | None = None,
+    prepare: Callable[[ClusterConfig], None] | None = None,
 ) -> None:
     """Parse ``--<section>-<option>`` flags (and ``--config``), set up logging, and run
     the service ``start`` brings up on uvloop until SIGINT/SIGTERM (see the module
     docstring).  ``defaults``: the program's own defaults (see
-    :func:`pegaflow.config.load_config`)."""
+    :func:`pegaflow.config.load_config`); ``prepare``: called with the configuration
+    before the event loop starts (it may re-execute the process)."""
     parser = build_parser(prog, description, sections, defaults)
     args = parser.parse_args(argv)
     try:
@@ -102,6 +104,8 @@ def run_service(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if prepare is not None:
+        prepare(cfg)
     try:
         uvloop.run(Runner(prog, cfg).serve(start))
     except (OSError, ValueError, UcxNotInstalled) as e:

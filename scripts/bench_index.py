@@ -31,7 +31,9 @@ prefix found), and every later answer to it must equal that one byte for byte (a
 the request id).  ``--client rpc`` uses the library's :class:`RpcClient` instead.
 
 Memory: ``coordinator_bytes_per_block`` is the coordinator's RSS growth over the ingest
-divided by the blocks.  etcd runs with ``--quota-backend-bytes`` sized from
+divided by the blocks; ``coordinator_huge_pages`` its status's ``huge_pages`` (``[coordinator]
+huge_pages``; ``PEGAFLOW_COORDINATOR_HUGE_PAGES=false`` in the bench's environment turns
+it off) and ``coordinator_anon_huge_mib`` how much of its memory was on huge pages.  etcd runs with ``--quota-backend-bytes`` sized from
 ``--blocks`` (``--quota-bytes`` to set it); its size after the ingest (``dbSize``,
 ``dbSizeInUse`` of its status endpoint) is reported beside it.
 
@@ -111,6 +113,18 @@ async def ingest(pub: EtcdPublisher, first: int, n: int) -> float:
     if not await pub.flush(timeout=3600):
         raise RuntimeError(f"ingest did not finish: {pub.stats()}")
     return time.perf_counter() - t0
+
+
+def anon_huge_mib(pid: int) -> float:
+    """MiB of a process's memory on transparent huge pages (-1: unreadable)."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return -1.0
+    for line in text.splitlines():
+        if line.startswith("AnonHugePages:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return -1.0
 
 
 async def wait_indexed(
@@ -715,6 +729,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "mirror_catchup_s": round(lag, 3),
             "coordinator_rss_mib": round(rss),
             "coordinator_bytes_per_block": round(per_block, 1),
+            "coordinator_huge_pages": st["coordinator"]["huge_pages"],
+            "coordinator_anon_huge_mib": anon_huge_mib(coord.pid),
             "etcd_db_bytes": db["db_size"],
             "etcd_db_in_use_bytes": db["db_size_in_use"],
             "etcd_db_bytes_per_block": round(db["db_size"] / max(1, st["blocks"]), 1),

@@ -22,6 +22,7 @@ from pegaflow.coordinator.inprocess_sink import InProcessSink
 from pegaflow.coordinator.mirror import EtcdMirror
 from pegaflow.coordinator.service import Coordinator
 
+from pegaflow import huge_pages
 from pegaflow.config import CoordinatorConfig, EtcdConfig, SecurityConfig
 from pegaflow.errors import BadRequest, NoSpace, TooLarge, Unauthorized, Unavailable
 from pegaflow.etcd import EtcdClient
@@ -228,6 +229,13 @@ async def test_restart_and_failover_between_coordinators(
             fresh = RpcClient([c3.address])
             try:
                 assert await hits(fresh, 32, [0]) == 32
+                # by default it re-executed itself (same process) with huge pages asked for
+                st = (await fresh.call("status", {}))["coordinator"]
+                if huge_pages.available():
+                    assert st["huge_pages"] == "on", st
+                    environ_file = Path(f"/proc/{c3.popen.pid}/environ")
+                    environ = await asyncio.to_thread(environ_file.read_bytes)
+                    assert b"GLIBC_TUNABLES=" + huge_pages.TUNABLE.encode() in environ
             finally:
                 await fresh.close()
             c3.terminate()
