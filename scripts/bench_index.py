@@ -31,11 +31,12 @@ prefix found), and every later answer to it must equal that one byte for byte (a
 the request id).  ``--client rpc`` uses the library's :class:`RpcClient` instead.
 
 Memory: ``coordinator_bytes_per_block`` is the coordinator's RSS growth over the ingest
-divided by the blocks; ``coordinator_huge_pages`` its status's ``huge_pages`` (``[coordinator]
-huge_pages``; ``PEGAFLOW_COORDINATOR_HUGE_PAGES=false`` in the bench's environment turns
-it off) and ``coordinator_anon_huge_mib`` how much of its memory was on huge pages.  etcd runs with ``--quota-backend-bytes`` sized from
-``--blocks`` (``--quota-bytes`` to set it); its size after the ingest (``dbSize``,
-``dbSizeInUse`` of its status endpoint) is reported beside it.
+divided by the blocks; ``coordinator_huge_pages`` is its status's ``huge_pages``
+(``[coordinator] huge_pages``: ``PEGAFLOW_COORDINATOR_HUGE_PAGES=false`` in the bench's
+environment turns it off) and ``coordinator_anon_huge_mib`` how much of its memory was
+on huge pages.  etcd runs with ``--quota-backend-bytes`` sized from ``--blocks``
+(``--quota-bytes`` to set it); its size after the ingest (``dbSize``, ``dbSizeInUse`` of
+its status endpoint) is reported beside it.
 
 Prints human-readable lines, then one JSON object as the last line.
 
