@@ -130,7 +130,7 @@ def _parser(prog: str, monkeypatch: pytest.MonkeyPatch) -> argparse.ArgumentPars
     seen: dict[str, Any] = {}
 
     def catch(prog: str, description: str | None, sections: list[str], run: Any,
-              argv: Any = None, defaults: Any = None) -> None:  # fmt: skip
+              argv: Any = None, defaults: Any = None, prepare: Any = None) -> None:  # fmt: skip
         seen.update(prog=prog, description=description, sections=sections, defaults=defaults)
 
     monkeypatch.setattr(mod, "run_service", catch)
