@@ -169,6 +169,8 @@ class GpuView:
         """monotonic time before which every published batch is applied"""
         self.touched = 0.0
         """monotonic time a request of this router to the replica last began or ended"""
+        self.pending_since = 0.0
+        """monotonic time of the first such touch after the last confirmation"""
         self.hash_check = "pending"
         """``ok``, ``mismatch`` (never used) or ``pending``: the router's hashes of the
         first plain stored blocks against the engine's"""
@@ -188,10 +190,12 @@ class GpuView:
         """Whether routing may rely on this view now (the module docstring's bound)."""
         if self.hash_check == "mismatch" or self.next_seq is None:
             return False
-        return not self.pending() or now - self.confirmed_at < self.stale_s
+        return not self.pending() or now - self.pending_since < self.stale_s
 
     def touch(self, now: float) -> None:
         """A request of this router to the replica began or ended."""
+        if not self.pending():  # what it publishes from now on is unseen until confirmed
+            self.pending_since = now
         self.touched = now
 
     def clear(self) -> None:

@@ -142,10 +142,13 @@ def test_view_staleness_bound() -> None:
     assert not view.usable(100.0)  # no batch yet
     view.next_seq, view.confirmed_at = 5, 100.0
     assert view.usable(100.5)
-    view.touch(101.0)  # a request sent after the last confirmation
-    assert view.usable(101.9) and not view.usable(102.1)
-    view.confirmed_at = 102.2
+    view.touch(101.0)  # a request sent after the last confirmation: the bound runs from it
+    view.touch(102.5)
+    assert view.usable(102.9) and not view.usable(103.1)
+    view.confirmed_at = 103.2
     assert view.usable(110.0)
+    view.touch(120.0)  # confirmed long ago, touched now: not stale before 122
+    assert view.usable(121.9) and not view.usable(122.1)
     view.hash_check = "mismatch"
     assert not view.usable(110.0)
 
