@@ -174,6 +174,7 @@ class Coordinator:
         self._started = 0.0
         self._encoder = LookupEncoder()
         self._ns_ok: set[str] = set()
+        self._huge_pages = huge_pages.status()  # fixed for the process's life
         self.routers = RouterTable()
         self.suspects = Suspects(
             self.index, self.config.suspect_ttl_s, self.metrics.unreachable_reports,
@@ -496,7 +497,7 @@ class Coordinator:
             "miss_blocks": self.metrics.miss_blocks,
             "http_port": self.http_port,
             "leader": self.election.is_leader if self.election else False,
-            "huge_pages": huge_pages.status(),
+            "huge_pages": self._huge_pages,
         }
         if self.mirror is not None:
             st["etcd"] = self.mirror.status()
