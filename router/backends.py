@@ -56,7 +56,9 @@ class Backends:
     def __init__(self, cfg: RouterConfig, replicas: list[Replica], metrics: RouterMetrics) -> None:
         self.cfg = cfg
         self.replicas = replicas
-        self.picker = Picker(replicas, max_inflight=cfg.max_inflight)
+        self.picker = Picker(
+            replicas, cfg.max_inflight, queue_weight=cfg.queue_weight, load_blocks=cfg.load_blocks
+        )
         self.metrics = metrics
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -194,6 +196,16 @@ class Backends:
             self.metrics.inflight.labels(rep.url).dec()
             if view is not None:
                 view.touch(time.monotonic())
+
+    @contextmanager
+    def prefilling(self, rep: Replica, blocks: float) -> Iterator[None]:
+        """Count ``blocks`` of prefill queued on ``rep`` for the body of the ``with``
+        (a request until its answer's first bytes, :meth:`Picker.cost`)."""
+        rep.queued_blocks += blocks
+        try:
+            yield
+        finally:
+            rep.queued_blocks = max(0.0, rep.queued_blocks - blocks)
 
     async def guard(self, rep: Replica, sent: float, first: Awaitable[T]) -> T:
         """Await ``first`` (a request sent at ``sent``, until its answer's first bytes)

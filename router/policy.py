@@ -58,6 +58,9 @@ class Replica:
     """the engine's KV events replay endpoint (``tcp://HOST:PORT``; cache mode)"""
     healthy: bool = False
     inflight: int = 0
+    queued_blocks: float = 0.0
+    """prefill work of the requests sent here that have no answer bytes yet: the prompt
+    blocks each computes (its length less what the replica held of it, cache mode)"""
     requests: int = 0
     failures: int = 0
     last_error: str = ""
@@ -121,6 +124,7 @@ class Replica:
             "healthy": self.healthy and left == 0.0,
             "ejected_s": round(left, 1),
             "inflight": self.inflight,
+            "queued_blocks": round(self.queued_blocks, 1),
             "requests": self.requests,
             "failures": self.failures,
             "last_error": self.last_error,
@@ -181,14 +185,22 @@ class Choice:
     decision: str
     blocks: float = 0
     """the chosen replica's score (cache mode: prefix blocks it holds, :func:`tier_scores`)"""
+    work: float = 0
+    """prompt blocks the chosen replica computes for this request (cache mode): counted in
+    its ``queued_blocks`` until the answer's first bytes"""
 
 
 @dataclass
 class Picker:
-    """Chooses replicas; ``max_inflight`` caps what affinity may send to one replica."""
+    """Chooses replicas.  Cache mode prices each candidate by when it would finish this
+    request's prefill (:meth:`by_affinity`): ``queue_weight`` per block of prefill queued
+    there, ``load_blocks`` per request in flight; ``max_inflight`` caps what affinity may
+    send to one replica."""
 
     replicas: Sequence[Replica]
     max_inflight: int = 64
+    queue_weight: float = 1.0
+    load_blocks: float = 0.0
     _rr: itertools.count[int] = field(default_factory=itertools.count)
 
     def candidates(self, role: str, exclude: Iterable[str] = ()) -> list[Replica]:
@@ -215,26 +227,39 @@ class Picker:
         tied = [r for r in cands if r.inflight == low]
         return tied[next(self._rr) % len(tied)]
 
+    def cost(self, r: Replica, score: float) -> float:
+        """What sending a request to ``r`` costs in prompt blocks computed before its
+        first token, less the same for a replica that is idle and holds nothing: the
+        prefill queued there and its requests in flight, less what its holdings save
+        (``score``, :func:`tier_scores`)."""
+        return self.queue_weight * r.queued_blocks + self.load_blocks * r.inflight - score
+
     def by_affinity(
         self,
         scores: Mapping[str, float],
         role: str = "both",
         exclude: Iterable[str] = (),
     ) -> Choice:
-        """The replica with the highest score (by replica URL, :func:`tier_scores`)
-        among those under the in-flight cap; ties to the least loaded.
-        No score: ``miss``; every scored replica at the cap: ``capped``; both go to the
-        least loaded replica."""
-        cands = [r for r in self.candidates(role, exclude) if scores.get(r.url, 0) > 0]
+        """The replica of the least :meth:`cost` (by replica URL, :func:`tier_scores`),
+        holders over the in-flight cap left out; ties to the higher score, then the least
+        loaded.  Decisions: ``affinity`` (a holder), ``balanced`` (a replica holding none,
+        as the holders' queues cost more than they save), ``miss`` (no holder), ``capped``
+        (every holder at the cap: the least loaded replica)."""
+        cands = self.candidates(role, exclude)
         if not cands:
-            return Choice(self.least_loaded(role, exclude), "miss")
-        open_ = [r for r in cands if r.inflight < self.max_inflight]
-        if not open_:
+            return Choice(None, "miss")
+        held = [r for r in cands if scores.get(r.url, 0) > 0]
+        open_ = [r for r in cands if scores.get(r.url, 0) <= 0 or r.inflight < self.max_inflight]
+        if held and not any(r in open_ for r in held):
             return Choice(self.least_loaded(role, exclude), "capped")
-        best = max(scores[r.url] for r in open_)
-        top = [r for r in open_ if scores[r.url] == best]
-        low = min(r.inflight for r in top)
-        return Choice(next(r for r in top if r.inflight == low), "affinity", best)
+        priced = [(self.cost(r, scores.get(r.url, 0)), -scores.get(r.url, 0), r.inflight, r)
+                  for r in open_]  # fmt: skip
+        best = min(p[:3] for p in priced)
+        tied = [p[3] for p in priced if p[:3] == best]
+        r = tied[next(self._rr) % len(tied)]
+        score = scores.get(r.url, 0)
+        decision = "affinity" if score > 0 else "balanced" if held else "miss"
+        return Choice(r, decision, score)
 
 
 def node_scores(
@@ -293,22 +318,6 @@ def tier_scores(
         score = g + weights.pool * near + weights.remote * (beyond - near - stored)
         if score > 1e-9:
             out[r.url] = score
-    return out
-
-
-def less_load(
-    replicas: Sequence[Replica], scores: Mapping[str, float], load_blocks: float
-) -> dict[str, float]:
-    """``scores`` less ``load_blocks`` for each request a replica has in flight more than
-    the least loaded healthy replica (an idle replica saves its queue)."""
-    if load_blocks <= 0 or not scores:
-        return dict(scores)
-    low = min((r.inflight for r in replicas if r.healthy), default=0)
-    out: dict[str, float] = {}
-    for r in replicas:
-        net = scores.get(r.url, 0.0) - load_blocks * max(0, r.inflight - low)
-        if r.url in scores and net > 1e-9:
-            out[r.url] = net
     return out
 
 

@@ -112,7 +112,7 @@ class Proxy:
                 break
             tried.append(rep.url)
             try:
-                return await self._send(req, rep, endpoint, payload, stream, t0)
+                return await self._send(req, rep, endpoint, payload, stream, t0, first.work)
             except UpstreamFailed as e:
                 answer = e.answer
                 log.warning("request to %s failed before any answer: %s; retrying", rep.url, e)
@@ -126,14 +126,17 @@ class Proxy:
         payload: bytes | bytearray,
         stream: bool,
         t0: float,
+        work: float = 0.0,
     ) -> web.StreamResponse:
-        """One upstream request; ``UpstreamFailed`` while nothing was sent downstream."""
+        """One upstream request, ``work`` blocks of prefill (queued on ``rep`` until the
+        first bytes); ``UpstreamFailed`` while nothing was sent downstream."""
         with self.backends.busy(rep):
             up: aiohttp.ClientResponse | None = None
             sent = time.monotonic()
             try:
                 first = self._first_bytes(rep, endpoint, payload, self._headers(req), stream, sent)
-                up, chunk = await self.backends.guard(rep, sent, first)
+                with self.backends.prefilling(rep, work):
+                    up, chunk = await self.backends.guard(rep, sent, first)
                 return await self._relay(req, rep, up, chunk, stream, endpoint, t0, sent)
             except asyncio.CancelledError:  # the client went away: closing ``up`` aborts it
                 self.metrics.upstream.labels(rep.url, "client_left").inc()

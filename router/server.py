@@ -7,7 +7,7 @@ health, load, counters) and ``/metrics`` (``pegaflow_router_*``, docs/metrics.md
 replicas' health and ejection: :mod:`~pegaflow.router.backends`; the proxying, retries
 and the prefill of ``pd`` mode: :mod:`~pegaflow.router.proxy`.  Cache mode scores each
 replica on its GPU cache (:mod:`~pegaflow.router.kvevents`), the pool and its queue
-(:func:`~pegaflow.router.policy.tier_scores`, :func:`~pegaflow.router.policy.less_load`).
+(:func:`~pegaflow.router.policy.tier_scores`, :meth:`~pegaflow.router.policy.Picker.by_affinity`).
 
 The router's own resources are bounded (:mod:`~pegaflow.router.limits`), since a proxy
 that runs out of memory or file descriptors fails every client, not one:
@@ -33,6 +33,7 @@ import importlib.util
 import json
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -53,7 +54,6 @@ from .policy import (
     Choice,
     RecentRoutes,
     TierWeights,
-    less_load,
     node_scores,
     parse_replicas,
     tier_scores,
@@ -481,11 +481,11 @@ class Router(Proxy):
             local = node_scores(self.replicas, owners, hosts)
         gpu = self._gpu_prefixes(hashes)
         scores = tier_scores(self.replicas, gpu, local, stored, self.weights)
-        net = less_load(self.replicas, scores, self.cfg.load_blocks)
-        choice = self.picker.by_affinity(net)
-        if choice.decision == "miss" and scores:
-            choice = Choice(choice.replica, "balanced")  # held, but its queue costs more
+        choice = self.picker.by_affinity(scores)
         if choice.replica is not None:
+            # its score is what it saves over loading the ``stored`` blocks from elsewhere
+            saved = choice.blocks + self.weights.remote * stored
+            choice = replace(choice, work=max(0.0, len(hashes) - saved))
             g = gpu.get(choice.replica.url, 0)
             beyond = max(0, stored - g)
             near = min(beyond, local.get(choice.replica.url, 0))

@@ -334,10 +334,15 @@ class RouterConfig:
         "cache mode: what a prefix block on another node saves, as a share of one in the "
         "replica's own GPU cache",
     )
+    queue_weight: float = opt(
+        1.0,
+        "cache mode: what one prompt block of prefill queued on a replica (sent, no answer "
+        "yet) costs, in prefix blocks held (0: the queue is not priced)",
+    )
     load_blocks: float = opt(
         0.0,
-        "cache mode: what one request in flight more than on the least loaded replica "
-        "costs, in prefix blocks to recompute (0: load only breaks ties)",
+        "cache mode: what one request in flight on a replica costs, in prefix blocks held "
+        "(0: load only breaks ties)",
     )
     max_inflight: int = opt(
         64, "requests in flight on a replica past which affinity sends to the least loaded"

@@ -604,6 +604,16 @@ def test_cache_mode_follows_the_gpu_cache_by_kv_events(cluster: Cluster) -> None
         text = m.read().decode()
     gpu = re.search(r'pegaflow_router_prefix_blocks_total\{where="gpu"\} (\S+)', text)
     assert gpu and float(gpu.group(1)) >= 6 * 6, text
+    # a request's prefill counts in its replica's queue until its first bytes (the whole
+    # answer, unstreamed), what the next request's choice prices
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(completion, url, text_prompt(6 * BS, seed=80), 200, ignore_eos=True)
+        queued: list[float] = []
+        while not pending.done() and not any(queued):
+            queued = [r["queued_blocks"] for r in status(url)["replicas"]]
+        answered = pending.result()
+    assert sorted(queued) == [0.0, 6.0], (queued, answered["_replica"])
+    assert [r["queued_blocks"] for r in status(url)["replicas"]] == [0.0, 0.0]
 
 
 @pytest.mark.slow

@@ -330,14 +330,28 @@ def test_status_renders_the_gpu_view() -> None:
     assert "GPU cache from KV events: 0 blocks, NOT USED" in text and "hashes pending" in text
 
 
-def test_less_load() -> None:
-    from pegaflow.router.policy import less_load
+def test_a_holder_loses_a_request_only_where_its_queue_costs_more_than_it_saves() -> None:
+    from pegaflow.router.policy import Picker
 
     a, b = Replica("http://a:1", healthy=True), Replica("http://b:1", healthy=True)
-    a.inflight, b.inflight = 3, 1
-    assert less_load([a, b], {a.url: 10.0}, 0) == {a.url: 10.0}  # off
-    assert less_load([a, b], {a.url: 10.0, b.url: 1.0}, 4) == {a.url: 2.0, b.url: 1.0}
-    assert less_load([a, b], {a.url: 8.0}, 4) == {}  # its queue costs more than it saves
+    p = Picker([a, b])
+    a.queued_blocks = 9.0  # another request's prefill, not answered yet
+    c = p.by_affinity({a.url: 10.0})
+    assert (c.replica, c.decision, c.blocks) == (a, "affinity", 10.0)
+    a.queued_blocks = 11.0
+    assert (p.by_affinity({a.url: 10.0}).replica, p.by_affinity({a.url: 10.0}).decision) == (
+        b,
+        "balanced",
+    )
+    assert p.by_affinity({a.url: 10.0, b.url: 1.0}).replica == b  # 11 - 10 > 0 - 1
+    assert Picker([a, b], queue_weight=0).by_affinity({a.url: 10.0}).replica == a  # off
+    b.queued_blocks = 4.0  # no holder: the shorter queue
+    assert (p.by_affinity({}).replica, p.by_affinity({}).decision) == (b, "miss")
+    a.queued_blocks = b.queued_blocks = 0.0
+    a.inflight, b.inflight = 3, 1  # load_blocks prices each request in flight
+    assert Picker([a, b], load_blocks=4).by_affinity({a.url: 10.0, b.url: 1.0}).replica == a
+    assert Picker([a, b], load_blocks=4).by_affinity({a.url: 8.0}).decision == "affinity"
+    assert Picker([a, b], load_blocks=5).by_affinity({a.url: 8.0}).decision == "balanced"
 
 
 def test_a_failed_health_check_clears_the_view() -> None:
