@@ -105,7 +105,11 @@ class Reporter:
             "started_at": self._started_at,
             "max_inflight": int(info.get("max_inflight", 0)),
             "replicas": [
-                {**r, "last_error": str(r.get("last_error") or "")[:1000]}
+                {
+                    **r,
+                    "queued_blocks": round(r.get("queued_blocks", 0)),
+                    "last_error": str(r.get("last_error") or "")[:1000],
+                }
                 for r in st.get("replicas", [])
             ],
             "counters": dict(st.get("counters", {})),

@@ -58,14 +58,15 @@ def render_router(doc: dict[str, Any]) -> str:
     ]
     lines.append(
         f"  {'replica':<32} {'role':<8} {'node/host':<20} {'health':<9} "
-        f"{'inflight':>8} {'requests':>9} {'failures':>8}"
+        f"{'inflight':>8} {'queued':>7} {'requests':>9} {'failures':>8}"
     )
     for r in reps:
         where = r.get("node") or r.get("host") or "-"
         health = "ok" if r.get("healthy") else "DOWN"
         lines.append(
             f"  {r.get('url', '?'):<32} {r.get('role', '?'):<8} {where:<20} {health:<9} "
-            f"{r.get('inflight', 0):>8} {r.get('requests', 0):>9} {r.get('failures', 0):>8}"
+            f"{r.get('inflight', 0):>8} {r.get('queued_blocks', 0):>7.0f} "
+            f"{r.get('requests', 0):>9} {r.get('failures', 0):>8}"
         )
         if not r.get("healthy") and r.get("last_error"):
             lines.append(f"    last error: {r['last_error']}")

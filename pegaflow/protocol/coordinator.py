@@ -33,8 +33,8 @@ server refuses a request whose ``ns`` is another's), and not the ops whose
     op_status`)
 ``nodes`` ``{}`` -> ``{nodes: [NodeRecord]}``
 ``router_report`` ``{url, mode, ttl_ms, started_at, max_inflight, replicas: [{url, role,
-    node, host, healthy, inflight, requests, failures, last_error}], counters: {str:
-    int}}`` -> ``{routers: int}`` (:mod:`pegaflow.coordinator.routers`)
+    node, host, healthy, inflight, queued_blocks?, requests, failures, last_error}],
+    counters: {str: int}}`` -> ``{routers: int}`` (:mod:`pegaflow.coordinator.routers`)
 ``report_unreachable`` ``{node}`` -> ``{suspected: bool}``
     (:mod:`pegaflow.coordinator.suspects`)
 ``namespace_peers`` ``{ns, factors: {name: value}}`` -> ``{peers: [{ns, blocks,
@@ -432,6 +432,9 @@ def _replica(rec: Any) -> dict[str, Any]:
         "host": req_str(rec, "host", 256) if rec.get("host") is not None else "",
         "healthy": req_typed(rec, "healthy", bool, "a boolean"),
         "inflight": req_int(rec, "inflight", *_COUNT),
+        "queued_blocks": (
+            req_int(rec, "queued_blocks", *_COUNT) if rec.get("queued_blocks") is not None else 0
+        ),
         "requests": req_int(rec, "requests", *_COUNT),
         "failures": req_int(rec, "failures", *_COUNT),
         "last_error": req_str(rec, "last_error", MAX_ERROR) if rec.get("last_error") else "",
