@@ -92,7 +92,7 @@ sys.path.insert(0, str(REPO))
 
 from pegaflow.tools.dashboard import NODE_SAMPLES, parse_metrics_text  # noqa: E402
 from pegaflow.tools.devcluster import start_server  # noqa: E402
-from scripts._common import log  # noqa: E402
+from scripts._common import log, trap_signals  # noqa: E402
 from scripts._models import FAMILIES, Family, kv_bytes_per_token  # noqa: E402
 from scripts.bench_vllm_gpu import (  # noqa: E402
     IN_PROCESS,
@@ -484,6 +484,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    trap_signals()  # killed by timeout or a signal: the engines and the server stop too
     work = Path(tempfile.mkdtemp(prefix="pf-models-bench-"))
     extra = ["--coordinator-port", str(args.coordinator_port)]
     if args.pool_size:

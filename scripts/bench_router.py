@@ -39,7 +39,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -99,21 +98,19 @@ def start_replicas(
 ) -> tuple[list[Replica], list[tuple[int, int]]]:
     """``n`` replicas publishing their KV events; each one's publisher and replay port."""
     ports = [(free_port(), free_port()) for _ in range(n)]
-
-    def one(i: int) -> Replica:
-        pub, replay = ports[i]
-        events = {"enable_kv_cache_events": True, "publisher": "zmq",
-                  "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}  # fmt: skip
-        args = [*serving.TINY_ARGS, "--seed", "0", "--kv-events-config", json.dumps(events)]
-        env = serving.replica_env()
-        if bind:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(i % (os.cpu_count() or 1))
-        r = Replica(model, args, None, env=env, name=f"replica-{i}")
-        r.wait_ready(900)
-        return r
-
-    with ThreadPoolExecutor(n) as pool:
-        return list(pool.map(one, range(n))), ports
+    more = [
+        ["--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq",
+            "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"})]
+        for pub, replay in ports
+    ]  # fmt: skip
+    envs = [{"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))} if bind else {}
+            for i in range(n)]  # fmt: skip
+    replicas = serving.start_replicas(
+        n, model, [*serving.TINY_ARGS, "--seed", "0"], None, serving.replica_env(),
+        timeout=900, name="replica-", envs=envs, more_args=more,
+    )  # fmt: skip
+    return replicas, ports
 
 
 class Conversation:
@@ -208,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tests.support.vllm_engine import tiny_model_with_tokenizer
 
     a = parse_args(argv)
+    serving.trap_signals()  # killed by timeout or a signal: the replicas stop too
     out: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],

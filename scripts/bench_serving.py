@@ -128,7 +128,7 @@ from pegaflow.tools.devcluster import (  # noqa: E402
     start_node,
     start_server,
 )
-from scripts._common import proc_cpu_seconds, proc_rss_bytes  # noqa: E402
+from scripts._common import proc_cpu_seconds, proc_rss_bytes, trap_signals  # noqa: E402
 from tests.support.vllm_engine import ServeProcess  # noqa: E402
 
 #: The README's ``--kv-transfer-config``.
@@ -1063,11 +1063,13 @@ def start_replicas(
     name: str = "replica",
     envs: Sequence[dict[str, str]] = (),
     kv_configs: Sequence[dict[str, Any] | None] = (),
+    more_args: Sequence[Sequence[str]] = (),
 ) -> list[Replica]:
     """``n`` replicas, started together (``parallel``) or one after another (safer when
-    they share a GPU and size their memory from what is free); all or none.  Replica
-    ``i`` adds ``envs[i]`` to ``env`` and has ``kv_configs[i]`` instead of
-    ``kv_transfer_config`` where given."""
+    they share a GPU and size their memory from what is free); all or none (those
+    started are stopped on any failure or interruption).  Replica ``i`` adds
+    ``envs[i]`` to ``env`` and ``more_args[i]`` to ``args``, and has ``kv_configs[i]``
+    instead of ``kv_transfer_config`` where given."""
     out: list[Replica] = []
     try:
         for i in range(n):
@@ -1075,7 +1077,8 @@ def start_replicas(
             if gpus:
                 e["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
             kv = kv_configs[i] if i < len(kv_configs) else kv_transfer_config
-            out.append(Replica(model, args, kv, e, name=f"{name}{i}"))
+            own = [*args, *(more_args[i] if i < len(more_args) else ())]
+            out.append(Replica(model, own, kv, e, name=f"{name}{i}"))
             if not parallel:
                 out[-1] = _ready(out[-1], timeout)
         raced: list[int] = []
@@ -1096,7 +1099,8 @@ def start_replicas(
                 "replicas sharing a GPU start together)",
                 file=sys.stderr,
             )
-            out[i] = _ready(r.again(), timeout)
+            out[i] = r.again()  # in ``out`` before the wait: stopped with the others
+            out[i] = _ready(out[i], timeout)
     except BaseException:
         for r in out:
             r.kill()
@@ -1643,6 +1647,7 @@ def run_setup(
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
+    trap_signals()  # killed by timeout or a signal: the replicas and the server stop too
     if a.merge:
         return merge(a)
     mix = tuple(float(x) for x in a.mix.split(","))

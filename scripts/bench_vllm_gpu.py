@@ -117,6 +117,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pegaflow.tools.devcluster import start_server  # noqa: E402
+from scripts._common import trap_signals  # noqa: E402
 from scripts._models import LLAMA_31_8B  # noqa: E402
 from tests.support.script_module import load_script  # noqa: E402
 from tests.support.vllm_engine import VllmEngine, prompts, wait_saved  # noqa: E402
@@ -640,6 +641,7 @@ def main() -> None:
         "default size (too small where the host's MemTotal reads low at start)",
     )
     args = ap.parse_args()
+    trap_signals()  # killed by timeout or a signal: the engines and the server stop too
     if args.tp < 1:
         ap.error("--tp must be at least 1")
     # the server, this process and every engine (and their workers) inherit it
