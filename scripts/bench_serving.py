@@ -1071,6 +1071,9 @@ def start_replicas(
     ``envs[i]`` to ``env`` and ``more_args[i]`` to ``args``, and has ``kv_configs[i]``
     instead of ``kv_transfer_config`` where given."""
     out: list[Replica] = []
+    # replicas sharing a GPU that size their KV cache from its free memory race each
+    # other's memory checks: the first starts alone, the others with its size, together
+    sizing = parallel and n > 1 and len(set(gpus)) < n and "--kv-cache-memory-bytes" not in args
     try:
         for i in range(n):
             e = {**(env or {}), **(envs[i] if i < len(envs) else {})}
@@ -1079,8 +1082,12 @@ def start_replicas(
             kv = kv_configs[i] if i < len(kv_configs) else kv_transfer_config
             own = [*args, *(more_args[i] if i < len(more_args) else ())]
             out.append(Replica(model, own, kv, e, name=f"{name}{i}"))
-            if not parallel:
+            if not parallel or (sizing and i == 0):
                 out[-1] = _ready(out[-1], timeout)
+            if sizing and i == 0 and (size := kv_cache_bytes(out[0].log)):
+                args = [*args, "--kv-cache-memory-bytes", str(size)]
+                print(f"{out[0].name}: KV cache of {size} bytes; the others start together "
+                      "with it", file=sys.stderr)  # fmt: skip
         raced: list[int] = []
         for i, r in enumerate(out):
             try:
@@ -1106,6 +1113,17 @@ def start_replicas(
             r.kill()
         raise
     return out
+
+
+_KV_MEMORY = re.compile(r"Available KV cache memory: ([0-9.]+) GiB")
+
+
+def kv_cache_bytes(log: Sequence[str]) -> int:
+    """The KV cache size a started vLLM engine logged for itself (0: not found)."""
+    for line in reversed(log):
+        if m := _KV_MEMORY.search(line):
+            return int(float(m.group(1)) * (1 << 30))
+    return 0
 
 
 def _ready(r: Replica, timeout: float, attempts: int = 3) -> Replica:

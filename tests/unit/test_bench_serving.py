@@ -248,3 +248,15 @@ def test_merge_reports_separate_runs_as_one(
     assert peg["throughput_at_slo_ratio"] == pytest.approx(16 / 12, abs=1e-3)
     assert peg["ttft_p99_ratio"] == [10.0]
     assert peg["outputs_vs_vllm"] == {"compared": 2, "equal": 1}
+
+
+def test_the_kv_cache_size_an_engine_logged(bench: ModuleType) -> None:
+    """What the first of several replicas sharing a GPU logged as its KV cache: the
+    size the others start with (``--kv-cache-memory-bytes``, no racing memory check)."""
+    log = [
+        "(EngineCore pid=7) INFO 12-07 18:20:01 [gpu_worker.py:760] Available KV cache "
+        "memory: 9.12 GiB",
+        "(EngineCore pid=7) INFO 12-07 18:20:02 [kv_cache_utils.py:1] GPU KV cache size: 74,7",
+    ]
+    assert bench.kv_cache_bytes(log) == int(9.12 * (1 << 30))
+    assert bench.kv_cache_bytes(["no such line"]) == 0
