@@ -249,9 +249,9 @@ class Picker:
         if not cands:
             return Choice(None, "miss")
         held = [r for r in cands if scores.get(r.url, 0) > 0]
-        open_ = [r for r in cands if scores.get(r.url, 0) <= 0 or r.inflight < self.max_inflight]
-        if held and not any(r in open_ for r in held):
+        if held and all(r.inflight >= self.max_inflight for r in held):
             return Choice(self.least_loaded(role, exclude), "capped")
+        open_ = [r for r in cands if scores.get(r.url, 0) <= 0 or r.inflight < self.max_inflight]
         priced = [(self.cost(r, scores.get(r.url, 0)), -scores.get(r.url, 0), r.inflight, r)
                   for r in open_]  # fmt: skip
         best = min(p[:3] for p in priced)
@@ -319,6 +319,13 @@ def tier_scores(
         if score > 1e-9:
             out[r.url] = score
     return out
+
+
+def prefill_blocks(prompt_blocks: int, score: float, stored: int, weights: TierWeights) -> float:
+    """The prompt blocks a replica of :func:`tier_scores` score ``score`` still computes
+    (its share of a load counted as computing saved): the score is what it saves over a
+    replica that loads the pool's ``stored`` blocks from another node."""
+    return max(0.0, prompt_blocks - score - weights.remote * stored)
 
 
 class RecentRoutes:

@@ -56,6 +56,7 @@ from .policy import (
     TierWeights,
     node_scores,
     parse_replicas,
+    prefill_blocks,
     tier_scores,
 )
 from .prompts import PromptTokenizer
@@ -483,9 +484,8 @@ class Router(Proxy):
         scores = tier_scores(self.replicas, gpu, local, stored, self.weights)
         choice = self.picker.by_affinity(scores)
         if choice.replica is not None:
-            # its score is what it saves over loading the ``stored`` blocks from elsewhere
-            saved = choice.blocks + self.weights.remote * stored
-            choice = replace(choice, work=max(0.0, len(hashes) - saved))
+            work = prefill_blocks(len(hashes), choice.blocks, stored, self.weights)
+            choice = replace(choice, work=work)
             g = gpu.get(choice.replica.url, 0)
             beyond = max(0, stored - g)
             near = min(beyond, local.get(choice.replica.url, 0))
