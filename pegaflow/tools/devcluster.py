@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import re
 import shutil
 import signal
@@ -30,11 +31,37 @@ REPO = Path(__file__).resolve().parents[2]
 ETCD_BINARY = os.environ.get("PEGAFLOW_TEST_ETCD", "etcd")
 
 
+_handed_out: set[int] = set()
+_port_rng = random.Random()  # its own: a test's random.seed() must not repeat the ports
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on every address right now, below the kernel's ephemeral range.
+
+    A port the kernel picks for ``bind(0)`` is also one it may give an outgoing
+    connection's local end (or another process's ``bind(0)``) before the caller's process
+    binds it; ports below the ephemeral range are never handed out that way.  Each port is
+    handed out once per process."""
+    low = max(_ephemeral_low(), 20000)
+    for _ in range(1000):
+        port = _port_rng.randrange(low - 10000, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port in {low - 10000}-{low - 1}")
 
 
 class EtcdServer:

@@ -20,6 +20,17 @@ REPO = HERE.parents[1]
 TINY_MODEL = str(HERE / "assets" / "tiny-llama")
 
 
+def start_failure(name: str, log: list[str], tail: int = 60) -> str:
+    """Why a vLLM process did not start: the first error lines of its log (the engine
+    core's root cause, which the API server's own traceback only points "above" to), then
+    its tail."""
+    first = next(
+        (i for i, line in enumerate(log) if "Traceback" in line or "ERROR" in line), len(log)
+    )
+    cause = log[first : min(first + 40, max(len(log) - tail, first))]
+    return "\n".join([f"{name} did not start:", *cause, "[...]" if cause else "", *log[-tail:]])
+
+
 class VllmEngine:
     """One engine process; :meth:`generate` / :meth:`ttft` block until it answers."""
 
@@ -56,7 +67,7 @@ class VllmEngine:
         while not self._ready.wait(0.2):
             if self.popen.poll() is not None or time.monotonic() > deadline:
                 self.kill()
-                raise RuntimeError(f"{name} did not start:\n" + self.tail())
+                raise RuntimeError(start_failure(name, self.log))
 
     def _pump(self) -> None:
         assert self.popen.stdout is not None
@@ -315,7 +326,7 @@ class ServeProcess:
         while not self.healthy():
             if self.popen.poll() is not None or time.monotonic() > deadline:
                 self.kill()
-                raise RuntimeError(f"{self.name} did not start:\n" + self.tail())
+                raise RuntimeError(start_failure(self.name, self.log))
             time.sleep(0.5)
 
     def tail(self, n: int = 60) -> str:
