@@ -19,7 +19,10 @@ in CI).  What differs, and how it is handled here:
   :func:`pegaflow.connector.namespace.block_hash_bytes`.
 
 Both have ``SupportsHMA`` (vLLM's hybrid KV cache manager stays on with this connector:
-``request_finished_all_groups``; 0.32 runs it on the CPU too, for sliding windows).
+``request_finished_all_groups``; 0.32 runs it on the CPU too).  0.32 also names the
+block of each Mamba state it keeps at a block boundary
+(``SchedulerOutput.kv_connector_block_state``, :data:`BOUNDARY_STATES`): only there
+are hybrid Mamba / linear-attention models stored.
 
 Everything else the connector uses (the three-argument constructor, ``block_hashes``,
 ``KVConnectorWorkerMetadata``, ``kv_load_failure_policy``, ``handle_preemptions``,
@@ -60,6 +63,13 @@ try:  # vLLM 0.32: a worker reports a failed load by request (any number of grou
 except ImportError:  # pragma: no cover - vLLM 0.26: by block id, one group only
     TransferResults = None
 
+try:  # vLLM 0.32: the scheduler hands a connector the exact block of each Mamba state
+    from vllm.v1.core.sched.output import KVConnectorBlockState  # noqa: F401
+
+    BOUNDARY_STATES = True
+except ImportError:  # pragma: no cover - older vLLM
+    BOUNDARY_STATES = False
+
 try:  # vLLM >= 0.30
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -68,6 +78,7 @@ except ImportError:  # pragma: no cover - older vLLM
     HIT_SOURCE = None
 
 __all__ = [
+    "BOUNDARY_STATES",
     "HIT_SOURCE",
     "VLLM_VERSION",
     "EngineGeometry",
@@ -140,6 +151,11 @@ class EngineGeometry:
     set on a ``FullAttentionSpec`` where vLLM's hybrid KV cache manager is off (on the
     CPU, or ``--disable-hybrid-kv-cache-manager``) and made full attention of windowed
     layers"""
+    states: tuple[bool, ...] = ()
+    """per KV cache group: its blocks hold a recurrent state (Mamba, linear attention)"""
+    state_cache: str = ""
+    """vLLM's ``mamba_cache_mode`` and each state group's shapes and dtypes ('' without
+    such groups): a namespace factor"""
 
     @property
     def groups(self) -> int:
@@ -151,11 +167,24 @@ class EngineGeometry:
         """Several KV cache groups, each stored under keys of its own
         (:func:`~pegaflow.connector.namespace.group_keys`): attention groups only
         (full and sliding window) of one block size; else :func:`model_support` is off."""
-        return (
-            self.groups > 1
-            and set(self.specs) <= HYBRID_SPECS
-            and len(set(self.block_sizes)) == 1
-        )
+        specs = HYBRID_SPECS | ({"MambaSpec"} if self.states_committed else set())
+        return self.groups > 1 and set(self.specs) <= specs and len(set(self.block_sizes)) == 1
+
+    @property
+    def layout_factor(self) -> str:
+        """The namespace's layout factor: the layout, and with several groups their specs
+        (and the state groups' shapes and dtypes)."""
+        if self.groups == 1:
+            return self.layout
+        out = f"{self.layout}/groups:{','.join(self.specs)}"
+        return out + (f"/states:{self.state_cache}" if any(self.states) else "")
+
+    @property
+    def states_committed(self) -> bool:
+        """vLLM keeps a state group's state at block boundaries (prefix caching:
+        ``mamba_cache_mode`` ``align``) and hands each one's block to the connector
+        (:data:`BOUNDARY_STATES`): then the connector can store and load them."""
+        return BOUNDARY_STATES and self.state_cache.startswith("align")
 
     @property
     def mla(self) -> bool:
@@ -185,6 +214,19 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
         except Exception:
             layout = "default"
     cache = getattr(vllm_config, "cache_config", None)
+    states = tuple(hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in groups)
+    state_cache = ""
+    if any(states):
+        first = next(g.kv_cache_spec for g, st in zip(groups, states, strict=True) if st)
+        state_cache = ";".join(
+            [str(getattr(first, "mamba_cache_mode", None) or "none")]
+            + [
+                f"{list(map(list, g.kv_cache_spec.shapes))}"
+                f"{[str(d).replace('torch.', '') for d in g.kv_cache_spec.dtypes]}"
+                for g, st in zip(groups, states, strict=True)
+                if st
+            ]
+        )
     return EngineGeometry(
         block_size=block_size,
         num_blocks=int(getattr(kv_cache_config, "num_blocks", 0) or 0),
@@ -203,6 +245,8 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
             getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
             or 0
         ),
+        states=states,
+        state_cache=state_cache,
     )
 
 
@@ -261,12 +305,26 @@ def model_support(
                 "sliding-window groups stored in the window before each point a later "
                 "request can hit (where saves stop, every window_anchor_tokens)"
             )
+        if any(geometry.states):
+            facts.append(
+                "Mamba / linear-attention groups: the state at each block boundary vLLM "
+                "keeps (mamba_cache_mode align) stored under that block's key, a hit "
+                "ending only where every such group has its state"
+            )
         partial.append("no P/D handoff; untested on GPUs")
-    elif geometry.groups > 1:
+    elif "MambaSpec" in kinds and geometry.groups > 1 and len(set(geometry.block_sizes)) == 1:
         off.append(
             f"{geometry.groups} KV cache groups ({', '.join(geometry.specs)}): Mamba / "
-            "linear-attention state (or groups of unequal block sizes) is not stored: "
+            "linear-attention state is kept at block boundaries only with vLLM's prefix "
+            "caching (mamba_cache_mode align, vLLM 0.32+; here "
+            f"{geometry.state_cache.split(';')[0] or 'none'}, vLLM {VLLM_VERSION}): "
             "connector off, every prompt computed (vLLM's hybrid KV cache manager runs)"
+        )
+    elif geometry.groups > 1:
+        off.append(
+            f"{geometry.groups} KV cache groups ({', '.join(geometry.specs)}) of unequal "
+            "block sizes: not stored: connector off, every prompt computed (vLLM's hybrid "
+            "KV cache manager runs)"
         )
     elif kinds & {"MambaSpec"}:
         off.append("Mamba / linear-attention state is no per-block KV: connector off")

@@ -170,7 +170,8 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
                 first_steps_min_tokens=first_steps_min_tokens(vllm_config, g),
                 factors=lambda: self._ns_factors,
                 layout=(
-                    GroupLayout.of(g.windows, g.block_size, self.settings.window_anchor_tokens)
+                    GroupLayout.of(g.windows, g.block_size, self.settings.window_anchor_tokens,
+                                   g.states)
                     if g.hybrid else None
                 ),
             )  # fmt: skip
@@ -266,7 +267,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
             dtype=str(getattr(mc, "dtype", "")).replace("torch.", ""),
             kv_dtype=kv_dtype,
             device=device_type(),
-            layout=f"{g.layout}/groups:{','.join(g.specs)}" if g.groups > 1 else g.layout,
+            layout=g.layout_factor,
             block_size=g.block_size,
             num_layers=g.num_layers,
             num_kv_heads=g.num_kv_heads,

@@ -12,7 +12,11 @@ When the block dimension is outermost in memory (every vLLM backend today) a lay
 viewed as a ``(num_blocks, tile_bytes)`` byte matrix and a block copy is one contiguous
 ``memcpy`` per layer.  Other layouts fall back to strided copies of the block slice.
 vLLM's cross-layer layout (one tensor, all layers of a block contiguous) registers as a
-single "layer" whose tile is the whole block.
+single "layer" whose tile is the whole block.  A Mamba layer's state tensors (a list)
+are not copied on their own: vLLM lays them out inside the pages of the attention
+layers' tensors it shares them with (:meth:`KVBlockIO._drop_covered`), so copying those
+pages copies the states of the blocks too; state tensors outside every attention
+layer's pages are refused.
 
 Two families of copies:
 
@@ -63,6 +67,22 @@ def _natural_key(name: str) -> list[Any]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
+def _inside(t: torch.Tensor, num_blocks: int, spans: Sequence[tuple[int, int]]) -> int:
+    """The index in ``spans`` (``(address of block 0's tile, tile bytes)``) of a tile that
+    holds ``t``'s rows block for block (its block ``b`` inside block ``b``'s tile), else
+    -1."""
+    if t.dim() < 1 or t.shape[0] != num_blocks or t.numel() == 0:
+        return -1
+    es = t.element_size()
+    last = sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:], strict=True))
+    extent = (last + 1) * es
+    for i, (base, tile) in enumerate(spans):
+        off = t.data_ptr() - base
+        if t.stride(0) * es == tile and 0 <= off and off + extent <= tile:
+            return i
+    return -1
+
+
 class KVBlockIO:
     """Gather / scatter whole blocks of every layer of one rank's KV cache.
 
@@ -82,7 +102,8 @@ class KVBlockIO:
         seen: dict[tuple[int, int], int] = {}
         self.layer_of: dict[str, int] = {}
         """layer name -> index in :attr:`layers` (shared caches map to one entry)"""
-        for name in sorted(kv_caches, key=_natural_key):
+        states = {k: v for k, v in kv_caches.items() if isinstance(v, list | tuple)}
+        for name in sorted(kv_caches.keys() - states.keys(), key=_natural_key):
             t = kv_caches[name]
             key = (t.data_ptr(), t.numel())
             if key in seen:  # layers sharing one cache (e.g. KV sharing): copy once
@@ -91,6 +112,7 @@ class KVBlockIO:
             seen[key] = len(self.layers)
             self.layer_of[name] = len(self.layers)
             self.layers.append(self._layer(name, t, num_blocks))
+        self._drop_covered(states, num_blocks)
         self.device = kv_caches[self.layers[0].name].device
         self.is_cpu = self.device.type == "cpu"
         self.block_bytes = sum(layer.tile_bytes for layer in self.layers)
@@ -123,6 +145,43 @@ class KVBlockIO:
         )
         """whether :meth:`digest` works for this cache (tile layouts)"""
         self._weights: torch.Tensor | None = None
+
+    def _drop_covered(self, states: dict[str, Sequence[torch.Tensor]], num_blocks: int) -> None:
+        """Leave out the layers whose blocks lie inside another layer's tiles (vLLM's
+        hybrid allocator lays a Mamba layer's state inside the pages of the attention
+        layer it shares them with): copying that layer's tiles copies them.  A state
+        layer (a list of tensors) must be covered so: else ValueError."""
+        spans = [
+            (layer.raw.data_ptr(), layer.tile_bytes) if layer.raw is not None else (0, 0)
+            for layer in self.layers
+        ]
+        by_size = sorted(range(len(spans)), key=lambda i: -spans[i][1])
+        kept: list[int] = []
+        cover: dict[int, int] = {}
+        for i in by_size:
+            layer = self.layers[i]
+            j = -1
+            if layer.split == 1:
+                j = _inside(layer.moved, num_blocks, [spans[k] for k in kept])
+            if j >= 0 and kept[j] != i:
+                cover[i] = kept[j]
+            else:
+                kept.append(i)
+        for name, parts in states.items():
+            found = [_inside(t, num_blocks, [spans[k] for k in kept]) for t in parts]
+            if not parts or min(found) < 0:
+                raise ValueError(
+                    f"layer {name}: state tensors {[tuple(t.shape) for t in parts]} are not "
+                    "inside the pages of an attention layer's KV cache"
+                )
+        if not kept:
+            raise ValueError("no KV cache tensor to copy")
+        kept.sort()
+        new_index = {old: n for n, old in enumerate(kept)}
+        self.layer_of = {
+            name: new_index[cover.get(i, i)] for name, i in self.layer_of.items()
+        }
+        self.layers = [self.layers[i] for i in kept]
 
     @staticmethod
     def _layer(name: str, t: torch.Tensor, num_blocks: int) -> Layer:

@@ -14,9 +14,17 @@ ends between a request's save points (another question on the same document) sti
 hits up to the last anchor before it.  What a request stores of a window group is then
 bounded by its windows, not its length.
 
+A *state* group (Mamba, linear attention) holds at a position the recurrent state after
+its last token: a hit ending at ``L`` needs that group's block of position ``L - 1`` and
+nothing else, a window of one block.  vLLM keeps such a state only at the block
+boundaries where a step of its request ended (``mamba_cache_mode`` ``align``) and names
+each one's block to the connector as it commits it, so a state group's blocks are stored
+where vLLM says, never by the window rule above.
+
 A lookup asks the full groups' keys first (one prefix lookup: the longest run of
-positions all of them have), then the window groups' keys before the best end found:
-that end, else the last anchor before it.
+positions all of them have), then the window and state groups' keys before the best end
+found: that end, else (state groups) each of the ``state_probes - 1`` positions before it,
+else the last anchor before it.
 
 Pure module: no vLLM import, no I/O.
 """
@@ -42,13 +50,29 @@ class GroupLayout:
 
     windows: tuple[int, ...]
     anchor: int = 0
+    states: tuple[bool, ...] = ()
+    """per group: a state group (its window is one block)"""
+    state_probes: int = 4
+    """ends a lookup tries for a layout with state groups"""
 
     @classmethod
-    def of(cls, window_tokens: Sequence[int], block_size: int, anchor_tokens: int) -> GroupLayout:
-        """From each group's sliding window in tokens (0: none)."""
+    def of(
+        cls,
+        window_tokens: Sequence[int],
+        block_size: int,
+        anchor_tokens: int,
+        states: Sequence[bool] = (),
+    ) -> GroupLayout:
+        """From each group's sliding window in tokens (0: none) and whether it is a state
+        group."""
+        st = tuple(bool(x) for x in states) or (False,) * len(window_tokens)
         return cls(
-            tuple(-(-(w - 1) // block_size) if w else 0 for w in window_tokens),
+            tuple(
+                1 if s else -(-(w - 1) // block_size) if w else 0
+                for w, s in zip(window_tokens, st, strict=True)
+            ),
             max(0, anchor_tokens // block_size),
+            st if any(st) else (),
         )
 
     @property
@@ -63,8 +87,13 @@ class GroupLayout:
 
     @property
     def windowed(self) -> list[int]:
-        """The sliding-window groups (vLLM frees their blocks while a request runs)."""
+        """The sliding-window and state groups (vLLM frees their blocks while a request
+        runs)."""
         return [g for g, n in enumerate(self.windows) if n]
+
+    def is_state(self, group: int) -> bool:
+        """Whether ``group`` is a state group."""
+        return bool(self.states) and self.states[group]
 
     def key(self, keys: Sequence[bytes], slot: Slot) -> bytes:
         """The storage key of ``slot`` among a request's interleaved keys."""
@@ -86,11 +115,12 @@ class GroupLayout:
 
     def ends(self, start: int, end: int) -> list[int]:
         """Where a hit of positions ``(start, end]`` may end, best first: ``end``, then
-        the last anchor before it."""
-        out = [end] if end > start else []
+        (state groups) the positions just before it, then the last anchor before it."""
+        out = list(range(end, max(start, end - self.state_probes), -1)) if self.states else []
+        out = out or ([end] if end > start else [])
         if self.anchor:
             a = (end - 1) // self.anchor * self.anchor
-            if a > start:
+            if a > start and a not in out:
                 out.append(a)
         return out
 
@@ -98,11 +128,11 @@ class GroupLayout:
         """The blocks to store of positions ``[lo, full)`` newly computed by a step: every
         full group's; a window group's in the window before ``full`` and before each
         anchor in ``(lo, full]`` (its blocks before ``lo`` were stored by earlier steps,
-        as far as any window needs them)."""
+        as far as any window needs them); no state group's (vLLM names those)."""
         slots = set(self.full_slots(lo, full))
         ends = [full]
         if self.anchor:
             ends += range(-(-(lo + 1) // self.anchor) * self.anchor, full, self.anchor)
         for end in ends:
-            slots.update(self.window_slots(lo, end))
+            slots.update(s for s in self.window_slots(lo, end) if not self.is_state(s[1]))
         return sorted(slots)

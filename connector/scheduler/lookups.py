@@ -209,6 +209,7 @@ class Lookups:
         blocks = list(res.blocks or [])[: len(keys)]
         if self._valid_rows(blocks, min(int(res.hits), len(keys))) < len(keys):
             return None
+        self.known.add_many(keys)
         lk = Lookup(self._clock(), 0, len(keys), len(keys), [list(b) for b in blocks])
         gens = list(getattr(res, "generations", None) or [])
         if len(gens) >= len(keys):

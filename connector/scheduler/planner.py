@@ -45,9 +45,10 @@ class Planner:
         layout: a hybrid model's KV cache groups (vLLM's hybrid KV cache manager; None:
             one group): each position of a request is a block per group, keyed by
             :func:`~pegaflow.connector.namespace.group_keys`, stored and loaded as
-            :mod:`.hybrid` says.  vLLM frees a sliding-window group's blocks while their
-            request runs: one given to a request while its save may still be copying
-            makes the step wait for that copy first (as a preemption does).
+            :mod:`.hybrid` says (a state group's blocks where vLLM names a kept state).
+            vLLM frees a sliding-window or state group's blocks while their request
+            runs: one given to a request while its save may still be copying makes the
+            step wait for that copy first (as a preemption does).
     """
 
     settings: ConnectorSettings
@@ -189,6 +190,13 @@ class Planner:
             gens=gens,
             disk=disk,
         )
+        if any(self.layout.is_state(g) and ids[g][p] <= 0 for p, g in slots):
+            logger.warning(
+                "PegaFlow: vLLM gave no block for a state of %s's hit; reporting its load "
+                "failed (the request is computed)",
+                request.request_id,
+            )
+            job.nodes = [[] for _ in slots]
         _skip_null_blocks(job)
         return job
 
@@ -245,6 +253,9 @@ class Planner:
                 after -= len(spec.get(rid, ()) or ())
                 self._plan_save(plan, rid, st, after)
 
+        if self.layout is not None and self.layout.states:
+            self._plan_state_saves(plan, so)
+
         for rid in getattr(so, "preempted_req_ids", None) or ():
             st = self.reqs.get(rid)
             if st is not None:
@@ -300,6 +311,50 @@ class Planner:
             plan.saves.append(SaveJob(rid, ids, hs))
             st.saved_any = True
             self.counters.add("save_planned_blocks", len(ids))
+
+    def _plan_state_saves(self, plan: StepPlan, so: Any) -> None:
+        """Save the states vLLM committed at block boundaries since the last step: it
+        names each one's block (``kv_connector_block_state.boundary_state_offloads``:
+        ``(group, block id, boundary tokens)`` by request), as a state group's block
+        table is no positional record (vLLM nulls and moves its blocks)."""
+        lay = self.layout
+        assert lay is not None
+        state = getattr(so, "kv_connector_block_state", None)
+        offloads = getattr(state, "boundary_state_offloads", None) or {}
+        if not offloads or not self.settings.can_save or not self._namespace():
+            return
+        g, bs = self.groups, self.block_size
+        logger.debug("PegaFlow: states vLLM kept: %s", offloads)
+        for rid, handed in offloads.items():
+            st = self.reqs.get(rid)
+            if st is None:
+                continue
+            req = st.request
+            keys = self.keys(req)
+            limit = len(keys) // g * bs
+            if not self.settings.save_decode_blocks:
+                limit = min(limit, int(getattr(req, "num_prompt_tokens", limit)))
+            first = 0 if self.settings.saves_prompt else int(getattr(req, "num_prompt_tokens", 0))
+            ids: list[int] = []
+            hs: list[bytes] = []
+            for group, bid, boundary in handed:
+                if (
+                    not 0 <= group < g or not lay.is_state(group) or bid <= 0
+                    or boundary % bs or not first < boundary <= limit
+                ):  # fmt: skip
+                    continue  # a partial block's state: no key names it
+                h = lay.key(keys, (boundary // bs - 1, group))
+                if h in self.known:
+                    self.counters.add("save_known_blocks")
+                    continue
+                self.known.add(h)
+                ids.append(bid)
+                hs.append(h)
+                self._window_saved[bid] = rid
+            if ids:
+                plan.saves.append(SaveJob(rid, ids, hs))
+                st.saved_any = True
+                self.counters.add("save_planned_blocks", len(ids))
 
     def request_finished(self, request: Any) -> bool:
         """True when vLLM must keep the request's blocks until the worker copied them."""

@@ -165,7 +165,9 @@ def _group_digests(
 ) -> dict[str, Any]:  # fmt: skip
     """``kv_digest`` under vLLM's hybrid KV cache manager: per KV cache group, per full
     block, the digest of that group's block over the group's own layers (None: the
-    group does not hold it, e.g. a sliding window's block that slid out).
+    group does not hold it, e.g. a sliding window's block that slid out, or a Mamba
+    group's block at a boundary where vLLM kept no state); a Mamba layer's block is its
+    state tensors' rows of that block (not the page's padding).
     ``layer_index``: a layer name's index (vLLM's ``extract_layer_index``)."""
     import torch
 
@@ -173,9 +175,10 @@ def _group_digests(
     order = sorted({layer_index(n) for g in groups for n in g.layer_names})
     per_group: list[list[str | None]] = []
     for gid, group in enumerate(groups):
-        layers = [kv_caches[order.index(layer_index(n))] for n in group.layer_names]
+        caches = [kv_caches[order.index(layer_index(n))] for n in group.layer_names]
+        layers = [t for c in caches for t in (c if isinstance(c, list | tuple) else [c])]
         if not all(isinstance(t, torch.Tensor) for t in layers):
-            raise RuntimeError(f"group {gid}'s caches are no single tensors (Mamba state)")
+            raise RuntimeError(f"group {gid}'s caches are no tensors")
         ids: list[int | None] = []
         for h in hashes:
             blocks = pool.get_cached_block(h, [gid])

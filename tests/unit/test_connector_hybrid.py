@@ -1,13 +1,13 @@
 """The connector under vLLM's hybrid KV cache manager, against vLLM's own scheduler.
 
-vLLM's CPU platform has no hybrid KV cache manager, so no CPU engine runs one; these
-tests build vLLM's real ``Scheduler`` (its ``KVCacheManager``, its per-group block
+These tests build vLLM's real ``Scheduler`` (its ``KVCacheManager``, its per-group block
 tables and null blocks, its ``request_finished_all_groups`` call) with a full-attention
-group beside a sliding-window group, the connector inside it wired to an in-memory
-cluster, and check what the connector plans: every group's blocks saved under keys of
-their own, a hit claimed only where every group has its blocks, loads into exactly
-the blocks vLLM allocated (none into the window's skipped start), and a step that
-reuses a window block whose save may still be copying waits for that copy.
+group beside a sliding-window group (or a Mamba group), the connector inside it wired to
+an in-memory cluster, and check what the connector plans: every group's blocks saved
+under keys of their own, a hit claimed only where every group has its blocks, loads
+into exactly the blocks vLLM allocated (none into the window's skipped start), a step
+that reuses a window block whose save may still be copying waits for that copy, and a
+Mamba group's states saved where vLLM names them and loaded into a hit's last block.
 """
 
 from __future__ import annotations
@@ -261,6 +261,7 @@ def test_a_reused_window_block_waits_for_its_save(config: Any, cluster: FakeClus
             fenced += plan.preempted
     assert "long" in fenced
 
+
 def test_mamba_groups_turn_the_connector_off_and_the_engine_runs(
     config: Any, cluster: FakeCluster
 ) -> None:
@@ -273,3 +274,51 @@ def test_mamba_groups_turn_the_connector_off_and_the_engine_runs(
     s.add_request(request("m", list(range(64))))
     out, plan = step(s)
     assert out.num_scheduled_tokens["m"] == 64 and not plan.saves and not plan.loads
+
+
+def test_mamba_states_vllm_keeps_are_saved_and_loaded_into_the_hits_last_block(
+    config: Any, cluster: FakeCluster
+) -> None:
+    """With prefix caching vLLM keeps a Mamba group's state where a step of its request
+    ended on a block boundary (``mamba_cache_mode`` ``align``) and names its block: the
+    connector stores it under that position's key of its group, and a restarted engine's
+    hit ends where every state group has its state, loaded into the block vLLM gives
+    that position (the positions before it: vLLM's null block, nothing loaded)."""
+    mamba = MambaSpec(
+        block_size=BS, shapes=((4, 4),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    )
+    with mock.patch.object(config.cache_config, "mamba_cache_mode", "align"):
+        _states_saved_and_loaded(config, cluster, mamba)
+
+
+def _states_saved_and_loaded(config: Any, cluster: FakeCluster, mamba: MambaSpec) -> None:
+    first = make_scheduler(config, cluster, [mamba, FA], 200)
+    assert first.connector.support.level == "partial"
+    tokens = list(range(1000, 1070))  # 4 full blocks and 6 tokens
+    r1 = request("r1", tokens)
+    first.add_request(r1)
+    saves: list[tuple[int, bytes]] = []
+    for _ in range(4):
+        _, plan = step(first)
+        saves += [
+            (b, k) for job in plan.saves for b, k in zip(job.block_ids, job.hashes, strict=True)
+        ]
+        store_saves(cluster, plan)
+    keys = keys_of(first, r1)
+    full = [k for _, k in saves if k in keys[1::2]]
+    states = [(b, k) for b, k in saves if k in keys[0::2]]
+    assert sorted(full) == sorted(keys[1:8:2])  # the 4 full-attention blocks
+    assert [k for _, k in states] == [keys[2 * 3]]  # the state after 64 tokens
+    assert states[0][0] > 0
+
+    second = make_scheduler(config, cluster, [mamba, FA], 200)
+    r2 = request("r2", tokens + list(range(2000, 2040)))
+    second.add_request(r2)
+    _, plan = step(second)
+    assert len(plan.loads) == 1
+    load = plan.loads[0]
+    m2, fa2 = second.kv_cache_manager.get_block_ids("r2")
+    keys2 = keys_of(second, r2)
+    expect = [(fa2[i], keys2[2 * i + 1]) for i in range(4)] + [(m2[3], keys2[2 * 3])]
+    assert m2[3] > 0 and all(b == 0 for b in m2[:3])
+    assert sorted(zip(load.block_ids, load.hashes, strict=True)) == sorted(expect)

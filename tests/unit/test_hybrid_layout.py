@@ -38,3 +38,19 @@ def test_a_request_stores_its_windows_not_its_length() -> None:
     assert len([s for s in no_anchor.save_slots(0, 10_000) if s[1] == 1]) == 4
     # a later step stores its own new positions' windows
     assert [p for p, g in LAY.save_slots(20, 22) if g == 1] == [20, 21]
+
+
+def test_a_state_group_is_a_window_of_one_block_stored_where_vllm_names_it() -> None:
+    """A Mamba / linear-attention group: a hit ending at ``L`` needs its block of
+    ``L - 1`` (the state after it); its blocks are never stored by the window rule (vLLM
+    names where it kept a state), and a lookup tries the ends just before a full run's
+    end too, as vLLM keeps states only where its steps ended."""
+    lay = GroupLayout.of([0, 0, 0], 16, anchor_tokens=128, states=[True, False, True])
+    assert lay.windows == (1, 0, 1) and lay.windowed == [0, 2]
+    assert lay.is_state(0) and not lay.is_state(1)
+    assert lay.window_slots(0, 10) == [(9, 0), (9, 2)]
+    assert lay.save_slots(0, 10) == [(p, 1) for p in range(10)]
+    assert lay.ends(0, 10) == [10, 9, 8, 7]  # then no anchor: 8 is one already
+    assert lay.ends(0, 20) == [20, 19, 18, 17, 16]
+    assert lay.ends(8, 10) == [10, 9]
+    assert not LAY.is_state(1)

@@ -62,6 +62,7 @@ def test_what_is_not_done_says_what_happens_today() -> None:
     assert "connector off" in line
     level, line = support(specs=("FullAttentionSpec", "MambaSpec"), block_sizes=(16, 16))
     assert level == "off" and "Mamba / linear-attention state" in line
+    assert "mamba_cache_mode align" in line and "here none" in line
     assert support(specs=("MambaSpec",))[0] == "off"
     assert support(specs=("SlidingWindowSpec",))[0] == "partial"
     # gpt-oss, Gemma 3 under this connector: vLLM keeps sliding layers as full attention
@@ -123,3 +124,19 @@ def test_the_facade_logs_the_line_and_follows_it(caplog: pytest.LogCaptureFixtur
         "PegaFlow: full support: full attention, 2 KV heads per rank; bf16 KV; block size 32"
     )
     assert lines[1].startswith("PegaFlow: off support: 2 KV cache groups")
+
+
+def test_mamba_states_kept_at_block_boundaries_are_stored() -> None:
+    """vLLM 0.32 with prefix caching keeps a Mamba group's state at block boundaries
+    (``mamba_cache_mode`` ``align``) and names each one's block: then such groups are
+    stored; without prefix caching (``none``) nothing is kept, and the connector is off."""
+    states = {
+        "specs": ("MambaSpec", "FullAttentionSpec"), "block_sizes": (256, 256),
+        "states": (True, False),
+    }  # fmt: skip
+    level, line = support(**states, state_cache="align;[[3, 512]]['bfloat16']")
+    assert level == "partial"
+    assert "hybrid attention under vLLM's hybrid KV cache manager (2 KV cache groups" in line
+    assert "Mamba / linear-attention groups: the state at each block boundary" in line
+    level, line = support(**states, state_cache="none;[[3, 512]]['bfloat16']")
+    assert level == "off" and "here none" in line

@@ -1,0 +1,107 @@
+"""End to end: a model mixing linear-attention (Gated DeltaNet, a Mamba-style recurrent
+state) and full attention layers, under vLLM's hybrid KV cache manager (issue 39, part 1).
+
+vLLM 0.32 (on the CPU too) keeps such a model's state at block boundaries when prefix
+caching is on (``mamba_cache_mode`` ``align``) and names each committed state's block to
+the connector; the connector stores it under that block's key of its group and loads it
+into the block vLLM gives a hit's last position.  A tiny Qwen3-Next (three linear-attention
+layers to one of full attention, dummy weights) against one real ``pegaflow-server``: a
+cold engine computes and saves every full-attention block and the states vLLM kept; a
+restarted one (a new process) must hit up to the last kept state, give the cold outputs
+and hold, in every group, the bytes the cold engine computed (the KV oracle: a state
+group's block is its state tensors' rows).
+
+Slow (two engine starts): ``pytest -m slow tests/e2e/test_state_restart.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from pegaflow.tools.devcluster import Proc
+from scripts._models import FAMILIES
+from tests.support.vllm_engine import VllmEngine, prompts
+from tests.support.vllm_engine import connector_stats as stats
+from tests.support.waiting import wait_for
+
+pytestmark = [
+    pytest.mark.ucx,
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed"),
+]
+
+BLOCK = 256  # vLLM's own choice for this model: its attention page holds a state
+LENGTH = 1100  # 4 full blocks; vLLM computes 512 tokens a step, keeping states at 512, 1024
+P = prompts(2, LENGTH, seed=61, vocab=1000)
+
+
+def engine(server: Proc, model: str, stats_path: str, name: str) -> VllmEngine:
+    """An engine of the tiny Qwen3-Next with the connector on ``server`` (every hit
+    claimed; the engine core in the runner's process, where ``kv_digest`` reads the
+    KV cache)."""
+    connector = {
+        "coordinators": server.ready["coordinator"], "local_node": server.ready["node"],
+        "stats_path": stats_path, "transfer_timeout_s": 10.0, "cost_model": False,
+    }  # fmt: skip
+    spec = {
+        "model": model,
+        "connector": connector,
+        "block_size": BLOCK,
+        "max_num_batched_tokens": 512,
+    }
+    return VllmEngine(spec, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, name=name)
+
+
+def test_a_restarted_engine_loads_linear_attention_states_byte_exact(
+    server: Proc, tmp_path: Path
+) -> None:
+    """``server``: the module's ``pegaflow-server`` (``tests/conftest.py``)."""
+    model = tmp_path / "tiny-qwen3-next"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(FAMILIES["qwen3-next"].model("cpu")))
+    blocks = LENGTH // BLOCK
+    s_cold, s_warm = (str(tmp_path / k) for k in ("cold", "warm"))
+
+    cold = engine(server, str(model), s_cold, "cold-states")
+    try:
+        line = next((x for x in cold.log if "PegaFlow: " in x and " support: " in x), "")
+        assert "PegaFlow: partial support: hybrid attention" in line, line
+        assert "Mamba / linear-attention groups" in line, line
+        r = cold.generate(P, 8)
+        assert r["cached"] == [0, 0]
+        want_kv = [cold.kv_group_digests(p) for p in P]  # per group, per block
+        for ds in want_kv:
+            *states, full_attention = ds
+            assert None not in full_attention and len(full_attention) == blocks
+            # vLLM keeps the state where the prompt's last full step ended (1024 tokens)
+            # and frees those before it
+            assert all(g[-1] is not None and None in g for g in states)
+        saved = 2 * (blocks + 3)  # every full-attention block, at least one state per group
+        wait_for(lambda: stats(s_cold).get("save_blocks", 0) >= saved, "cold saves", 120)
+        assert stats(s_cold).get("save_failed_blocks", 0) == 0
+    finally:
+        cold.stop()
+
+    warm = engine(server, str(model), s_warm, "warm-states")
+    try:
+        w = warm.generate(P, 8)
+        assert w["outputs"] == r["outputs"]
+        assert w["cached"] == [blocks * BLOCK] * 2  # up to the last state kept
+        got = [warm.kv_group_digests(p) for p in P]
+        for want_p, got_p in zip(want_kv, got, strict=True):
+            *states, full_attention = got_p
+            assert None not in full_attention
+            assert all(g[blocks - 1] is not None for g in states)  # the hit's state, loaded
+            for want_g, got_g in zip(want_p, got_p, strict=True):
+                assert [d for d in got_g if d is not None] == [
+                    w for w, d in zip(want_g, got_g, strict=True) if d is not None
+                ]
+        wait_for(lambda: stats(s_warm).get("load_blocks", 0) >= 2 * (blocks + 3), "loads", 120)
+        assert stats(s_warm).get("load_failed_blocks", 0) == 0
+    finally:
+        warm.stop()
