@@ -2,14 +2,17 @@
 state) and full attention layers, under vLLM's hybrid KV cache manager (issue 39, part 1).
 
 vLLM 0.32 (on the CPU too) keeps such a model's state at block boundaries when prefix
-caching is on (``mamba_cache_mode`` ``align``) and names each committed state's block to
-the connector; the connector stores it under that block's key of its group and loads it
-into the block vLLM gives a hit's last position.  A tiny Qwen3-Next (three linear-attention
-layers to one of full attention, dummy weights) against one real ``pegaflow-server``: a
-cold engine computes and saves every full-attention block and the states vLLM kept; a
-restarted one (a new process) must hit up to the last kept state, give the cold outputs
-and hold, in every group, the bytes the cold engine computed (the KV oracle: a state
-group's block is its state tensors' rows).
+caching is on (``mamba_cache_mode`` ``align``): where a prompt's last full step ends,
+and every ``--prefix-cache-retention-interval`` tokens; it names each kept state's block
+to the connector, which stores it under that block's key of its group and loads it into
+the block vLLM gives a hit's last position.  A tiny Qwen3-Next (three linear-attention
+layers to one of full attention, dummy weights, states kept every 512 tokens) against one
+real ``pegaflow-server``: a cold engine computes and saves every full-attention block
+and the states vLLM kept; a restarted one (a new process) must hit up to the last kept
+state of each prompt, and, for a new prompt sharing 900 tokens of one, up to the last
+state before them (512 tokens), give the cold outputs and hold, in every group, the
+bytes the cold engine computed (the KV oracle: a state group's block is its state
+tensors' rows).
 
 Slow (two engine starts): ``pytest -m slow tests/e2e/test_state_restart.py``.
 """
@@ -38,6 +41,7 @@ pytestmark = [
 BLOCK = 256  # vLLM's own choice for this model: its attention page holds a state
 LENGTH = 1100  # 4 full blocks; vLLM computes 512 tokens a step, keeping states at 512, 1024
 P = prompts(2, LENGTH, seed=61, vocab=1000)
+SHARED = P[0][:900] + prompts(1, 200, seed=62)[0]  # new after 900 tokens (3.5 blocks)
 
 
 def engine(server: Proc, model: str, stats_path: str, name: str) -> VllmEngine:
@@ -53,6 +57,7 @@ def engine(server: Proc, model: str, stats_path: str, name: str) -> VllmEngine:
         "connector": connector,
         "block_size": BLOCK,
         "max_num_batched_tokens": 512,
+        "retention_interval": 512,
     }
     return VllmEngine(spec, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, name=name)
 
@@ -78,10 +83,10 @@ def test_a_restarted_engine_loads_linear_attention_states_byte_exact(
         for ds in want_kv:
             *states, full_attention = ds
             assert None not in full_attention and len(full_attention) == blocks
-            # vLLM keeps the state where the prompt's last full step ended (1024 tokens)
-            # and frees those before it
-            assert all(g[-1] is not None and None in g for g in states)
-        saved = 2 * (blocks + 3)  # every full-attention block, at least one state per group
+            # vLLM keeps the states after 512 (the interval) and 1024 tokens (the prompt's
+            # last full step), and none between
+            assert all([d is not None for d in g] == [False, True, False, True] for g in states)
+        saved = 2 * (blocks + 3 * 2)  # every full-attention block, two states per group
         wait_for(lambda: stats(s_cold).get("save_blocks", 0) >= saved, "cold saves", 120)
         assert stats(s_cold).get("save_failed_blocks", 0) == 0
     finally:
@@ -89,6 +94,13 @@ def test_a_restarted_engine_loads_linear_attention_states_byte_exact(
 
     warm = engine(server, str(model), s_warm, "warm-states")
     try:
+        # first (nothing in vLLM's own cache yet): no state after its 768 shared tokens,
+        # the hit ends at the kept state before them
+        shared = warm.generate([SHARED], 8)
+        assert shared["cached"] == [2 * BLOCK]
+        got_shared = warm.kv_group_digests(SHARED)
+        for want_g, got_g in zip(want_kv[0], got_shared, strict=True):
+            assert got_g[1] is not None and got_g[1] == want_g[1]  # loaded, byte-exact
         w = warm.generate(P, 8)
         assert w["outputs"] == r["outputs"]
         assert w["cached"] == [blocks * BLOCK] * 2  # up to the last state kept
@@ -101,7 +113,9 @@ def test_a_restarted_engine_loads_linear_attention_states_byte_exact(
                 assert [d for d in got_g if d is not None] == [
                     w for w, d in zip(want_g, got_g, strict=True) if d is not None
                 ]
-        wait_for(lambda: stats(s_warm).get("load_blocks", 0) >= 2 * (blocks + 3), "loads", 120)
+        # the shared prompt's 2 + 3; P[0] then finds those in vLLM's own cache: 2 + 3 more
+        loaded = (2 + 3) + (2 + 3) + (blocks + 3)
+        wait_for(lambda: stats(s_warm).get("load_blocks", 0) >= loaded, "loads", 120)
         assert stats(s_warm).get("load_failed_blocks", 0) == 0
     finally:
         warm.stop()

@@ -75,6 +75,8 @@ def _engine(spec: dict[str, Any]) -> Any:
             kw["kv_transfer_config"]["kv_load_failure_policy"] = policy
     if spec.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
+    if spec.get("retention_interval") is not None:  # --prefix-cache-retention-interval
+        kw["prefix_cache_retention_interval"] = int(spec["retention_interval"])
     if spec.get("hybrid_manager") is False:  # --disable-hybrid-kv-cache-manager
         kw["disable_hybrid_kv_cache_manager"] = True
     if spec.get("profile_dir"):
