@@ -290,22 +290,29 @@ class Planner:
             lo = max(lo, int(getattr(req, "num_prompt_tokens", 0)) // self.block_size)
         if not self._namespace():
             return
-        ids: list[int] = []
-        hs: list[bytes] = []
         lay = self.layout
         slots = lay.save_slots(lo, full) if lay is not None else [(i, 0) for i in range(lo, full)]
-        for i, group in slots:
-            bid = st.block_ids[group][i]
-            if bid <= 0:  # vLLM's null block: nothing to save
-                continue
-            h = keys[i * g + group]
+        self._save(plan, rid, st, [
+            (bid, keys[i * g + group], lay is not None and lay.windows[group] > 0)
+            for i, group in slots
+            if (bid := st.block_ids[group][i]) > 0  # else vLLM's null block: nothing to save
+        ])  # fmt: skip
+
+    def _save(
+        self, plan: StepPlan, rid: str, st: ReqState, blocks: list[tuple[int, bytes, bool]]
+    ) -> None:
+        """Plan the save of ``blocks`` (block id, key, whether vLLM may give the block out
+        again while its request runs: then fenced), those known stored left out."""
+        ids: list[int] = []
+        hs: list[bytes] = []
+        for bid, h, fenced in blocks:
             if h in self.known:
                 self.counters.add("save_known_blocks")
                 continue
             self.known.add(h)
             ids.append(bid)
             hs.append(h)
-            if lay is not None and lay.windows[group]:
+            if fenced:
                 self._window_saved[bid] = rid
         if ids:
             plan.saves.append(SaveJob(rid, ids, hs))
@@ -335,26 +342,12 @@ class Planner:
             if not self.settings.save_decode_blocks:
                 limit = min(limit, int(getattr(req, "num_prompt_tokens", limit)))
             first = 0 if self.settings.saves_prompt else int(getattr(req, "num_prompt_tokens", 0))
-            ids: list[int] = []
-            hs: list[bytes] = []
-            for group, bid, boundary in handed:
-                if (
-                    not 0 <= group < g or not lay.is_state(group) or bid <= 0
-                    or boundary % bs or not first < boundary <= limit
-                ):  # fmt: skip
-                    continue  # a partial block's state: no key names it
-                h = lay.key(keys, (boundary // bs - 1, group))
-                if h in self.known:
-                    self.counters.add("save_known_blocks")
-                    continue
-                self.known.add(h)
-                ids.append(bid)
-                hs.append(h)
-                self._window_saved[bid] = rid
-            if ids:
-                plan.saves.append(SaveJob(rid, ids, hs))
-                st.saved_any = True
-                self.counters.add("save_planned_blocks", len(ids))
+            self._save(plan, rid, st, [
+                (bid, lay.key(keys, (boundary // bs - 1, group)), True)
+                for group, bid, boundary in handed
+                if 0 <= group < g and lay.is_state(group) and bid > 0
+                and boundary % bs == 0 and first < boundary <= limit  # else: no key names it
+            ])  # fmt: skip
 
     def request_finished(self, request: Any) -> bool:
         """True when vLLM must keep the request's blocks until the worker copied them."""
