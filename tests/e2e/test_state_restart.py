@@ -27,7 +27,7 @@ import pytest
 
 from pegaflow.tools.devcluster import Proc
 from scripts._models import FAMILIES
-from tests.support.vllm_engine import VllmEngine, prompts
+from tests.support.vllm_engine import VllmEngine, oracle_engine, prompts
 from tests.support.vllm_engine import connector_stats as stats
 from tests.support.waiting import wait_for
 
@@ -45,21 +45,11 @@ SHARED = P[0][:900] + prompts(1, 200, seed=62)[0]  # new after 900 tokens (3.5 b
 
 
 def engine(server: Proc, model: str, stats_path: str, name: str) -> VllmEngine:
-    """An engine of the tiny Qwen3-Next with the connector on ``server`` (every hit
-    claimed; the engine core in the runner's process, where ``kv_digest`` reads the
-    KV cache)."""
-    connector = {
-        "coordinators": server.ready["coordinator"], "local_node": server.ready["node"],
-        "stats_path": stats_path, "transfer_timeout_s": 10.0, "cost_model": False,
-    }  # fmt: skip
-    spec = {
-        "model": model,
-        "connector": connector,
-        "block_size": BLOCK,
-        "max_num_batched_tokens": 512,
-        "retention_interval": 512,
-    }
-    return VllmEngine(spec, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, name=name)
+    """An engine of the tiny Qwen3-Next with the connector on ``server``, states kept
+    every 512 tokens."""
+    spec = {"model": model, "block_size": BLOCK, "max_num_batched_tokens": 512,
+            "retention_interval": 512}  # fmt: skip
+    return oracle_engine(server.ready, spec, stats_path, name)
 
 
 def test_a_restarted_engine_loads_linear_attention_states_byte_exact(

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from pegaflow.tools.devcluster import Proc
-from tests.support.vllm_engine import TINY_MODEL, VllmEngine, prompts
+from tests.support.vllm_engine import TINY_MODEL, VllmEngine, oracle_engine, prompts
 from tests.support.vllm_engine import connector_stats as stats
 from tests.support.waiting import wait_for
 
@@ -43,15 +43,8 @@ P = prompts(2, LENGTH, seed=57)
 
 
 def engine(server: Proc, model: str, stats_path: str, name: str) -> VllmEngine:
-    """An engine of the windowed tiny Llama with the connector on ``server`` (every hit
-    claimed: the cost model is not under test here; the engine core in the runner's
-    process, where ``kv_digest`` reads the KV cache)."""
-    connector = {
-        "coordinators": server.ready["coordinator"], "local_node": server.ready["node"],
-        "stats_path": stats_path, "transfer_timeout_s": 10.0, "cost_model": False,
-    }  # fmt: skip
-    spec = {"model": model, "connector": connector, "block_size": BLOCK}
-    return VllmEngine(spec, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, name=name)
+    """An engine of the windowed tiny Llama with the connector on ``server``."""
+    return oracle_engine(server.ready, {"model": model, "block_size": BLOCK}, stats_path, name)
 
 
 def test_a_restarted_engine_loads_windowed_and_full_layers_byte_exact(

@@ -199,6 +199,22 @@ def prompts(
     return [pre + [rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def oracle_engine(
+    ready: dict[str, str], spec: dict[str, Any], stats_path: str, name: str
+) -> VllmEngine:
+    """An engine of ``spec`` with the connector on the ``pegaflow-server`` that announced
+    ``ready`` (its node found by id), every hit claimed (the cost model is not under
+    test) and its engine core in the runner's process, where ``kv_digest`` reads the KV
+    cache."""
+    connector = {
+        "coordinators": ready["coordinator"], "local_node": ready["node"],
+        "stats_path": stats_path, "transfer_timeout_s": 10.0, "cost_model": False,
+    }  # fmt: skip
+    return VllmEngine(
+        {**spec, "connector": connector}, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, name=name
+    )
+
+
 def connector_stats(prefix: str) -> dict[str, float]:
     """Cumulative connector counters of an engine (scheduler + all workers), from the
     JSON files the connector writes when ``stats_path`` is set."""
