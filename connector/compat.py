@@ -153,9 +153,10 @@ class EngineGeometry:
     layers"""
     states: tuple[bool, ...] = ()
     """per KV cache group: its blocks hold a recurrent state (Mamba, linear attention)"""
+    state_mode: str = ""
+    """vLLM's ``mamba_cache_mode`` of the state groups ('' without such groups)"""
     state_cache: str = ""
-    """vLLM's ``mamba_cache_mode`` and each state group's shapes and dtypes ('' without
-    such groups): a namespace factor"""
+    """each state group's shapes and dtypes ('' without such groups): a namespace factor"""
 
     @property
     def groups(self) -> int:
@@ -177,14 +178,14 @@ class EngineGeometry:
         if self.groups == 1:
             return self.layout
         out = f"{self.layout}/groups:{','.join(self.specs)}"
-        return out + (f"/states:{self.state_cache}" if any(self.states) else "")
+        return out + (f"/states:{self.state_mode};{self.state_cache}" if any(self.states) else "")
 
     @property
     def states_committed(self) -> bool:
         """vLLM keeps a state group's state at block boundaries (prefix caching:
         ``mamba_cache_mode`` ``align``) and hands each one's block to the connector
         (:data:`BOUNDARY_STATES`): then the connector can store and load them."""
-        return BOUNDARY_STATES and self.state_cache.startswith("align")
+        return BOUNDARY_STATES and self.state_mode == "align"
 
     @property
     def mla(self) -> bool:
@@ -215,18 +216,14 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
             layout = "default"
     cache = getattr(vllm_config, "cache_config", None)
     states = tuple(hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in groups)
-    state_cache = ""
-    if any(states):
-        first = next(g.kv_cache_spec for g, st in zip(groups, states, strict=True) if st)
-        state_cache = ";".join(
-            [str(getattr(first, "mamba_cache_mode", None) or "none")]
-            + [
-                f"{list(map(list, g.kv_cache_spec.shapes))}"
-                f"{[str(d).replace('torch.', '') for d in g.kv_cache_spec.dtypes]}"
-                for g, st in zip(groups, states, strict=True)
-                if st
-            ]
-        )
+    state_specs = [g.kv_cache_spec for g, st in zip(groups, states, strict=True) if st]
+    state_mode = ""
+    if state_specs:
+        state_mode = str(getattr(state_specs[0], "mamba_cache_mode", None) or "none")
+    state_cache = ";".join(
+        f"{list(map(list, s.shapes))}{[str(d).replace('torch.', '') for d in s.dtypes]}"
+        for s in state_specs
+    )
     return EngineGeometry(
         block_size=block_size,
         num_blocks=int(getattr(kv_cache_config, "num_blocks", 0) or 0),
@@ -246,6 +243,7 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
             or 0
         ),
         states=states,
+        state_mode=state_mode,
         state_cache=state_cache,
     )
 
@@ -317,7 +315,7 @@ def model_support(
             f"{geometry.groups} KV cache groups ({', '.join(geometry.specs)}): Mamba / "
             "linear-attention state is kept at block boundaries only with vLLM's prefix "
             "caching (mamba_cache_mode align, vLLM 0.32+; here "
-            f"{geometry.state_cache.split(';')[0] or 'none'}, vLLM {VLLM_VERSION}): "
+            f"{geometry.state_mode or 'none'}, vLLM {VLLM_VERSION}): "
             "connector off, every prompt computed (vLLM's hybrid KV cache manager runs)"
         )
     elif geometry.groups > 1:

@@ -312,13 +312,20 @@ def tier_scores(
     its GPU prefix come from its host's node while it holds them, else from another."""
     out: dict[str, float] = {}
     for r in replicas:
-        g = gpu.get(r.url, 0)
-        beyond = max(0, stored - g)
-        near = min(beyond, local.get(r.url, 0))
-        score = g + weights.pool * near + weights.remote * (beyond - near - stored)
+        g, near, far = tier_split(gpu.get(r.url, 0), local.get(r.url, 0), stored)
+        score = g + weights.pool * near + weights.remote * (far - stored)
         if score > 1e-9:
             out[r.url] = score
     return out
+
+
+def tier_split(gpu_blocks: int, local_blocks: int, stored: int) -> tuple[int, int, int]:
+    """Where a replica finds its prefix: ``(blocks in its GPU cache, past them on its
+    host's node, past them elsewhere in the pool)``; ``local_blocks``: of the pool's
+    ``stored`` blocks, those on its host's node."""
+    beyond = max(0, stored - gpu_blocks)
+    near = min(beyond, local_blocks)
+    return gpu_blocks, near, beyond - near
 
 
 def prefill_blocks(prompt_blocks: int, score: float, stored: int, weights: TierWeights) -> float:

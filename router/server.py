@@ -58,6 +58,7 @@ from .policy import (
     parse_replicas,
     prefill_blocks,
     tier_scores,
+    tier_split,
 )
 from .prompts import PromptTokenizer
 from .proxy import Proxy, error, error_body
@@ -486,10 +487,9 @@ class Router(Proxy):
         if choice.replica is not None:
             work = prefill_blocks(len(hashes), choice.blocks, stored, self.weights)
             choice = replace(choice, work=work)
-            g = gpu.get(choice.replica.url, 0)
-            beyond = max(0, stored - g)
-            near = min(beyond, local.get(choice.replica.url, 0))
-            for where, n in (("gpu", g), ("local", near), ("elsewhere", beyond - near)):
+            url = choice.replica.url
+            split = tier_split(gpu.get(url, 0), local.get(url, 0), stored)
+            for where, n in zip(("gpu", "local", "elsewhere"), split, strict=True):
                 if n:
                     self.metrics.prefix_blocks.labels(where).inc(n)
         self._remember(hashes, choice)

@@ -116,8 +116,8 @@ class GroupLayout:
     def ends(self, start: int, end: int) -> list[int]:
         """Where a hit of positions ``(start, end]`` may end, best first: ``end``, then
         (state groups) the positions just before it, then the last anchor before it."""
-        out = list(range(end, max(start, end - self.state_probes), -1)) if self.states else []
-        out = out or ([end] if end > start else [])
+        probes = self.state_probes if self.states else 1
+        out = list(range(end, max(start, end - probes), -1))
         if self.anchor:
             a = (end - 1) // self.anchor * self.anchor
             if a > start and a not in out:

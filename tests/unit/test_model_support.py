@@ -134,9 +134,9 @@ def test_mamba_states_kept_at_block_boundaries_are_stored() -> None:
         "specs": ("MambaSpec", "FullAttentionSpec"), "block_sizes": (256, 256),
         "states": (True, False),
     }  # fmt: skip
-    level, line = support(**states, state_cache="align;[[3, 512]]['bfloat16']")
+    level, line = support(**states, state_mode="align", state_cache="[[3, 512]]['bfloat16']")
     assert level == "partial"
     assert "hybrid attention under vLLM's hybrid KV cache manager (2 KV cache groups" in line
     assert "Mamba / linear-attention groups: the state at each block boundary" in line
-    level, line = support(**states, state_cache="none;[[3, 512]]['bfloat16']")
+    level, line = support(**states, state_mode="none", state_cache="[[3, 512]]['bfloat16']")
     assert level == "off" and "here none" in line
